@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# T1 reproduction (arXiv 2609.11042): the one entry point.
+#
+#   bash run.sh                      # embedded pipeline end to end on this machine (CPU ok):
+#                                    #   synthesize tasks -> SFT warm start -> critic warm-up -> PPO -> held-out eval
+#   bash run.sh --quick              # the same pipeline, tiny settings (a smoke run of a few minutes)
+#   bash run.sh --run-dir runs/x     # any train_t1.py flag passes through; same --run-dir resumes
+#   bash run.sh test                 # the test suite (pytest, CPU only; GPU tests skip without CUDA)
+#
+# On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
+# tmux for the terminal), a virtual environment at .venv/ and requirements.txt (torch pinned to the
+# CPU wheel). Nothing here ends processes by name: every process the pipeline starts it stops by pid.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+# --- Debian packages ---------------------------------------------------------------------------
+missing=()
+command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
+command -v tmux  >/dev/null 2>&1 || missing+=(tmux)
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "[run.sh] installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
+fi
+
+# --- Python environment ------------------------------------------------------------------------
+PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
+if [ ! -x .venv/bin/python ]; then
+  echo "[run.sh] creating .venv with $PY"
+  "$PY" -m venv .venv
+fi
+stamp=.venv/.requirements.sha
+want=$(sha256sum requirements.txt | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  echo "[run.sh] installing requirements.txt into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip
+  .venv/bin/python -m pip install -q -r requirements.txt
+  echo "$want" > "$stamp"
+fi
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+
+# --- dispatch -----------------------------------------------------------------------------------
+case "${1:-}" in
+  test)
+    shift
+    exec .venv/bin/python -m pytest -q tests "$@"
+    ;;
+  *)
+    exec .venv/bin/python train_t1.py "$@"
+    ;;
+esac

@@ -1,0 +1,628 @@
+"""T1: PPO with a full-size critic that turns a Qwen3.5-MoE model into a terminal agent.
+
+Paper: "T1: Terminal Agent Reinforcement Learning for Long-Horizon Tasks" (arXiv 2609.11042), the
+optimisation section and the step of DESIGN.md section 3, read top to bottom:
+
+    tasks -> rollout (Terminus-2 in a sandbox) -> reward r = P/S -> TITO samples -> V_old ->
+    GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> old logprobs with R3 replay ->
+    PPO actor update with R3 replay -> publish weights to the engine
+
+preceded by an SFT warm start on reference-solution trajectories (the paper starts RL from an SFT
+checkpoint) and one epoch of Critic Warm-Up, and followed by held-out evaluation.
+
+Run:
+    bash run.sh                                   # embedded preset, this machine (CPU)
+    bash run.sh --quick                           # smoke-test preset, a few minutes
+    python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag
+    python train_t1.py plot runs/x                # PNG curves of a run
+
+A run directory holds: tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, auditable
+with `python tito.py audit`), metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt.
+Running again with the same --run-dir continues after the last finished phase / RL step.
+
+Departures from the paper (numbered; each with its reason):
+  1. Scale. The embedded preset trains a ~2.5M-parameter Qwen3.5-MoE (same hybrid Gated DeltaNet +
+     gated attention MoE, random init) on synthesized shell tasks, with learning rates, batch sizes and
+     limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
+     `Args` and are used unchanged by the cluster preset.
+  2. The loop is synchronous here (rollout, then train, then publish); the one-step-async overlap with
+     staleness exactly 1 is its own issue.
+  3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
+     paper's SFT data is not public).
+  4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
+     them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import critic as C
+import data
+import model as M
+import r3
+import rollout
+import tito
+
+
+@dataclass
+class Args:
+    """Defaults are the paper's values (cluster scale); EMBEDDED / QUICK below override what must shrink."""
+    run_dir: str = "runs/embedded"
+    """where checkpoints, samples and metrics go; the same dir resumes"""
+    seed: int = 1
+    """seed for task synthesis, init, sampling and data order"""
+    # --- data (paper: T1-15k, quality-ordered, reshuffled per epoch)
+    n_train_tasks: int = 15000
+    """training pool size (paper: T1-15k)"""
+    n_heldout_tasks: int = 89
+    """held-out pool size (paper evaluates on Terminal-Bench 2.1, 89 tasks, disjoint from training)"""
+    # --- model
+    vocab_size: int = 2048
+    """embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)"""
+    # --- rollout (paper: 1 trajectory per task; launch 560, keep the first 512 finished)
+    n_launch: int = 560
+    """trials launched per RL step (paper: 560)"""
+    n_keep: int = 512
+    """first finished trials kept per RL step (paper: 512)"""
+    temperature: float = 1.0
+    """sampling temperature of training rollouts"""
+    top_p: float = 1.0
+    """nucleus sampling of training rollouts"""
+    max_turns: int = 300
+    """turn limit of one trial (paper: 300+ tool-call turns per task)"""
+    max_new_tokens: int = 8192
+    """tokens per model reply (paper evaluation: 8,192 output tokens)"""
+    max_total_tokens: int = 56000
+    """context budget of one trajectory (paper evaluation: 56k input)"""
+    trial_timeout_s: float = 3600.0
+    """agent wall-clock limit (paper evaluation protocol: 3600 s agent)"""
+    rollout_workers: int = 64
+    """concurrent trials"""
+    # --- evaluation (paper protocol: Terminus-2, temperature 0.1, top-p 0.95, 3 attempts)
+    eval_temperature: float = 0.1
+    """evaluation temperature (paper: 0.1)"""
+    eval_top_p: float = 0.95
+    """evaluation top-p (paper: 0.95)"""
+    eval_attempts: int = 3
+    """attempts per held-out task (paper: 3)"""
+    # --- reward
+    reward_scale: float = 20.0
+    """S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)"""
+    # --- SFT warm start
+    sft_epochs: int = 1
+    """epochs over the scripted reference trajectories"""
+    sft_lr: float = 1e-5
+    """SFT learning rate"""
+    sft_batch_size: int = 8
+    """trajectories per SFT step"""
+    # --- critic (paper: full-size, warm-up one epoch, 30x actor lr, updated first, value clip 0.2)
+    critic_warmup_epochs: int = 1
+    """critic-only epochs before RL (paper: Critic Warm-Up, one epoch)"""
+    critic_warmup_trials: int = 512
+    """rollouts of the SFT policy that form the warm-up pool"""
+    critic_lr: float = 1.5e-5
+    """critic learning rate (paper: 1.5e-5 = 30x the actor's)"""
+    clip_eps_v: float = 0.2
+    """value clip around V_old (paper: eps_v = 0.2)"""
+    # --- PPO (paper: clip 0.2, gamma = lambda = 1, KL off, load balancing off, no schedule/entropy/shaping)
+    rl_steps: int = 58
+    """RL steps (paper: 58 logged steps in the production run)"""
+    actor_lr: float = 1.0e-6
+    """actor learning rate (paper: 1.0e-6, constant)"""
+    clip_eps: float = 0.2
+    """PPO ratio clip (paper: 0.2)"""
+    gamma: float = 1.0
+    """discount (paper: 1)"""
+    lam: float = 1.0
+    """GAE lambda (paper: 1)"""
+    kl_coef: float = 0.0
+    """KL penalty (paper: both KL terms off)"""
+    aux_loss_coef: float = 0.0
+    """MoE load-balancing loss coefficient (paper: 0)"""
+    entropy_coef: float = 0.0
+    """entropy bonus (paper: none)"""
+    ppo_epochs: int = 1
+    """passes over each step's batch (not stated in the paper)"""
+    minibatch_size: int = 64
+    """trajectories per optimizer step"""
+    max_grad_norm: float = 1.0
+    """gradient clipping"""
+    r3_mode: str = "replay"
+    """routing in the trainer: replay (R3, paper) | off"""
+    # --- engine
+    engine_weight_dtype: str = "bf16"
+    """engine weights: bf16-rounded (production-like mismatch) or fp32"""
+    engine_port: int = 0
+    """port of the embedded engine (0: pick a free one)"""
+
+
+# Embedded presets: the paper's ratios kept where they mean something at this scale
+# (critic lr = 30 x actor lr, eval protocol, S = 20, clip values), sizes and lrs shrunk for 2 CPU cores.
+EMBEDDED = dataclasses.replace(
+    Args(), n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
+    max_new_tokens=160, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
+    eval_attempts=1, sft_epochs=6, sft_lr=2e-3, sft_batch_size=8, critic_warmup_trials=64,
+    critic_lr=6e-4, rl_steps=8, actor_lr=2e-5, minibatch_size=8, ppo_epochs=2)
+QUICK = dataclasses.replace(
+    EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
+    sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
+PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args()}
+
+
+# --- helpers ------------------------------------------------------------------------------------------
+
+def log(run_dir: Path, msg: str) -> None:
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    with open(run_dir / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+class Metrics:
+    """metrics.jsonl (one object per record) + TensorBoard; names are listed in the README."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def write(self, rec: dict, step: int, phase: str) -> None:
+        rec = {"phase": phase, "step": step, **rec}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
+                self.tb.add_scalar(f"{phase}/{k}", v, step)
+        self.tb.flush()
+
+
+def pad_batch(samples: list[dict], scale: float) -> dict:
+    """Right-pad samples into (B, T) tensors; rewards r = P / S placed on the last sampled token."""
+    B, T = len(samples), max(len(s["tokens"]) for s in samples)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "attention_mask": torch.zeros(B, T, dtype=torch.long),
+           "mask": torch.zeros(B, T), "rollout_logprobs": torch.zeros(B, T), "rewards": torch.zeros(B, T)}
+    re0 = next((s["routed_experts"] for s in samples if s.get("routed_experts") is not None), None)
+    out["experts"] = None if re0 is None else torch.full((B, T) + re0.shape[1:], -1, dtype=torch.int32)
+    for b, s in enumerate(samples):
+        n = len(s["tokens"])
+        out["input_ids"][b, :n] = torch.as_tensor(s["tokens"])
+        out["attention_mask"][b, :n] = 1
+        out["mask"][b, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.float32)
+        out["rollout_logprobs"][b, :n] = torch.as_tensor(s["rollout_logprobs"], dtype=torch.float32)
+        last = int(np.flatnonzero(s["loss_mask"])[-1])
+        out["rewards"][b, last] = s["passed"] / scale if s.get("reward_source") == "ctrf" else s["reward"]  # r = P / S
+        if out["experts"] is not None and s.get("routed_experts") is not None:
+            out["experts"][b, : n - 1] = torch.as_tensor(s["routed_experts"])  # row n-1 stays -1 (no next token)
+    return out
+
+
+def token_logprobs(actor, batch: dict, mode: str, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
+    """logprobs (B, T): logprobs[:, j] = log pi(tokens[j] | tokens[:j]); column 0 is 0.
+
+    mode is the R3 routing mode: "replay" uses the sampler's recorded experts, "off" the live router.
+    Call backward inside the same `r3.routing` context when grads are needed (recompute replays too).
+    """
+    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
+    experts = batch["experts"][rows] if (mode == "replay" and batch["experts"] is not None) else None
+    logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return F.pad(lp, (1, 0))
+
+
+def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=False):
+    """token_logprobs under the right R3 context (replay needs recorded experts)."""
+    mode = mode if (mode != "replay" or batch["experts"] is not None) else "off"
+    experts = batch["experts"][rows] if mode == "replay" else None
+    with r3.routing(actor, mode, experts=experts), torch.set_grad_enabled(grad):
+        return token_logprobs(actor, batch, mode, temperature, rows)
+
+
+def minibatches(n: int, size: int, rng: random.Random):
+    idx = list(range(n))
+    rng.shuffle(idx)
+    return [idx[i:i + size] for i in range(0, n, size)]
+
+
+class Engine:
+    """The embedded engine as its own process (`python model.py serve`), spoken to only over HTTP."""
+
+    def __init__(self, model_path: Path, run_dir: Path, args: Args):
+        port = args.engine_port or _free_port()
+        self.log = open(run_dir / "engine.log", "a")
+        self.proc = subprocess.Popen(
+            [sys.executable, "model.py", "serve", "--model-path", str(model_path), "--port", str(port),
+             "--weight-dtype", args.engine_weight_dtype],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent)
+        self.url = f"http://127.0.0.1:{port}"
+        self.client = rollout.EngineClient(self.url)
+        for _ in range(600):
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"engine exited with code {self.proc.returncode}; see {run_dir / 'engine.log'}")
+            try:
+                if self.client.health():
+                    return
+            except Exception:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError("engine did not become healthy in 120 s")
+
+    def publish(self, model_path: Path, version: int) -> None:
+        """Publish barrier: pause generation, push weights of `version`, resume."""
+        self.client.pause()
+        self.client.update_weights_from_disk(str(model_path), weight_version=version)
+        self.client.resume()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()  # by pid: only what we started
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, engine=None, n_keep=None,
+                 temperature=None, top_p=None, desc="rollout"):
+    """Trials through rollout.run_trials; returns (kept trials, dropped, tokens/s)."""
+    sampling = {"temperature": args.temperature if temperature is None else temperature,
+                "top_p": args.top_p if top_p is None else top_p,
+                "max_new_tokens": args.max_new_tokens,
+                "stop_token_ids": [tokenizer.convert_tokens_to_ids(M.IM_END)]}
+    limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
+              "trial_timeout_s": args.trial_timeout_s}
+    t0 = time.time()
+    kept, dropped = rollout.run_trials(
+        [str(d) for d in task_dirs], agent, n_keep=n_keep, max_workers=args.rollout_workers,
+        engine_url=engine.url if engine else None, tokenizer=tokenizer, sampling=sampling, limits=limits,
+        work_root=str(run_dir / "trials"), desc=desc)
+    n_tok = sum(len(r["output_ids"]) for t in kept for r in t.get("records", []))
+    return kept, dropped, n_tok / max(time.time() - t0, 1e-9)
+
+
+def to_samples(trials: list[dict], run_dir: Path, tag: str) -> list[dict]:
+    """TITO assembly; a trial that cannot be assembled is recorded with its reason, never kills the step."""
+    samples = []
+    for t in trials:
+        try:
+            if t.get("records"):
+                samples.append(tito.assemble(t))
+        except ValueError as e:
+            with open(run_dir / "failed_trials.jsonl", "a") as f:
+                f.write(json.dumps({"tag": tag, "task": t.get("task"), "reason": str(e)}) + "\n")
+    return samples
+
+
+def evaluate(task_dirs, args, run_dir, tokenizer, engine, tag) -> dict:
+    """Held-out evaluation with the paper's protocol (temperature 0.1, top-p 0.95, attempts)."""
+    trials = []
+    for a in range(args.eval_attempts):
+        kept, _, _ = run_rollouts(task_dirs, "model", args, run_dir, tokenizer, engine,
+                                  temperature=args.eval_temperature, top_p=args.eval_top_p, desc=f"eval {tag} #{a + 1}")
+        trials += kept
+    return {"solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
+            "reward_mean": float(np.mean([t["reward"] for t in trials])) if trials else 0.0,
+            "turns_mean": float(np.mean([t["turns"] for t in trials])) if trials else 0.0,
+            "n_trials": len(trials)}
+
+
+# --- phases -----------------------------------------------------------------------------------------
+
+def sft(actor, samples: list[dict], args: Args, metrics: Metrics) -> None:
+    """SFT warm start: cross-entropy on the sampled (m = 1) tokens of reference trajectories."""
+    opt = torch.optim.AdamW(actor.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    rng = random.Random(args.seed)
+    step = 0
+    actor.train()
+    for epoch in range(args.sft_epochs):
+        bar = tqdm(minibatches(len(samples), args.sft_batch_size, rng), desc=f"sft epoch {epoch + 1}/{args.sft_epochs}")
+        for mb in bar:
+            batch = pad_batch([samples[i] for i in mb], args.reward_scale)
+            lp = forward_logprobs(actor, batch, "off", 1.0, grad=True)
+            loss = -C.masked_mean(lp, batch["mask"])  # NLL of the reference actions
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
+            opt.step()
+            step += 1
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
+
+
+def critic_warmup(critic, opt, samples, args: Args, metrics: Metrics) -> list[float]:
+    """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV logged from the first update."""
+    rng = random.Random(args.seed + 1)
+    evs, step = [], 0
+    for epoch in range(args.critic_warmup_epochs):
+        for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
+            batch = pad_batch([samples[i] for i in mb], args.reward_scale)
+            old = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])
+            _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
+            batch.update(old_values=old, returns=returns)
+            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm)
+            step += 1
+            evs.append(stats["charts/explained_variance"])
+            metrics.write({"explained_variance": stats["charts/explained_variance"],
+                           "value_loss": stats["losses/value_loss"],
+                           "value_clipfrac": stats["losses/value_clipfrac"]}, step, "critic_warmup")
+    return evs
+
+
+def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> dict:
+    """PPO clipped surrogate on the m = 1 tokens, with R3 replay in every forward (and its recompute)."""
+    actor.train()
+    stats = {"pg_loss": [], "approx_kl": [], "clipfrac": []}
+    B = batch["input_ids"].shape[0]
+    for _ in range(args.ppo_epochs):
+        for mb in minibatches(B, args.minibatch_size, rng):
+            mode = args.r3_mode if batch["experts"] is not None else "off"
+            with r3.routing(actor, mode, experts=batch["experts"][mb] if mode == "replay" else None):
+                newlogprob = token_logprobs(actor, batch, mode, args.temperature, rows=mb)
+                m, adv = batch["mask"][mb], advantages[mb]
+                logratio = newlogprob - old_logprobs[mb]
+                ratio = logratio.exp()
+                pg_loss1 = -adv * ratio
+                pg_loss2 = -adv * torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps)
+                pg_loss = C.masked_mean(torch.max(pg_loss1, pg_loss2), m)  # no KL, no entropy (paper)
+                opt.zero_grad(set_to_none=True)
+                pg_loss.backward()  # inside the routing context: recompute replays the same experts
+            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
+            opt.step()
+            with torch.no_grad():
+                stats["pg_loss"].append(pg_loss.item())
+                stats["approx_kl"].append(C.masked_mean((ratio - 1) - logratio, m).item())
+                stats["clipfrac"].append(C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m).item())
+    return {k: float(np.mean(v)) for k, v in stats.items()}
+
+
+# --- the run --------------------------------------------------------------------------------------------
+
+def train(args: Args) -> dict:
+    run_dir = Path(args.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+    state_path = run_dir / "state.json"
+    state = json.loads(state_path.read_text()) if state_path.exists() else {"phase_times": {}, "step": 0}
+    save_state = lambda: state_path.write_text(json.dumps(state, indent=1))  # noqa: E731
+    metrics = Metrics(run_dir)
+
+    def timed(name, fn):
+        t0 = time.time()
+        out = fn()
+        state["phase_times"][name] = state["phase_times"].get(name, 0.0) + time.time() - t0
+        save_state()
+        return out
+
+    # --- tasks: synthesize, audit by oracle, split train / held-out -----------------------------------
+    if "tasks" not in state:
+        train_dirs, heldout_dirs = timed("tasks", lambda: data.generate_tasks(
+            run_dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
+        state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
+        save_state()
+    train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
+    heldout = state["tasks"]["heldout"]
+    log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+
+    # --- SFT warm start ----------------------------------------------------------------------------
+    sft_dir = run_dir / "ckpt" / "sft"
+    if not (sft_dir / "config.json").exists():
+        def do_sft():
+            tokenizer = M.train_tokenizer(data.corpus(train_pool), vocab_size=args.vocab_size)
+            actor = M.build_actor(M.tiny_config(len(tokenizer)), seed=args.seed)
+            trials, _, _ = run_rollouts(train_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
+            samples = to_samples(trials, run_dir, "sft")
+            log(run_dir, f"sft: {len(samples)} reference trajectories, "
+                         f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
+            sft(actor, samples, args, metrics)
+            M.save_checkpoint(actor, tokenizer, sft_dir)
+        timed("sft", do_sft)
+    actor, tokenizer = M.load_actor(sft_dir)
+
+    engine = Engine(sft_dir, run_dir, args)
+    try:
+        # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
+        if "eval_sft" not in state:
+            state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "sft"))
+            save_state()
+        log(run_dir, f"eval after SFT: {state['eval_sft']}")
+
+        # --- critic: full-size, warm-up on SFT-policy rollouts ---------------------------------------
+        critic = C.Critic.from_actor(actor)
+        critic_opt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
+        actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
+        latest = run_dir / "ckpt" / "latest"
+        if state["step"] > 0:
+            actor, _ = M.load_actor(latest)
+            ck = torch.load(latest / "trainer.pt", weights_only=False)
+            critic.load_state_dict(ck["critic"])
+            actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
+            actor_opt.load_state_dict(ck["actor_opt"])
+            critic_opt.load_state_dict(ck["critic_opt"])
+            engine.publish(latest, state["step"])
+            log(run_dir, f"resumed at RL step {state['step']}")
+        elif "critic_warmup" not in state:
+            def do_warmup():
+                pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
+                trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, engine, desc="warm-up pool")
+                return critic_warmup(critic, critic_opt, to_samples(trials, run_dir, "warmup"), args, metrics)
+            state["critic_warmup"] = {"explained_variance": timed("critic_warmup", do_warmup)}
+            torch.save({"critic": critic.state_dict(), "critic_opt": critic_opt.state_dict()}, run_dir / "ckpt" / "critic_warm.pt")
+            save_state()
+        else:
+            ck = torch.load(run_dir / "ckpt" / "critic_warm.pt", weights_only=False)
+            critic.load_state_dict(ck["critic"])
+            critic_opt.load_state_dict(ck["critic_opt"])
+        log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
+
+        # --- RL: PPO steps ---------------------------------------------------------------------------
+        rng = random.Random(args.seed + 2)
+        while state["step"] < args.rl_steps:
+            step = state["step"] + 1
+            t_step = time.time()
+            # 1. tasks: quality-ordered pool, reshuffled each epoch (paper)
+            per_epoch = max(1, len(train_pool) // args.n_launch)
+            order = data.epoch_order(train_pool, (step - 1) // per_epoch, args.seed)
+            off = ((step - 1) % per_epoch) * args.n_launch
+            launch = [order[(off + i) % len(order)] for i in range(args.n_launch)]
+            # 2-3. rollout with oversampling: keep the first n_keep finished (engine serves version step-1)
+            t0 = time.time()
+            trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, engine,
+                                                  n_keep=args.n_keep, desc=f"rollout step {step}")
+            t_rollout = time.time() - t0
+            # 4. TITO assembly -> samples on disk
+            samples = to_samples(trials, run_dir, f"step{step}")
+            tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
+            if not samples:
+                log(run_dir, f"step {step}: no trainable trajectory; skipping update")
+                state["step"] = step
+                save_state()
+                continue
+            t0 = time.time()
+            batch = pad_batch(samples, args.reward_scale)
+            versions = sorted({s["weight_version"] for s in samples if s["weight_version"] is not None})
+            # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+            old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
+            advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
+            mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
+                    {**batch, "old_values": old_values, "returns": returns}.items()}
+                   for mb in minibatches(len(samples), args.minibatch_size, rng)]
+            log(run_dir, f"step {step}: critic update")
+            cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm)
+            # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
+            with torch.no_grad():
+                old_logprobs = forward_logprobs(actor, batch, args.r3_mode, args.temperature)
+                lp_off = forward_logprobs(actor, batch, "off", args.temperature)
+            m = batch["mask"]
+            dlogp = C.masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m).item()
+            dlogp_off = C.masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m).item()
+            log(run_dir, f"step {step}: actor update")
+            astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng)
+            t_train = time.time() - t0
+            # 7. publish barrier: checkpoint, then the engine serves version `step`
+            t0 = time.time()
+            M.save_checkpoint(actor, tokenizer, latest)
+            torch.save({"critic": critic.state_dict(), "actor_opt": actor_opt.state_dict(),
+                        "critic_opt": critic_opt.state_dict(), "step": step}, latest / "trainer.pt")
+            engine.publish(latest, step)
+            t_publish = time.time() - t0
+            rewards = [s["reward"] for s in samples]
+            rec = {"weight_version": step, "staleness": step - 1 - (versions[-1] if versions else step - 1),
+                   "reward_mean": float(np.mean(rewards)), "solve_rate": float(np.mean([t["resolved"] for t in trials])),
+                   "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
+                   "value_clipfrac": cstats["losses/value_clipfrac"], "dlogp": dlogp, "dlogp_r3_off": dlogp_off,
+                   **astats, "turns_mean": float(np.mean([s["turns"] for s in samples])),
+                   "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])),
+                   "n_launched": len(launch), "n_kept": len(trials), "n_dropped": len(dropped),
+                   "rollout_tokens_per_s": tok_s, "train_tokens_per_s": float(batch["attention_mask"].sum()) / max(t_train, 1e-9),
+                   "time_rollout": t_rollout, "time_train": t_train, "time_publish": t_publish,
+                   "time_step": time.time() - t_step}
+            metrics.write(rec, step, "rl")
+            state["step"] = step
+            state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
+            save_state()
+            log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
+                         f"EV {rec['explained_variance']:.3f} |dlogp| {dlogp:.4f} (R3 off {dlogp_off:.4f}) "
+                         f"kl {astats['approx_kl']:.4f} {rec['time_step']:.0f}s")
+
+        # --- held-out evaluation after RL ----------------------------------------------------------
+        if "eval_rl" not in state:
+            state["eval_rl"] = timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl"))
+            save_state()
+    finally:
+        engine.close()
+        metrics.tb.close()
+
+    summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "phase_times": state["phase_times"],
+               "rl_steps": state["step"]}
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(run_dir)
+    print_table(summary)
+    return summary
+
+
+def print_table(summary: dict) -> None:
+    e0, e1 = summary["eval_sft"], summary["eval_rl"]
+    print("\n| held-out | solve rate | mean reward | mean turns |\n|---|---|---|---|")
+    print(f"| after SFT | {e0['solve_rate']:.3f} | {e0['reward_mean']:.3f} | {e0['turns_mean']:.1f} |")
+    print(f"| after RL  | {e1['solve_rate']:.3f} | {e1['reward_mean']:.3f} | {e1['turns_mean']:.1f} |")
+    print("\n| phase | wall time (s) |\n|---|---|")
+    for k, v in summary["phase_times"].items():
+        print(f"| {k} | {v:.0f} |")
+
+
+def plot(run_dir) -> Path:
+    """PNG curves of a run: reward, solve rate, EV (warm-up and RL), |dlogp|, turns, phase times."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    run_dir = Path(run_dir)
+    recs = [json.loads(l) for l in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+    rl = [r for r in recs if r["phase"] == "rl"]
+    panels = [("reward_mean", "reward (P/S)"), ("solve_rate", "solve rate"), ("explained_variance", "explained variance"),
+              ("dlogp", "|dlogp| (R3 on)"), ("turns_mean", "turns"), ("time_step", "step time (s)")]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    axes = axes.ravel()
+    for ax, (k, title) in zip(axes, panels):
+        ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o")
+        if k == "dlogp":
+            ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+    warm = [r for r in recs if r["phase"] == "critic_warmup"]
+    axes[6].plot([r["step"] for r in warm], [r["explained_variance"] for r in warm], marker=".")
+    axes[6].set_title("critic warm-up EV")
+    sft_recs = [r for r in recs if r["phase"] == "sft"]
+    axes[7].plot([r["step"] for r in sft_recs], [r["sft_loss"] for r in sft_recs])
+    axes[7].set_title("SFT loss")
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
+def parse_args(argv=None) -> Args:
+    """Every Args field is a flag (--field-name); --preset / --quick pick the base values."""
+    p = argparse.ArgumentParser(description="T1 PPO training (embedded by default)")
+    p.add_argument("--preset", choices=sorted(PRESETS), default="embedded")
+    p.add_argument("--quick", action="store_true", help="the quick preset (smoke run)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (the default when it exists)")
+    for f in dataclasses.fields(Args):
+        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
+    ns = p.parse_args(argv)
+    base = PRESETS["quick" if ns.quick else ns.preset]
+    return dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
+                                        if getattr(ns, f.name) is not None})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "plot":
+        print(plot(sys.argv[2]))
+    else:
+        train(parse_args())
