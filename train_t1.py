@@ -43,7 +43,7 @@ import random
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -550,8 +550,9 @@ def train(args: Args) -> dict:
                          f"kl {astats['approx_kl']:.4f} {rec['time_step']:.0f}s")
 
         # --- held-out evaluation after RL ----------------------------------------------------------
-        if "eval_rl" not in state:
-            state["eval_rl"] = timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl"))
+        if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
+            state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl")),
+                                "after_step": state["step"]}
             save_state()
     finally:
         engine.close()
