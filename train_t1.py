@@ -504,7 +504,7 @@ def train(args: Args) -> dict:
                 continue
             t0 = time.time()
             batch = pad_batch(samples, args.reward_scale)
-            versions = sorted({s["weight_version"] for s in samples if s["weight_version"] is not None})
+            versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
             # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
             old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
             advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)

@@ -1,0 +1,654 @@
+"""Task synthesis and audit in Harbor's task format (T1 paper, section "data").
+
+Paper (T1, arXiv 2609.11042, data): RST, recursive task synthesis, takes verified tasks as seeds
+and rewrites them recursively (first lengthening the executable path, then rewriting the
+instruction); every candidate's reference solution must really pass in a fresh sandbox. A
+five-stage, 15-round semantic LLM audit over eight weighted dimensions (instruction-verifier
+alignment 20%, verifier fairness 15%, solution correctness 15%, ...) scores each task and HARD
+REJECTS hidden requirements, test leakage, solution shortcuts and weak verifiers. The accepted
+tasks, ordered by quality, form T1-15k; the pool is reshuffled every epoch. Each task carries an
+executable verifier whose per-assertion CTRF report gives the dense reward r = P/S (reward.py).
+
+Run:
+    python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0
+        # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints one JSON line
+    data.load_task(dir)  # also loads a Terminal-Bench 2 task dir unchanged
+
+A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality; [verifier]
+timeout_sec; [agent] timeout_sec; [environment]), instruction.md, environment/Dockerfile
+(cluster only: FROM ... WORKDIR /app COPY app/ /app/), environment/app/ (the initial /app, which
+the local sandbox copies), tests/test.sh + tests/test_outputs.py (3-6 pytest assertions),
+solution/solve.sh (reference, run in /app) and solution/terminus2.json (the expert's Terminus-2
+replies for SFT; the last two set task_complete, the second one confirming).
+
+Departures from the paper:
+1. No LLM: tasks come from 6 templated families of real shell work (files/dirs, text processing,
+   permissions, archives, CSV/JSON munging, find-then-act where the second command depends on
+   reading the first one's output), each with a few variants and randomised parameters (file
+   names, words, numbers). RST's recursive rewriting is left to a later issue.
+2. The audit is mechanical: the oracle (solve.sh) must resolve in a fresh sandbox with
+   reward == total/20; the nop agent must score below full (weak-verifier reject; our tests are
+   built so that nop passes none); the scripted expert trajectory (terminus2.json through the
+   real token path) must resolve when a tokenizer is available; static checks: every output the
+   tests read is named in the instruction (hidden requirement), no test or solution file and no
+   output already sits in /app (test leakage / solution shortcut), >= 3 assertions.
+3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit
+   score; `ordered_pool` sorts by it and `epoch_order` reshuffles per epoch as in the paper.
+4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M
+   parameter model trained from scratch on CPU.
+5. Train and held-out pools share families and vocabularies but never an instruction (different
+   parameter draws); the split is recorded in task.toml.
+"""
+import argparse
+import collections
+import concurrent.futures as cf
+import dataclasses
+import gzip
+import io
+import json
+import os
+import random
+import shutil
+import tarfile
+import time
+import tomllib
+
+SCALE = 20  # S of r = P/S (reward.py); a resolved oracle must score total/S
+
+WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "falcon", "garnet", "harbor", "indigo",
+         "juniper", "kestrel", "lumen", "maple", "nectar", "onyx", "pepper", "quartz", "raven",
+         "sable", "tundra", "umber", "velvet", "willow", "yarrow", "zephyr", "birch", "comet",
+         "dune", "fjord", "grove"]
+COLORS = ["red", "blue", "green", "black", "white", "amber", "olive", "coral", "ivory", "teal"]
+PEOPLE = ["ana", "ben", "cara", "dan", "eve", "finn", "gia", "hugo", "ines", "jon", "kai", "lea",
+          "mia", "noah", "omar", "pia", "raj", "sara", "tom", "uma", "vera", "will", "zoe"]
+CITIES = ["oslo", "lima", "rome", "kyiv", "doha", "nice", "bern", "riga", "turin", "porto"]
+LEVELS = ["ERROR", "WARN", "INFO", "DEBUG"]
+
+TEST_HEADER = '''import gzip, json, os, stat, subprocess, tarfile
+
+A = "/app"
+
+
+def _read(p):
+    with open(os.path.join(A, p)) as f:
+        return f.read()
+
+
+def _lines(p):
+    return _read(p).splitlines()
+
+
+def _mode(p):
+    return stat.S_IMODE(os.stat(os.path.join(A, p)).st_mode)
+'''
+TEST_SH = """#!/bin/bash
+# Harbor verifier: per-assertion CTRF report (dense reward r = P/S) + binary reward.txt
+mkdir -p /logs/verifier
+cd /tests && pytest --ctrf /logs/verifier/ctrf.json test_outputs.py -rA; rc=$?
+if [ $rc -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+DOCKERFILE = """FROM python:3.11-slim
+RUN apt-get update && apt-get install -y --no-install-recommends jq tmux \\
+    && rm -rf /var/lib/apt/lists/* && pip install --no-cache-dir pytest pytest-json-ctrf
+WORKDIR /app
+COPY app/ /app/
+"""
+DIFFICULTY = {"files": "easy", "text": "easy", "perms": "easy", "archive": "easy",
+              "csvjson": "medium", "find": "medium"}
+
+
+# --- helpers for the families -----------------------------------------------------------------
+def _names(rng, k, ext, pool=WORDS):
+    """k distinct names like maple42.txt."""
+    out = []
+    while len(out) < k:
+        n = f"{rng.choice(pool)}{rng.randint(10, 99)}" + (f".{ext}" if ext else "")
+        if n not in out:
+            out.append(n)
+    return out
+
+
+def _text(rng, n_lines, words=WORDS, per_line=(3, 6)):
+    return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(*per_line))) + "\n"
+                   for _ in range(n_lines))
+
+
+def _turn(analysis, plan, cmds):
+    return dict(analysis=analysis, plan=plan, cmds=cmds)
+
+
+def _spec(instruction, files, tests, turns, done, outputs):
+    """A family's output: app files {relpath: str|bytes}, tests [(name, [lines])], expert turns
+    (the solution is their commands), final analysis, outputs the tests read (named in the text)."""
+    return dict(instruction=instruction, files=files, tests=tests, turns=turns, done=done,
+                outputs=outputs)
+
+
+def _tgz(members):
+    """Deterministic .tar.gz bytes of {name: text}."""
+    raw = io.BytesIO()
+    with tarfile.open(fileobj=raw, mode="w") as tar:
+        for name, text in members.items():
+            data = text.encode()
+            info = tarfile.TarInfo(name)
+            info.size, info.mode, info.mtime = len(data), 0o644, 1700000000
+            tar.addfile(info, io.BytesIO(data))
+    out = io.BytesIO()
+    with gzip.GzipFile(fileobj=out, mode="wb", mtime=0) as gz:
+        gz.write(raw.getvalue())
+    return out.getvalue()
+
+
+# --- families (each: rng -> spec) ---------------------------------------------------------------
+def fam_files(rng):
+    d = _names(rng, 1, "")[0] + "_dir"
+    f1, f2, f3, f4 = _names(rng, 4, "txt")
+    body = {f: f"{rng.choice(WORDS)} {rng.randint(100, 999)}\n" for f in (f1, f2, f3, f4)}
+    op = rng.choice(["move", "copy"])
+    tool = "mv" if op == "move" else "cp"
+
+    def placed(f):
+        rest = f"not os.path.exists(A + '/{f}')" if op == "move" else f"_read({f!r}) == {body[f]!r}"
+        return [f"assert _read('{d}/{f}') == {body[f]!r}", f"assert {rest}"]
+    tests = [("dir_created", [f"assert os.path.isdir(A + '/{d}')"]),
+             (f"first_file_{op}d", placed(f1)), (f"second_file_{op}d", placed(f2)),
+             ("file_deleted", [f"assert not os.path.exists(A + '/{f3}')",
+                               f"assert _read({f4!r}) == {body[f4]!r}"])]
+    turns = [_turn(f"I am in /app. I need to {op} {f1} and {f2} into {d} and delete {f3}.",
+                   f"Create {d}, {op} the two files, remove {f3}.",
+                   [f"mkdir {d}", f"{tool} {f1} {f2} {d}/", f"rm {f3}", f"ls {d}"])]
+    ins = f"In /app, create the directory {d}, {op} {f1} and {f2} into it, and delete {f3}."
+    return _spec(ins, body, tests, turns, f"{f1} and {f2} are in {d} and {f3} is gone.", [d])
+
+
+def fam_text(rng):
+    kind = rng.choice(["count", "uniq", "replace", "sum", "words"])
+    src, out = _names(rng, 2, "txt")
+    if kind == "count":
+        src = src[:-4] + ".log"
+        lines = [f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} {rng.choice(LEVELS)} "
+                 f"{rng.choice(WORDS)} {rng.randint(1, 99)}" for _ in range(rng.randint(8, 16))]
+        level = rng.choice(sorted({ln.split()[1] for ln in lines}))  # >= 1 match: grep -c exits 0
+        n = sum(level in ln for ln in lines)
+        files, cmd = {src: "\n".join(lines) + "\n"}, f"grep -c {level} {src} > {out}"
+        ins = f"Count the lines in {src} that contain {level} and write the number to {out}."
+        checks = [("count_correct", [f"assert int(_read({out!r}).strip()) == {n}"])]
+        done = f"{out} holds the count {n}."
+    elif kind == "uniq":
+        pool = rng.sample(WORDS, rng.randint(4, 7))
+        words = [rng.choice(pool) for _ in range(rng.randint(10, 18))]
+        files, cmd = {src: "\n".join(words) + "\n"}, f"sort -u {src} > {out}"
+        ins = f"Write the unique lines of {src}, sorted, to {out}."
+        checks = [("lines_sorted", [f"assert _lines({out!r}) == sorted(_lines({out!r}))"]),
+                  ("lines_unique", [f"ls = _lines({out!r})", "assert len(ls) == len(set(ls))"]),
+                  ("same_words", [f"assert set(_lines({out!r})) == {set(words)!r}"])]
+        done = f"{out} has the {len(set(words))} unique lines in order."
+    elif kind == "replace":
+        old, new = rng.choice(WORDS), rng.choice(COLORS)
+        content = _text(rng, rng.randint(5, 9))
+        while old not in content:
+            content += f"{old} {rng.choice(WORDS)}\n"
+        want = content.replace(old, new)  # what sed 's/old/new/g' writes (literal words)
+        files, cmd = {src: content}, f"sed 's/{old}/{new}/g' {src} > {out}"
+        ins = f"Replace every {old} with {new} in {src} and save the result as {out}."
+        checks = [("old_word_gone", [f"assert {old!r} not in _read({out!r})"]),
+                  ("new_word_count", [f"assert _read({out!r}).count({new!r}) == {want.count(new)}"]),
+                  ("line_count_kept", [f"assert len(_lines({out!r})) == {len(want.splitlines())}"]),
+                  ("content_exact", [f"assert _read({out!r}) == {want!r}"])]
+        done = f"{out} has every {old} replaced by {new}."
+    elif kind == "sum":
+        col = rng.choice([2, 3])
+        rows = [[rng.choice(PEOPLE), rng.randint(1, 50), rng.randint(1, 50)] for _ in range(rng.randint(4, 9))]
+        total = sum(r[col - 1] for r in rows)
+        files = {src: "".join(f"{a} {b} {c}\n" for a, b, c in rows)}
+        cmd = f"awk '{{s+=${col}}} END {{print s}}' {src} > {out}"
+        ins = f"Sum the numbers in column {col} of {src} and write the total to {out}."
+        checks = [("total_correct", [f"assert int(_read({out!r}).strip()) == {total}"])]
+        done = f"{out} holds the total {total}."
+    else:
+        content = _text(rng, rng.randint(3, 7))
+        n = len(content.split())
+        files, cmd = {src: content}, f"wc -w < {src} > {out}"
+        ins = f"Write the number of words in {src} to {out}."
+        checks = [("count_correct", [f"assert int(_read({out!r}).strip()) == {n}"])]
+        done = f"{out} holds the word count {n}."
+    tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+             ("output_nonempty", [f"assert _read({out!r}).strip()"])] + checks
+    if len(tests) < 4:
+        tests.append(("source_kept", [f"assert os.path.isfile(A + '/{out}')",
+                                      f"assert _read({src!r}) == {files[src]!r}"]))
+    verb = dict(count="count lines in", uniq="sort the lines of", replace="replace a word in", sum="sum a column of",
+                words="count the words in")[kind]
+    turns = [_turn(f"I am in /app and need to {verb} {src}.", f"Run one command and check {out}.",
+                   [cmd, f"cat {out}"])]
+    return _spec(ins, files, tests, turns, done, [out])
+
+
+def fam_perms(rng):
+    if rng.random() < 0.4:  # write a script and make it executable
+        s = _names(rng, 1, "sh")[0]
+        w = f"{rng.choice(WORDS)}-{rng.randint(100, 999)}"
+        tests = [("script_exists", [f"assert os.path.isfile(A + '/{s}')"]),
+                 ("script_executable", [f"assert _mode({s!r}) & stat.S_IXUSR"]),
+                 ("script_prints_word", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, timeout=10)",
+                                         f"assert r.stdout.strip() == {w!r}"])]
+        turns = [_turn(f"I need a script {s} in /app that prints {w}.", "Write it with printf, then chmod +x.",
+                       [f"printf '#!/bin/sh\\necho {w}\\n' > {s}", f"chmod +x {s}", f"./{s}"])]
+        ins = f"Create the script {s} in /app that prints {w}, and make it executable."
+        return _spec(ins, {}, tests, turns, f"{s} prints {w}.", [s])
+    s = _names(rng, 1, "sh")[0]
+    k, = _names(rng, 1, "key")
+    d = _names(rng, 1, "")[0] + "_private"
+    w = f"hello {rng.choice(WORDS)}"
+    km, dm = rng.choice(["600", "640", "400"]), rng.choice(["700", "750", "711"])
+    files = {s: f"#!/bin/sh\necho {w}\n", k: f"secret-{rng.randint(1000, 9999)}\n"}
+    tests = [("script_executable", [f"assert _mode({s!r}) & stat.S_IXUSR"]),
+             ("script_runs", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, timeout=10)",
+                              f"assert r.stdout.strip() == {w!r}"]),
+             ("key_mode", [f"assert _mode({k!r}) == 0o{km}"]),
+             ("dir_created", [f"assert os.path.isdir(A + '/{d}')"]),
+             ("dir_mode", [f"assert _mode({d!r}) == 0o{dm}"])]
+    turns = [_turn(f"I need to fix permissions in /app: {s}, {k} and a new dir {d}.",
+                   "Use chmod and mkdir -m, then list the modes.",
+                   [f"chmod +x {s}", f"chmod {km} {k}", f"mkdir -m {dm} {d}", "ls -l"])]
+    ins = f"In /app, make {s} executable, set {k} to mode {km}, and create the directory {d} with mode {dm}."
+    return _spec(ins, files, tests, turns, f"Modes are set: {s} +x, {k} {km}, {d} {dm}.", [s, k, d])
+
+
+def fam_archive(rng):
+    kind = rng.choice(["create", "extract", "gzip"])
+    members = {f: f"{rng.choice(WORDS)} {rng.randint(100, 999)}\n" for f in _names(rng, rng.randint(2, 3), "txt")}
+    first = sorted(members)[0]
+    a = _names(rng, 1, "")[0]
+    if kind == "create":
+        d = _names(rng, 1, "")[0] + "_docs"
+        path = f"A + '/{a}.tar.gz'"
+        names = f"[n.lstrip('./') for n in tarfile.open({path}, 'r:gz').getnames()]"
+        tests = [("archive_exists", [f"assert os.path.isfile({path})"]),
+                 ("archive_is_tar_gz", [f"assert tarfile.open({path}, 'r:gz').getnames()"]),
+                 ("archive_has_files", [f"assert {sorted(d + '/' + f for f in members)!r} == sorted(n for n in {names} if n.endswith('.txt'))"]),
+                 ("member_content", [f"t = tarfile.open({path}, 'r:gz')",
+                                     f"m = [n for n in t.getnames() if n.endswith('{d}/{first}')][0]",
+                                     f"assert t.extractfile(m).read().decode() == {members[first]!r}"])]
+        turns = [_turn(f"I need to pack the directory {d} into {a}.tar.gz.", "Use tar -czf and list it.",
+                       [f"tar -czf {a}.tar.gz {d}", f"tar -tzf {a}.tar.gz"])]
+        ins = f"Create the archive {a}.tar.gz in /app containing the directory {d}."
+        files = {f"{d}/{f}": t for f, t in members.items()}
+        return _spec(ins, files, tests, turns, f"{a}.tar.gz holds {d}.", [f"{a}.tar.gz"])
+    if kind == "extract":
+        out = _names(rng, 1, "")[0] + "_files"
+        tests = [("dir_created", [f"assert os.path.isdir(A + '/{out}')"])]
+        tests += [(f"extracted_{i}", [f"assert _read('{out}/{f}') == {t!r}"]) for i, (f, t) in enumerate(sorted(members.items()))]
+        turns = [_turn(f"I need to unpack {a}.tar.gz into a new directory {out}.", "Make the dir, extract with -C.",
+                       [f"mkdir {out}", f"tar -xzf {a}.tar.gz -C {out}", f"ls {out}"])]
+        ins = f"Extract {a}.tar.gz into the new directory {out} in /app."
+        return _spec(ins, {f"{a}.tar.gz": _tgz(members)}, tests, turns, f"{out} holds the files.", [out])
+    text = _text(rng, rng.randint(4, 8))
+    f = a + ".txt"
+    tests = [("gz_exists", [f"assert os.path.isfile(A + '/{f}.gz')"]),
+             ("gz_content", [f"assert gzip.open(A + '/{f}.gz').read().decode() == {text!r}"]),
+             ("original_kept", [f"assert os.path.isfile(A + '/{f}.gz')", f"assert _read({f!r}) == {text!r}"])]
+    turns = [_turn(f"I need to gzip {f} and keep the original.", "Use gzip -k.", [f"gzip -k {f}", "ls"])]
+    ins = f"Compress {f} in /app with gzip and keep the original file."
+    return _spec(ins, {f: text}, tests, turns, f"{f}.gz exists and {f} is kept.", [f"{f}.gz"])
+
+
+def fam_csvjson(rng):
+    kind = rng.choice(["filter", "sum", "jsonmax", "jsonlist"])
+    out, = _names(rng, 1, "txt")
+    num = rng.choice(["age", "score", "points"])
+    people = rng.sample(PEOPLE, rng.randint(5, 9))
+    vals = rng.sample(range(10, 90), len(people))
+    rows = [dict(name=p, **{num: v}, city=rng.choice(CITIES)) for p, v in zip(people, vals)]
+    if kind in ("filter", "sum"):
+        csv, = _names(rng, 1, "csv")
+        cols = ["name"] + rng.sample([num, "city"], 2)
+        k = cols.index(num) + 1
+        files = {csv: ",".join(cols) + "\n" + "".join(",".join(str(r[c]) for c in cols) + "\n" for r in rows)}
+        look = _turn(f"I need the {num} column of {csv}; first I read the header.", f"Show the top of {csv}.",
+                     [f"head -3 {csv}"])
+        if kind == "filter":
+            n = sorted(vals)[rng.randint(1, len(vals) - 2)]
+            want = [r["name"] for r in rows if r[num] > n]
+            tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+                     ("no_header", [f"assert _lines({out!r}) and 'name' not in _lines({out!r})"]),
+                     ("right_names", [f"assert set(_lines({out!r})) == {set(want)!r}"]),
+                     ("file_order", [f"assert _lines({out!r}) == {want!r}"])]
+            cmd = f"awk -F, 'NR>1 && ${k}>{n} {{print $1}}' {csv} > {out}"
+            ins = f"Write the names in {csv} whose {num} is greater than {n} to {out}, one per line."
+            done = f"{out} lists the matching names."
+        else:
+            tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+                     ("output_number", [f"assert _read({out!r}).strip().isdigit()"]),
+                     ("sum_correct", [f"assert int(_read({out!r}).strip()) == {sum(vals)}"])]
+            cmd = f"awk -F, 'NR>1 {{s+=${k}}} END {{print s}}' {csv} > {out}"
+            ins = f"Write the sum of the {num} column of {csv} to {out}."
+            done = f"{out} holds the sum {sum(vals)}."
+        act = _turn(f"The header shows {num} is column {k}.", "Use awk on that column.", [cmd, f"cat {out}"])
+        return _spec(ins, files, tests, [look, act], done, [out])
+    js, = _names(rng, 1, "json")
+    files = {js: json.dumps(rows, indent=2) + "\n"}
+    if kind == "jsonmax":
+        best = max(rows, key=lambda r: r[num])["name"]
+        tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+                 ("one_line", [f"assert len(_lines({out!r})) == 1"]),
+                 ("best_name", [f"assert _read({out!r}).strip() == {best!r}"])]
+        cmd = f"jq -r 'max_by(.{num}).name' {js} > {out}"
+        ins = f"Write the name with the highest {num} in {js} to {out}."
+        done = f"{out} holds {best}."
+    else:
+        field = rng.choice(["name", "city", num])
+        want = [str(r[field]) for r in rows]
+        tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+                 ("line_count", [f"assert len(_lines({out!r})) == {len(want)}"]),
+                 ("values_in_order", [f"assert _lines({out!r}) == {want!r}"])]
+        cmd = f"jq -r '.[].{field}' {js} > {out}"
+        ins = f"Write the {field} of every entry in {js} to {out}, one per line."
+        done = f"{out} has {len(want)} lines."
+    turns = [_turn(f"{js} is a JSON list of objects.", "Use jq and check the output.", [cmd, f"cat {out}"])]
+    return _spec(ins, files, tests, turns, done, [out])
+
+
+def fam_find(rng):
+    kind = rng.choice(["grep", "name", "largest"])
+    d = _names(rng, 1, "")[0] + "_data"
+    subs = _names(rng, 3, "")
+    paths = [f"{d}/{rng.choice(subs)}/{f}" for f in _names(rng, rng.randint(4, 6), "txt")]
+    files = {p: _text(rng, rng.randint(2, 5)) for p in paths}
+    target = rng.choice(paths)
+    if kind == "grep":
+        out, = _names(rng, 1, "txt")
+        w = f"{rng.choice(WORDS).upper()}{rng.randint(100, 999)}"
+        files[target] += f"{rng.choice(WORDS)} {w}\n"
+        tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+                 ("has_word", [f"assert {w!r} in _read({out!r})"]),
+                 ("same_content", [f"assert _read({out!r}) == {files[target]!r}"]),
+                 ("source_kept", [f"assert os.path.isfile(A + '/{out}')", f"assert _read({target!r}) == {files[target]!r}"])]
+        turns = [_turn(f"I must find which file under {d} has {w}.", f"grep -rl {w} in {d}.", [f"grep -rl {w} {d}"]),
+                 _turn(f"grep found {target}.", f"Copy it to {out}.", [f"cp {target} {out}", f"cat {out}"])]
+        ins = f"One file under {d} contains the word {w}. Copy that file to {out} in /app."
+        return _spec(ins, files, tests, turns, f"{out} is a copy of {target}.", [out])
+    base = target.rsplit("/", 1)[1]
+    if kind == "name":
+        tests = [("file_in_app", [f"assert os.path.isfile(A + '/{base}')"]),
+                 ("same_content", [f"assert _read({base!r}) == {files[target]!r}"]),
+                 ("moved_not_copied", [f"assert os.path.isfile(A + '/{base}')", f"assert not os.path.exists(A + '/{target}')"])]
+        turns = [_turn(f"I must find {base} under {d}.", "Use find -name.", [f"find {d} -name {base}"]),
+                 _turn(f"find shows {target}.", "Move it to /app.", [f"mv {target} .", "ls"])]
+        ins = f"Find the file named {base} under {d} and move it to /app."
+        return _spec(ins, files, tests, turns, f"{base} is now in /app.", [base])
+    out, = _names(rng, 1, "txt")
+    flat = {f"{d}/{p.rsplit('/', 1)[1]}": t for p, t in files.items()}  # one level: ls -S is enough
+    big = rng.choice(sorted(flat))
+    flat[big] += _text(rng, 12)  # clearly the largest
+    others = sorted(p for p in flat if p != big)
+    tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
+             ("largest_content", [f"assert _read({out!r}) == {flat[big]!r}"]),
+             ("moved_not_copied", [f"assert os.path.isfile(A + '/{out}')", f"assert not os.path.exists(A + '/{big}')"]),
+             ("others_kept", [f"assert os.path.isfile(A + '/{out}')"] + [f"assert os.path.isfile(A + '/{p}')" for p in others])]
+    turns = [_turn(f"I must find the largest file in {d}.", "List it sorted by size.", [f"ls -S {d}"]),
+             _turn(f"ls -S shows {big.rsplit('/', 1)[1]} first.", f"Move it to {out}.", [f"mv {big} {out}", "ls"])]
+    ins = f"Move the largest file in {d} to {out} in /app."
+    return _spec(ins, flat, tests, turns, f"{out} is the largest file from {d}.", [out])
+
+
+FAMILIES = {"files": fam_files, "text": fam_text, "perms": fam_perms, "archive": fam_archive,
+            "csvjson": fam_csvjson, "find": fam_find}
+
+
+# --- Harbor task I/O ---------------------------------------------------------------------------
+@dataclasses.dataclass
+class Task:
+    name: str
+    path: str
+    instruction: str
+    config: dict
+    tests_dir: str
+    solution_dir: str | None
+    env_dir: str
+
+
+def load_task(task_dir):
+    """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file."""
+    task_dir = os.path.abspath(task_dir)
+    if not os.path.isdir(task_dir):
+        raise ValueError(f"task dir {task_dir} does not exist")
+    toml_path = os.path.join(task_dir, "task.toml")
+    try:
+        with open(toml_path, "rb") as f:
+            config = tomllib.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"{toml_path}: missing task.toml") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{toml_path}: invalid TOML ({e})") from None
+    for table in ("verifier", "agent"):
+        t = config.get(table, {})
+        if not isinstance(t, dict) or not isinstance(t.get("timeout_sec", 1.0), (int, float)):
+            raise ValueError(f"{toml_path}: [{table}] timeout_sec must be a number")
+    ins_path = os.path.join(task_dir, "instruction.md")
+    if not os.path.isfile(ins_path):
+        raise ValueError(f"{ins_path}: missing instruction.md")
+    with open(ins_path) as f:
+        instruction = f.read().strip()
+    if not instruction:
+        raise ValueError(f"{ins_path}: instruction.md is empty")
+    for rel in ("tests/test.sh", "environment"):
+        if not os.path.exists(os.path.join(task_dir, rel)):
+            raise ValueError(f"{os.path.join(task_dir, rel)}: missing {rel}")
+    sol = os.path.join(task_dir, "solution")
+    return Task(name=os.path.basename(task_dir), path=task_dir, instruction=instruction, config=config,
+                tests_dir=os.path.join(task_dir, "tests"), solution_dir=sol if os.path.isdir(sol) else None,
+                env_dir=os.path.join(task_dir, "environment"))
+
+
+def expert_replies(spec):
+    """Terminus-2 replies of the expert: the work turns, then task_complete twice (confirmation)."""
+    replies = [dict(analysis=t["analysis"], plan=t["plan"],
+                    commands=[dict(keystrokes=c + "\n", duration=0.1) for c in t["cmds"]], task_complete=False)
+               for t in spec["turns"]]
+    replies.append(dict(analysis=spec["done"], plan="The task is complete.", commands=[], task_complete=True))
+    replies.append(dict(analysis="I checked the result.", plan="Confirm completion.", commands=[], task_complete=True))
+    return replies
+
+
+def quality(family, n_tests):
+    """Heuristic quality in [0, 1] (departure 3): more assertions and harder families rank first."""
+    return round(min(1.0, 0.1 * n_tests + (0.4 if DIFFICULTY[family] == "medium" else 0.2)), 3)
+
+
+def write_task(task_dir, spec, family, split, seed):
+    """Write one Harbor task dir from a family spec."""
+    if os.path.exists(task_dir):
+        shutil.rmtree(task_dir)
+    app = os.path.join(task_dir, "environment", "app")
+    os.makedirs(app)
+    for rel, content in spec["files"].items():
+        p = os.path.join(app, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(content if isinstance(content, bytes) else content.encode())
+        os.chmod(p, 0o644)  # explicit: the perms family's nop check must not depend on the umask
+    n = len(spec["tests"])
+    toml = (f'version = "1.0"\n\n[metadata]\nfamily = "{family}"\ndifficulty = "{DIFFICULTY[family]}"\n'
+            f'split = "{split}"\nquality = {quality(family, n)}\nn_assertions = {n}\nseed = "{seed}"\n'
+            f'author_name = "t1-repro data.py"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n'
+            f'[environment]\nbuild_timeout_sec = 600.0\ncpus = 1\nmemory_mb = 1024\n')
+    body = TEST_HEADER + "".join(f"\n\ndef test_{name}():\n" + "".join(f"    {ln}\n" for ln in lines)
+                                 for name, lines in spec["tests"])
+    solve = "#!/bin/bash\nset -e\ncd /app\n" + "".join(c + "\n" for t in spec["turns"] for c in t["cmds"])
+    out = {"task.toml": toml, "instruction.md": spec["instruction"] + "\n", "environment/Dockerfile": DOCKERFILE,
+           "tests/test.sh": TEST_SH, "tests/test_outputs.py": body, "solution/solve.sh": solve,
+           "solution/terminus2.json": json.dumps(expert_replies(spec), indent=1) + "\n"}
+    for rel, text in out.items():
+        p = os.path.join(task_dir, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write(text)
+    for rel in ("tests/test.sh", "solution/solve.sh"):
+        os.chmod(os.path.join(task_dir, rel), 0o755)
+    return task_dir
+
+
+# --- audit --------------------------------------------------------------------------------------
+def static_audit(spec):
+    """Mechanical versions of the paper's hard rejects; returns a reason or None."""
+    if len(spec["tests"]) < 3:
+        return "weak verifier: fewer than 3 assertions"
+    for o in spec["outputs"]:
+        if o not in spec["instruction"]:
+            return f"hidden requirement: output {o} not named in the instruction"
+        if any(rel == o or rel.startswith(o + "/") for rel in spec["files"]):
+            return f"solution shortcut: output {o} already in /app"
+    for rel in spec["files"]:
+        if os.path.basename(rel) in ("test_outputs.py", "test.sh", "solve.sh", "terminus2.json"):
+            return f"test leakage: {rel} in /app"
+    return None
+
+
+def validate(task_dir, tokenizer=None, work_root=None):
+    """Audit in fresh sandboxes: the oracle must resolve with reward == total/S, nop must score
+    below full, the scripted expert trajectory must resolve (when a tokenizer is given).
+    Returns None when the task passes, else the reason."""
+    import rollout  # lazy: rollout may import data
+    res = rollout.run_trial(task_dir, "oracle", work_root=work_root)
+    if not (res["resolved"] and res["total"] > 0 and abs(res["reward"] - res["total"] / SCALE) < 1e-9):
+        return f"oracle not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+    res = rollout.run_trial(task_dir, "nop", work_root=work_root)
+    if res["passed"] >= res["total"]:
+        return "weak verifier: nop scores full"
+    if tokenizer is not None:
+        res = rollout.run_trial(task_dir, "scripted", tokenizer=tokenizer, work_root=work_root)
+        if not res["resolved"]:
+            return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+    return None
+
+
+# --- pools ----------------------------------------------------------------------------------------
+def _draw(split, slot, seed, seen, attempt=0):
+    """Deterministic spec for one slot of a split (family = slot mod 6), skipping instructions
+    already used in either split and drafts that fail the static audit."""
+    family = list(FAMILIES)[slot % len(FAMILIES)]
+    first = attempt
+    while True:
+        rng = random.Random(f"{seed}/{split}/{slot}/{attempt}")
+        spec = FAMILIES[family](rng)
+        if spec["instruction"] not in seen and static_audit(spec) is None:
+            seen.add(spec["instruction"])
+            return family, spec, f"{seed}/{split}/{slot}/{attempt}"
+        attempt += 1
+        if attempt - first > 200:
+            raise RuntimeError(f"cannot draw a new {family} task for {split} slot {slot}")
+
+
+def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2):
+    """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/.
+
+    Tasks failing the audit are dropped and redrawn (up to 3 rounds); drops are counted in
+    out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
+    t0 = time.time()
+    seen = set()  # instructions of both splits: train and held-out never share one
+    specs = {}
+    for split, n in (("train", n_train), ("heldout", n_heldout)):
+        for slot in range(n):
+            family, spec, sd = _draw(split, slot, seed, seen)
+            name = f"{split}-{slot:04d}-{family}"
+            specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd)
+    tokenizer, scripted_note = None, "off"
+    if validate_tasks and scripted:
+        try:
+            import model
+            tokenizer, scripted_note = model.train_tokenizer(corpus(list(specs.values()))), "on"
+        except (ImportError, AttributeError) as e:
+            scripted_note = f"skipped: no tokenizer ({e})"
+    drops, unrecovered = collections.Counter(), 0
+    pending = dict(specs) if validate_tasks else {}
+    work_root = os.path.join(out_dir, ".sandboxes")
+    for rnd in range(3):  # audit; a dropped slot is redrawn (same family) and audited again
+        with cf.ThreadPoolExecutor(workers) as pool:
+            reasons = dict(zip(pending, pool.map(lambda d: validate(d, tokenizer, work_root), pending.values())))
+        pending = {}
+        for key, reason in sorted((k, r) for k, r in reasons.items() if r):
+            drops[reason.split(":")[0]] += 1
+            print(f"[data] dropped {specs[key]}: {reason}", flush=True)
+            shutil.rmtree(specs.pop(key))
+            if rnd == 2:
+                unrecovered += 1
+                continue
+            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1))
+            d = os.path.join(out_dir, key[0], f"{key[0]}-{key[1]:04d}-{family}")
+            specs[key] = pending[key] = write_task(d, spec, family, key[0], sd)
+        if not pending:
+            break
+    shutil.rmtree(work_root, ignore_errors=True)
+    train = [specs[k] for k in sorted(specs) if k[0] == "train"]
+    heldout = [specs[k] for k in sorted(specs) if k[0] == "heldout"]
+    tasks = {d: load_task(d) for d in train + heldout}
+    assert not {tasks[d].instruction for d in train} & {tasks[d].instruction for d in heldout}, "split overlap"
+    n_asserts = [t.config["metadata"]["n_assertions"] for t in tasks.values()]
+    summary = dict(train=len(train), heldout=len(heldout), seed=seed,
+                   families=dict(collections.Counter(t.config["metadata"]["family"] for t in tasks.values())),
+                   validated=validate_tasks, scripted_check=scripted_note, dropped=dict(drops),
+                   dropped_total=sum(drops.values()), unrecovered=unrecovered,
+                   assertions_min=min(n_asserts, default=0), assertions_max=max(n_asserts, default=0),
+                   assertions_mean=round(sum(n_asserts) / max(1, len(n_asserts)), 2),
+                   seconds=round(time.time() - t0, 1))
+    with open(os.path.join(out_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=1)
+    return train, heldout
+
+
+def ordered_pool(task_dirs, n=None):
+    """Quality-ordered pool (paper: T1-15k is the audit-score-ordered top of the synthesized set)."""
+    q = {d: float(load_task(d).config.get("metadata", {}).get("quality", 0.0)) for d in task_dirs}
+    pool = sorted(task_dirs, key=lambda d: (-q[d], os.path.basename(d)))
+    return pool[:n] if n is not None else pool
+
+
+def epoch_order(pool, epoch, seed):
+    """The pool reshuffled for one epoch (deterministic in seed and epoch)."""
+    order = list(pool)
+    random.Random(f"{seed}/epoch/{epoch}").shuffle(order)
+    return order
+
+
+def corpus(task_dirs):
+    """Texts for the tokenizer: instructions, expert replies (as the harness serialises them),
+    the commands and typical terminal output (file names, file contents)."""
+    texts = []
+    for d in task_dirs:
+        t = load_task(d)
+        texts.append(t.instruction)
+        sol = os.path.join(d, "solution", "terminus2.json")
+        if os.path.isfile(sol):
+            with open(sol) as f:
+                for reply in json.load(f):
+                    texts.append(json.dumps(reply))
+                    texts += [f"root@sandbox:/app# {c['keystrokes']}" for c in reply["commands"]]
+        app = os.path.join(t.env_dir, "app")
+        for root, _, files in os.walk(app):
+            for fn in sorted(files):
+                rel = os.path.relpath(os.path.join(root, fn), app)
+                texts.append(rel)
+                if not fn.endswith(".gz"):
+                    with open(os.path.join(root, fn), errors="replace") as f:
+                        texts.append(f.read(400))
+    return texts
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description="T1 task synthesis + audit (Harbor format)")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate")
+    g.add_argument("--out", required=True)
+    g.add_argument("--n-train", type=int, default=120)
+    g.add_argument("--n-heldout", type=int, default=30)
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--no-validate", action="store_true", help="skip the sandbox audit")
+    g.add_argument("--no-scripted", action="store_true", help="skip the scripted-trajectory check")
+    g.add_argument("--workers", type=int, default=2)
+    a = p.parse_args()
+    generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
+                   scripted=not a.no_scripted, workers=a.workers)
+    with open(os.path.join(a.out, "summary.json")) as f:
+        print(json.dumps(json.load(f)))

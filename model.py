@@ -1,0 +1,590 @@
+"""Model builders and the embedded inference engine (paper: model + rollout infrastructure).
+
+T1 trains Qwen3.5-122B-A10B, a hybrid MoE (Gated DeltaNet linear attention 3:1 with gated full
+attention; 48 MoE layers, 256 experts, top-8), served by SGLang with routed-expert capture. The
+embedded scale uses the same Hugging Face architecture (Qwen3_5MoeForCausalLM) at a tiny size and a
+small torch server that speaks SGLang's `/generate` protocol, so rollout.py has one client.
+
+    python model.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
+    python model.py bench          # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
+
+In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`.
+
+Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
+them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
+padded positions so their recurrent state starts clean), then decode together with a hybrid
+DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
+Weight reloads and pauses take effect between waves, so one request sees one weight_version.
+Routed experts are recorded with r3 in every forward: row j = experts chosen when token j was the
+input (prompt rows from prefill, output rows from decode steps; the last output token is never
+forwarded, so a request returns len(input) + len(output) - 1 rows).
+
+Departures from the paper:
+1. Tiny random-init model (tiny_config) on CPU instead of Qwen3.5-122B-A10B on GPUs; same HF
+   architecture, so R3 and the hybrid cache are exercised for real.
+2. Tokenizer: byte-level BPE trained on the task corpus (a few hundred to 2k tokens) with Qwen3.5's
+   pre-tokenizer (NFC + split regex) and ChatML specials, instead of Qwen's 248k vocabulary.
+3. Engine: static waves instead of SGLang's continuous batching and radix cache; no prefix reuse.
+4. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32
+   compute (--weight-dtype bf16). This cheaply emulates the production bf16-inference vs
+   fp32-trainer mismatch that PPO's importance ratio and R3 must absorb; fp32 serves exact weights.
+5. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p
+   truncation; top-p only changes which token is drawn.
+6. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends
+   a queued or running request with finish_reason "abort".
+"""
+
+import argparse
+import json
+import os
+import queue
+import threading
+import time
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoTokenizer, DynamicCache, PreTrainedTokenizerFast
+from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
+from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+
+import r3
+
+# --- chat format (Qwen ChatML) -----------------------------------------------------------------
+PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # ids 0, 1, 2
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]
+ASSISTANT_PREFIX = "<|im_start|>assistant\n"
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# --- tiny preset: the Qwen3.5 hybrid MoE at embedded scale ---------------------------------------
+TINY_HIDDEN = 128
+TINY_LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]  # Qwen3.5 3:1 hybrid
+TINY_HEADS, TINY_KV_HEADS, TINY_HEAD_DIM = 4, 2, 32
+TINY_LINEAR_K_HEADS, TINY_LINEAR_V_HEADS, TINY_LINEAR_HEAD_DIM = 2, 4, 32
+TINY_EXPERTS, TINY_TOP_K = 8, 2  # paper: 256 experts, top-8
+TINY_MOE_INTERMEDIATE, TINY_SHARED_INTERMEDIATE = 128, 128
+TINY_MAX_POSITIONS = 8192
+
+
+def train_tokenizer(texts: list, vocab_size: int = 2048) -> PreTrainedTokenizerFast:
+    """Byte-level BPE on `texts` (same texts -> same vocab); specials at ids 0, 1, 2; ChatML template.
+
+    The pipeline is Qwen3.5's (NFC, Qwen's split regex, byte-level), returned as `Qwen3_5Tokenizer`,
+    which is what `AutoTokenizer` rebuilds for a qwen3_5_moe_text checkpoint: save -> load is exact.
+    """
+    if not texts or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts: expected a non-empty list of str")
+    min_size = len(SPECIAL_TOKENS) + 256
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size: must be >= {min_size} (specials + 256 bytes), got {vocab_size}")
+    tk = Tokenizer(models.BPE())
+    tk.normalizer = normalizers.NFC()
+    tk.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tk.train_from_iterator(texts, trainer)
+    bpe = json.loads(tk.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in bpe["merges"]]
+    tok = Qwen3_5Tokenizer(vocab=bpe["vocab"], merges=merges, unk_token=None, pad_token=PAD, eos_token=IM_END,
+                           extra_special_tokens=[IM_START])
+    tok.chat_template = CHAT_TEMPLATE
+    ids = tok.convert_tokens_to_ids(SPECIAL_TOKENS)
+    assert ids == [0, 1, 2], f"special token ids {ids}"
+    return tok
+
+
+def render_ids(tok, role: str, content: str) -> list:
+    """Token ids of one whole message `<|im_start|>{role}\\n{content}<|im_end|>\\n` (no BOS)."""
+    if role not in ("system", "user", "assistant"):
+        raise ValueError(f"role: expected system|user|assistant, got {role!r}")
+    return tok.encode(f"{IM_START}{role}\n{content}{IM_END}\n", add_special_tokens=False)
+
+
+def tiny_config(vocab_size: int) -> Qwen3_5MoeTextConfig:
+    """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off)."""
+    return Qwen3_5MoeTextConfig(
+        vocab_size=vocab_size, hidden_size=TINY_HIDDEN, num_hidden_layers=len(TINY_LAYER_TYPES),
+        layer_types=list(TINY_LAYER_TYPES), num_attention_heads=TINY_HEADS,
+        num_key_value_heads=TINY_KV_HEADS, head_dim=TINY_HEAD_DIM,
+        linear_num_key_heads=TINY_LINEAR_K_HEADS, linear_num_value_heads=TINY_LINEAR_V_HEADS,
+        linear_key_head_dim=TINY_LINEAR_HEAD_DIM, linear_value_head_dim=TINY_LINEAR_HEAD_DIM,
+        num_experts=TINY_EXPERTS, num_experts_per_tok=TINY_TOP_K,
+        moe_intermediate_size=TINY_MOE_INTERMEDIATE, shared_expert_intermediate_size=TINY_SHARED_INTERMEDIATE,
+        router_aux_loss_coef=0.0,  # paper: MoE load-balancing coefficient 0
+        pad_token_id=0, bos_token_id=0, eos_token_id=2, max_position_embeddings=TINY_MAX_POSITIONS)
+
+
+def build_actor(config, seed: int) -> Qwen3_5MoeForCausalLM:
+    """Random-init actor (fp32) with R3 routers installed."""
+    torch.manual_seed(seed)
+    return r3.install(Qwen3_5MoeForCausalLM(config))
+
+
+def save_checkpoint(model, tokenizer, path: str):
+    """Hugging Face layout: config.json, model.safetensors, tokenizer files."""
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+def load_actor(path: str):
+    """(model fp32 with R3 routers, tokenizer) from a save_checkpoint directory."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"path: no config.json in {path!r}")
+    model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    return r3.install(model), AutoTokenizer.from_pretrained(path)
+
+
+@torch.no_grad()
+def round_to_bf16(model):
+    """Round every parameter to bf16 and keep it in fp32 (emulates bf16 inference weights)."""
+    for p in model.parameters():
+        p.copy_(p.to(torch.bfloat16).to(p.dtype))
+    return model
+
+
+def load_weights_from_disk(model, path: str):
+    """Copy the weights of the checkpoint at `path` into `model` (same architecture, strict).
+
+    Goes through from_pretrained: transformers 5 saves MoE experts per expert (the original Hub
+    layout) and converts them back to fused tensors on load.
+    """
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"model_path: no config.json in {path!r}")
+    fresh = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.load_state_dict(fresh.state_dict(), strict=True)
+
+
+def sample_token(logits, temperature, top_p, gen):
+    """logits (V,) -> (token id, logprob under log_softmax(logits / temperature))."""
+    if temperature == 0:
+        logp = F.log_softmax(logits.float(), dim=-1)  # (V,)
+        tok = int(torch.argmax(logp))
+        return tok, float(logp[tok])
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (V,)
+    probs = logp.exp()
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(logp[tok])
+
+
+# --- embedded engine ----------------------------------------------------------------------------
+class BadRequest(ValueError):
+    pass
+
+
+class Request:
+    def __init__(self, rid, input_ids, temperature, top_p, max_new_tokens, stop_ids, seed):
+        self.rid, self.input_ids = rid, input_ids
+        self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
+        self.stop_ids, self.seed = stop_ids, seed
+        self.output_ids, self.logprobs, self.routing = [], [], []
+        self.finish, self.aborted, self.done = None, False, threading.Event()
+        self.weight_version = None  # set when the request finishes inside a wave
+
+
+def _field(d, name, types, default=None, required=False, where=""):
+    if name not in d or d[name] is None:
+        if required:
+            raise BadRequest(f"{where}{name}: required")
+        return default
+    v = d[name]
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        raise BadRequest(f"{where}{name}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
+    return v
+
+
+def parse_generate(body, vocab_size, max_positions, eos_id):
+    """Validate a /generate body -> Request; BadRequest names the offending field."""
+    if not isinstance(body, dict):
+        raise BadRequest("body: expected a JSON object")
+    ids = _field(body, "input_ids", (list,), required=True)
+    if not ids or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size for i in ids):
+        raise BadRequest(f"input_ids: expected a non-empty list of token ids in [0, {vocab_size})")
+    sp = _field(body, "sampling_params", (dict,), default={})
+    w = "sampling_params."
+    temperature = float(_field(sp, "temperature", (int, float), 1.0, where=w))
+    top_p = float(_field(sp, "top_p", (int, float), 1.0, where=w))
+    max_new = _field(sp, "max_new_tokens", (int,), 128, where=w)
+    stop = _field(sp, "stop_token_ids", (list,), [], where=w)
+    seed = _field(sp, "seed", (int,), None, where=w)
+    if temperature < 0:
+        raise BadRequest(f"sampling_params.temperature: must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"sampling_params.top_p: must be in (0, 1], got {top_p}")
+    if max_new < 1 or len(ids) + max_new > max_positions:
+        raise BadRequest(f"sampling_params.max_new_tokens: must be >= 1 and len(input_ids) + max_new_tokens "
+                         f"<= {max_positions}, got {max_new} with {len(ids)} input ids")
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in stop):
+        raise BadRequest("sampling_params.stop_token_ids: expected a list of int")
+    stop_ids = set(stop)
+    if not _field(sp, "ignore_eos", (bool,), False, where=w):
+        stop_ids.add(eos_id)
+    rid = _field(body, "rid", (str,), None) or uuid.uuid4().hex
+    for flag in ("return_logprob", "return_routed_experts"):
+        _field(body, flag, (bool,), False)
+    return Request(rid, ids, temperature, top_p, max_new, stop_ids, seed)
+
+
+class EngineServer:
+    """SGLang-protocol server over a tiny Qwen3.5-MoE: HTTP threads + one batching scheduler thread."""
+
+    def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=16, weight_dtype="bf16", seed=0):
+        if weight_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        self.model_path, self.host, self.port = model_path, host, port
+        self.max_batch, self.weight_dtype = max_batch, weight_dtype
+        self.model, self.tokenizer = load_actor(model_path)
+        self.model.eval()
+        if weight_dtype == "bf16":
+            round_to_bf16(self.model)
+        cfg = self.model.config
+        self.num_layers, self.top_k = len(r3.routers(self.model)), cfg.num_experts_per_tok
+        self.weight_version, self.n_updates = "0", 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.queue = []  # waiting Requests
+        self.commands = queue.Queue()  # (fn, result dict, Event) run between waves
+        self.cv = threading.Condition()
+        self.paused, self.in_wave, self.stopping = False, False, False
+        self.running = {}  # rid -> Request of the current wave
+        self.httpd = None
+
+    # -- lifecycle --
+    @property
+    def url(self):
+        return f"http://{self.host}:{self.httpd.server_address[1]}"
+
+    def start(self):
+        self.httpd = ThreadingHTTPServer((self.host, self.port), _make_handler(self))
+        self.httpd.daemon_threads = True
+        self.threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
+                        threading.Thread(target=self._scheduler, daemon=True)]
+        for t in self.threads:
+            t.start()
+        deadline = time.time() + 30
+        while True:  # return when healthy
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError(f"engine at {self.url} did not become healthy")
+                time.sleep(0.05)
+
+    def stop(self):
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    # -- called from HTTP threads --
+    def submit(self, req):
+        with self.cv:
+            if self.stopping:
+                req.finish = {"type": "abort", "message": "engine is stopping"}
+                return req
+            self.queue.append(req)
+            self.cv.notify_all()
+        req.done.wait()
+        return req
+
+    def run_between_waves(self, fn):
+        """Run fn() on the scheduler thread between waves; returns its result or raises its error."""
+        box, ev = {}, threading.Event()
+        with self.cv:
+            self.commands.put((fn, box, ev))
+            self.cv.notify_all()
+        ev.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def update_weights(self, path, version=None):
+        def load():
+            load_weights_from_disk(self.model, path)
+            if self.weight_dtype == "bf16":
+                round_to_bf16(self.model)
+            self.model_path = path
+            self.n_updates += 1
+            self.weight_version = str(version) if version is not None else str(self.n_updates)
+            return self.weight_version
+        return self.run_between_waves(load)
+
+    def pause(self):
+        with self.cv:
+            self.paused = True
+            while self.in_wave:
+                self.cv.wait()
+
+    def resume(self):
+        with self.cv:
+            self.paused = False
+            self.cv.notify_all()
+
+    def abort(self, rid):
+        with self.cv:
+            for req in [r for r in self.queue if r.rid == rid]:
+                self.queue.remove(req)
+                req.finish = {"type": "abort"}
+                req.done.set()
+                return True
+            if rid in self.running:
+                self.running[rid].aborted = True
+                return True
+        return False
+
+    # -- scheduler thread --
+    def _scheduler(self):
+        while True:
+            with self.cv:
+                while not self.stopping and self.commands.empty() and (self.paused or not self.queue):
+                    self.cv.wait(timeout=0.1)
+                if self.stopping:
+                    for req in self.queue:
+                        req.finish = {"type": "abort"}
+                        req.done.set()
+                    return
+                batch = []
+                if self.commands.empty():
+                    batch, self.queue = self.queue[:self.max_batch], self.queue[self.max_batch:]
+                    self.in_wave = True
+                    self.running = {r.rid: r for r in batch}
+            while not self.commands.empty():
+                fn, box, ev = self.commands.get()
+                try:
+                    box["result"] = fn()
+                except Exception as e:  # reported to the caller
+                    box["error"] = e
+                ev.set()
+            if batch:
+                try:
+                    self._wave(batch)
+                except Exception as e:  # never leave a client hanging
+                    for req in batch:
+                        if not req.done.is_set():
+                            req.finish = {"type": "abort", "message": f"engine error: {e!r}"}
+                            req.done.set()
+                with self.cv:
+                    self.in_wave, self.running = False, {}
+                    self.cv.notify_all()
+
+    @torch.inference_mode()
+    def _wave(self, batch):
+        """Prefill the batch together (left-padded), then decode together until every row stops."""
+        B, version = len(batch), self.weight_version
+        lens = [len(r.input_ids) for r in batch]
+        T = max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) left-padded with <|endoftext|>
+        mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        for b, r in enumerate(batch):
+            ids[b, T - lens[b]:] = torch.tensor(r.input_ids)
+            mask[b, T - lens[b]:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) explicit position ids
+        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self.gen for r in batch]
+        active = [True] * B
+        cache = DynamicCache(config=self.model.config)
+        with r3.routing(self.model, "record") as rec:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            (routed,) = rec.pop()  # (B, T, L, k)
+            for b, r in enumerate(batch):
+                r.routing.append(routed[b, T - lens[b]:])  # prompt rows
+            next_pos = torch.tensor(lens)  # (B,)
+            while True:
+                logits = out.logits[:, -1]  # (B, V)
+                step_ids = torch.zeros(B, 1, dtype=torch.long)
+                for b, r in enumerate(batch):
+                    if not active[b]:
+                        continue
+                    if r.aborted:
+                        active[b], r.finish = False, {"type": "abort"}
+                        continue
+                    tok, lp = sample_token(logits[b], r.temperature, r.top_p, gens[b])
+                    r.output_ids.append(tok)
+                    r.logprobs.append(lp)
+                    step_ids[b, 0] = tok
+                    if tok in r.stop_ids:
+                        active[b], r.finish = False, {"type": "stop", "matched": tok}
+                    elif len(r.output_ids) >= r.max_new_tokens:
+                        active[b], r.finish = False, {"type": "length", "length": r.max_new_tokens}
+                for b, r in enumerate(batch):
+                    if not active[b] and not r.done.is_set():
+                        r.weight_version = version
+                        r.done.set()
+                if not any(active):
+                    return
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)  # (B, T + s)
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=next_pos[:, None],
+                                 cache=cache, use_cache=True)
+                next_pos += 1
+                (routed,) = rec.pop()  # (B, 1, L, k)
+                for b, r in enumerate(batch):
+                    if active[b]:
+                        r.routing.append(routed[b])  # row of the token just fed
+
+    def response(self, req, want_logprob=True, want_routing=True):
+        n_in, n_out = len(req.input_ids), len(req.output_ids)
+        meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": n_in,
+                "completion_tokens": n_out, "weight_version": req.weight_version or self.weight_version}
+        if want_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+        if want_routing:
+            rows = torch.cat(req.routing, dim=0)[:max(n_in + n_out - 1, 0)] if req.routing else \
+                torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32)
+            meta["routed_experts"] = r3.encode_routed_experts(rows.numpy())  # (n_in + n_out - 1, L, k)
+        return {"text": self.tokenizer.decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
+
+
+def _make_handler(engine):
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _body(self):
+            n = int(self.headers.get("Content-Length") or 0)
+            try:
+                return json.loads(self.rfile.read(n) or b"{}")
+            except json.JSONDecodeError as e:
+                raise BadRequest(f"body: invalid JSON ({e})") from None
+
+        def do_GET(self):
+            if self.path == "/health":
+                self._send(200, {"status": "ok"})
+            elif self.path == "/get_model_info":
+                self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
+                                 "num_moe_layers": engine.num_layers, "top_k": engine.top_k,
+                                 "vocab_size": engine.model.config.vocab_size})
+            else:
+                self._send(404, {"error": f"path: unknown endpoint {self.path}"})
+
+        def do_POST(self):
+            try:
+                body = self._body()
+                if self.path == "/generate":
+                    cfg = engine.model.config
+                    req = parse_generate(body, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
+                    engine.submit(req)
+                    self._send(200, engine.response(req, bool(body.get("return_logprob", False)),
+                                                    bool(body.get("return_routed_experts", False))))
+                elif self.path == "/update_weights_from_disk":
+                    path = _field(body, "model_path", (str,), required=True)
+                    if not os.path.isdir(path):
+                        raise BadRequest(f"model_path: not a directory: {path!r}")
+                    version = _field(body, "weight_version", (str, int), None)
+                    try:
+                        v = engine.update_weights(path, version)
+                    except Exception as e:
+                        self._send(400, {"success": False, "error": f"model_path: {e}", "message": str(e)})
+                        return
+                    self._send(200, {"success": True, "message": f"loaded {path}", "weight_version": v})
+                elif self.path == "/pause_generation":
+                    engine.pause()
+                    self._send(200, {"success": True})
+                elif self.path == "/continue_generation":
+                    engine.resume()
+                    self._send(200, {"success": True})
+                elif self.path == "/abort_request":
+                    rid = _field(body, "rid", (str,), required=True)
+                    self._send(200, {"success": engine.abort(rid)})
+                else:
+                    self._send(404, {"error": f"path: unknown endpoint {self.path}"})
+            except BadRequest as e:
+                self._send(400, {"error": str(e)})
+
+    return Handler
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+def _post(url, obj):
+    req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        return json.loads(r.read())
+
+
+def bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
+    """Decode tokens/s of the tiny model: 1 request vs n_concurrent requests in one wave."""
+    tok = train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
+    save_checkpoint(build_actor(tiny_config(len(tok)), seed=0), tok, work_dir)
+    engine = EngineServer(work_dir, max_batch=n_concurrent).start()
+    body = {"input_ids": render_ids(tok, "user", "list the files") + tok.encode(ASSISTANT_PREFIX),
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
+            "return_logprob": True, "return_routed_experts": True}
+    try:
+        _post(engine.url + "/generate", body)  # warm-up
+        figures = {}
+        for n in (1, n_concurrent):
+            best = 0.0
+            for _ in range(repeats):  # best of `repeats`: the 2-core machine is often shared
+                threads = [threading.Thread(target=_post, args=(engine.url + "/generate", body)) for _ in range(n)]
+                t0 = time.time()
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                best = max(best, n * new_tokens / (time.time() - t0))
+            figures[f"tokens_per_s_{n}"] = best
+        figures["speedup"] = figures[f"tokens_per_s_{n_concurrent}"] / figures["tokens_per_s_1"]
+        return figures
+    finally:
+        engine.stop()
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve SGLang's /generate protocol")
+    s.add_argument("--model-path", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--max-batch", type=int, default=16)
+    s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
+    s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    b = sub.add_parser("bench", help="decode throughput, 1 vs 8 concurrent requests")
+    b.add_argument("--work-dir", default="/tmp/t1_engine_bench")
+    b.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.cmd == "bench":
+        print(json.dumps(bench(args.work_dir)))
+        return
+    engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype).start()
+    print(f"engine serving {args.model_path} at {engine.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,676 @@
+"""Rollout: the Terminus-2 harness in a bubblewrap sandbox, the SGLang client, oversampling.
+
+Paper section "rollout" (T1, arXiv 2609.11042): the agent speaks the Terminus-2 protocol, one JSON
+reply per turn {"analysis", "plan", "commands": [{"keystrokes", "duration"}], "task_complete"},
+keystrokes go to a real shell in a sandbox, the new terminal output is the next user message,
+`task_complete` must be confirmed on a second turn; when the agent stops (or a limit hits) the
+task's tests are copied in and its own verifier scores it (reward.py: r = P/S). One trajectory per
+task; a step launches 560 tasks and keeps the first 512 that finish, the rest are cancelled.
+Token-first history (TITO): the conversation is kept as token ids; prompt_{i+1} = prompt_i +
+output_i (the sampled ids, stop token included) + glue + observation ids, so every turn boundary
+is strict by construction and the loss tokens are exactly the sampled ones.
+
+Run:
+    python rollout.py --task DIR --agent oracle|nop|model|scripted [--engine-url URL] [--model-path DIR]
+    # prints one JSON line: reward, resolved, passed, total, turns, exit_reason (no records)
+In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
+
+Sandbox (bubblewrap, run as root): one long-lived jail per trial (`bwrap ... sleep infinity`) with
+new ipc/pid/net/uts/cgroup namespaces (no network: only a private loopback), --die-with-parent,
+all capabilities dropped; /usr, /etc (and the /bin, /lib symlinks) read-only; the running Python's
+venv and base interpreter read-only at their own paths (so `pytest --ctrf` works inside); /app and
+/logs writable, backed by host dirs under the trial root; /tests an empty read-only dir that the
+host fills only in run_verifier(); /tmp a size-capped tmpfs; nothing else of the host. Every
+command (terminal, exec, verifier) enters the jail with nsenter and runs as a per-trial host uid
+(200000+) with rlimits (prlimit): RLIMIT_NPROC (process cap), RLIMIT_FSIZE, RLIMIT_AS, no core.
+The verifier runs as the jail's root with only chown/dac_override/dac_read_search/fowner (it reads
+and may modify the agent's files like Harbor's root verifier; the agent's uid cannot signal it and
+its leftover processes do not count against the verifier; root is not under RLIMIT_NPROC).
+close() SIGKILLs bwrap: pid 1 of the jail dies and the kernel kills everything in its pid namespace.
+Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty, so
+C-c reaches the foreground job; read() returns the new output since the last read, ANSI stripped.
+
+Departures from the paper / Terminus-2:
+1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model
+   trained from scratch, Terminus-2's long prompt would dominate its context.
+2. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux
+   screen capture; read() may return before `duration` once the shell prompt is back.
+3. Local bubblewrap jails instead of Daytona/Docker sandboxes: the task's Dockerfile is ignored,
+   environment/app/ is copied to /app, the host's /usr provides the tools; --unshare-all minus the
+   user namespace (a user namespace would map the jail uid back to root, exempt from RLIMIT_NPROC).
+4. Process cap = RLIMIT_NPROC of a per-trial uid: it bounds the processes of that uid (a fork bomb
+   makes bash retry and fail; the trial still ends on its limits and close() kills all). It does
+   not bound CPU time; memory only per process (RLIMIT_AS), disk only per file and /tmp size.
+5. Oversampling counts a trial as "finished" when it ended without a crash; crashed and cancelled
+   trials go to `dropped` with their reason and seconds run.
+6. The agent is an unprivileged uid (Terminal-Bench agents are root) and has no network, so tasks
+   that need apt/pip or root-only operations cannot be solved here. The sandbox needs root on the
+   host (bwrap namespaces without a user namespace, nsenter, setpriv); uids 200000+ must be unused.
+"""
+import argparse
+import concurrent.futures as cf
+import dataclasses
+import fcntl
+import itertools
+import json
+import os
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+import termios
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+
+# --- limits ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Limits:
+    max_turns: int = 50
+    """model calls per trial (parse-error and confirmation turns count)"""
+    max_total_tokens: int = 8192
+    """prompt + output tokens of the whole trajectory (the tiny model's context)"""
+    trial_timeout_s: float = 900.0
+    """wall time of the agent phase (capped further by the task's [agent] timeout_sec)"""
+    max_duration_s: float = 60.0
+    """cap on one keystroke's `duration` (Terminus-2 caps waits at 60 s)"""
+    cmd_timeout_s: float = 600.0
+    """default timeout of one Sandbox.exec command (oracle, verifier use the task's timeouts)"""
+    output_bytes: int = 10_000
+    """output cap of one exec / one observation (Terminus-2 keeps the first and last parts of 10 KB)"""
+    max_procs: int = 256
+    """RLIMIT_NPROC of the trial's uid"""
+    file_bytes: int = 256 << 20
+    """RLIMIT_FSIZE: largest file a command may write"""
+    mem_bytes: int = 4 << 30
+    """RLIMIT_AS per process"""
+    tmp_bytes: int = 256 << 20
+    """size of the /tmp tmpfs"""
+
+
+def make_limits(limits):
+    """Limits from None, a Limits, or a dict of field overrides (unknown keys raise)."""
+    if limits is None or isinstance(limits, Limits):
+        return limits or Limits()
+    if not isinstance(limits, dict):
+        raise ValueError(f"limits: expected Limits or dict, got {type(limits).__name__}")
+    names = {f.name for f in dataclasses.fields(Limits)}
+    bad = sorted(set(limits) - names)
+    if bad:
+        raise ValueError(f"limits: unknown keys {bad}; known: {sorted(names)}")
+    return Limits(**limits)
+
+
+# --- sandbox --------------------------------------------------------------------------------------
+TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid")
+PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
+_UIDS = itertools.count()
+KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
+        "Left": "\x1b[D", "BSpace": "\x7f"}  # tmux key names Terminus-2 agents use
+
+
+class _Capped:
+    """Byte collector that keeps the first and last cap/2 bytes and counts what it dropped."""
+
+    def __init__(self, cap):
+        self.half, self.head, self.tail, self.dropped = max(cap // 2, 1), bytearray(), bytearray(), 0
+
+    def add(self, data):
+        room = max(self.half - len(self.head), 0)
+        self.head, self.tail = self.head + data[:room], self.tail + data[room:]
+        if len(self.tail) > self.half:
+            self.dropped += len(self.tail) - self.half
+            del self.tail[:len(self.tail) - self.half]
+
+    def text(self):
+        mid = f"\n[... output truncated: {self.dropped} bytes omitted ...]\n".encode() if self.dropped else b""
+        return clean(bytes(self.head + mid + self.tail))
+
+
+def clean(data: bytes) -> str:
+    """Terminal bytes -> text: utf-8, ANSI escapes and carriage returns removed."""
+    return _ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r", "")
+
+
+def _kill_group(proc):
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (start_new_session)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _chown_tree(path, uid):
+    for d, dirs, files in os.walk(path):
+        for n in [d] + [os.path.join(d, x) for x in dirs + files]:
+            os.lchown(n, uid, uid)
+
+
+class Sandbox:
+    """A bubblewrap jail for one trial; context manager. See the module docstring for what is visible."""
+
+    def __init__(self, task, root_dir, limits=None, stop_event=None, solution=False):
+        missing = [t for t in TOOLS if shutil.which(t) is None]
+        if missing:
+            raise RuntimeError(f"sandbox: missing tools {missing} (install bubblewrap and util-linux)")
+        if os.geteuid() != 0:
+            raise RuntimeError("sandbox: must run as root (namespaces, nsenter and per-trial uids)")
+        self.task, self.root, self.limits = task, os.path.abspath(root_dir), make_limits(limits)
+        self.stop_event, self.solution = stop_event or threading.Event(), solution
+        self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid
+        self.jail = self.term = self.pid = None  # pid: host pid of the jail's pid 1
+        self.master = -1  # pty master of the terminal
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _bwrap_args(self):
+        a = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+             "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+            if os.path.islink(d):
+                a += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                a += ["--ro-bind", d, d]
+        prefixes = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+        for p in sorted(p for p in prefixes if not p.startswith("/usr/")):
+            parts = p.strip("/").split("/")
+            for i in range(1, len(parts)):  # intermediate dirs readable (0755), nothing else of them
+                a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+            a += ["--ro-bind", p, p]
+        r = self.root
+        a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests",
+              "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(self.limits.tmp_bytes),
+              "--tmpfs", "/tmp", "--chdir", "/app"]
+        if self.solution and self.task.solution_dir:
+            a += ["--ro-bind", self.task.solution_dir, "/solution"]
+        return a
+
+    def start(self):
+        r = self.root
+        for d in ("app", "logs/agent", "logs/verifier", "tests"):
+            os.makedirs(os.path.join(r, d), exist_ok=True)
+        app_src = os.path.join(self.task.env_dir, "app")
+        if os.path.isdir(app_src):
+            shutil.copytree(app_src, f"{r}/app", symlinks=True, dirs_exist_ok=True)
+        for d in ("app", "logs"):
+            _chown_tree(f"{r}/{d}", self.uid)
+        os.chmod(f"{r}/tests", 0o755)
+        args, (rfd, wfd) = self._bwrap_args(), os.pipe()
+        try:
+            self.jail = subprocess.Popen(
+                args[:1] + ["--info-fd", str(wfd)] + args[1:] + ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(wfd,), start_new_session=True)
+        finally:
+            os.close(wfd)
+        with os.fdopen(rfd) as info:
+            ready, _, _ = select.select([self.jail.stdout], [], [], 20)
+            line = self.jail.stdout.readline() if ready else b""
+            if line.strip() != b"ready":
+                _kill_group(self.jail)
+                raise RuntimeError(f"sandbox: bwrap did not start: {self.jail.stderr.read()[-800:].decode()!r}")
+            self.pid = json.loads(info.read())["child-pid"]
+        return self
+
+    def _env(self, extra=None):
+        env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TERM": "dumb",
+               "LANG": "C.UTF-8", "PS1": "$PWD" + PROMPT_END, "PYTHONDONTWRITEBYTECODE": "1"}
+        return {**env, **(extra or {})}
+
+    def _enter(self, argv, as_root=False):
+        """argv run inside the jail's namespaces as the trial uid (or jail root), under the rlimits."""
+        L, u = self.limits, "0" if as_root else str(self.uid)
+        caps = "-all,+chown,+dac_override,+dac_read_search,+fowner" if as_root else "-all"
+        return (["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
+                 "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
+                 "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
+                 "--inh-caps=-all", f"--bounding-set={caps}", "--"] + list(argv))
+
+    def exec(self, cmd, timeout=None, env=None, as_root=False):
+        """Run `bash -c cmd` in the jail (non-interactive) -> (returncode, output capped); 124 on timeout."""
+        if self.pid is None:
+            raise RuntimeError("sandbox: exec before start()")
+        timeout = self.limits.cmd_timeout_s if timeout is None else timeout
+        p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True, env=self._env(env))
+        out, deadline, note = _Capped(self.limits.output_bytes), time.time() + timeout, ""
+        fd, exited_at = p.stdout.fileno(), None
+        while True:
+            if time.time() > deadline or self.stop_event.is_set():
+                note = f"\n[command timed out after {timeout:g} s]" if not self.stop_event.is_set() else "\n[cancelled]"
+                _kill_group(p)  # the command's process group; escaped (setsid) processes die at close()
+                break
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            data = os.read(fd, 65536) if ready else b""
+            if ready and not data:
+                break  # EOF
+            out.add(data)
+            if p.poll() is not None and not data:  # exited; background children may hold the pipe
+                exited_at = exited_at or time.time()
+                if time.time() - exited_at > 0.2:
+                    break
+        p.stdout.close()
+        rc = p.wait()
+        return (124 if note.startswith("\n[command timed out") else rc), out.text() + note
+
+    # -- terminal (pty) --
+    def _open_terminal(self):
+        self.master, slave = os.openpty()
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
+        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works)
+            self.term = subprocess.Popen(self._enter(["setsid", "-c", "bash", "--norc", "--noprofile", "-i"]),
+                                         stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                                         env=self._env())
+        finally:
+            os.close(slave)
+
+    def send_keys(self, keystrokes: str):
+        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal."""
+        if self.term is None or self.term.poll() is not None:
+            if self.master >= 0:
+                os.close(self.master)
+            self._open_terminal()  # first use, or the agent's shell exited: a fresh one
+        k = keystrokes.strip()
+        data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else KEYS.get(k, keystrokes)  # C-c -> \x03
+        try:
+            os.write(self.master, data.encode())
+        except OSError:
+            pass  # shell gone; the next send_keys restarts it
+
+    def read(self, wait_s=0.5) -> str:
+        """Output since the last read, collected for up to wait_s (earlier once the prompt is back), capped."""
+        if self.term is None:
+            self._open_terminal()
+        out, end, last = _Capped(self.limits.output_bytes), time.time() + wait_s, b""
+        while time.time() < end and not self.stop_event.is_set():
+            ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
+            if not ready:
+                if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
+                    break  # shell prompt back and quiet for 50 ms
+                continue
+            try:
+                data = os.read(self.master, 65536)
+            except OSError:
+                break  # shell exited
+            out.add(data)
+            last = (last + data)[-64:]
+        return out.text()
+
+    # -- verifier --
+    def run_verifier(self) -> dict:
+        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, return reward.compute()."""
+        import reward
+        vdir = os.path.join(self.root, "logs", "verifier")
+        shutil.rmtree(vdir, ignore_errors=True)
+        os.makedirs(vdir)
+        os.chown(vdir, self.uid, self.uid)
+        shutil.copytree(self.task.tests_dir, os.path.join(self.root, "tests"), dirs_exist_ok=True)
+        timeout = float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
+        rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"},
+                            as_root=True)  # like Harbor's root verifier; the agent's uid cannot signal it
+        with open(os.path.join(self.root, "logs", "verifier_output.txt"), "w") as f:
+            f.write(f"[exit {rc}]\n{out}")
+        return reward.compute(vdir)
+
+    def close(self):
+        """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed)."""
+        _kill_group(self.term)
+        if self.master >= 0:
+            os.close(self.master)
+            self.master = -1
+        _kill_group(self.jail)
+        for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
+            s.close()
+        self.pid = None
+
+
+# --- Terminus-2 protocol --------------------------------------------------------------------------
+PROMPT = """You are an agent solving a task in a Linux shell. Reply with exactly one JSON object:
+{{"analysis": "what you see", "plan": "what you do next", "commands": [{{"keystrokes": "ls -la\\n", "duration": 0.1}}], "task_complete": false}}
+keystrokes are typed verbatim (end a command with \\n); duration = seconds to wait for output.
+Set task_complete to true when the task is done.
+
+Task:
+{instruction}
+
+Current terminal state:
+{terminal}"""
+PARSE_ERROR = "ERROR: your reply was not valid: {error}\nReply with one JSON object as specified."
+CONFIRM = ("Current terminal state:\n{terminal}\n\nAre you sure the task is complete? It will be graded and you "
+           "cannot change it afterwards. If so, reply again with \"task_complete\": true.")
+NEW_OUTPUT = "New terminal output:\n{terminal}"
+
+
+def parse_reply(text: str):
+    """Terminus-2 reply text -> (reply dict, None) or (None, error naming what is wrong)."""
+    start, end = text.find("{"), text.rfind("}")
+    if start < 0 or end < start:
+        return None, "no JSON object found"
+    try:
+        obj = json.loads(text[start:end + 1])
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, "the reply must be a JSON object"
+    for field in ("analysis", "plan", "commands"):
+        if field not in obj:
+            return None, f"missing required field '{field}'"
+    if not isinstance(obj["commands"], list):
+        return None, "'commands' must be a list"
+    cmds = []
+    for i, c in enumerate(obj["commands"]):
+        if not isinstance(c, dict) or not isinstance(c.get("keystrokes"), str):
+            return None, f"commands[{i}] must be an object with a string 'keystrokes'"
+        d = c.get("duration", 1.0)
+        if isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0:
+            return None, f"commands[{i}].duration must be a number >= 0"
+        cmds.append({"keystrokes": c["keystrokes"], "duration": float(d)})
+    done = obj.get("task_complete", False)
+    if not isinstance(done, bool):
+        return None, "'task_complete' must be true or false"
+    return {"analysis": obj["analysis"], "plan": obj["plan"], "commands": cmds, "task_complete": done}, None
+
+
+# --- engine client (SGLang protocol) --------------------------------------------------------------
+class EngineClient:
+    """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by model.py too."""
+
+    def __init__(self, url, timeout=600.0):
+        self.url, self.timeout, self._shape = url.rstrip("/"), timeout, None
+
+    def _call(self, path, body=None, method="POST", timeout=None):
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise RuntimeError(f"engine {path}: HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from None
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return {"text": raw.decode(errors="replace")}
+
+    def generate(self, input_ids, sampling_params, rid=None) -> dict:
+        """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, weight_version)."""
+        body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
+                "return_logprob": True, "return_routed_experts": True, **({"rid": rid} if rid else {})}
+        out = self._call("/generate", body)
+        meta = out.get("meta_info") or {}
+        lps = meta.get("output_token_logprobs") or []
+        ids = out.get("output_ids")
+        ids = [int(x[1]) for x in lps] if ids is None else [int(t) for t in ids]
+        routed = meta.get("routed_experts")
+        if routed is not None:
+            import r3
+            if self._shape is None:
+                info = self.model_info()
+                self._shape = (int(info["num_moe_layers"]), int(info["top_k"]))
+            routed = r3.decode_routed_experts(routed, *self._shape)  # (len(in) + len(out) - 1, L, k)
+        fin = meta.get("finish_reason")
+        return {"output_ids": ids, "logprobs": [float(x[0]) for x in lps] if lps else None,
+                "routed_experts": routed, "finish_reason": fin.get("type") if isinstance(fin, dict) else fin,
+                "weight_version": meta.get("weight_version")}
+
+    def update_weights_from_disk(self, path, weight_version=None):
+        version = {} if weight_version is None else {"weight_version": str(weight_version)}
+        out = self._call("/update_weights_from_disk", {"model_path": str(path), **version})
+        if not out.get("success", False):
+            raise RuntimeError(f"engine /update_weights_from_disk: {out.get('message') or out}")
+        return out
+
+    def pause(self):
+        return self._call("/pause_generation", {})
+
+    def resume(self):
+        return self._call("/continue_generation", {})
+
+    def abort(self, rid):
+        return self._call("/abort_request", {"rid": rid}, timeout=10)
+
+    def health(self) -> bool:
+        try:
+            self._call("/health", method="GET", timeout=5)
+            return True
+        except (OSError, RuntimeError):
+            return False
+
+    def model_info(self) -> dict:
+        return self._call("/get_model_info", method="GET", timeout=30)
+
+
+# --- harness --------------------------------------------------------------------------------------
+def _scripted_policy(task, tok):
+    """Replies of solution/terminus2.json as a policy; a str entry is replayed verbatim (raw text)."""
+    path = os.path.join(task.solution_dir or "", "terminus2.json")
+    if not os.path.isfile(path):
+        raise ValueError(f"scripted agent: {path} not found")
+    with open(path) as f:
+        replies = json.load(f)
+    if not isinstance(replies, list) or not replies:
+        raise ValueError(f"{path}: expected a non-empty JSON list of replies")
+    it = iter(replies)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    def policy(prompt_ids, max_new, rid):
+        reply = next(it, None)
+        if reply is None:
+            raise RuntimeError(f"{path}: replies ran out before task_complete was confirmed")
+        text = reply if isinstance(reply, str) else json.dumps(reply)
+        ids = tok.encode(text, add_special_tokens=False) + [im_end]
+        fin = "stop" if len(ids) <= max_new else "length"  # a long reply is cut like the engine would
+        return {"output_ids": ids[:max_new], "logprobs": None, "routed_experts": None, "finish_reason": fin,
+                "weight_version": None}
+    return policy
+
+
+def _model_policy(engine_url, tok, sampling, stop_event, done):
+    """The engine as a policy; a watcher aborts the in-flight request when the trial is cancelled."""
+    if engine_url is None:
+        raise ValueError("engine_url: required for agent 'model'")
+    client, current = EngineClient(engine_url), {"rid": None}
+    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
+    params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or []) | {tok.convert_tokens_to_ids("<|im_end|>")})
+
+    def policy(prompt_ids, room, rid):
+        current["rid"] = rid
+        return client.generate(prompt_ids, {**params, "max_new_tokens": min(params["max_new_tokens"], room)}, rid=rid)
+
+    def watch():
+        while not done.is_set():
+            if stop_event.wait(0.2):
+                if current["rid"] is not None and not done.is_set():
+                    try:
+                        client.abort(current["rid"])
+                    except Exception:
+                        pass  # the engine may be gone; the trial ends on stop_event anyway
+                return
+    threading.Thread(target=watch, daemon=True).start()
+    return policy
+
+
+def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
+    """Terminus-2 turns on token ids; fills result['records'], returns the exit_reason."""
+    from model import ASSISTANT_PREFIX, IM_END, render_ids
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    nl, gen_prefix = tok.encode("\n", add_special_tokens=False), tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
+    first = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
+    prompt = render_ids(tok, "user", first) + gen_prefix
+    pending = False  # task_complete seen once, waiting for the confirmation
+    while True:
+        if stop_event.is_set():
+            return "cancelled"
+        if len(result["records"]) >= limits.max_turns:
+            return "max_turns"
+        if time.time() > t_end:
+            return "timeout"
+        room = limits.max_total_tokens - len(prompt)
+        if room < 2:
+            return "max_tokens"
+        rid = uuid.uuid4().hex
+        gen = policy(prompt, room, rid)
+        if gen["finish_reason"] == "abort" and stop_event.is_set():
+            return "cancelled"
+        out = list(gen["output_ids"])
+        result["records"].append({"prompt_ids": list(prompt), "output_ids": out, "output_logprobs": gen["logprobs"],
+                                  "routed_experts": gen["routed_experts"], "finish_reason": gen["finish_reason"],
+                                  "weight_version": gen["weight_version"]})
+        if gen["weight_version"] is not None and gen["weight_version"] not in result["weight_versions"]:
+            result["weight_versions"].append(gen["weight_version"])
+        text = tok.decode(out, skip_special_tokens=True)
+        reply, err = parse_reply(text)
+        if err is not None:
+            obs, pending = PARSE_ERROR.format(error=err), False
+        else:
+            chunks = []
+            for c in reply["commands"]:
+                if stop_event.is_set() or time.time() > t_end:
+                    break
+                box.send_keys(c["keystrokes"])
+                wait = min(c["duration"], limits.max_duration_s, max(t_end - time.time(), 0))
+                chunks.append(box.read(max(wait, 0.05)))
+            terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
+            if reply["task_complete"] and pending:
+                return "task_complete"
+            pending = reply["task_complete"]
+            obs = (CONFIRM if pending else NEW_OUTPUT).format(terminal=terminal)
+        glue = ([] if out and out[-1] == im_end else [im_end]) + nl  # length stop: close the message
+        prompt = prompt + out + glue + render_ids(tok, "user", obs) + gen_prefix  # token-first: strict
+
+
+def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
+              work_root=None, stop_event=None) -> dict:
+    """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
+
+    limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
+    the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
+    there; None -> a temp dir that is deleted.
+    """
+    t0, stop_event = time.time(), stop_event or threading.Event()
+    result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
+              "passed": 0, "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None,
+              "wall_s": 0.0, "weight_versions": [], "records": []}
+    root, box, done = None, None, threading.Event()
+    try:
+        import data
+        task = data.load_task(task_dir)
+        result["task"] = task.name
+        if agent not in ("oracle", "nop", "model", "scripted"):
+            raise ValueError(f"agent: expected oracle|nop|model|scripted, got {agent!r}")
+        if agent in ("model", "scripted") and tokenizer is None:
+            raise ValueError(f"tokenizer: required for agent {agent!r}")
+        limits = make_limits(limits)
+        agent_timeout = float(task.config.get("agent", {}).get("timeout_sec", limits.trial_timeout_s))
+        t_end = t0 + min(limits.trial_timeout_s, agent_timeout)
+        if work_root is not None:
+            os.makedirs(work_root, exist_ok=True)
+        root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
+        box = Sandbox(task, root, limits, stop_event=stop_event, solution=(agent == "oracle")).start()
+        if agent == "oracle":
+            rc, out = box.exec("bash /solution/solve.sh", timeout=max(t_end - time.time(), 1))
+            with open(os.path.join(root, "logs", "agent", "oracle.txt"), "w") as f:
+                f.write(f"[exit {rc}]\n{out}")
+            exit_reason = "cancelled" if stop_event.is_set() else "oracle"
+        elif agent == "nop":
+            exit_reason = "nop"
+        else:
+            policy = (_scripted_policy(task, tokenizer) if agent == "scripted" else
+                      _model_policy(engine_url, tokenizer, sampling, stop_event, done))
+            exit_reason = _agent_loop(box, task, policy, tokenizer, limits, stop_event, t_end, result)
+        result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
+        if exit_reason != "cancelled":
+            v = box.run_verifier()
+            import reward
+            result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
+                          resolved=reward.is_resolved(v))
+            if stop_event.is_set():  # cancelled while verifying: the report may be partial
+                result["exit_reason"] = "cancelled"
+    except Exception as e:  # a crash inside a trial never propagates
+        result.update(exit_reason="error", error=f"{type(e).__name__}: {e}", turns=len(result["records"]))
+    finally:
+        done.set()
+        if box is not None:
+            box.close()
+        if root is not None and work_root is None:
+            shutil.rmtree(root, ignore_errors=True)
+        result["wall_s"] = time.time() - t0
+    return result
+
+
+def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", **kw):
+    """Concurrent trials; keep the first n_keep that finish, cancel the rest -> (kept, dropped).
+
+    Paper: launch 560, keep the first 512 finished. dropped: {task, seconds, reason} for cancelled,
+    never-started and crashed trials. kw go to run_trial (engine_url, tokenizer, sampling, limits, work_root).
+    """
+    from tqdm import tqdm
+    task_dirs = [str(t) for t in task_dirs]
+    n_keep = len(task_dirs) if n_keep is None else n_keep
+    if n_keep < 0:
+        raise ValueError(f"n_keep: must be >= 0, got {n_keep}")
+    stop_event, lock, started, t0 = threading.Event(), threading.Lock(), {}, time.time()
+    kept, dropped, n_tokens = [], [], 0
+
+    def one(td):
+        with lock:
+            if stop_event.is_set():
+                return None
+            started[td] = time.time()
+        return run_trial(td, agent, stop_event=stop_event, **kw)
+
+    bar = tqdm(total=n_keep, desc=desc, leave=False, disable=n_keep == 0)
+    with cf.ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
+        futures = {pool.submit(one, td): td for td in task_dirs}
+        for fut in cf.as_completed(futures):
+            td, res = futures[fut], fut.result()
+            if res is None:
+                dropped.append({"task": os.path.basename(td), "seconds": 0.0, "reason": "not started"})
+                continue
+            if res["exit_reason"] in ("error", "cancelled") or len(kept) >= n_keep:
+                why = {"error": res["error"], "cancelled": "cancelled"}.get(res["exit_reason"], "finished after n_keep")
+                dropped.append({"task": res["task"], "seconds": res["wall_s"], "reason": why})
+                continue
+            kept.append(res)
+            n_tokens += sum(len(r["output_ids"]) for r in res["records"])
+            bar.update(1)
+            bar.set_postfix(launched=len(started), tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
+            if len(kept) >= n_keep:
+                stop_event.set()  # cancel the rest: their sandboxes are killed, their requests aborted
+    bar.close()
+    return kept, dropped
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--task", required=True)
+    p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
+    p.add_argument("--engine-url", default=None)
+    p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
+    a = p.parse_args()
+    tok = None
+    if a.model_path:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(a.model_path)
+    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok)
+    print(json.dumps({k: res[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
+                                          "error", "wall_s")}))
+
+
+if __name__ == "__main__":
+    main()

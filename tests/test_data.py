@@ -1,0 +1,245 @@
+"""Tests for data.py: Harbor task synthesis, audit in real sandboxes, pools, TB2 loading."""
+import concurrent.futures as cf
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+import data  # noqa: E402
+
+S = data.SCALE
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory):
+    """12 train + 6 held-out tasks (two of each family in train), not sandbox-validated."""
+    out = tmp_path_factory.mktemp("tasks")
+    train, heldout = data.generate_tasks(str(out), 12, 6, seed=3, validate_tasks=False)
+    return out, train, heldout
+
+
+def _tree(root):
+    files = {}
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(dirpath, n)
+            with open(p, "rb") as f:
+                files[os.path.relpath(p, root)] = (f.read(), os.stat(p).st_mode)
+    return files
+
+
+def test_every_family_generates_valid_harbor_dirs(pool):
+    _, train, heldout = pool
+    families = {}
+    for d in train + heldout:
+        t = data.load_task(d)
+        meta = t.config["metadata"]
+        families[meta["family"]] = families.get(meta["family"], 0) + 1
+        assert meta["split"] == ("train" if d in train else "heldout")
+        assert 0 < meta["quality"] <= 1 and meta["difficulty"] in ("easy", "medium")
+        assert t.config["verifier"]["timeout_sec"] > 0 and t.config["agent"]["timeout_sec"] > 0
+        for rel in ("environment/Dockerfile", "environment/app", "tests/test.sh", "tests/test_outputs.py",
+                    "solution/solve.sh", "solution/terminus2.json"):
+            assert os.path.exists(os.path.join(d, rel)), rel
+        assert "COPY app/ /app/" in open(os.path.join(d, "environment/Dockerfile")).read()
+        assert "pytest --ctrf /logs/verifier/ctrf.json" in open(os.path.join(t.tests_dir, "test.sh")).read()
+        n_tests = open(os.path.join(t.tests_dir, "test_outputs.py")).read().count("\ndef test_")
+        assert 3 <= n_tests <= 6 and n_tests == meta["n_assertions"]
+        replies = json.load(open(os.path.join(t.solution_dir, "terminus2.json")))
+        assert [r["task_complete"] for r in replies[-2:]] == [True, True]
+        assert all(not r["task_complete"] and r["commands"] for r in replies[:-2]) and 1 <= len(replies) - 2 <= 2
+        for r in replies:
+            assert set(r) == {"analysis", "plan", "commands", "task_complete"}
+            assert all(c["keystrokes"].endswith("\n") and c["duration"] > 0 for c in r["commands"])
+        app_files = [f for _, _, fs in os.walk(os.path.join(t.env_dir, "app")) for f in fs]
+        assert not {"test_outputs.py", "test.sh", "solve.sh"} & set(app_files)  # no leakage into /app
+    assert set(families) == set(data.FAMILIES) and len(data.FAMILIES) >= 6
+
+
+def _one_per_family(dirs):
+    seen = {}
+    for d in dirs:
+        seen.setdefault(data.load_task(d).config["metadata"]["family"], d)
+    return [seen[f] for f in data.FAMILIES]
+
+
+def test_oracle_resolves_and_nop_scores_zero_for_every_family(pool, tmp_path):
+    rollout = pytest.importorskip("rollout")
+    tasks = _one_per_family(pool[1])
+    jobs = [(d, agent) for d in tasks for agent in ("oracle", "nop")]
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = list(ex.map(lambda j: rollout.run_trial(j[0], j[1], work_root=str(tmp_path)), jobs))
+    for (d, agent), r in zip(jobs, res):
+        n = data.load_task(d).config["metadata"]["n_assertions"]
+        assert r["total"] == n and r["reward_source"] == "ctrf", (d, agent, r)
+        if agent == "oracle":  # every assertion passes; r = P / S
+            assert r["resolved"] and r["passed"] == n and r["reward"] == pytest.approx(n / S), (d, r)
+        else:  # untouched environment: no assertion passes
+            assert not r["resolved"] and r["passed"] == 0 and r["reward"] == 0.0, (d, r)
+
+
+def test_scripted_expert_trajectory_resolves_for_every_family(pool, tmp_path):
+    rollout = pytest.importorskip("rollout")
+    model = pytest.importorskip("model")
+    tasks = _one_per_family(pool[1])
+    tok = model.train_tokenizer(data.corpus(pool[1]))
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = list(ex.map(lambda d: rollout.run_trial(d, "scripted", tokenizer=tok, work_root=str(tmp_path)), tasks))
+    for d, r in zip(tasks, res):
+        assert r["resolved"] and r["exit_reason"] == "task_complete", (d, r)
+
+
+def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
+    pytest.importorskip("rollout")
+    train, heldout = data.generate_tasks(str(tmp_path), 6, 0, seed=11, scripted=False)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert len(train) == 6 and heldout == [] and summary["validated"] is True
+    assert summary["dropped_total"] == 0 and summary["unrecovered"] == 0
+    assert not (tmp_path / ".sandboxes").exists()
+
+
+def test_train_and_heldout_are_disjoint(tmp_path):
+    train, heldout = data.generate_tasks(str(tmp_path), 60, 30, seed=0, validate_tasks=False)
+    ins_train = {data.load_task(d).instruction for d in train}
+    ins_held = {data.load_task(d).instruction for d in heldout}
+    assert len(ins_train) == 60 and len(ins_held) == 30 and not ins_train & ins_held
+    assert all("/train/" in d for d in train) and all("/heldout/" in d for d in heldout)
+
+
+def test_generation_is_deterministic_given_seed(tmp_path):
+    a, b, c = (tmp_path / x for x in "abc")
+    data.generate_tasks(str(a), 6, 3, seed=5, validate_tasks=False)
+    data.generate_tasks(str(b), 6, 3, seed=5, validate_tasks=False)
+    data.generate_tasks(str(c), 6, 3, seed=6, validate_tasks=False)
+    ta, tb, tc = _tree(a / "train"), _tree(b / "train"), _tree(c / "train")
+    assert ta == tb and _tree(a / "heldout") == _tree(b / "heldout")
+    assert sorted(os.listdir(a / "train")) == sorted(os.listdir(c / "train"))  # same families per slot
+    assert ta != tc  # different parameters
+
+
+TB2_TOML = '''version = "1.0"
+
+[metadata]
+author_name = "Jane Doe"
+author_email = "jane@example.com"
+difficulty = "medium"
+category = "system-administration"
+tags = ["bash", "logs"]
+expert_time_estimate_min = 20.0
+junior_time_estimate_min = 60.0
+
+[verifier]
+timeout_sec = 900.0
+
+[agent]
+timeout_sec = 1800.0
+
+[environment]
+build_timeout_sec = 600.0
+docker_image = "alexgshaw/rotate-logs:20251031"
+cpus = 1
+memory = "2G"
+storage = "10G"
+'''
+
+
+def _tb2_task(root):
+    files = {"task.toml": TB2_TOML,
+             "instruction.md": "Rotate the logs in /var/log/app and keep the last 3 files.\n",
+             "environment/Dockerfile": "FROM ubuntu:24.04\nWORKDIR /app\nRUN mkdir -p /var/log/app\n",
+             "tests/test.sh": "#!/bin/bash\ncurl -LsSf https://astral.sh/uv/0.7.13/install.sh | sh\n"
+                              "uvx -p 3.13 -w pytest==8.4.1 -w pytest-json-ctrf==0.3.5 pytest --ctrf "
+                              "/logs/verifier/ctrf.json /tests/test_outputs.py -rA\n",
+             "tests/test_outputs.py": "def test_rotated():\n    assert True\n",
+             "solution/solve.sh": "#!/bin/bash\nls /var/log/app\n"}
+    for rel, text in files.items():
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(text)
+    return root
+
+
+def test_terminal_bench2_style_task_loads_unchanged(tmp_path):
+    d = _tb2_task(tmp_path / "rotate-logs")
+    before = _tree(d)
+    t = data.load_task(str(d))
+    assert t.name == "rotate-logs" and t.instruction.startswith("Rotate the logs")
+    assert t.config["metadata"]["category"] == "system-administration"
+    assert t.config["environment"]["memory"] == "2G" and t.config["verifier"]["timeout_sec"] == 900.0
+    assert t.tests_dir == str(d / "tests") and t.solution_dir == str(d / "solution")
+    assert t.env_dir == str(d / "environment")
+    assert _tree(d) == before  # loading never touches the dir
+    assert data.ordered_pool([str(d)]) == [str(d)]  # no quality field: still usable in a pool
+
+
+@pytest.mark.parametrize("breakage, needle", [
+    (lambda d: (d / "instruction.md").unlink(), "instruction.md"),
+    (lambda d: (d / "task.toml").write_text("[metadata\nx = 1"), "task.toml"),
+    (lambda d: (d / "task.toml").unlink(), "task.toml"),
+    (lambda d: (d / "tests" / "test.sh").unlink(), "tests/test.sh"),
+    (lambda d: (d / "task.toml").write_text('[verifier]\ntimeout_sec = "soon"\n'), "timeout_sec"),
+])
+def test_malformed_task_dir_raises_naming_the_file(tmp_path, breakage, needle):
+    d = _tb2_task(tmp_path / "t")
+    breakage(d)
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+        data.load_task(str(d))
+    with pytest.raises(ValueError, match="does not exist"):
+        data.load_task(str(tmp_path / "nope"))
+
+
+def test_static_audit_rejects_hidden_requirement_leakage_and_weak_verifier():
+    import random
+    spec = data.fam_text(random.Random(0))
+    assert data.static_audit(spec) is None
+    out = spec["outputs"][0]
+    assert "hidden requirement" in data.static_audit(dict(spec, instruction="Do the thing."))
+    assert "shortcut" in data.static_audit(dict(spec, files={**spec["files"], out: "x"}))
+    assert "leakage" in data.static_audit(dict(spec, files={**spec["files"], "test_outputs.py": "x"}))
+    assert "weak verifier" in data.static_audit(dict(spec, tests=spec["tests"][:2]))
+
+
+def test_ordered_pool_by_quality_and_reshuffled_per_epoch(pool):
+    _, train, _ = pool
+    ordered = data.ordered_pool(train)
+    q = [data.load_task(d).config["metadata"]["quality"] for d in ordered]
+    assert sorted(ordered) == sorted(train) and q == sorted(q, reverse=True)
+    assert data.ordered_pool(train, n=4) == ordered[:4]
+    e0, e0b, e1 = data.epoch_order(ordered, 0, 1), data.epoch_order(ordered, 0, 1), data.epoch_order(ordered, 1, 1)
+    assert e0 == e0b and e0 != e1 and sorted(e0) == sorted(e1) == sorted(ordered)
+
+
+def test_corpus_holds_instructions_replies_and_terminal_text(pool):
+    _, train, _ = pool
+    texts = data.corpus(train)
+    t = data.load_task(train[0])
+    assert t.instruction in texts
+    reply = json.load(open(os.path.join(t.solution_dir, "terminus2.json")))[0]
+    assert json.dumps(reply) in texts
+    assert any(x.startswith("root@sandbox:/app# ") for x in texts)
+
+
+def test_cli_generate_prints_summary_line(tmp_path):
+    out = subprocess.run([sys.executable, os.path.join(HERE, "data.py"), "generate", "--out", str(tmp_path / "t"),
+                          "--n-train", "6", "--n-heldout", "2", "--seed", "1", "--no-validate"],
+                         capture_output=True, text=True, check=True).stdout.strip().splitlines()
+    s = json.loads(out[-1])
+    assert s["train"] == 6 and s["heldout"] == 2 and len(s["families"]) == 6
+
+
+def test_audit_rejects_broken_oracle_and_weak_verifier(pool, tmp_path):
+    pytest.importorskip("rollout")
+    import shutil
+    src = _one_per_family(pool[1])[0]
+    broken, weak = tmp_path / "broken", tmp_path / "weak"
+    shutil.copytree(src, broken)
+    shutil.copytree(src, weak)
+    (broken / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
+    (weak / "tests" / "test_outputs.py").write_text("".join(f"def test_{i}():\n    assert True\n" for i in range(3)))
+    assert data.validate(src, work_root=str(tmp_path)) is None
+    assert data.validate(str(broken), work_root=str(tmp_path)).startswith("oracle not resolved: 0/")
+    assert data.validate(str(weak), work_root=str(tmp_path)) == "weak verifier: nop scores full"

@@ -1,0 +1,249 @@
+"""Tests for model.py: tokenizer + chat format, checkpoints, and the embedded engine over real HTTP."""
+import json
+import os
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+from transformers import AutoTokenizer, Qwen3_5MoeForCausalLM
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as model_lib  # noqa: E402
+import r3  # noqa: E402
+
+torch.set_num_threads(2)
+TEXTS = [f"run `ls -la /app/dir{i}` then cat notes{i}.txt | grep -c error > count.txt" for i in range(30)] + \
+        ['{"analysis": "the file exists", "plan": "sort it", "commands": [], "task_complete": true}'] * 5
+CONVERSATION = [
+    {"role": "system", "content": "You are a terminal agent."},
+    {"role": "user", "content": "count the errors in notes3.txt"},
+    {"role": "assistant", "content": '{"analysis": "x", "plan": "grep -c error notes3.txt"}'},
+    {"role": "user", "content": "$ grep -c error notes3.txt\n4\n"},
+]
+
+
+def post(url, obj, raw=None):
+    data = raw if raw is not None else json.dumps(obj).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.status, json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return model_lib.train_tokenizer(TEXTS, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tok, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    eng = model_lib.EngineServer(ckpt, port=0, max_batch=8).start()
+    yield eng
+    eng.stop()
+
+
+def prompt(tok, text):
+    return model_lib.render_ids(tok, "user", text) + tok.encode(model_lib.ASSISTANT_PREFIX)
+
+
+def generate(engine, ids, **sp):
+    sp.setdefault("max_new_tokens", 12)
+    status, out = post(engine.url + "/generate", {"input_ids": ids, "sampling_params": sp,
+                                                  "return_logprob": True, "return_routed_experts": True})
+    assert status == 200, out
+    return out
+
+
+# --- tokenizer and chat format --------------------------------------------------------------------
+def test_tokenizer_training_is_deterministic_with_chatml_specials(tok):
+    again = model_lib.train_tokenizer(TEXTS, vocab_size=400)
+    assert again.backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]) == [0, 1, 2]
+    assert tok.pad_token_id == 0 and tok.eos_token_id == 2 and 300 <= len(tok) <= 400
+    text = "ünïcode → bytes\tand\nnewlines"
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text  # byte-level: lossless
+
+
+def test_render_ids_concatenated_equals_apply_chat_template(tok):
+    ours = [i for m in CONVERSATION for i in model_lib.render_ids(tok, m["role"], m["content"])]
+    ours += tok.encode(model_lib.ASSISTANT_PREFIX, add_special_tokens=False)
+    theirs = tok.apply_chat_template(CONVERSATION, tokenize=True, add_generation_prompt=True, return_dict=False)
+    assert ours == list(theirs)
+    msg = model_lib.render_ids(tok, "assistant", "done")
+    assert msg[0] == 1 and msg[-2:] == [2, tok.encode("\n")[0]]
+    with pytest.raises(ValueError, match="role"):
+        model_lib.render_ids(tok, "tool", "x")
+
+
+def test_checkpoint_round_trip_loads_with_plain_hugging_face(tok, ckpt):
+    actor = model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0).eval()
+    ids = torch.tensor([prompt(tok, "list files")])
+    for name in ("config.json", "model.safetensors", "tokenizer.json"):
+        assert os.path.isfile(os.path.join(ckpt, name)), name
+    plain = Qwen3_5MoeForCausalLM.from_pretrained(ckpt).eval()  # no r3: state-dict keys are HF's
+    loaded, tok2 = model_lib.load_actor(ckpt)
+    with torch.no_grad():
+        want = actor(ids).logits
+        assert torch.equal(plain(ids).logits, want)
+        assert torch.equal(loaded.eval()(ids).logits, want)
+    assert len(r3.routers(loaded)) == 4 and plain.config.router_aux_loss_coef == 0.0
+    assert AutoTokenizer.from_pretrained(ckpt).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
+    assert tok2.apply_chat_template(CONVERSATION, tokenize=False) == tok.apply_chat_template(CONVERSATION, tokenize=False)
+
+
+# --- engine ------------------------------------------------------------------------------------------
+def test_engine_wire_format_logprobs_and_routing_match_a_teacher_forced_forward(engine, tok, ckpt):
+    ids = prompt(tok, "count the errors")
+    out = generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)
+    meta, out_ids = out["meta_info"], out["output_ids"]
+    n_in, n_out = len(ids), len(out_ids)
+    assert meta["prompt_tokens"] == n_in and meta["completion_tokens"] == n_out >= 1
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "0"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out_ids
+    routed = r3.decode_routed_experts(meta["routed_experts"], 4, 2)
+    assert routed.shape == (n_in + n_out - 1, 4, 2) and routed.dtype.name == "int32"
+    # teacher-forced forward of the same bf16-rounded weights
+    ref, _ = model_lib.load_actor(ckpt)
+    model_lib.round_to_bf16(ref.eval())
+    full = torch.tensor([ids + out_ids])  # (1, n_in + n_out)
+    with torch.no_grad(), r3.routing(ref, "record") as rec:
+        logits = ref(full).logits[0, n_in - 1:-1]  # (n_out, V): predicts each output token
+    want = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(out_ids)[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+    assert (rec.experts[0, :-1].numpy() == routed).mean() > 0.99  # sampler routing == trainer routing
+    # greedy: logprob of the raw distribution; same seed -> same sample
+    greedy = generate(engine, ids, temperature=0, max_new_tokens=4)["meta_info"]["output_token_logprobs"]
+    first = torch.log_softmax(logits[0], -1)
+    assert greedy[0][1] == int(first.argmax()) and abs(greedy[0][0] - float(first.max())) < 1e-4
+    assert generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)["output_ids"] == out_ids
+
+
+def test_stop_token_is_included_in_output_with_its_logprob(engine, tok):
+    ids = prompt(tok, "stop early")
+    first = generate(engine, ids, temperature=0, max_new_tokens=3)["output_ids"][0]
+    out = generate(engine, ids, temperature=0, max_new_tokens=10, stop_token_ids=[first])
+    meta = out["meta_info"]
+    assert out["output_ids"] == [first] and meta["finish_reason"] == {"type": "stop", "matched": first}
+    assert len(meta["output_token_logprobs"]) == 1
+    assert r3.decode_routed_experts(meta["routed_experts"], 4, 2).shape == (len(ids), 4, 2)
+    length = generate(engine, ids, temperature=0, max_new_tokens=3, ignore_eos=True)["meta_info"]
+    assert length["finish_reason"]["type"] == "length" and length["completion_tokens"] == 3
+
+
+def test_concurrent_requests_are_batched_and_match_sequential_greedy(engine, tok):
+    prompts = [prompt(tok, t) for t in ("a", "list the files in /app please", "grep error", "cat notes1.txt")]
+    sequential = [generate(engine, p, temperature=0, max_new_tokens=10, ignore_eos=True) for p in prompts]
+    results = [None] * len(prompts)
+
+    def worker(i):
+        results[i] = generate(engine, prompts[i], temperature=0, max_new_tokens=10, ignore_eos=True)
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 10
+    while len(engine.queue) < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(engine.queue) == len(prompts)  # all waiting: they will run as ONE left-padded wave
+    assert post(engine.url + "/continue_generation", {})[0] == 200
+    for t in threads:
+        t.join()
+    for seq, par in zip(sequential, results):
+        assert par["output_ids"] == seq["output_ids"]
+        a = [lp for lp, _, _ in seq["meta_info"]["output_token_logprobs"]]
+        b = [lp for lp, _, _ in par["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, tok, tmp_path):
+    ids = prompt(tok, "hello")
+    before = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+    other = str(tmp_path / "step1")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=7), tok, other)
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other})
+    assert status == 200 and res["success"] is True
+    after = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+    assert after["meta_info"]["weight_version"] == "1" and get(engine.url + "/get_model_info")[1]["weight_version"] == "1"
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other, "weight_version": "step-7"})
+    assert status == 200 and get(engine.url + "/get_model_info")[1] == {
+        "model_path": other, "weight_version": "step-7", "num_moe_layers": 4, "top_k": 2, "vocab_size": len(tok)}
+
+
+def test_bad_requests_get_400_naming_the_field(engine, tok, tmp_path):
+    ids = prompt(tok, "x")
+    cases = [
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [10**6]}, "input_ids"),
+        ({"input_ids": ids, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"input_ids": ids, "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ({"input_ids": ids, "sampling_params": {"max_new_tokens": "12"}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": ids, "sampling_params": {"max_new_tokens": 10**5}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": ids, "sampling_params": {"stop_token_ids": [1.5]}}, "sampling_params.stop_token_ids"),
+        ({"input_ids": ids, "sampling_params": []}, "sampling_params"),
+        ({"input_ids": ids, "rid": 5}, "rid"),
+    ]
+    for body, field in cases:
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith(field + ":"), (body, res)
+    status, res = post(engine.url + "/generate", None, raw=b"{not json")
+    assert status == 400 and res["error"].startswith("body:")
+    status, res = post(engine.url + "/update_weights_from_disk", {})
+    assert status == 400 and res["error"].startswith("model_path:")
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert status == 400 and res["success"] is False and "model_path" in res["error"]
+    assert get(engine.url + "/health")[0] == 200  # still serving
+
+
+def test_abort_request_ends_a_queued_request(engine, tok):
+    result = {}
+    post(engine.url + "/pause_generation", {})
+    body = {"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 5}, "rid": "r-1"}
+    t = threading.Thread(target=lambda: result.update(res=post(engine.url + "/generate", body)))
+    t.start()
+    while not engine.queue:
+        time.sleep(0.01)
+    assert post(engine.url + "/abort_request", {"rid": "r-1"}) == (200, {"success": True})
+    t.join(timeout=10)
+    post(engine.url + "/continue_generation", {})
+    status, res = result["res"]
+    assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "abort" and res["output_ids"] == []
+
+
+def test_serve_command_line_starts_a_server(ckpt):
+    import socket
+    import subprocess
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "model.py"), "serve", "--model-path", ckpt,
+                             "--port", str(port), "--weight-dtype", "fp32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "engine serving" in proc.stdout.readline()  # printed once healthy
+        info = get(f"http://127.0.0.1:{port}/get_model_info")[1]
+        assert info["num_moe_layers"] == 4 and info["top_k"] == 2 and info["weight_version"] == "0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

@@ -1,0 +1,241 @@
+"""Tests for r3.py: record -> replay equivalence, live-router gradients over recorded ids, recompute."""
+import base64
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import DynamicCache
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import model as model_lib  # noqa: E402
+import r3  # noqa: E402
+
+torch.set_num_threads(2)
+B, T = 2, 24
+
+
+@pytest.fixture(scope="module")
+def actor():
+    m = model_lib.build_actor(model_lib.tiny_config(300), seed=0)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(3, 300, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
+
+
+def capture_router_indices(m, logits=None):
+    """Forward hooks that collect each router's chosen ids (N, k) (and logits (N, E)) in layer order."""
+    got, hooks = {}, []
+    logits = {} if logits is None else logits
+    for l, r in enumerate(r3.routers(m)):
+        def hook(mod, inp, out, l=l):
+            got[l], logits[l] = out[2].clone(), out[0].detach().clone()
+        hooks.append(r.register_forward_hook(hook))
+    return got, hooks
+
+
+def bottom_k_experts(m, ids):
+    """(B, T, L, k): per position and layer, the k experts the live router likes LEAST."""
+    logits = {}
+    hooks = [r.register_forward_hook(lambda mod, inp, out, l=l: logits.__setitem__(l, out[0].detach()))
+             for l, r in enumerate(r3.routers(m))]
+    with torch.no_grad():
+        m(ids)
+    for h in hooks:
+        h.remove()
+    k = m.config.num_experts_per_tok
+    low = [logits[l].argsort(dim=-1)[:, :k] for l in range(len(logits))]  # each (N, k)
+    return torch.stack(low, dim=1).reshape(ids.shape[0], ids.shape[1], len(logits), k).to(torch.int32)
+
+
+def test_install_keeps_the_router_parameter_and_state_dict_keys():
+    m = model_lib.Qwen3_5MoeForCausalLM(model_lib.tiny_config(300))
+    keys = list(m.state_dict().keys())
+    weight = m.model.layers[0].mlp.gate.weight
+    r3.install(m)
+    r3.install(m)  # idempotent
+    assert list(m.state_dict().keys()) == keys
+    assert m.model.layers[0].mlp.gate.weight is weight
+    assert len(r3.routers(m)) == 4 and all(isinstance(r, r3.R3Router) for r in r3.routers(m))
+
+
+def test_record_has_one_row_per_position_and_layer(actor, ids):
+    with torch.no_grad(), r3.routing(actor, "record") as rec:
+        actor(ids)
+    ex = rec.experts
+    assert ex.shape == (B, T, 4, 2) and ex.dtype == torch.int32
+    assert int(ex.min()) >= 0 and int(ex.max()) < 8
+    assert (ex[..., 0] != ex[..., 1]).all()  # top-k ids are distinct
+
+
+def test_replayed_experts_equal_recorded_experts_in_every_layer(actor, ids):
+    with torch.no_grad(), r3.routing(actor, "record") as rec:
+        actor(ids)
+    recorded = rec.experts  # (B, T, L, k)
+    # a different set of weights: the live router would now choose differently
+    other = model_lib.build_actor(model_lib.tiny_config(300), seed=1).eval()
+    got, hooks = capture_router_indices(other)
+    with torch.no_grad(), r3.routing(other, "replay", recorded):
+        other(ids)
+    for h in hooks:
+        h.remove()
+    live, hooks = capture_router_indices(other)
+    with torch.no_grad():
+        other(ids)
+    for h in hooks:
+        h.remove()
+    for l in range(4):
+        assert torch.equal(got[l].reshape(B, T, 2).to(torch.int32), recorded[:, :, l])
+    differs = sum(not torch.equal(live[l].reshape(B, T, 2).to(torch.int32), recorded[:, :, l]) for l in range(4))
+    assert differs > 0  # the replay really overrode the live choice
+
+
+def test_replay_with_identical_weights_gives_identical_logits(actor, ids):
+    with torch.no_grad():
+        off = actor(ids).logits
+        with r3.routing(actor, "record") as rec:
+            recorded_logits = actor(ids).logits
+        with r3.routing(actor, "replay", rec.experts):
+            replay_logits = actor(ids).logits
+    assert torch.equal(off, recorded_logits)
+    assert torch.allclose(off, replay_logits, atol=1e-6, rtol=0)
+
+
+def test_gradient_reaches_router_rows_of_recorded_experts_the_live_router_would_not_choose(actor, ids):
+    forced = bottom_k_experts(actor, ids)  # (B, T, L, k), never the live top-k
+    forced[:, :, 0] = torch.tensor([6, 7], dtype=torch.int32)  # layer 0: one fixed pair everywhere
+    actor.zero_grad()
+    with r3.routing(actor, "replay", forced):
+        logits = actor(ids).logits
+        torch.nn.functional.log_softmax(logits, -1)[..., 5].sum().backward()
+    with torch.no_grad():
+        off = actor(ids).logits
+    assert not torch.allclose(off, logits.detach(), atol=1e-4)  # routing was really forced
+    g0 = r3.routers(actor)[0].weight.grad  # (E, H)
+    assert g0[6].abs().sum() > 1e-6 and g0[7].abs().sum() > 1e-6
+    # w = exp(z_i) / sum_k exp(z_k) over the recorded k: rows never recorded get no gradient (up to fp noise)
+    assert g0[:6].abs().max() < 1e-4 * g0[6:].abs().max()
+    for l in range(1, 4):
+        g = r3.routers(actor)[l].weight.grad
+        used = torch.unique(forced[:, :, l].long())
+        assert (g[used].abs().sum(-1) > 0).all()
+    actor.zero_grad()
+
+
+def test_replay_holds_under_gradient_checkpointing(ids):
+    def grads(checkpointing):
+        m = model_lib.build_actor(model_lib.tiny_config(300), seed=0)
+        forced = bottom_k_experts(m, ids)
+        if checkpointing:
+            m.activation_checkpointing_enable()
+        m.train()
+        calls = []
+        r3.routers(m)[0].register_forward_hook(lambda *a: calls.append(1))
+        with r3.routing(m, "replay", forced):  # backward (and its recompute) inside the context
+            loss = torch.nn.functional.cross_entropy(m(ids).logits[:, :-1].reshape(-1, 300), ids[:, 1:].reshape(-1))
+            loss.backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, len(calls)
+    loss_a, ga, calls_a = grads(False)
+    loss_b, gb, calls_b = grads(True)
+    assert (calls_a, calls_b) == (1, 2)  # the checkpointed run recomputed the router in backward
+    assert torch.allclose(loss_a, loss_b, atol=1e-6)
+    assert ga.keys() == gb.keys() and any("mlp.gate.weight" in n for n in ga)
+    for n in ga:
+        assert torch.allclose(ga[n], gb[n], atol=1e-6, rtol=1e-4), n
+
+
+def test_wrong_shape_or_malformed_experts_raise(actor, ids):
+    good = torch.zeros(B, T, 4, 2, dtype=torch.int32)
+    good[..., 1] = 1
+    with pytest.raises(ValueError, match=r"expected shape \(B, T, 4, 2\).*got \(2, 24, 3, 2\)"):
+        with r3.routing(actor, "replay", good[:, :, :3]):
+            pass
+    with pytest.raises(ValueError, match="token rows"):
+        with torch.no_grad(), r3.routing(actor, "replay", good[:, :10]):
+            actor(ids)
+    bad = good.clone()
+    bad[0, 0, 0, 0] = 8
+    with pytest.raises(ValueError, match=r"ids must be in \[0, 8\)"):
+        with r3.routing(actor, "replay", bad):
+            pass
+    mixed = good.clone()
+    mixed[0, 0, 0, 0] = -1
+    with pytest.raises(ValueError, match="mixes -1"):
+        with r3.routing(actor, "replay", mixed):
+            pass
+    with pytest.raises(ValueError, match="mode"):
+        with r3.routing(actor, "replya"):
+            pass
+    with pytest.raises(ValueError, match="experts"):
+        with r3.routing(actor, "replay"):
+            pass
+    # the routers are back to "off" after every failure
+    assert all(r.mode == "off" for r in r3.routers(actor))
+
+
+def test_minus_one_rows_fall_back_to_live_routing(actor, ids):
+    forced = bottom_k_experts(actor, ids)
+    forced[0, 5:] = -1  # placeholders for the tail of row 0, every layer
+    logits = {}
+    got, hooks = capture_router_indices(actor, logits)
+    with torch.no_grad(), r3.routing(actor, "replay", forced):
+        actor(ids)
+    for h in hooks:
+        h.remove()
+    for l in range(4):
+        chosen = got[l].reshape(B, T, 2).to(torch.int32)
+        live = logits[l].topk(2, dim=-1).indices.reshape(B, T, 2).to(torch.int32)  # live top-k, same forward
+        assert torch.equal(chosen[0, 5:].sort(-1).values, live[0, 5:].sort(-1).values)
+        assert torch.equal(chosen[0, :5], forced[0, :5, l]) and torch.equal(chosen[1], forced[1, :, l])
+    with torch.no_grad():
+        with r3.routing(actor, "replay", torch.full((B, T, 4, 2), -1)):
+            all_placeholder = actor(ids).logits
+        assert torch.allclose(all_placeholder, actor(ids).logits, atol=1e-6, rtol=0)
+
+
+def test_cached_forwards_are_recorded_separately_and_match_one_full_forward(actor, ids):
+    with torch.no_grad(), r3.routing(actor, "record") as rec:
+        cache = DynamicCache(config=actor.config)
+        actor(ids[:, :20], cache=cache, use_cache=True)
+        for t in range(20, T):
+            actor(ids[:, t:t + 1], cache=cache, use_cache=True)
+        steps = rec.pop()
+        actor(ids)
+    full = rec.experts  # only the forward after pop()
+    assert [s.shape[1] for s in steps] == [20, 1, 1, 1, 1]
+    assert torch.equal(torch.cat(steps, dim=1), full)
+
+
+def test_routed_experts_wire_format_round_trip():
+    arr = np.random.default_rng(0).integers(-1, 256, size=(37, 48, 8)).astype(np.int32)
+    b64 = r3.encode_routed_experts(arr)
+    assert len(base64.b64decode(b64)) == 37 * 48 * 8 * 4  # 1.5 KiB per position at 48 x 8 int32
+    out = r3.decode_routed_experts(b64, 48, 8)
+    assert out.dtype == np.int32 and np.array_equal(out, arr)
+    assert base64.b64decode(r3.encode_routed_experts(np.array([[[1, 258]]]))) == b"\x01\x00\x00\x00\x02\x01\x00\x00"
+    assert r3.decode_routed_experts("", 4, 2).shape == (0, 4, 2)
+    with pytest.raises(ValueError, match="multiple of"):
+        r3.decode_routed_experts(base64.b64encode(b"\x00" * 12).decode(), 4, 2)
+    with pytest.raises(ValueError, match="base64"):
+        r3.decode_routed_experts("not base64!", 4, 2)
+    with pytest.raises(ValueError, match=r"\(N, L, k\)"):
+        r3.encode_routed_experts(np.zeros((3, 4), np.int32))
+
+
+def test_check_capture_allows_placeholders_only_where_the_next_token_is_not_trained():
+    experts = np.zeros((6, 4, 2), np.int32)
+    mask = np.array([0, 0, 0, 1, 1, 0])  # prompt, then two sampled tokens, then glue
+    experts[[0, 4, 5]] = -1  # rows 0 (predicts prompt token), 4 (predicts glue), 5 (last) are free
+    r3.check_capture(experts, mask)
+    experts[2] = -1  # row 2 predicts token 3, which is trained on
+    with pytest.raises(ValueError, match=r"row 2 but m\[3\] = 1"):
+        r3.check_capture(experts, mask)
+    with pytest.raises(ValueError, match="missing"):
+        r3.check_capture(None, mask)
+    with pytest.raises(ValueError, match="T = len"):
+        r3.check_capture(experts[:5], mask)

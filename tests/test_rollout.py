@@ -1,0 +1,277 @@
+"""rollout.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
+import json
+import os
+import shutil
+import socket
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import data  # noqa: E402
+import rollout  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
+                                reason="the bubblewrap sandbox needs root and bwrap")
+LINES = ["pear", "apple", "fig", "kiwi", "banana"]
+TEST_OUTPUTS = '''import os
+
+def test_out_exists():
+    assert os.path.isfile("/app/out.txt")
+
+def test_out_sorted():
+    assert open("/app/out.txt").read().split() == sorted(open("/app/in.txt").read().split())
+
+def test_out_line_count():
+    assert len(open("/app/out.txt").read().splitlines()) == 5
+'''
+TEST_SH = """#!/bin/bash
+mkdir -p /logs/verifier
+pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+if [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi
+"""
+SORT = {"analysis": "in.txt is there", "plan": "sort it", "task_complete": False,
+        "commands": [{"keystrokes": "sort in.txt > out.txt\n", "duration": 0.5}]}
+DONE = {"analysis": "out.txt written", "plan": "done", "commands": [], "task_complete": True}
+SCRIPT = ["this is not json", SORT, DONE, {**DONE, "analysis": "checked"}]
+
+
+def make_task(root, name="sort-lines", script=SCRIPT, solve="sort in.txt > out.txt", agent_timeout=120):
+    """A small Harbor-format task: sort /app/in.txt into /app/out.txt; 3 assertions."""
+    d = root / name
+    for sub in ("environment/app", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text(f'[metadata]\nfamily = "text"\ndifficulty = "easy"\n\n[verifier]\ntimeout_sec = 60\n'
+                                 f'\n[agent]\ntimeout_sec = {agent_timeout}\n')
+    (d / "instruction.md").write_text("Write the lines of /app/in.txt, sorted, to /app/out.txt.\n")
+    (d / "environment/Dockerfile").write_text("FROM ubuntu:24.04\nWORKDIR /app\nCOPY app/ /app/\n")
+    (d / "environment/app/in.txt").write_text("\n".join(LINES) + "\n")
+    (d / "tests/test.sh").write_text(TEST_SH)
+    (d / "tests/test_outputs.py").write_text(TEST_OUTPUTS)
+    (d / "solution/solve.sh").write_text(f"#!/bin/bash\ncd /app\n{solve}\n")
+    (d / "solution/terminus2.json").write_text(json.dumps(script))
+    return d
+
+
+def uid_procs(uid):
+    """Host pids of processes running as uid."""
+    out = []
+    for p in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                if any(ln.startswith("Uid:") and ln.split()[1] == str(uid) for ln in f):
+                    out.append(int(p))
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError):
+            pass
+    return out
+
+
+@pytest.fixture
+def task(tmp_path):
+    return make_task(tmp_path)
+
+
+@pytest.fixture
+def box(task, tmp_path):
+    limits = rollout.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+        yield b
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return _tok()
+
+
+def _tok():
+    model = pytest.importorskip("model")
+    return model.train_tokenizer([json.dumps(r) for r in SCRIPT] + [rollout.PROMPT, "sort in.txt > out.txt"] * 4,
+                                 vocab_size=400)
+
+
+# --- sandbox --------------------------------------------------------------------------------------
+
+def test_sandbox_has_no_network(box):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        code = ("import socket,sys\nfor a in [('127.0.0.1', %d), ('1.1.1.1', 53)]:\n"
+                "    try: socket.create_connection(a, timeout=2); print('CONNECTED', a)\n"
+                "    except OSError as e: print('BLOCKED', a, e)\n") % port
+        rc, out = box.exec(f"python3 -c \"{code}\"")
+        assert "CONNECTED" not in out and out.count("BLOCKED") == 2, out
+        rc, out = box.exec("cat /proc/net/dev")
+        assert "lo:" in out and "eth" not in out
+    finally:
+        srv.close()
+
+
+def test_sandbox_cannot_write_outside_app_logs_tmp(box):
+    for path in ("/usr/x", "/etc/x", "/x", "/tests/x", "/root/x", sys.prefix + "/x"):
+        rc, out = box.exec(f"echo hi > {path}")
+        assert rc != 0, f"could write {path}"
+    rc, out = box.exec("echo hi > /app/a && echo hi > /logs/b && echo hi > /tmp/c && id -u && cat /tmp/c")
+    assert rc == 0 and out.split() == [str(box.uid), "hi"], out
+    assert (open(os.path.join(box.root, "app", "a")).read(), open(os.path.join(box.root, "logs", "b")).read()) == ("hi\n",) * 2
+
+
+def test_sandbox_hides_host_and_task_tests(box, task):
+    rc, out = box.exec(f"ls /work/main/rollout.py /work/shared {task} {task}/tests; ls -A /tests; ls /; ls -A /app")
+    assert out.count("No such file") == 4 and "test_outputs.py" not in out and "solution" not in out, out
+    assert "in.txt" in out
+    rc, out = box.exec("pytest --version")
+    assert rc == 0 and "pytest" in out, out
+
+
+def test_command_timeout_kills_infinite_loop(box):
+    t0 = time.time()
+    rc, out = box.exec("echo start; while true; do :; done", timeout=1)
+    assert rc == 124 and "start" in out and "timed out" in out and time.time() - t0 < 5
+    rc, out = box.exec("ps -eo args= | grep -c '[w]hile true' || true")
+    assert out.strip() == "0", out  # the loop's process is gone
+
+
+def test_output_is_capped(box):
+    rc, out = box.exec("head -c 1000000 /dev/zero | tr '\\0' a")
+    assert rc == 0 and len(out) < 2200 and "truncated" in out
+    box.send_keys("head -c 100000 /dev/zero | tr '\\0' b\n")
+    text = box.read(2)
+    assert len(text) < 2200 and "truncated" in text
+
+
+def test_fork_bomb_is_contained_and_tree_killed_at_close(box):
+    box.send_keys(":(){ :|:& };:\n")
+    time.sleep(2)
+    n = len(uid_procs(box.uid))
+    assert 0 < n <= 32, n  # RLIMIT_NPROC of the trial uid
+    box.close()
+    deadline = time.time() + 5
+    while uid_procs(box.uid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert uid_procs(box.uid) == []
+
+
+def test_fork_bomb_trial_ends_and_verifier_still_runs(tmp_path):
+    bomb = {**SORT, "commands": [{"keystrokes": ":(){ :|:& };:\n", "duration": 1.0}]}
+    task = make_task(tmp_path, script=[bomb, SORT, DONE, DONE])
+    t0 = time.time()
+    res = rollout.run_trial(task, "scripted", tokenizer=_tok(), limits={"max_procs": 32})
+    assert res["exit_reason"] == "task_complete" and res["reward_source"] == "ctrf", res["error"]
+    assert time.time() - t0 < 60
+
+
+def test_close_kills_background_and_setsid_processes(box):
+    box.send_keys("setsid sleep 1000 & nohup sleep 1001 &\n")
+    box.read(0.5)
+    rc, out = box.exec("setsid sleep 1002 > /dev/null 2>&1 & echo started")
+    assert "started" in out and len(uid_procs(box.uid)) >= 4
+    jail_pid = box.jail.pid
+    box.close()
+    deadline = time.time() + 5
+    while uid_procs(box.uid) and time.time() < deadline:
+        time.sleep(0.1)
+    assert uid_procs(box.uid) == [] and not os.path.exists(f"/proc/{jail_pid}/status")
+
+
+def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
+    box.send_keys("cd /tmp && export X=41\n")
+    box.read(0.5)
+    box.send_keys("sleep 100\n")
+    box.read(0.3)
+    box.send_keys("C-c")
+    box.read(0.3)
+    box.send_keys("echo $((X+1)) $PWD\n")
+    assert "42 /tmp" in box.read(1)
+
+
+# --- agents ---------------------------------------------------------------------------------------
+
+def test_oracle_resolves_fixture_task_and_nop_scores_zero(task):
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "oracle", res["error"]
+    assert (res["passed"], res["total"], res["reward"], res["resolved"]) == (3, 3, 3 / 20, True)  # r = P / S
+    assert res["reward_source"] == "ctrf"
+    res = rollout.run_trial(task, "nop")
+    assert (res["exit_reason"], res["reward"], res["passed"], res["resolved"]) == ("nop", 0.0, 0, False)
+
+
+def test_crash_inside_trial_is_returned(tmp_path, task):
+    res = rollout.run_trial(tmp_path / "missing", "oracle")
+    assert res["exit_reason"] == "error" and "does not exist" in res["error"]
+    res = rollout.run_trial(task, "model", engine_url="http://127.0.0.1:9", tokenizer=object())
+    assert res["exit_reason"] == "error" and res["error"]
+
+
+def test_parse_reply_names_the_error():
+    assert rollout.parse_reply("hello")[1] == "no JSON object found"
+    assert "invalid JSON" in rollout.parse_reply("{'a': 1}")[1]
+    assert "'plan'" in rollout.parse_reply('{"analysis": "", "commands": []}')[1]
+    assert "duration" in rollout.parse_reply('{"analysis": "", "plan": "", "commands": [{"keystrokes": "ls", '
+                                             '"duration": "x"}]}')[1]
+    reply, err = rollout.parse_reply("ok " + json.dumps(SORT) + " trailing")
+    assert err is None and reply["commands"][0]["keystrokes"] == "sort in.txt > out.txt\n"
+
+
+def _check_token_path(res, tok):
+    recs = res["records"]
+    for a, b in zip(recs, recs[1:]):  # every boundary strict: the next prompt extends prompt + output
+        assert b["prompt_ids"][:len(a["prompt_ids"]) + len(a["output_ids"])] == a["prompt_ids"] + a["output_ids"]
+    last = recs[-1]
+    full = last["prompt_ids"] + last["output_ids"]
+    mask = [0] * len(full)
+    for r in recs:
+        mask[len(r["prompt_ids"]):len(r["prompt_ids"]) + len(r["output_ids"])] = [1] * len(r["output_ids"])
+    assert [t for t, m in zip(full, mask) if m] == [t for r in recs for t in r["output_ids"]]
+    assert sum(mask) == sum(len(r["output_ids"]) for r in recs)
+    return full
+
+
+def test_scripted_replay_is_token_strict_with_parse_error_and_confirmation(task, tok):
+    res = rollout.run_trial(task, "scripted", tokenizer=tok)
+    assert res["exit_reason"] == "task_complete", res["error"]
+    assert res["turns"] == 4 and res["resolved"] and res["passed"] == 3
+    full = _check_token_path(res, tok)
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert all(r["output_ids"][-1] == im_end and r["output_logprobs"] is None for r in res["records"])
+    text = tok.decode(full)
+    assert text.count("ERROR: your reply was not valid: no JSON object found") == 1
+    assert text.count("Are you sure the task is complete?") == 1
+    assert text.startswith("<|im_start|>user\n") and text.count("<|im_start|>assistant\n") == 4
+    assert tok.encode(text, add_special_tokens=False) == full  # same ids as rendering the chat as text
+
+
+def test_run_trials_keeps_first_finished_and_cancels_rest(tmp_path):
+    fast = [make_task(tmp_path, f"fast{i}") for i in range(2)]
+    slow = make_task(tmp_path, "slow", solve="sleep 60")
+    t0 = time.time()
+    kept, dropped = rollout.run_trials([slow] + fast, "oracle", n_keep=2, max_workers=3)
+    assert sorted(r["task"] for r in kept) == ["fast0", "fast1"] and all(r["resolved"] for r in kept)
+    assert [d["task"] for d in dropped] == ["slow"] and dropped[0]["reason"] == "cancelled"
+    assert dropped[0]["seconds"] < 30 and time.time() - t0 < 30
+
+
+def test_model_agent_against_embedded_engine(task, tok, tmp_path):
+    model = pytest.importorskip("model")
+    path = tmp_path / "ckpt"
+    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
+    engine = model.EngineServer(str(path), port=0).start()
+    try:
+        client = rollout.EngineClient(engine.url)
+        info = client.model_info()
+        assert client.health() and info["top_k"] == model.TINY_TOP_K
+        res = rollout.run_trial(task, "model", engine_url=engine.url, tokenizer=tok,
+                                sampling={"temperature": 1.0, "max_new_tokens": 24, "seed": 0},
+                                limits={"max_turns": 3})
+    finally:
+        engine.stop()
+    assert res["exit_reason"] in ("max_turns", "task_complete"), res["error"]
+    assert res["turns"] == len(res["records"]) >= 2 and res["weight_versions"] == ["0"]
+    _check_token_path(res, tok)
+    L = info["num_moe_layers"]
+    for r in res["records"]:
+        n = len(r["prompt_ids"]) + len(r["output_ids"])
+        assert r["routed_experts"].shape == (n - 1, L, model.TINY_TOP_K)
+        assert len(r["output_logprobs"]) == len(r["output_ids"]) and r["finish_reason"] in ("stop", "length")
