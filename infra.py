@@ -1,0 +1,568 @@
+"""Infrastructure (paper section "infrastructure"): memory model + planner, context-parallel Gated DeltaNet.
+
+Run:
+    python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
+    python infra.py cp-bench [--kappas 1 2 4 8]      # CP-GDN: bitwise forward, grad error, activation peak
+
+1. Memory model. A plan Pi = (TP, PP, CP, EP, ETP, DP) on W = TP*PP*CP*DP devices (Megatron-Core's
+   "MoE parallel folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as
+   EP x ETP x EDP, so EDP = TP*CP*DP / (EP*ETP)). Per device, for one network (actor or critic):
+
+       params     = 2  * (P_dense_stage / TP + P_router_stage + P_exp / (PP*EP*ETP))        bf16
+       grads      = 4  * (same count)                       fp32 main grads (Megatron's distributed
+                                                            optimizer table: "bf16 param, fp32 grads")
+       optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
+       expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
+       activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
+                    micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
+                      no recompute:   n_flight * sum_layers a_layer(T)          + logits
+                      full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
+       total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
+
+   b(Pi, T) = max over {first, last} pipeline stage. A plan is feasible when b <= M for the actor AND
+   for the critic separately (paper: both co-resident, each within ~95 GiB per device on its own).
+   Proposition 7.1: since PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are
+   12 * P_exp / W whatever the plan -- `expert_optimizer` is computed from the local shard, not from
+   the closed form, so the test checks the proposition rather than restating it.
+
+2. Context-parallel chunked gated delta rule (`cp_chunk_gated_delta_rule`). The sequence is split over
+   kappa ranks on chunk boundaries (multiples of chunk_size=64). Each rank first computes the
+   intra-chunk quantities of its own chunks (UT transform, intra-chunk attention: the bulk of the
+   FLOPs, no dependency between ranks), then waits for the recurrent state S leaving rank r-1, scans
+   its chunks and sends S on to rank r+1. Backward runs the state gradient the other way (rank r+1 ->
+   r). The per-chunk arithmetic is copied op for op from transformers' `torch_chunk_gated_delta_rule`,
+   so the forward is bitwise identical to the single-rank reference; per-rank saved activations scale
+   as 1/kappa.
+
+Departures (numbered, with why):
+ 1. Activation bytes are a tensor count of the Megatron/FLA path (listed in `layer_activation_bytes`),
+    not a profile; load balance across experts is assumed perfect (EP does not change MoE activations).
+ 2. Dense parameters are counted as TP-sharded except the router (replicated); norms are /TP (tiny).
+ 3. Only layer counts divisible by PP (no uneven or virtual pipeline stages); vocab padding ignored.
+ 4. Attention under CP is modelled like the rest (1/CP tokens); the transient all-gathered K/V is ignored.
+ 5. Model sizes: Qwen3.5's published layout (head dims below) excluding the MTP head and vision tower;
+    the 122B preset assumes 32 query heads / 2 KV heads of dim 256 and 16 key / 64 value GDN heads of
+    dim 128 (35B: 16/2 and 16/32, transformers' defaults). The count lands within 1% of 121.4B.
+ 6. CP here is state passing over gloo (CPU, exact). The intra-chunk phase runs on all ranks at
+    once; the scans are serial across ranks (the price of bitwise equality: a parallel-prefix
+    combination of per-rank affine state maps would reassociate the float sums).
+ 7. T is tokens per device per micro-batch (slime's --max-tokens-per-gpu), so a trajectory of up to
+    CP*T tokens fits one micro-batch; `--seq-len S` rejects plans with CP*T < S. Grads are fp32 main
+    grads (`grad_bytes=4`; Megatron's --accumulate-allreduce-grads-in-fp32, which slime's MoE recipes
+    set); a fixed 4 GiB per device covers CUDA context, NCCL/DeepEP buffers and fragmentation.
+ 8. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
+
+Measured (python infra.py cp-bench --seq-len 2048; B=1, 4 value heads, d=32, CPU/gloo): forward
+bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
+per-rank saved activations 1.000, 0.500, 0.250, 0.125 of kappa = 1.
+"""
+import argparse
+import itertools
+import json
+import math
+import socket
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+GiB = 1024**3
+
+
+# ----------------------------------------------------------------------------- model presets
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    n_layers: int
+    hidden: int
+    n_experts: int
+    top_k: int
+    moe_ffn: int
+    shared_ffn: int
+    n_gdn: int
+    n_attn: int
+    vocab: int
+    n_heads: int  # gated attention query heads
+    n_kv_heads: int
+    head_dim: int
+    lin_k_heads: int  # Gated DeltaNet key heads
+    lin_v_heads: int
+    lin_k_dim: int
+    lin_v_dim: int
+    conv_kernel: int = 4
+    chunk: int = 64  # GDN chunk size
+    tie_embeddings: bool = False
+
+
+PRESETS = {
+    "qwen35-122b-a10b": ModelConfig("qwen35-122b-a10b", 48, 3072, 256, 8, 1024, 1024, 36, 12, 248320,
+                                    32, 2, 256, 16, 64, 128, 128),
+    "qwen35-35b-a3b": ModelConfig("qwen35-35b-a3b", 40, 2048, 256, 8, 512, 512, 30, 10, 248320,
+                                  16, 2, 256, 16, 32, 128, 128),
+}
+
+
+def gdn_params(c: ModelConfig) -> int:
+    conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
+    vdim = c.lin_v_heads * c.lin_v_dim
+    return (c.hidden * conv_dim + c.hidden * vdim + 2 * c.hidden * c.lin_v_heads  # in_proj_qkv, z, b, a
+            + conv_dim * c.conv_kernel + 2 * c.lin_v_heads + c.lin_v_dim + vdim * c.hidden)  # conv, dt, A, norm, out
+
+
+def attn_params(c: ModelConfig) -> int:
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    return c.hidden * 2 * q + 2 * c.hidden * kv + q * c.hidden + 2 * c.head_dim  # q(+gate), k, v, o, q/k norm
+
+
+def param_counts(c: ModelConfig, critic: bool = False) -> dict:
+    """Parameter counts by kind. critic: lm_head replaced by a scalar value head (h -> 1)."""
+    expert = c.n_layers * c.n_experts * 3 * c.hidden * c.moe_ffn  # gate, up, down per expert
+    router = c.n_layers * c.n_experts * c.hidden
+    shared = c.n_layers * (3 * c.hidden * c.shared_ffn + c.hidden)  # shared expert + its sigmoid gate
+    mixers = c.n_gdn * gdn_params(c) + c.n_attn * attn_params(c)
+    norms = c.n_layers * 2 * c.hidden + c.hidden
+    embed = c.vocab * c.hidden
+    head = (c.hidden + 1) if critic else (0 if c.tie_embeddings else c.vocab * c.hidden)
+    layers = mixers + shared + norms - c.hidden  # per-layer dense, final norm excluded
+    return dict(expert=expert, router=router, layers_dense=layers, final_norm=c.hidden, embed=embed, head=head,
+                total=expert + router + layers + c.hidden + embed + head)
+
+
+# ----------------------------------------------------------------------------- plans and validity
+@dataclass(frozen=True)
+class Plan:
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    recompute: bool = True  # Megatron full recompute, uniform, 1 layer per checkpoint
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.cp * self.dp  # W = TP*PP*CP*DP
+
+    @property
+    def edp(self) -> int:
+        return self.tp * self.cp * self.dp // (self.ep * self.etp)  # EP*ETP*EDP = TP*CP*DP
+
+
+def plan_errors(c: ModelConfig, p: Plan, tokens: int) -> list:
+    """Megatron-Core's divisibility rules; an empty list means the plan is valid."""
+    e = []
+    for name, n in [("attention heads", c.n_heads), ("KV heads", c.n_kv_heads),
+                    ("GDN key heads", c.lin_k_heads), ("GDN value heads", c.lin_v_heads)]:
+        if n % p.tp:
+            e.append(f"{name} {n} % TP {p.tp}")
+    if c.n_layers % p.pp:
+        e.append(f"layers {c.n_layers} % PP {p.pp}")
+    if c.n_experts % p.ep:
+        e.append(f"experts {c.n_experts} % EP {p.ep}")
+    if c.moe_ffn % p.etp:
+        e.append(f"expert FFN {c.moe_ffn} % ETP {p.etp}")
+    if (p.tp * p.cp * p.dp) % (p.ep * p.etp):
+        e.append(f"TP*CP*DP {p.tp * p.cp * p.dp} % EP*ETP {p.ep * p.etp}")
+    if p.tp > 1 and tokens % p.tp:
+        e.append(f"tokens {tokens} % TP {p.tp} (sequence parallel)")
+    if p.cp > 1 and tokens % c.chunk:
+        e.append(f"tokens/rank {tokens} % chunk {c.chunk} (CP splits GDN on chunk boundaries)")
+    return e
+
+
+# ----------------------------------------------------------------------------- memory model
+def layer_activation_bytes(c: ModelConfig, p: Plan) -> dict:
+    """Saved-for-backward bytes per token per layer on one device (bf16 = 2 B, fp32 = 4 B).
+
+    sp = TP when TP > 1 (Megatron enables sequence parallel with MoE + TP): layer-boundary tensors are
+    split by TP; head-parallel tensors are split by TP as well.
+    """
+    h, tp, sp = c.hidden, p.tp, p.tp
+    boundary = 4 * 2 * h / sp  # input norm in/out, post-attention norm in/out
+    conv_dim = 2 * c.lin_k_heads * c.lin_k_dim + c.lin_v_heads * c.lin_v_dim
+    vdim, nv = c.lin_v_heads * c.lin_v_dim, c.lin_v_heads
+    gdn = (3 * 2 * conv_dim  # qkv proj out (conv in), conv out, silu out (kernel q, k, v)
+           + 2 * vdim + 2 * 2 * nv + 2 * 4 * nv  # z, a/b proj, g and beta in fp32
+           + 4 * c.chunk * nv  # FLA's A (chunk-local UT inverse, fp32); chunk states are recomputed
+           + 3 * 2 * vdim) / tp  # kernel out, gated-norm out, out_proj input
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    attn = (2 * 2 * q + 2 * 2 * kv  # q(+gate) proj, k, v
+            + 2 * q + 2 * kv  # q/k norm outputs (rope inputs); rope'd q, k, v are flash's inputs
+            + 2 * q + 4 * c.n_heads + 2 * q) / tp  # flash out, logsumexp (fp32), gated o_proj input
+    k, f, fs = c.top_k, c.moe_ffn, c.shared_ffn
+    moe = (2 * 4 * c.n_experts / sp  # router logits + scores, fp32
+           + k * (4 * h * p.etp + 6 * f) / sp  # per routed pair: dispatched in, combine in, fc1 (2f), act (f)
+           + 6 * fs / tp + 2 * h / sp)  # shared expert fc1 + act, gate
+    return dict(gdn=boundary + gdn + moe, attn=boundary + attn + moe, boundary_in=2 * h / sp)
+
+
+def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", stage: int = 0,
+                  overhead_gib: float = 4.0, grad_bytes: int = 4) -> dict:
+    """Per-device bytes for one network ("actor" or "critic") on pipeline stage `stage`."""
+    n = param_counts(c, critic=(network == "critic"))
+    L = c.n_layers // p.pp
+    first, last = stage == 0, stage == p.pp - 1
+    dense = (n["layers_dense"] * L / c.n_layers + (n["embed"] if first else 0)
+             + (n["head"] + n["final_norm"] if last else 0)) / p.tp
+    router = n["router"] / p.pp
+    expert = n["expert"] / (p.pp * p.ep * p.etp)  # this device's expert shard
+    local = dense + router + expert
+    params = 2 * local  # bf16 weights
+    grads = grad_bytes * local  # fp32 main grads (full buffer; reduce-scattered, not sharded)
+    optimizer = 12 * (dense + router) / (p.dp * p.cp)  # dense: distributed optimizer over DP x CP
+    expert_optimizer = 12 * expert / p.edp  # experts: over the expert-data-parallel group
+    # activations: which layers does this stage own? (GDN:attention = 3:1, every 4th is attention)
+    pat = ["attn" if (i + 1) % (c.n_layers // c.n_attn) == 0 else "gdn" for i in range(c.n_layers)]
+    mine = pat[stage * L:(stage + 1) * L]
+    a = layer_activation_bytes(c, p)
+    n_flight = p.pp - stage  # 1F1B: stage s holds PP - s micro-batches in flight
+    if p.recompute:
+        acts = n_flight * L * a["boundary_in"] * tokens + max(a[t] for t in set(mine)) * tokens
+    else:
+        acts = n_flight * sum(a[t] for t in mine) * tokens
+    if first:
+        acts += n_flight * 2 * c.hidden / p.tp * tokens  # embedding output
+    if last:  # logits: bf16 out + fp32 softmax over V/TP (actor); scalar values (critic)
+        acts += (6 * c.vocab / p.tp if network == "actor" else 2 * c.hidden / p.tp + 8) * tokens
+    out = dict(params=params, grads=grads, optimizer=optimizer, expert_optimizer=expert_optimizer,
+               activations=acts, overhead=overhead_gib * GiB)
+    out["total"] = sum(out.values())
+    return out
+
+
+def memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", **kw) -> dict:
+    """b(Pi, T): the worst of the first and last pipeline stage."""
+    stages = {0, p.pp - 1}
+    return max((device_memory(c, p, tokens, network, s, **kw) for s in stages), key=lambda d: d["total"])
+
+
+def feasibility(c: ModelConfig, p: Plan, tokens: int, mem_bytes: float, seq_len: int = 0, **kw):
+    """(feasible, reason, {actor: breakdown, critic: breakdown})."""
+    nets = {net: memory(c, p, tokens, net, **kw) for net in ("actor", "critic")}
+    reasons = []
+    for net, d in nets.items():
+        if d["total"] > mem_bytes:
+            term = max((k for k in d if k != "total"), key=d.get)
+            reasons.append(f"{net} total {d['total'] / GiB:.1f} GiB > M = {mem_bytes / GiB:.0f} GiB "
+                           f"(largest term: {term} {d[term] / GiB:.1f} GiB)")
+    if seq_len and p.cp * tokens < seq_len:
+        reasons.append(f"context: CP*T = {p.cp * tokens} < seq_len {seq_len}")
+    return not reasons, "; ".join(reasons), nets
+
+
+def divisors(n: int) -> list:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_plans(c: ModelConfig, gpus: int, tokens: int) -> list:
+    """Every valid plan (Megatron-Core rules) for W = gpus, with and without full recompute."""
+    plans = []
+    for tp, pp, cp in itertools.product(divisors(gpus), repeat=3):
+        if gpus % (tp * pp * cp):
+            continue
+        dp = gpus // (tp * pp * cp)
+        for ep, etp in itertools.product(divisors(c.n_experts), divisors(c.moe_ffn)):
+            if etp > 8 or (tp * cp * dp) % (ep * etp):
+                continue  # ETP beyond a node is never useful; keep the listing finite
+            for rc in (False, True):
+                p = Plan(tp, pp, cp, ep, etp, dp, rc)
+                if not plan_errors(c, p, tokens):
+                    plans.append(p)
+    return plans
+
+
+def plan_table(c: ModelConfig, gpus: int, tokens: int, mem_gib: float, seq_len: int = 0, **kw) -> list:
+    rows = []
+    for p in enumerate_plans(c, gpus, tokens):
+        ok, reason, nets = feasibility(c, p, tokens, mem_gib * GiB, seq_len, **kw)
+        rows.append(dict(asdict(p), feasible=ok, reason=reason,
+                         actor={k: int(v) for k, v in nets["actor"].items()},
+                         critic={k: int(v) for k, v in nets["critic"].items()}))
+    # preference among feasible plans: no recompute, fewest pipeline stages, smallest TP/CP, largest EP
+    # ETP = 1 first (no expert-TP traffic), then the largest EP (smallest expert shard)
+    rows.sort(key=lambda r: (not r["feasible"], r["recompute"], r["pp"], r["tp"], r["cp"], r["etp"], -r["ep"],
+                             r["actor"]["total"]))
+    return rows
+
+
+def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True) -> str:
+    """Text table. compact keeps, for each (TP, PP, recompute), the first row in preference order: the
+    smallest CP that fits (with T per device, CP changes the longest sequence CP*T, not the bytes),
+    then ETP = 1 and the largest EP."""
+    if compact:
+        seen, kept = set(), []
+        for r in rows:
+            key = (r["tp"], r["pp"], r["recompute"], r["feasible"])
+            if key not in seen:
+                seen.add(key)
+                kept.append(r)
+        rows = kept
+    hdr = (f"{'TP':>3}{'PP':>4}{'CP':>4}{'EP':>5}{'ETP':>4}{'DP':>4}{'EDP':>5} rc{'CP*T':>6} |"
+           f"{'params':>7}{'grads':>7}{'opt':>6}{'expopt':>7}{'act':>7}{'actor':>7} |{'critic':>7}  GiB")
+    lines = [hdr, "-" * len(hdr)]
+    for r in rows[:top or None]:
+        a, cr = r["actor"], r["critic"]
+        edp = r["tp"] * r["cp"] * r["dp"] // (r["ep"] * r["etp"])
+        g = lambda x: x / GiB  # noqa: E731
+        line = (f"{r['tp']:>3}{r['pp']:>4}{r['cp']:>4}{r['ep']:>5}{r['etp']:>4}{r['dp']:>4}{edp:>5}"
+                f" {'y' if r['recompute'] else 'n':>2}{r['cp'] * tokens // 1024:>5}K |{g(a['params']):7.1f}{g(a['grads']):7.1f}"
+                f"{g(a['optimizer']):6.1f}{g(a['expert_optimizer']):7.2f}{g(a['activations']):7.1f}"
+                f"{g(a['total']):7.1f} |{g(cr['total']):7.1f}")
+        lines.append(line + ("" if r["feasible"] else "  x " + r["reason"]))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- CP Gated DeltaNet
+def _l2norm(x, dim=-1, eps=1e-6):
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)  # as transformers' l2norm (FLA's)
+
+
+def gdn_intra_chunk(query, key, value, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=False):
+    """Phase 1 of the chunked gated delta rule on this rank's tokens: everything that does not need the
+    recurrent state. Op-for-op copy of transformers' torch_chunk_gated_delta_rule (first phase).
+    Inputs [B, S, H, D] / [B, S, H]; returns the per-chunk tensors the scan reads."""
+    _, S, nk, _ = key.shape
+    nv = value.shape[-2]
+    if nk != nv:  # grouped value attention
+        query = query.repeat_interleave(nv // nk, dim=2)
+        key = key.repeat_interleave(nv // nk, dim=2)
+    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
+                                      for x in (query, key, value, beta, g)]
+    if use_qk_l2norm_in_kernel:
+        query, key = _l2norm(query, dim=-1, eps=1e-6), _l2norm(key, dim=-1, eps=1e-6)
+    query = query * query.shape[-1] ** -0.5
+    pad = (chunk_size - S % chunk_size) % chunk_size  # only the last rank can have a partial chunk
+    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
+    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
+    v_beta = value * beta.unsqueeze(-1)
+    k_beta = key * beta.unsqueeze(-1)
+    query, key, k_beta, v_beta = [x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
+                                  for x in (query, key, k_beta, v_beta)]  # (B, H, N, C, D)
+    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
+    mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
+    cum_decay = decay.cumsum(dim=3)
+    pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(mask, float("-inf")).exp()
+    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
+    intra = (query @ key.transpose(-1, -2)) * pairwise  # (B, H, N, C, C)
+    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    query = query * cum_decay.exp().unsqueeze(-1)
+    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+    return dict(query=query, key=key, intra=intra, new_values=new_values, k_cumdecay=k_cumdecay,
+                chunk_decay=chunk_decay, seq_len=S)
+
+
+def gdn_scan(ph, state):
+    """Phase 2: the sequential scan over this rank's chunks, starting from `state` [B, H, Dk, Dv] (fp32).
+    Returns (out [B, S, H, Dv] fp32, final state)."""
+    outs = []
+    for i in range(ph["new_values"].shape[2]):
+        v_new = ph["new_values"][:, :, i] - ph["k_cumdecay"][:, :, i] @ state
+        inter = ph["query"][:, :, i] @ state
+        outs.append(inter + ph["intra"][:, :, i] @ v_new)
+        state = state * ph["chunk_decay"][:, :, i] + ph["key"][:, :, i].transpose(-1, -2) @ v_new  # S' = S*decay + k^T v_new
+    B, H = state.shape[:2]
+    out = torch.stack(outs, dim=2).reshape(B, H, -1, state.shape[-1])[:, :, :ph["seq_len"]]
+    return out.transpose(1, 2).contiguous(), state
+
+
+def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, initial_state=None, use_qk_l2norm_in_kernel=False):
+    """Single-rank version (kappa = 1) built from the same two phases."""
+    ph = gdn_intra_chunk(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel)
+    B, H = ph["key"].shape[:2]
+    state = (torch.zeros(B, H, ph["key"].shape[-1], ph["new_values"].shape[-1], dtype=torch.float32)
+             if initial_state is None else initial_state.to(torch.float32))
+    out, state = gdn_scan(ph, state)
+    return out.to(q.dtype), state
+
+
+class _CPGatedDeltaRule(torch.autograd.Function):
+    """One rank's share: receive S from rank-1, scan, send S to rank+1; backward passes dS the other way."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, chunk_size, use_l2norm, group):
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        leaves = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, g, beta)]
+        with torch.enable_grad():
+            ph = gdn_intra_chunk(*leaves, chunk_size, use_l2norm)  # local, overlaps with other ranks
+            B, H, Dk, Dv = ph["key"].shape[0], ph["key"].shape[1], ph["key"].shape[-1], ph["new_values"].shape[-1]
+            state_in = torch.zeros(B, H, Dk, Dv, dtype=torch.float32)
+            if rank > 0:
+                dist.recv(state_in, src=dist.get_global_rank(group, rank - 1) if group else rank - 1, group=group)
+                state_in.requires_grad_(True)
+            out, state_out = gdn_scan(ph, state_in)
+        if rank < world - 1:
+            dist.send(state_out.detach().contiguous(), dst=dist.get_global_rank(group, rank + 1) if group else rank + 1,
+                      group=group)
+        ctx.graph = (leaves, state_in, out, state_out)
+        ctx.rank, ctx.world, ctx.group = rank, world, group
+        return out.detach().to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, dout):
+        leaves, state_in, out, state_out = ctx.graph
+        rank, world, group = ctx.rank, ctx.world, ctx.group
+        d_state = torch.zeros_like(state_out)
+        if rank < world - 1:  # dS leaving this rank comes back from rank+1
+            dist.recv(d_state, src=dist.get_global_rank(group, rank + 1) if group else rank + 1, group=group)
+        inputs = [x for x in leaves if x.requires_grad] + ([state_in] if rank > 0 else [])
+        grads = torch.autograd.grad([out, state_out], inputs, [dout.to(out.dtype), d_state], allow_unused=True)
+        grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads)]
+        if rank > 0:
+            dist.send(grads[-1].contiguous(), dst=dist.get_global_rank(group, rank - 1) if group else rank - 1,
+                      group=group)
+        it = iter(grads)
+        ctx.graph = None
+        return tuple(next(it) if x.requires_grad else None for x in leaves) + (None, None, None)
+
+
+def cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=False, group=None):
+    """Context-parallel gated delta rule: q, k, v, g, beta are this rank's slice of the sequence (see
+    `cp_split`); returns this rank's output slice [B, S_r, H, Dv]. Differentiable."""
+    return _CPGatedDeltaRule.apply(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group)
+
+
+def cp_split(seq_len: int, kappa: int, chunk_size: int = 64) -> list:
+    """Token boundaries [(start, end)] per rank, on chunk boundaries, chunks spread as evenly as possible."""
+    n = math.ceil(seq_len / chunk_size)
+    assert n >= kappa, f"{n} chunks cannot be spread over {kappa} ranks"
+    counts = [n // kappa + (r < n % kappa) for r in range(kappa)]
+    bounds, s = [], 0
+    for cnt in counts:
+        bounds.append((s, min(seq_len, s + cnt * chunk_size)))
+        s += cnt * chunk_size
+    return bounds
+
+
+def gdn_inputs(B=1, S=256, nk=2, nv=4, dk=16, dv=16, seed=0, dtype=torch.float32):
+    """Random GDN inputs shaped as Qwen3.5 feeds them (g = -softplus-ish decay, beta in (0, 1))."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
+    q, k, v = r(B, S, nk, dk), r(B, S, nk, dk), r(B, S, nv, dv)
+    g = -F.softplus(r(B, S, nv)) * 0.5
+    beta = torch.sigmoid(r(B, S, nv))
+    dout = r(B, S, nv, dv)
+    return (q, k, v, g, beta), dout
+
+
+def saved_bytes(fn):
+    """Run fn() and return (result, bytes of distinct storages saved for backward)."""
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _cp_worker(rank, kappa, port, shape, chunk_size, queue):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=kappa)
+    try:
+        (q, k, v, g, beta), dout = gdn_inputs(**shape)
+        s, e = cp_split(q.shape[1], kappa, chunk_size)[rank]
+        local = [x[:, s:e].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+        out, nbytes = saved_bytes(lambda: cp_chunk_gated_delta_rule(*local, chunk_size=chunk_size,
+                                                                    use_qk_l2norm_in_kernel=True))
+        out.backward(dout[:, s:e])
+        # numpy pickles by value (torch tensors would travel as fds that die with this process)
+        queue.put((rank, out.detach().numpy().copy(), [x.grad.numpy().copy() for x in local], nbytes))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_cp(kappa: int, shape: dict, chunk_size: int = 64):
+    """Spawn kappa gloo ranks on 127.0.0.1; returns (out, grads [q, k, v, g, beta], saved bytes per rank),
+    outputs and grads concatenated along the sequence."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_cp_worker, args=(r, kappa, port, shape, chunk_size, queue)) for r in range(kappa)]
+    for pr in procs:
+        pr.start()
+    res = sorted((queue.get() for _ in range(kappa)), key=lambda x: x[0])
+    for pr in procs:
+        pr.join(timeout=60)
+        assert pr.exitcode == 0, f"CP rank exited with {pr.exitcode}"
+    out = torch.cat([torch.from_numpy(r[1]) for r in res], dim=1)
+    grads = [torch.cat([torch.from_numpy(r[2][i]) for r in res], dim=1) for i in range(5)]
+    return out, grads, [r[3] for r in res]
+
+
+def reference_gdn(shape: dict, chunk_size: int = 64):
+    """Single-rank reference: transformers' torch_chunk_gated_delta_rule (Qwen3.5's torch fallback)."""
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
+    (q, k, v, g, beta), dout = gdn_inputs(**shape)
+    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    out, nbytes = saved_bytes(lambda: torch_chunk_gated_delta_rule(*xs, chunk_size=chunk_size,
+                                                                   use_qk_l2norm_in_kernel=True)[0])
+    out.backward(dout)
+    return out.detach(), [x.grad for x in xs], nbytes
+
+
+def cp_bench(kappas=(1, 2, 4, 8), shape=None):
+    shape = shape or dict(B=1, S=1024, nk=2, nv=4, dk=32, dv=32)
+    ref_out, ref_grads, ref_bytes = reference_gdn(shape)
+    base = None
+    print(f"shape {shape}; reference saved {ref_bytes / 2**20:.2f} MiB")
+    print(f"{'kappa':>5} {'fwd max|diff|':>14} {'bitwise':>8} {'grad max|diff|':>15} {'grad rel':>9}"
+          f" {'peak MiB/rank':>14} {'vs kappa=1':>10}")
+    for kappa in kappas:
+        out, grads, nbytes = run_cp(kappa, shape)
+        peak = max(nbytes)
+        base = base or peak
+        gerr = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads))
+        grel = gerr / max(b.abs().max().item() for b in ref_grads)
+        print(f"{kappa:>5} {(out - ref_out).abs().max().item():>14.3e} {str(torch.equal(out, ref_out)):>8}"
+              f" {gerr:>15.3e} {grel:>9.2e} {peak / 2**20:>14.2f} {peak / base:>10.3f}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="enumerate valid plans, mark feasible ones")
+    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(PRESETS))
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--tokens", type=int, default=16384, help="T: tokens per device per micro-batch")
+    pl.add_argument("--seq-len", type=int, default=0, help="longest trajectory; requires CP*T >= seq_len")
+    pl.add_argument("--mem-gib", type=float, default=95.0, help="M: per-device budget for each network")
+    pl.add_argument("--top", type=int, default=25, help="rows to print (0 = all)")
+    pl.add_argument("--all", action="store_true", help="print infeasible plans too, with the reason")
+    pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
+    pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
+    cb = sub.add_parser("cp-bench", help="CP Gated DeltaNet: exactness and activation peak vs kappa")
+    cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8])
+    cb.add_argument("--seq-len", type=int, default=1024)
+    args = ap.parse_args()
+    if args.cmd == "cp-bench":
+        return cp_bench(args.kappas, dict(B=1, S=args.seq_len, nk=2, nv=4, dk=32, dv=32))
+    c = PRESETS[args.preset]
+    rows = plan_table(c, args.gpus, args.tokens, args.mem_gib, args.seq_len)
+    if args.json:
+        return print(json.dumps(rows))
+    n = param_counts(c)
+    feas = [r for r in rows if r["feasible"]]
+    print(f"{c.name}: {n['total'] / 1e9:.2f}B params ({n['expert'] / 1e9:.2f}B expert); W = {args.gpus}, "
+          f"T = {args.tokens} tokens/device, M = {args.mem_gib:g} GiB; expert optimizer 12*P_exp/W = "
+          f"{12 * n['expert'] / args.gpus / GiB:.2f} GiB for every plan (Prop. 7.1)")
+    print(f"{len(rows)} valid plans, {len(feas)} feasible (actor and critic each <= M); rc = full recompute")
+    print(format_table(rows if args.all else feas, args.top, args.tokens, compact=not args.full))
+
+
+if __name__ == "__main__":
+    main()

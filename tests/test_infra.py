@@ -1,0 +1,120 @@
+"""infra.py: memory model (Proposition 7.1), planner, parameter counts, context-parallel Gated DeltaNet."""
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import infra
+from infra import GiB, PRESETS, Plan
+
+C122 = PRESETS["qwen35-122b-a10b"]
+
+
+# ----------------------------------------------------------------------------- memory model and planner
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("gpus", [16, 64, 128])
+def test_prop_7_1_expert_optimizer_bytes_do_not_depend_on_plan(preset, gpus):
+    c = PRESETS[preset]
+    p_exp = infra.param_counts(c)["expert"]
+    plans = infra.enumerate_plans(c, gpus, tokens=16384)
+    assert len({(p.tp, p.pp, p.cp, p.ep, p.etp) for p in plans}) > 50  # many genuinely different plans
+    for p in plans:
+        for net in ("actor", "critic"):
+            for stage in {0, p.pp - 1}:
+                d = infra.device_memory(c, p, 16384, net, stage)
+                assert math.isclose(d["expert_optimizer"], 12 * p_exp / gpus, rel_tol=1e-12), p
+
+
+def test_param_count_matches_paper_totals():
+    n = infra.param_counts(C122)
+    assert abs(n["total"] / 121.4e9 - 1) < 0.02  # 122.1B with the assumed head layout (+0.6%)
+    assert abs(n["expert"] / 116.0e9 - 1) < 0.005
+    assert abs(infra.param_counts(PRESETS["qwen35-35b-a3b"])["total"] / 35e9 - 1) < 0.05
+
+
+def test_param_formula_matches_hf_qwen35_moe_module():
+    from transformers import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeForCausalLM
+    hf = Qwen3_5MoeTextConfig(vocab_size=512, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                              num_key_value_heads=2, head_dim=16, linear_key_head_dim=8, linear_value_head_dim=8,
+                              linear_num_key_heads=2, linear_num_value_heads=4, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2)
+    model = Qwen3_5MoeForCausalLM(hf)
+    mine = infra.ModelConfig("tiny", 4, 64, 8, 2, 32, 48, 3, 1, 512, 4, 2, 16, 2, 4, 8, 8)
+    assert infra.param_counts(mine)["total"] == sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert infra.param_counts(mine)["expert"] == experts
+
+
+def test_plan_errors_follow_megatron_rules():
+    ok = Plan(tp=2, pp=4, cp=2, ep=16, etp=1, dp=4)
+    assert infra.plan_errors(C122, ok, 16384) == []
+    assert ok.world == 64 and ok.edp == 1
+    assert any("KV heads" in e for e in infra.plan_errors(C122, Plan(4, 1, 1, 16, 1, 16), 16384))
+    assert any("layers" in e for e in infra.plan_errors(C122, Plan(1, 5, 1, 1, 1, 1), 16384))
+    assert any("experts" in e for e in infra.plan_errors(C122, Plan(1, 1, 3, 3, 1, 1), 16384))
+    assert any("EP*ETP" in e for e in infra.plan_errors(C122, Plan(1, 1, 1, 64, 1, 32), 16384))
+    assert any("chunk" in e for e in infra.plan_errors(C122, Plan(1, 1, 2, 2, 1, 1), 1000))
+
+
+def test_planner_rejects_infeasible_plans_with_reason():
+    rows = infra.plan_table(C122, 64, 16384, mem_gib=95)
+    feasible = [r for r in rows if r["feasible"]]
+    assert feasible and len(feasible) < len(rows)
+    for r in feasible:
+        assert r["actor"]["total"] <= 95 * GiB and r["critic"]["total"] <= 95 * GiB
+    no_rc = [r for r in rows if not r["recompute"] and r["tp"] == 2 and r["pp"] == 1 and r["ep"] == 64]
+    assert no_rc and all(not r["feasible"] and "largest term: activations" in r["reason"] for r in no_rc)
+    # a budget below the expert optimizer shard alone rejects every plan, naming the network and M
+    tiny = infra.plan_table(C122, 64, 16384, mem_gib=20)
+    assert not any(r["feasible"] for r in tiny) and all("actor total" in r["reason"] for r in tiny)
+    ok, reason, _ = infra.feasibility(C122, Plan(2, 1, 1, 64, 1, 32), 16384, 95 * GiB, seq_len=131072)
+    assert not ok and "CP*T = 16384 < seq_len 131072" in reason
+
+
+def test_recompute_and_tp_shrink_activations():
+    p = Plan(2, 1, 1, 64, 1, 32, recompute=False)
+    full = infra.memory(C122, p, 8192)["activations"]
+    rc = infra.memory(C122, Plan(2, 1, 1, 64, 1, 32, recompute=True), 8192)["activations"]
+    tp1 = infra.memory(C122, Plan(1, 1, 1, 64, 1, 64, recompute=True), 8192)["activations"]
+    assert rc < full / 5 and tp1 > rc
+    critic = infra.memory(C122, Plan(2, 1, 1, 64, 1, 32), 8192, "critic")
+    assert critic["activations"] < rc and critic["params"] < infra.memory(C122, p, 8192)["params"]
+
+
+def test_plan_cli_json_interface():
+    out = subprocess.run([sys.executable, "infra.py", "plan", "--preset", "qwen35-35b-a3b", "--gpus", "8", "--json"],
+                         capture_output=True, text=True, check=True, cwd=infra.__file__.rsplit("/", 1)[0])
+    rows = json.loads(out.stdout.strip().splitlines()[-1])
+    r = rows[0]
+    assert {"tp", "pp", "cp", "ep", "etp", "dp", "feasible", "reason", "actor", "critic"} <= set(r)
+    assert {"params", "grads", "optimizer", "expert_optimizer", "activations", "total"} <= set(r["actor"])
+
+
+# ----------------------------------------------------------------------------- context-parallel GDN
+def test_cp_split_on_chunk_boundaries():
+    assert infra.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
+    for s, e in infra.cp_split(1000, 8)[:-1]:
+        assert s % 64 == 0 and e % 64 == 0
+
+
+def test_single_rank_rule_bitwise_equals_transformers_reference():
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
+    (q, k, v, g, beta), _ = infra.gdn_inputs(S=200)  # a partial last chunk exercises the padding
+    ref, ref_state = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
+                                                  output_final_state=True)
+    out, state = infra.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    assert torch.equal(out, ref) and torch.equal(state, ref_state)
+
+
+@pytest.mark.parametrize("kappa", [2, 4])
+def test_cp_forward_bitwise_and_grad_error(kappa):
+    shape = dict(B=1, S=300, nk=2, nv=4, dk=16, dv=16)  # 5 chunks, the last one partial
+    ref_out, ref_grads, ref_bytes = infra.reference_gdn(shape)
+    out, grads, nbytes = infra.run_cp(kappa, shape)
+    assert torch.equal(out, ref_out)  # bitwise identical forward
+    assert max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)) < 1e-6
+    assert max(nbytes) < ref_bytes * (1 / kappa + 0.25)  # per-rank saved activations shrink ~1/kappa
