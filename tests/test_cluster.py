@@ -1,0 +1,407 @@
+"""cluster.py (presets, checks, SGLang client + weight publish) and rollout.DaytonaSandbox, on CPU.
+
+SGLang request bodies are checked two ways: against the embedded engine (model.py) where the protocol
+is shared, and, for the distributed weight update the embedded engine does not serve, against a small
+HTTP server here that validates the bodies as SGLang's io_struct.py declares them (main at 001067f:
+InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, PauseGenerationReqInput) and
+receives the broadcast tensors over a real gloo group, in a second process.
+Daytona: the real SDK's create-params objects are built (skipped when `daytona` is not installed); the
+sandbox's calls go to a fake client that implements the SDK's method names (the SDK has no offline mode).
+"""
+import json
+import multiprocessing as mp
+import os
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import cluster
+import data
+import model as model_lib
+import rollout
+
+# --- helpers: a validating fake SGLang server in its own process --------------------------------------
+INIT_FIELDS = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
+               "group_name": str, "backend": str}
+UPDATE_FIELDS = {"names": list, "dtypes": list, "shapes": list, "group_name": str, "flush_cache": bool,
+                 "abort_all_requests": bool, "weight_version": str, "load_format": str, "torch_empty_cache": bool}
+
+
+def validate(body, fields, required):
+    """SGLang's msgspec schema, strictly: known fields only, each of its declared type."""
+    unknown = set(body) - set(fields)
+    assert not unknown, f"fields SGLang does not declare: {unknown}"
+    for k in required:
+        assert k in body, f"missing required field {k}"
+    for k, v in body.items():
+        assert isinstance(v, fields[k]) and not (fields[k] is int and isinstance(v, bool)), (k, v)
+
+
+def fake_sglang(port_q, result_q):
+    """One fake engine of TP 1 (one receiving rank: rank_offset), gloo instead of NCCL."""
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    state = {"calls": [], "groups": None, "received": {}, "errors": []}
+
+    class H(BaseHTTPRequestHandler):
+        def log_message(self, *a):
+            pass
+
+        def _send(self, obj):
+            raw = json.dumps(obj).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
+            try:
+                if self.path == "/init_weights_update_group":
+                    validate(body, INIT_FIELDS, ["master_address", "master_port", "rank_offset", "world_size"])
+                    state["calls"].append(("init", body))
+                    state["groups"] = cluster.init_update_group(body["master_address"], body["master_port"],
+                                                                body["rank_offset"], body["world_size"], body["group_name"],
+                                                                body["backend"])
+                    state["group_name"] = body["group_name"]
+                elif self.path == "/update_weights_from_distributed":
+                    validate(body, UPDATE_FIELDS, ["names", "dtypes", "shapes"])
+                    assert len(body["names"]) == len(body["dtypes"]) == len(body["shapes"])
+                    assert body["group_name"] == state["group_name"]
+                    state["calls"].append(("update", body))
+                    for name, dt, shape in zip(body["names"], body["dtypes"], body["shapes"]):
+                        assert all(isinstance(s, int) for s in shape), shape
+                        t = torch.empty(shape, dtype=getattr(torch, dt))  # as SGLang: getattr(torch, dtype)
+                        dist.broadcast(t, src=0, group=state["groups"])
+                        assert name not in state["received"], f"{name} sent twice"
+                        state["received"][name] = t.float().tolist()
+                elif self.path == "/pause_generation":
+                    assert body.get("mode", "abort") in ("abort", "retract", "in_place"), body
+                    state["calls"].append(("pause", body))
+                elif self.path == "/continue_generation":
+                    state["calls"].append(("continue", body))
+                elif self.path == "/destroy_weights_update_group":
+                    state["calls"].append(("destroy", body))
+                    result_q.put({"calls": state["calls"], "received": state["received"], "errors": state["errors"]})
+                else:
+                    raise AssertionError(f"unknown endpoint {self.path}")
+                self._send({"success": True, "message": "ok"})
+            except AssertionError as e:
+                state["errors"].append(str(e))
+                self._send({"success": False, "message": f"invalid request: {e}"})
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+    port_q.put(srv.server_address[1])
+    srv.serve_forever()
+
+
+# --- SGLang client against the embedded engine (shared protocol) ---------------------------------------
+@pytest.fixture(scope="module")
+def engine(tmp_path_factory):
+    tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort", "echo done"] * 20, vocab_size=300)
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
+    eng = model_lib.EngineServer(path, port=0, max_batch=4).start()
+    yield eng, path, tok
+    eng.stop()
+
+
+def test_sglang_client_speaks_the_shared_protocol_of_the_embedded_engine(engine, tmp_path):
+    eng, path, tok = engine
+    c = cluster.SGLangClient(eng.url)
+    assert c.health()
+    info = c.model_info()
+    assert info["num_moe_layers"] == 4 and info["top_k"] == 2
+    ids = tok.encode("ls -la", add_special_tokens=False)
+    out = c.generate(ids, {"temperature": 0.0, "max_new_tokens": 4, "stop_token_ids": [2]})
+    assert len(out["output_ids"]) == len(out["logprobs"]) <= 4
+    assert out["routed_experts"].shape == (len(ids) + len(out["output_ids"]) - 1, 4, 2)
+    # publish barrier with the disk path: pause (SGLang's body {"mode": "retract"}) -> update -> continue
+    assert c.pause(mode="retract")["success"]
+    c.update_weights_from_disk(path, weight_version=7)
+    assert c.resume()["success"]
+    assert c.model_info()["weight_version"] == "7"
+    again = c.generate(ids, {"temperature": 0.0, "max_new_tokens": 2})
+    assert again["weight_version"] == "7"
+
+
+def test_sglang_server_command_has_routed_experts_and_token_io():
+    cmd = cluster.sglang_command("/m", 31000, tp=8)
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--trust-remote-code"):
+        assert flag in cmd
+    assert cmd[cmd.index("--tp-size") + 1] == "8" and cmd[cmd.index("--ep-size") + 1] == "8"
+    assert cmd[cmd.index("--port") + 1] == "31000"
+
+
+# --- bucketing and expert gathering ---------------------------------------------------------------------
+def test_buckets_hold_every_weight_exactly_once_in_order_within_the_size():
+    specs = [(f"w{i}", torch.bfloat16 if i % 2 else torch.float32, (i + 1, 16)) for i in range(20)]
+    specs.append(("big", torch.bfloat16, (1000, 100)))  # 200 kB: larger than a bucket, goes alone
+    cap = 2048
+    buckets = cluster.make_buckets(specs, cap)
+    flat = [n for b in buckets for n, _, _ in b]
+    assert flat == [n for n, _, _ in specs]  # every weight once, order kept
+    for b in buckets:
+        size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in b)
+        assert size <= cap or len(b) == 1
+    assert buckets[-1] == [("big", torch.bfloat16, (1000, 100))]
+    assert len(cluster.make_buckets(specs, 1 << 40)) == 1
+    with pytest.raises(ValueError, match="bucket_bytes"):
+        cluster.make_buckets(specs, 0)
+
+
+@pytest.mark.parametrize("ep,etp", [(1, 1), (4, 1), (2, 2)])
+def test_gather_experts_rebuilds_every_expert_from_ep_and_etp_shards(ep, etp):
+    E, ffn, h = 8, 6, 4
+    full = {"gate_proj": torch.randn(E, ffn, h), "up_proj": torch.randn(E, ffn, h), "down_proj": torch.randn(E, h, ffn)}
+    dims = {"gate_proj": 0, "up_proj": 0, "down_proj": 1}  # ETP splits fc1 rows, fc2 columns
+
+    def shard(kind, ep_r, etp_r):  # what EP rank ep_r, ETP rank etp_r holds of one kind
+        return full[kind].chunk(ep, dim=0)[ep_r].chunk(etp, dim=dims[kind] + 1)[etp_r]
+
+    def fake_all_gather(ep_r, etp_r):  # every rank's tensor of the same kind, in rank order
+        def all_gather(t, group):
+            for k in full:
+                if group == "etp" and torch.equal(t, shard(k, ep_r, etp_r)):
+                    return [shard(k, ep_r, j) for j in range(etp)]
+                if group == "ep" and torch.equal(t, full[k].chunk(ep, dim=0)[ep_r]):
+                    return [full[k].chunk(ep, dim=0)[j] for j in range(ep)]
+            raise AssertionError(f"unexpected {group} gather of {tuple(t.shape)}")
+        return all_gather
+
+    for ep_r in range(ep):
+        for etp_r in range(etp):
+            local = {k: shard(k, ep_r, etp_r) for k in full}
+            got = cluster.gather_experts(local, ep_r, ep, fake_all_gather(ep_r, etp_r), etp, dims)
+            for k in full:
+                assert torch.equal(got[k], full[k])
+    named = cluster.expert_named_tensors(3, full, cluster.hf_expert_name)
+    assert len(named) == E * 3 and len({n for n, _ in named}) == E * 3
+    assert named[0][0] == "model.layers.3.mlp.experts.0.gate_proj.weight"
+    assert torch.equal(dict(named)["model.layers.3.mlp.experts.5.down_proj.weight"], full["down_proj"][5])
+
+
+# --- the distributed publish end to end (gloo, a validating fake SGLang in a second process) -----------
+def test_publish_barrier_sends_sglang_bodies_and_every_tensor_over_the_group():
+    ctx = mp.get_context("spawn")
+    port_q, result_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=fake_sglang, args=(port_q, result_q), daemon=True)
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port_q.get(timeout=120)}"
+        client = cluster.SGLangClient(url, timeout=120)
+        pub = cluster.WeightPublisher([client], [1], "127.0.0.1", group_name="t1_test", backend="gloo",
+                                      bucket_bytes=64 * 4)
+        pub.connect()
+        torch.manual_seed(0)
+        weights = [("model.embed_tokens.weight", torch.randn(8, 4)),
+                   ("model.layers.0.mlp.experts.0.gate_proj.weight", torch.randn(6, 4)),
+                   ("model.layers.0.mlp.experts.1.gate_proj.weight", torch.randn(6, 4)),
+                   ("model.norm.weight", torch.randn(4).to(torch.bfloat16)),
+                   ("lm_head.weight", torch.randn(20, 4))]  # 320 B: alone in its bucket
+        n_buckets = pub.publish(weights, version=3)
+        pub.close()
+        res = result_q.get(timeout=120)
+    finally:
+        proc.terminate()
+        proc.join(10)
+    assert res["errors"] == []
+    kinds = [k for k, _ in res["calls"]]
+    assert kinds == ["init", "pause"] + ["update"] * n_buckets + ["continue", "destroy"]
+    init = res["calls"][0][1]
+    assert init["rank_offset"] == 1 and init["world_size"] == 2 and init["group_name"] == "t1_test"
+    assert res["calls"][1][1] == {"mode": "retract"}
+    updates = [b for k, b in res["calls"] if k == "update"]
+    assert n_buckets >= 3
+    assert [u.get("weight_version") for u in updates] == [None] * (n_buckets - 1) + ["3"]
+    assert sum((u["names"] for u in updates), []) == [n for n, _ in weights]
+    assert "bfloat16" in sum((u["dtypes"] for u in updates), [])
+    for name, t in weights:
+        assert torch.equal(torch.tensor(res["received"][name]), t.float()), name
+
+
+# --- presets: up-front checks ---------------------------------------------------------------------------
+H200 = [("NVIDIA H200", 143771.0)] * 8
+
+
+def _model_dir(tmp_path, **over):
+    d = tmp_path / "qwen"
+    d.mkdir()
+    cfg = {"model_type": "qwen3_5_moe", "text_config": {"num_hidden_layers": 48, "hidden_size": 3072,
+                                                         "num_experts": 256, "num_experts_per_tok": 8, **over}}
+    (d / "config.json").write_text(json.dumps(cfg))
+    (d / "model-00001-of-00002.safetensors").write_bytes(b"")
+    return str(d)
+
+
+def test_preset_check_passes_when_everything_is_there(tmp_path):
+    p = cluster.PRESETS["qwen35-122b-a10b"]
+    errs = cluster.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, _model_dir(tmp_path),
+                                packages={m: True for m in cluster.PACKAGES})
+    assert errs == []
+    row, rows = cluster.choose_plan(p)
+    assert row is not None and row["feasible"] and row["tp"] * row["pp"] * row["cp"] * row["dp"] == p.train_gpus
+
+
+def test_preset_check_refuses_with_a_clear_message_for_each_missing_piece(tmp_path):
+    p = cluster.PRESETS["qwen35-122b-a10b"]
+    errs = cluster.check_preset(p, {}, [("NVIDIA A100", 81920.0)] * 2, None,
+                                packages={"sglang": False, "ray": True})
+    text = "\n".join(errs)
+    assert "DAYTONA_API_KEY is not set" in text
+    assert "this node has 2 visible GPU(s)" in text and "needs 8 per node" in text
+    assert "below 130 GiB" in text
+    assert "--model-path" in text and "T1_MODEL_PATH" in text
+    assert "packages: sglang not installed" in text and "requirements-cluster.txt" in text
+    wrong = cluster.check_preset(p, {"DAYTONA_API_KEY": "k", "T1_MODEL_PATH": _model_dir(tmp_path, num_experts=128)},
+                                 H200, None, packages={})
+    assert wrong == [f"model path: {tmp_path / 'qwen' / 'config.json'}: num_experts = 128, preset qwen35-122b-a10b "
+                     f"expects 256"]
+    assert "not a directory" in cluster.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, str(tmp_path / "nope"),
+                                                     packages={})[0]
+
+
+def test_check_command_exits_listing_the_problems(monkeypatch, capsys):
+    monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
+    monkeypatch.delenv("T1_MODEL_PATH", raising=False)
+    with pytest.raises(SystemExit) as e:
+        cluster.main(["check", "--preset", "qwen35-35b-a3b"])
+    assert "is not ready" in str(e.value) and "DAYTONA_API_KEY" in str(e.value)
+    assert "chosen plan:" in capsys.readouterr().out  # the planner's choice is printed before refusing
+
+
+def test_layout_bundles_cover_the_preset_and_keep_each_server_on_one_node():
+    for p in cluster.PRESETS.values():
+        lay = cluster.layout(p)
+        train, _ = lay["train"]
+        engines, _ = lay["engines"]
+        gpus = sum(b.get("GPU", 0) for b in train + engines)
+        assert gpus == (p.train_gpus if p.colocate else p.train_gpus + p.n_engines * p.engine_tp) <= p.gpus
+        assert all(b.get("GPU", 0) <= p.gpus_per_node for b in engines)
+
+
+# --- Daytona sandbox ------------------------------------------------------------------------------------
+def _task(tmp_path, env_extra=""):
+    d = tmp_path / "task"
+    (d / "environment").mkdir(parents=True)
+    (d / "environment" / "Dockerfile").write_text("FROM python:3.11-slim\n")
+    (d / "tests").mkdir()
+    (d / "tests" / "test.sh").write_text("pytest --ctrf /logs/verifier/ctrf.json /tests/test_x.py\n")
+    (d / "tests" / "test_x.py").write_text("def test_a():\n    assert True\n")
+    (d / "instruction.md").write_text("Do it.\n")
+    (d / "task.toml").write_text('[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 300.0\n'
+                                 f'[environment]\ncpus = 2\nmemory_mb = 3072\nstorage_mb = 10240\n{env_extra}')
+    return data.load_task(str(d))
+
+
+class FakeDaytona:
+    """The SDK surface DaytonaSandbox uses: Daytona.create(params, timeout) -> Sandbox with .process.exec,
+    .fs.upload_files / .fs.download_file, .delete(). Commands are recorded; replies are scripted."""
+
+    def __init__(self, fail_on=None, pane=("",), files=None):
+        self.created, self.deleted, self.cmds, self.uploads = [], 0, [], []
+        self.fail_on, self.panes, self.files = fail_on, list(pane), files or {}
+
+    def create(self, params, timeout=60):
+        self.created.append((params, timeout))
+        fake = self
+
+        class Proc:
+            def exec(self, command, cwd=None, env=None, timeout=None):
+                fake.cmds.append((command, env, timeout))
+                if fake.fail_on and fake.fail_on in command:
+                    return SimpleNamespace(exit_code=1, result="boom")
+                if "capture-pane" in command:
+                    return SimpleNamespace(exit_code=0, result=fake.panes.pop(0) if fake.panes else "")
+                return SimpleNamespace(exit_code=0, result="ok\n")
+
+        class FS:
+            def upload_files(self, files):
+                fake.uploads += [(f.source, f.destination) for f in files]
+
+            def download_file(self, path):
+                if path not in fake.files:
+                    raise FileNotFoundError(path)
+                return fake.files[path]
+
+        class Box:
+            id = "sb-1"
+            process, fs = Proc(), FS()
+
+            def delete(self):
+                fake.deleted += 1
+        return Box()
+
+
+def test_daytona_create_params_are_the_sdks_own_objects(tmp_path):
+    daytona = pytest.importorskip("daytona")
+    task = _task(tmp_path, 'docker_image = "ghcr.io/laude/tb2-task:1"\nallow_internet = false\n')
+    params = rollout.DaytonaSandbox(task, tmp_path / "trial").create_params()
+    assert isinstance(params, daytona.CreateSandboxFromImageParams)
+    assert params.image == "ghcr.io/laude/tb2-task:1"
+    assert (params.resources.cpu, params.resources.memory, params.resources.disk) == (2, 3, 10)
+    assert params.ephemeral and params.network_block_all and params.ttl_minutes == 6 + 30
+    assert params.labels == {"t1-task": "task"}
+    built = rollout.DaytonaSandbox(_task(tmp_path / "b"), tmp_path / "t2").create_params()
+    assert isinstance(built.image, daytona.Image) and built.network_block_all is False  # from environment/Dockerfile
+    snap = rollout.DaytonaSandbox(_task(tmp_path / "c"), tmp_path / "t3", snapshot="tb2-base").create_params()
+    assert isinstance(snap, daytona.CreateSandboxFromSnapshotParams) and snap.snapshot == "tb2-base"
+
+
+def test_daytona_sandbox_terminal_exec_and_verifier_through_the_sdk_calls(tmp_path, monkeypatch):
+    pytest.importorskip("daytona")
+    ctrf = {"results": {"tool": {"name": "pytest"}, "summary": {"tests": 2, "passed": 1, "failed": 1},
+                        "tests": [{"name": "a", "status": "passed"}, {"name": "b", "status": "failed"}]}}
+    fake = FakeDaytona(pane=["$ ", "$ ls\nfile.txt\n$ "], files={"/logs/verifier/ctrf.json": json.dumps(ctrf).encode()})
+    task = _task(tmp_path)
+    with rollout.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
+        assert fake.created and any("tmux new-session -d -s t1" in c for c, _, _ in fake.cmds)
+        assert box.read(0) == "$ "
+        box.send_keys("ls\n")
+        assert "tmux send-keys -t t1 -l ls" in fake.cmds[-1][0] and "send-keys -t t1 Enter" in fake.cmds[-1][0]
+        box.send_keys("C-c")
+        assert fake.cmds[-1][0].endswith("tmux send-keys -t t1 C-c'")
+        assert box.read(0) == "ls\nfile.txt\n$ "  # only the new part of the pane
+        rc, out = box.exec("echo hi", timeout=5)
+        assert (rc, out) == (0, "ok\n") and fake.cmds[-1][2] == 5
+        v = box.run_verifier()
+    assert sorted(d for _, d in fake.uploads) == ["/tests/test.sh", "/tests/test_x.py"]
+    assert fake.cmds[-1][1] == {"PYTEST_ADDOPTS": "-p no:cacheprovider"} and fake.cmds[-1][2] == 60
+    assert v["source"] == "ctrf" and v["passed"] == 1
+    assert fake.deleted == 1  # closed on exit
+
+
+def test_daytona_sandbox_is_deleted_on_every_exit_path(tmp_path, monkeypatch):
+    pytest.importorskip("daytona")
+    task = _task(tmp_path)
+    fake = FakeDaytona(fail_on="tmux new-session")  # start fails after the sandbox exists
+    with pytest.raises(RuntimeError, match="tmux"):
+        rollout.DaytonaSandbox(task, tmp_path / "t1", client=fake).start()
+    assert fake.deleted == 1
+    fake = FakeDaytona()
+    with pytest.raises(KeyError):
+        with rollout.DaytonaSandbox(task, tmp_path / "t2", client=fake):
+            raise KeyError("agent crashed")
+    assert fake.deleted == 1
+    box = rollout.DaytonaSandbox(task, tmp_path / "t3", client=fake).start()
+    assert box in rollout._DAYTONA_OPEN
+    rollout._close_open_daytona()  # the atexit hook
+    assert fake.deleted == 2 and box not in rollout._DAYTONA_OPEN
+    box.close()  # idempotent
+    assert fake.deleted == 2
+    monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
+    with pytest.raises(RuntimeError, match="DAYTONA_API_KEY is not set"):
+        rollout.DaytonaSandbox(task, tmp_path / "t4").start()
+
+
+def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_counts():
+    from transformers import Qwen3_5MoeForCausalLM
+    import infra
+    c = cluster.probe_config()
+    with torch.device("meta"):  # no memory: only the parameter shapes
+        m = Qwen3_5MoeForCausalLM(cluster.hf_config(c))
+    assert sum(p.numel() for p in m.parameters()) == infra.param_counts(c)["total"]
+    assert m.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
