@@ -15,7 +15,8 @@ them, prefill together (attention mask + explicit position ids; the Gated DeltaN
 padded positions so their recurrent state starts clean), then decode together with a hybrid
 DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
 Weight reloads and pauses take effect between waves, so one request sees one weight_version.
-Routed experts are recorded with r3 in every forward: row j = experts chosen when token j was the
+Routed experts are recorded with r3 in every forward of a wave in which any request sets
+`return_routed_experts` (SGLang's --enable-return-routed-experts; off otherwise): row j = experts chosen when token j was the
 input (prompt rows from prefill, output rows from decode steps; the last output token is never
 forwarded, so a request returns len(input) + len(output) - 1 rows).
 
@@ -192,6 +193,7 @@ class Request:
         self.rid, self.input_ids = rid, input_ids
         self.temperature, self.top_p, self.max_new_tokens = temperature, top_p, max_new_tokens
         self.stop_ids, self.seed = stop_ids, seed
+        self.want_routing = True  # return_routed_experts: a wave records routing if any request asks
         self.output_ids, self.logprobs, self.routing = [], [], []
         self.finish, self.aborted, self.done = None, False, threading.Event()
         self.weight_version = None  # set when the request finishes inside a wave
@@ -237,7 +239,9 @@ def parse_generate(body, vocab_size, max_positions, eos_id):
     rid = _field(body, "rid", (str,), None) or uuid.uuid4().hex
     for flag in ("return_logprob", "return_routed_experts"):
         _field(body, flag, (bool,), False)
-    return Request(rid, ids, temperature, top_p, max_new, stop_ids, seed)
+    req = Request(rid, ids, temperature, top_p, max_new, stop_ids, seed)
+    req.want_routing = bool(body.get("return_routed_experts", False))
+    return req
 
 
 class EngineServer:
@@ -404,12 +408,14 @@ class EngineServer:
         gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self.gen for r in batch]
         active = [True] * B
         cache = DynamicCache(config=self.model.config)
-        with r3.routing(self.model, "record") as rec:
+        capture = any(r.want_routing for r in batch)  # capture off only when no request asks for it
+        with r3.routing(self.model, "record" if capture else "off") as rec:
             out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
                              use_cache=True, logits_to_keep=1)
-            (routed,) = rec.pop()  # (B, T, L, k)
-            for b, r in enumerate(batch):
-                r.routing.append(routed[b, T - lens[b]:])  # prompt rows
+            if capture:
+                (routed,) = rec.pop()  # (B, T, L, k)
+                for b, r in enumerate(batch):
+                    r.routing.append(routed[b, T - lens[b]:])  # prompt rows
             next_pos = torch.tensor(lens)  # (B,)
             while True:
                 logits = out.logits[:, -1]  # (B, V)
@@ -438,10 +444,11 @@ class EngineServer:
                 out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=next_pos[:, None],
                                  cache=cache, use_cache=True)
                 next_pos += 1
-                (routed,) = rec.pop()  # (B, 1, L, k)
-                for b, r in enumerate(batch):
-                    if active[b]:
-                        r.routing.append(routed[b])  # row of the token just fed
+                if capture:
+                    (routed,) = rec.pop()  # (B, 1, L, k)
+                    for b, r in enumerate(batch):
+                        if active[b]:
+                            r.routing.append(routed[b])  # row of the token just fed
 
     def response(self, req, want_logprob=True, want_routing=True):
         n_in, n_out = len(req.input_ids), len(req.output_ids)

@@ -19,14 +19,27 @@ Use:
     with r3.routing(model, "replay", experts):           # trainer side, every forward
         loss = f(model(ids).logits); loss.backward()     # backward (and recompute) inside
 
+Megatron-Core (cluster trainer, see mcore.py): the same `routing(actor, mode, experts)` call on an
+`mcore.MegatronActor` slices experts with `slice_for_megatron` (context-parallel chunks, sequence-
+parallel split, the pipeline stage's MoE layers, Megatron's [s, b] token order) and drives this model's
+native `RouterReplay` instances (RECORD / REPLAY_FORWARD; `ctx.backward_mode()` -> REPLAY_BACKWARD for
+recompute); router fusion is refused.
+
+    python r3.py measure --quick   # one JSON line: dlogp_off, dlogp_on, expert_set_mismatch_off,
+                                   # capture_overhead_ratio, bytes_per_position (~25 s on 2 cores)
+
+`mismatch(model, input_ids, attention_mask, experts, loss_mask)` is the per-step R3 figure: the
+fraction of (position, layer) pairs, over rows j with m[j+1] = 1, whose live expert set differs
+from the recorded one.
+
 `rec.forwards` keeps one (B, T_i, L, k) tensor per forward run inside the context (a KV-cached
 engine runs a prefill and then one forward per decode step); `rec.pop()` returns and clears them.
 The wire format of SGLang's `routed_experts` (base64 of little-endian int32 [N, L, k]) is
 `encode_routed_experts` / `decode_routed_experts`.
 
 Departures from the paper:
-1. The trainer is Hugging Face's Qwen3_5MoeForCausalLM, not Megatron-Core's `RouterReplay`; the
-   router module `layer.mlp.gate` is swapped for `R3Router` (same weight Parameter, same
+1. The embedded trainer is Hugging Face's Qwen3_5MoeForCausalLM (Megatron-Core's `RouterReplay` is
+   used only by mcore.py's backend); the router module `layer.mlp.gate` is swapped for `R3Router` (same weight Parameter, same
    state-dict key), and a forward pre-hook on the MoE block tells the router the (B, T) of the
    batch so that flattened token rows can be matched to recorded rows.
 2. A replay row of all -1 (a placeholder or padding) falls back to live top-k for that row. The
@@ -39,10 +52,24 @@ Departures from the paper:
    append a second copy of the rows.
 4. One routing context per model at a time (nesting raises): the mode is an explicit argument held
    by the routers only while the context is open, never a global or an environment variable.
+5. Megatron replay wraps each RouterReplay's `get_replay_topk` while the context is open: native
+   REPLAY_FORWARD / REPLAY_BACKWARD semantics, plus (a) all -1 rows fall back to live top-k as in the
+   HF path and (b) a slice whose row count differs from the router's tokens raises (the native gather
+   would silently route only the first rows). It drives the model's own instances, not the process-
+   wide static list, which also holds the critic's routers.
+6. The mismatch source at embedded scale is bf16-ROUNDED engine weights in fp32 compute vs fp32
+   trainer weights (model.py departure 4), on a random-init tiny model with near-uniform router logits;
+   the measured figures are this setup's, not the paper's 0.021 -> 0.013. Capture overhead is measured
+   as engine wave time with return_routed_experts on vs off (same requests, seeds, batch), interleaved.
 """
 
+import argparse
 import base64
 import contextlib
+import json
+import tempfile
+import threading
+import time
 
 import numpy as np
 import torch
@@ -182,6 +209,10 @@ def routing(model, mode: str, experts=None):
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if getattr(model, "r3_backend", "hf") == "megatron":  # mcore.MegatronActor: native RouterReplay
+        with model.routing(mode, experts) as ctx:
+            yield ctx
+        return
     rs = routers(model)
     if any(r.mode != "off" for r in rs):
         raise RuntimeError("routing: another R3 routing context is already open on this model")
@@ -248,3 +279,273 @@ def decode_routed_experts(b64: str, num_layers: int, top_k: int) -> np.ndarray:
     if len(raw) % row:
         raise ValueError(f"b64: {len(raw)} bytes is not a multiple of 4 * L * k = {row}")
     return np.frombuffer(raw, dtype="<i4").astype(np.int32).reshape(-1, num_layers, top_k)
+
+
+# --- R3 figures for a training step --------------------------------------------------------------
+def _expert_sets_differ(a, b):
+    """a, b (..., k) int -> (...) bool: the two rows name different expert SETS (order ignored)."""
+    return (a.long().sort(dim=-1).values != b.long().sort(dim=-1).values).any(dim=-1)
+
+
+def _trained_rows(experts, attention_mask, loss_mask):
+    """(B, T) bool: rows j that route a forward predicting a trained token (m[j+1] = 1) and are recorded."""
+    m_next = F.pad(torch.as_tensor(loss_mask)[:, 1:] != 0, (0, 1), value=False)  # (B, T): m[j+1]
+    recorded = (torch.as_tensor(experts) >= 0).all(dim=-1).all(dim=-1)  # (B, T)
+    return m_next & recorded & (torch.as_tensor(attention_mask) != 0)
+
+
+@torch.no_grad()
+def mismatch(model, input_ids, attention_mask, experts, loss_mask) -> float:
+    """Fraction of (position, layer) pairs whose live expert SET differs from the recorded one.
+
+    input_ids, attention_mask, loss_mask (B, T); experts (B, T, L, k) with -1 rows where nothing was
+    recorded. Counted over rows j with m[j+1] = 1 (the rows whose forward produces a trained logprob).
+    Runs one forward of `model` with live routing (R3 off); 0.0 when no row qualifies.
+    """
+    experts = torch.as_tensor(experts)
+    with routing(model, "record") as rec:
+        model(input_ids=input_ids, attention_mask=attention_mask)
+        live = rec.experts  # (B, T, L, k)
+    rows = _trained_rows(experts, attention_mask, loss_mask)  # (B, T)
+    if not rows.any():
+        return 0.0
+    return float(_expert_sets_differ(live[rows], experts[rows]).float().mean())  # over (rows x L)
+
+
+# --- Megatron-Core backend: drive the native RouterReplay ------------------------------------------
+def slice_for_megatron(experts, tp_rank=0, tp_size=1, sp=False, cp_rank=0, cp_size=1, layers=None,
+                       moe_layers=None) -> list:
+    """experts (B, T, L_moe, k) -> one (N_local, k) int64 tensor per MoE layer of this rank, rows in the
+    order tokens reach that rank's router.
+
+    Megatron-Core's tokens are sequence-major ([s, b] flattened: row = s * B + b). Context parallel
+    gives rank r the sequence chunks r and 2*cp - 1 - r of 2*cp equal chunks (load-balanced causal
+    split); sequence parallel (tp > 1) then gives TP rank t the t-th contiguous 1/tp of that local
+    sequence; without sequence parallel every TP rank routes all local tokens. `layers` = (first,
+    last + 1) global decoder-layer range of this pipeline stage (None: all); `moe_layers` = per global
+    decoder layer 1 (MoE) / 0 (dense) (None: all MoE). Recorded column l counts MoE layers only.
+    """
+    experts = torch.as_tensor(experts)
+    if experts.ndim != 4:
+        raise ValueError(f"experts: expected (B, T, L, k), got shape {tuple(experts.shape)}")
+    B, T, L, k = experts.shape
+    moe_layers = [1] * L if moe_layers is None else [int(x) for x in moe_layers]
+    if sum(moe_layers) != L:
+        raise ValueError(f"moe_layers: {sum(moe_layers)} MoE layers in the pattern but experts hold L = {L}")
+    first, last = (0, len(moe_layers)) if layers is None else layers
+    if not 0 <= first <= last <= len(moe_layers):
+        raise ValueError(f"layers: expected a range inside [0, {len(moe_layers)}], got {layers}")
+    if cp_size > 1:  # Megatron's causal load balancing: chunks (r, 2cp-1-r) of 2cp
+        if T % (2 * cp_size):
+            raise ValueError(f"experts: T = {T} not divisible by 2 * cp_size = {2 * cp_size}")
+        chunks = experts.chunk(2 * cp_size, dim=1)
+        experts = torch.cat([chunks[cp_rank], chunks[2 * cp_size - 1 - cp_rank]], dim=1)  # (B, T/cp, L, k)
+    seq = experts.transpose(0, 1)  # (S, B, L, k): Megatron's [s, b] order
+    if sp and tp_size > 1:
+        if seq.shape[0] % tp_size:
+            raise ValueError(f"experts: local sequence {seq.shape[0]} not divisible by tp_size = {tp_size}")
+        seq = seq.chunk(tp_size, dim=0)[tp_rank]  # (S/tp, B, L, k)
+    moe_index = [sum(moe_layers[:i]) for i in range(len(moe_layers))]  # global layer -> MoE column
+    cols = [moe_index[i] for i in range(first, last) if moe_layers[i]]
+    return [seq[:, :, c].reshape(-1, k).long().contiguous() for c in cols]  # each (N_local, k)
+
+
+def megatron_routers(model) -> list:
+    """The TopKRouters of a Megatron-Core model in layer order; refuses fusion and missing replay."""
+    from megatron.core.transformer.moe.router import TopKRouter
+    rs = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    if not rs:
+        raise ValueError("model: no Megatron-Core TopKRouter found")
+    for r in rs:
+        if r.config.moe_router_fusion:  # the fused TE kernel never calls RouterReplay.get_replay_topk
+            raise ValueError("model: moe_router_fusion=True bypasses RouterReplay; R3 needs it off")
+        if r.router_replay is None:
+            raise ValueError("model: built without moe_enable_routing_replay=True (no RouterReplay)")
+    return rs
+
+
+def _replay_topk(replay, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+    """RouterReplay.get_replay_topk plus two checks: row count must match; all -1 rows use live top-k."""
+    from megatron.core.transformer.moe.router_replay import RouterReplay, RouterReplayAction
+    action = replay.router_replay_action
+    if action not in (RouterReplayAction.REPLAY_FORWARD, RouterReplayAction.REPLAY_BACKWARD):
+        return RouterReplay.get_replay_topk(replay, scores, topk, num_groups, group_topk, default_compute_topk)
+    idx = replay.target_topk_idx if action == RouterReplayAction.REPLAY_FORWARD else replay.replay_backward_list.pop(0)
+    idx = idx.to(scores.device).long()  # (N, k)
+    if idx.shape != (scores.shape[0], topk):
+        raise ValueError(f"R3 replay: router got {scores.shape[0]} tokens x top-{topk} but the replay slice "
+                         f"is {tuple(idx.shape)} (check slice_for_megatron's parallel layout)")
+    hole = (idx < 0).all(dim=-1, keepdim=True)  # (N, 1) placeholder rows
+    if hole.any():
+        _, live = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        idx = torch.where(hole, live, idx)
+    return scores.gather(1, idx), idx  # w = softmax over the k gathered live logits (pre_softmax off)
+
+
+class MegatronRouting:
+    """What `megatron_routing()` yields. record: `experts` (N, L_local, k) int32 after the forward."""
+
+    def __init__(self, replays, mode):
+        self.replays, self.mode = replays, mode
+        self.batch_shape = lambda: None  # mcore.MegatronActor sets it: (B, T) of the last forward
+
+    def backward_mode(self):
+        """Switch replay to REPLAY_BACKWARD before a backward that recomputes (pops in forward order)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+        if self.mode == "replay":
+            for rp in self.replays:
+                rp.set_router_replay_action(RouterReplayAction.REPLAY_BACKWARD)
+
+    @property
+    def experts(self) -> torch.Tensor:
+        got = [rp.get_recorded_indices() for rp in self.replays]
+        if any(g is None for g in got):
+            raise RuntimeError("R3 record: no forward ran inside the routing context")
+        ex = torch.stack([g.to(torch.int32).cpu() for g in got], dim=1)  # (N, L_local, k), rows s * B + b
+        bt = self.batch_shape()
+        if bt is not None and ex.shape[0] == bt[0] * bt[1]:  # whole sequence on this rank -> (B, T, L, k)
+            ex = ex.reshape(bt[1], bt[0], *ex.shape[1:]).transpose(0, 1)
+        return ex
+
+
+@contextlib.contextmanager
+def megatron_routing(model, mode: str, layer_experts=None):
+    """Route every MoE layer of a Megatron-Core `model` in `mode` through its native RouterReplay.
+
+    replay: `layer_experts` = slice_for_megatron(...) output (one (N, k) tensor per local MoE layer).
+    Drives this model's own RouterReplay instances (not the process-wide static list, which also holds
+    the critic's and any other model's routers).
+    """
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    replays = [r.router_replay for r in megatron_routers(model)]
+    if any(rp.router_replay_action is not None for rp in replays):
+        raise RuntimeError("routing: another R3 routing context is already open on this model")
+    if mode == "replay":
+        if layer_experts is None or len(layer_experts) != len(replays):
+            raise ValueError(f"layer_experts: replay needs one (N, k) tensor per MoE layer ({len(replays)}), "
+                             f"got {None if layer_experts is None else len(layer_experts)}")
+    elif layer_experts is not None:
+        raise ValueError(f"layer_experts: only replay mode takes experts, mode is {mode!r}")
+    action = {"off": None, "record": RouterReplayAction.RECORD, "replay": RouterReplayAction.REPLAY_FORWARD}[mode]
+    for l, rp in enumerate(replays):
+        rp.clear_indices()
+        if mode == "replay":
+            rp.set_target_indices(layer_experts[l])
+            rp.get_replay_topk = lambda *a, _rp=rp, **kw: _replay_topk(_rp, *a, **kw)
+        if action is not None:
+            rp.set_router_replay_action(action)
+    ctx = MegatronRouting(replays, mode)
+    try:
+        yield ctx
+    finally:
+        for rp in replays:
+            rp.clear_router_replay_action()
+            rp.__dict__.pop("get_replay_topk", None)
+            if mode != "record":
+                rp.clear_indices()
+
+
+# --- measurement: abs(delta log p) engine vs trainer with R3 off / on, capture overhead ---------------
+def _generate_wave(engine, bodies):
+    """POST every body while the engine is paused, then resume: one wave, same batch every time."""
+    import model as model_lib
+    outs = [None] * len(bodies)
+
+    def post(i):
+        outs[i] = model_lib._post(engine.url + "/generate", bodies[i])
+
+    engine.pause()
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    while True:  # every request queued before the wave starts
+        with engine.cv:
+            if len(engine.queue) == len(bodies):
+                break
+        time.sleep(0.005)
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.resume()
+    for t in threads:
+        t.join()
+    return outs, (time.perf_counter() - t0, time.process_time() - c0)  # (wall s, CPU s of this process)
+
+
+def measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
+    """The R3 figures on one set of rollouts from the embedded engine (bf16-rounded weights, default)."""
+    import model as model_lib
+    texts = [f"task {i}: list the files in /srv/data{i}, count lines of log{i}.txt, write the sum to out{i}"
+             for i in range(64)]
+    tok = model_lib.train_tokenizer(texts, 400)
+    work = tempfile.mkdtemp(prefix="r3_measure_")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed), tok, work)
+    prompts = [model_lib.render_ids(tok, "user", texts[i * 7 % 64][: 20 + 9 * i]) + tok.encode(model_lib.ASSISTANT_PREFIX)
+               for i in range(n_requests)]
+
+    def bodies(capture):  # same requests and per-request seeds whether capture is on or off
+        return [{"input_ids": p, "return_logprob": True, "return_routed_experts": capture,
+                 "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
+                                     "seed": seed + i}} for i, p in enumerate(prompts)]
+
+    engine = model_lib.EngineServer(work, max_batch=n_requests, weight_dtype="bf16").start()
+    try:
+        outs, _ = _generate_wave(engine, bodies(True))
+        times = {True: [], False: []}  # capture -> [(wall s, CPU s)]
+        for r in range(repeats):  # interleaved, order alternating, to cancel drift on a shared machine
+            for capture in ((True, False) if r % 2 else (False, True)):
+                times[capture].append(_generate_wave(engine, bodies(capture))[1])
+        L, k = engine.num_layers, engine.top_k
+    finally:
+        engine.stop()
+
+    # trainer: fp32 master weights, the same checkpoint, the exact sampled token ids
+    trainer, _ = model_lib.load_actor(work)
+    trainer.eval()
+    B, T = len(outs), max(len(p) + len(o["output_ids"]) for p, o in zip(prompts, outs))
+    ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) right-padded
+    am, m, lp_rollout = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B, T)
+    experts = torch.full((B, T, L, k), -1, dtype=torch.int32)  # (B, T, L, k)
+    for b, (p, o) in enumerate(zip(prompts, outs)):
+        n_in, n = len(p), len(p) + len(o["output_ids"])
+        ids[b, :n] = torch.tensor(p + o["output_ids"])
+        am[b, :n] = 1
+        m[b, n_in:n] = 1  # loss on sampled tokens only
+        lp_rollout[b, n_in:n] = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+        experts[b, :n - 1] = torch.from_numpy(decode_routed_experts(o["meta_info"]["routed_experts"], L, k))
+    check_capture(experts[0, :int(am[0].sum())], m[0, :int(am[0].sum())])
+
+    def dlogp(mode):
+        with torch.no_grad(), routing(trainer, mode, experts if mode == "replay" else None):
+            logits = trainer(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
+        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+        lp = F.pad(lp, (1, 0))  # lp[:, j] = log pi(tokens[j] | tokens[:j])
+        return float(((lp - lp_rollout).abs() * m).sum() / m.sum())  # mask-weighted mean |delta log p|
+
+    wall = {c: sum(x[0] for x in v) for c, v in times.items()}
+    cpu = {c: sum(x[1] for x in v) for c, v in times.items()}  # CPU time: robust to other jobs on the machine
+    return {"dlogp_off": dlogp("off"), "dlogp_on": dlogp("replay"),
+            "expert_set_mismatch_off": mismatch(trainer, ids, am, experts, m),
+            "capture_overhead_ratio": cpu[True] / cpu[False], "capture_overhead_ratio_wall": wall[True] / wall[False],
+            "bytes_per_position": L * k * 4, "bytes_per_position_paper": 48 * 8 * 4,
+            "num_layers": L, "top_k": k, "n_requests": B, "sampled_tokens": int(m.sum()),
+            "engine_weights": "bf16-rounded", "trainer_weights": "fp32",
+            "wave_cpu_s_on": cpu[True] / repeats, "wave_cpu_s_off": cpu[False] / repeats, "repeats": repeats}
+
+
+def main():
+    p = argparse.ArgumentParser(description="R3 measurement: engine vs trainer logprobs with replay off/on")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("measure", help="print one JSON line of R3 figures")
+    s.add_argument("--quick", action="store_true", help="8 requests x 24 tokens (under a minute on 2 cores)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, default=2)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    kw = dict(n_requests=8, new_tokens=24, repeats=8) if args.quick else dict(n_requests=16, new_tokens=96, repeats=6)
+    print(json.dumps(measure(seed=args.seed, **kw)))
+
+
+if __name__ == "__main__":
+    import r3  # run as the module `r3`, the one model.py installs routers from (one R3Router class)
+    r3.main()

@@ -239,3 +239,111 @@ def test_check_capture_allows_placeholders_only_where_the_next_token_is_not_trai
         r3.check_capture(None, mask)
     with pytest.raises(ValueError, match="T = len"):
         r3.check_capture(experts[:5], mask)
+
+
+# --- R3 figures, fp32 engine equivalence, Megatron slicing ------------------------------------------
+def test_mismatch_counts_only_rows_that_feed_trained_tokens(actor, ids):
+    am = torch.ones(B, T, dtype=torch.long)
+    m = torch.zeros(B, T)
+    m[:, 12:] = 1  # rows 11..T-2 feed trained tokens
+    with torch.no_grad(), r3.routing(actor, "record") as rec:
+        actor(ids)
+    recorded = rec.experts
+    assert r3.mismatch(actor, ids, am, recorded, m) == 0.0
+    a = recorded[..., :1]  # (B, T, L, 1)
+    other = torch.cat([(a + 1) % 8, (a + 2) % 8], dim=-1)  # never contains a: a different set everywhere
+    wrong = recorded.clone()
+    wrong[:, :11] = other[:, :11]  # rows whose next token is not trained: not counted
+    assert r3.mismatch(actor, ids, am, wrong, m) == 0.0
+    wrong[0, 11, 0] = other[0, 11, 0]
+    assert r3.mismatch(actor, ids, am, wrong, m) == pytest.approx(1 / (2 * 12 * 4))  # 1 of 2 x 12 rows x 4 layers
+    reordered = recorded.flip(-1)  # the same SET in another order is not a mismatch
+    assert r3.mismatch(actor, ids, am, reordered, m) == 0.0
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(tmp_path_factory):
+    tok = model_lib.train_tokenizer([f"echo line {i} > f{i}.txt && wc -l f{i}.txt" for i in range(40)], 300)
+    path = str(tmp_path_factory.mktemp("r3_engine"))
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=3), tok, path)
+    engine = model_lib.EngineServer(path, max_batch=4, weight_dtype="fp32").start()
+    yield engine, tok, path
+    engine.stop()
+
+
+def test_replay_with_fp32_engine_weights_matches_rollout_logprobs(fp32_engine):
+    engine, tok, path = fp32_engine
+    prompts = [model_lib.render_ids(tok, "user", "echo line 3") + tok.encode(model_lib.ASSISTANT_PREFIX),
+               model_lib.render_ids(tok, "user", "wc -l f12.txt && echo line 7 > f7.txt")]
+    bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
+               "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": i}}
+              for i, p in enumerate(prompts)]
+    outs, _ = r3._generate_wave(engine, bodies)  # one wave: left-padded batched prefill + decode
+    trainer, _ = model_lib.load_actor(path)
+    trainer.eval()
+    for p, o in zip(prompts, outs):
+        seq = torch.tensor([p + o["output_ids"]])  # (1, n)
+        ex = torch.from_numpy(r3.decode_routed_experts(o["meta_info"]["routed_experts"], 4, 2))  # (n-1, L, k)
+        assert ex.shape[0] == seq.shape[1] - 1
+        ex = torch.cat([ex, torch.full((1, 4, 2), -1, dtype=torch.int32)])[None]  # (1, n, L, k)
+        with torch.no_grad(), r3.routing(trainer, "replay", ex):
+            logits = trainer(seq).logits[0, len(p) - 1:-1]  # rows predicting the sampled tokens
+        lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(o["output_ids"])[:, None]).squeeze(-1)
+        rollout = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
+        assert torch.allclose(lp, rollout, atol=1e-4, rtol=0), (lp - rollout).abs().max()
+
+
+def test_capture_off_samples_the_same_tokens_and_returns_no_routing(fp32_engine):
+    engine, tok, _ = fp32_engine
+    body = {"input_ids": model_lib.render_ids(tok, "user", "echo line 5"), "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}}
+    (on,), _t = r3._generate_wave(engine, [dict(body, return_routed_experts=True)])
+    (off,), _t = r3._generate_wave(engine, [dict(body, return_routed_experts=False)])
+    assert on["output_ids"] == off["output_ids"]
+    assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
+    assert "routed_experts" in on["meta_info"] and "routed_experts" not in off["meta_info"]
+
+
+def _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size):
+    """Reference: (b, t) pairs in the order Megatron's router on this rank sees them (plain loops)."""
+    c = T_ // (2 * cp_size) if cp_size > 1 else T_
+    ts = list(range(T_)) if cp_size == 1 else \
+        list(range(cp_rank * c, (cp_rank + 1) * c)) + list(range((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c))
+    if sp and tp_size > 1:
+        n = len(ts) // tp_size
+        ts = ts[tp_rank * n:(tp_rank + 1) * n]
+    return [(b, t) for t in ts for b in range(B_)]  # sequence-major: row = s * B + b
+
+
+@pytest.mark.parametrize("tp_size,sp,cp_size,layers", [(1, False, 1, None), (2, True, 1, None), (2, False, 1, None),
+                                                       (1, False, 2, None), (2, True, 2, (2, 4)), (4, True, 2, (0, 2))])
+def test_slice_for_megatron_matches_the_token_layout_of_each_rank(tp_size, sp, cp_size, layers):
+    B_, T_, k = 2, 16, 2
+    moe_layers = [1, 0, 1, 1]  # decoder layer 1 is dense: recorded columns are MoE layers 0, 2, 3
+    b, t, l = torch.meshgrid(torch.arange(B_), torch.arange(T_), torch.arange(3), indexing="ij")
+    code = (b * 1000 + t * 10 + l)[..., None].expand(B_, T_, 3, k).to(torch.int32)  # (B, T, L, k)
+    first, last = layers or (0, 4)
+    cols = [sum(moe_layers[:i]) for i in range(first, last) if moe_layers[i]]
+    covered = []
+    for cp_rank in range(cp_size):
+        for tp_rank in range(tp_size):
+            got = r3.slice_for_megatron(code, tp_rank=tp_rank, tp_size=tp_size, sp=sp, cp_rank=cp_rank,
+                                        cp_size=cp_size, layers=layers, moe_layers=moe_layers)
+            rows = _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size)
+            assert len(got) == len(cols)
+            for g, c in zip(got, cols):
+                want = torch.tensor([[bb * 1000 + tt * 10 + c] * k for bb, tt in rows])
+                assert g.dtype == torch.int64 and torch.equal(g, want)
+            covered += rows
+    per_rank = 1 if (sp or tp_size == 1) else tp_size  # without SP every TP rank routes all local tokens
+    assert sorted(covered) == sorted([(bb, tt) for bb in range(B_) for tt in range(T_)] * per_rank)
+
+
+def test_slice_for_megatron_rejects_bad_layouts():
+    ex = torch.zeros(1, 6, 2, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match="2 \\* cp_size"):
+        r3.slice_for_megatron(ex, cp_size=2)
+    with pytest.raises(ValueError, match="MoE layers"):
+        r3.slice_for_megatron(ex, moe_layers=[1, 1, 1])
+    with pytest.raises(ValueError, match="tp_size"):
+        r3.slice_for_megatron(ex[:, :5], tp_size=2, sp=True)

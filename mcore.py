@@ -1,0 +1,322 @@
+"""Megatron-Core trainer backend (paper: infrastructure; slime's Megatron-Core actor with native R3).
+
+T1 trains Qwen3.5-122B-A10B with Megatron-Core (Gated DeltaNet + gated attention, MoE through the
+flex dispatcher with DeepEP, `moe_aux_loss_coeff = 0`, native `RouterReplay` for R3 with router
+fusion off, distributed optimizer). This module holds:
+
+- `qwen35_config` / `build_qwen35`: the cluster model, written against megatron-core 0.16's API
+  (GDN via `experimental_attention_variant="gated_delta_net"`, `attention_output_gate=True`); needs
+  CUDA, Transformer Engine and flash-linear-attention, so on CPU only its config is checked.
+- `tiny_hf_config` / `build_tiny`: a tiny standard-attention MoE (Hugging Face `Qwen3MoeForCausalLM`
+  layout: q/k RMSNorm, SwiGLU experts, softmax top-k renormalised) built as a Megatron-Core GPTModel
+  on CPU in one gloo process, with small shims (`cpu_shims`).
+- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for that layout.
+- `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
+  .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
+  `train_t1.py` switches backend with one argument.
+
+    python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay
+
+Departures from the paper:
+1. The CPU check uses standard attention (Qwen3-MoE layout), not Qwen3.5's Gated DeltaNet: megatron
+   -core 0.16.1 has a GDN spec, but it is Transformer-Engine-only and its kernel is flash-linear-
+   attention (triton), neither of which runs here. Conversion is written and tested for the Qwen3-MoE
+   layout at TP = EP = 1; Qwen3.5's GDN, gated-attention and shared-expert tensors are not converted.
+2. CPU shims (only here, never on GPU): `torch.cuda.current_device` -> "cpu" while a forward runs,
+   a no-op CUDA RNG tracker (dropout is 0), and `moe_utils.te_general_gemm = None` where 0.16.1 leaves
+   the name undefined without Transformer Engine (a NameError in the router's gating linear).
+3. `MegatronActor` runs the model without Megatron's pipeline schedule (one stage, forward then
+   backward per call); with pipeline parallel the schedule must call `r3.megatron_routing` per micro-
+   batch (REPLAY_BACKWARD pops the replay tensors in forward order under recompute).
+"""
+
+import contextlib
+import types
+
+import torch
+
+import r3
+
+# --- CPU shims (megatron-core 0.16.1 on a CUDA-less torch) -------------------------------------------
+_CPU_READY = False
+
+
+class _NoCudaRngTracker:
+    """Stands in for CudaRNGStatesTracker on CPU: fork() is a no-op (dropout is 0 in the tiny model)."""
+
+    def fork(self, name=None):
+        return contextlib.nullcontext()
+
+    def add(self, name, seed):
+        pass
+
+    def reset(self):
+        pass
+
+    def get_states(self):
+        return {}
+
+    def set_states(self, states):
+        pass
+
+
+def init_cpu():
+    """One-process gloo group + Megatron parallel state (all sizes 1) + the process-wide CPU shims."""
+    global _CPU_READY
+    if _CPU_READY:
+        return
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import moe_utils
+    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE: name never bound
+        moe_utils.te_general_gemm = None
+    mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
+    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to collide on
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    _CPU_READY = True
+
+
+@contextlib.contextmanager
+def cpu_shims():
+    """torch.cuda.current_device -> "cpu" inside the block (rotary embedding, router weight moves)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+# --- tiny standard-attention MoE: HF config and the Megatron-Core GPTModel ------------------------------
+def tiny_hf_config(vocab_size=96):
+    """Qwen3-MoE at toy size: 2 layers, hidden 32, 4 heads (2 KV groups), 4 experts top-2, aux loss 0."""
+    from transformers import Qwen3MoeConfig
+    return Qwen3MoeConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                          num_experts=4, num_experts_per_tok=2, norm_topk_prob=True, router_aux_loss_coef=0.0,
+                          rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+                          max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def _rope_theta(hf):
+    rp = getattr(hf, "rope_parameters", None) or {}
+    return float(rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
+
+
+def megatron_config(hf, **overrides):
+    """TransformerConfig equivalent to a Qwen3-MoE HF config (fp32, dropout 0, R3 replay on, fusion off)."""
+    from megatron.core.transformer import TransformerConfig
+    kw = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+              num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim, ffn_hidden_size=hf.intermediate_size,
+              num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
+              moe_ffn_hidden_size=hf.moe_intermediate_size,
+              moe_router_pre_softmax=False,  # top-k on logits, softmax over the k = renormalised top-k
+              moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",  # paper: balancing coefficient 0
+              moe_enable_routing_replay=True, moe_router_fusion=False,  # R3: fusion bypasses RouterReplay
+              moe_router_dtype="fp32", moe_token_dispatcher_type="allgather",
+              normalization="RMSNorm", layernorm_epsilon=hf.rms_norm_eps, qk_layernorm=True,
+              gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
+              hidden_dropout=0.0, attention_dropout=0.0, bf16=False, params_dtype=torch.float32,
+              use_cpu_initialization=True)
+    kw.update(overrides)
+    return TransformerConfig(**kw)
+
+
+def build_tiny(hf, seed=0):
+    """Megatron-Core GPTModel (local spec, CPU) with the architecture of the HF Qwen3-MoE config `hf`."""
+    init_cpu()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    torch.manual_seed(seed)
+    cfg = megatron_config(hf)
+    spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
+                    max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
+                    rotary_base=_rope_theta(hf), share_embeddings_and_output_weights=hf.tie_word_embeddings)
+
+
+# --- HF <-> Megatron weights (Qwen3-MoE layout, TP = EP = 1) ---------------------------------------------
+def _qkv_pack(q, k, v, n_heads, n_groups, d):
+    """q (nh*d, H), k/v (ng*d, H) -> Megatron linear_qkv ((nh + 2 ng) * d, H): per group [q.., k, v]."""
+    H = q.shape[-1]
+    q = q.reshape(n_groups, n_heads // n_groups * d, H)
+    k, v = k.reshape(n_groups, d, H), v.reshape(n_groups, d, H)
+    return torch.cat([q, k, v], dim=1).reshape(-1, H)
+
+
+def _qkv_unpack(qkv, n_heads, n_groups, d):
+    H = qkv.shape[-1]
+    per = n_heads // n_groups * d
+    g = qkv.reshape(n_groups, per + 2 * d, H)
+    return g[:, :per].reshape(-1, H), g[:, per:per + d].reshape(-1, H), g[:, per + d:].reshape(-1, H)
+
+
+def hf_to_megatron(sd, hf) -> dict:
+    """HF Qwen3MoeForCausalLM state dict (transformers 5: fused experts) -> GPTModel state dict."""
+    nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
+    out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
+           "decoder.final_layernorm.weight": sd["model.norm.weight"],
+           "output_layer.weight": sd["lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"]}
+    for i in range(hf.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
+        out[m + "self_attention.linear_qkv.weight"] = _qkv_pack(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
+                                                              sd[a + "v_proj.weight"], nh, ng, d)
+        out[m + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
+        out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
+        out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
+        gate_up, down = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.down_proj"]  # (E, 2I, H), (E, H, I)
+        for e in range(E):
+            x = f"{m}mlp.experts.local_experts.{e}."
+            out[x + "linear_fc1.weight"] = gate_up[e]  # [gate; up], Megatron's GLU chunk order
+            out[x + "linear_fc2.weight"] = down[e]
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def megatron_to_hf(sd, hf) -> dict:
+    """GPTModel state dict -> HF Qwen3MoeForCausalLM state dict (the inverse of hf_to_megatron)."""
+    nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
+    out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
+           "model.norm.weight": sd["decoder.final_layernorm.weight"], "lm_head.weight": sd["output_layer.weight"]}
+    for i in range(hf.num_hidden_layers):
+        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+        a = h + "self_attn."
+        out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
+        q, k, v = _qkv_unpack(sd[m + "self_attention.linear_qkv.weight"], nh, ng, d)
+        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
+        out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
+        out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
+        out[a + "o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
+        out[h + "mlp.gate.weight"] = sd[m + "mlp.router.weight"]
+        x = f"{m}mlp.experts.local_experts."
+        out[h + "mlp.experts.gate_up_proj"] = torch.stack([sd[f"{x}{e}.linear_fc1.weight"] for e in range(E)])
+        out[h + "mlp.experts.down_proj"] = torch.stack([sd[f"{x}{e}.linear_fc2.weight"] for e in range(E)])
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def load_hf_into_megatron(gpt, hf_state_dict, hf):
+    """Copy converted HF weights into `gpt`; every real parameter must be covered (only _extra_state left)."""
+    sd = hf_to_megatron(hf_state_dict, hf)
+    missing, unexpected = gpt.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"hf_to_megatron: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+    return gpt
+
+
+# --- the training-step interface of the embedded backend ----------------------------------------------
+class MegatronActor(torch.nn.Module):
+    """GPTModel behind the embedded backend's interface: forward(input_ids, attention_mask) -> .logits.
+
+    attention_mask (B, T) 1/0 (right padding, as train_t1.pad_batch); logits (B, T, V) fp32.
+    `r3.routing(actor, mode, experts)` works as for the HF actor: it calls `self.routing`, which
+    slices (B, T, L, k) experts for this rank (`r3.slice_for_megatron`) and drives RouterReplay.
+    """
+
+    r3_backend = "megatron"
+
+    def __init__(self, gpt, layout=None):
+        super().__init__()
+        self.gpt = gpt
+        self.layout = dict(layout or {})  # kwargs of r3.slice_for_megatron (tp/cp ranks, layers, moe_layers)
+        self.batch_shape = None
+
+    def forward(self, input_ids, attention_mask=None):
+        B, T = input_ids.shape
+        self.batch_shape = (B, T)
+        key_ok = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
+        allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] & key_ok[:, None, :]  # (B, T, T)
+        mask = ~allowed[:, None]  # (B, 1, T, T): Megatron masks where True
+        pos = torch.arange(T)[None].expand(B, T)  # (B, T)
+        with cpu_shims():
+            logits = self.gpt(input_ids.to(torch.long), pos, attention_mask=mask)  # (B, T, V)
+        return types.SimpleNamespace(logits=logits.float())
+
+    @contextlib.contextmanager
+    def routing(self, mode, experts=None):
+        rs = r3.megatron_routers(self.gpt)
+        layer_experts = None
+        if mode == "replay" and experts is not None:
+            n_moe = sum(self.layout.get("moe_layers") or [1] * len(rs))
+            experts = r3._check_replay_experts(experts, n_moe, rs[0].topk, rs[0].config.num_moe_experts)
+            layer_experts = r3.slice_for_megatron(experts, **self.layout)
+        with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
+            ctx.batch_shape = lambda: self.batch_shape
+            yield ctx
+
+
+# --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
+QWEN35_PRESETS = {  # paper model and its smaller sibling (num layers, hidden, heads, experts, ...)
+    "qwen35-122b-a10b": dict(num_layers=48, hidden_size=3072, num_attention_heads=32, num_query_groups=2,
+                             kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=1024,
+                             moe_shared_expert_intermediate_size=1024, linear_num_key_heads=16,
+                             linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
+                             vocab_size=248320),
+    "qwen35-35b-a3b": dict(num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
+                           kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=512,
+                           moe_shared_expert_intermediate_size=512, linear_num_key_heads=16,
+                           linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
+                           vocab_size=248320),
+}
+
+
+def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
+    """TransformerConfig of a Qwen3.5 preset: GDN 3:1 with gated attention, MoE + gated shared expert,
+    flex dispatcher with DeepEP, aux loss 0, router replay on, router fusion off. -> (config, vocab_size)."""
+    from megatron.core.transformer import TransformerConfig
+    p = dict(QWEN35_PRESETS[preset])
+    vocab = p.pop("vocab_size")
+    kw = dict(p, ffn_hidden_size=p["moe_ffn_hidden_size"],
+              experimental_attention_variant="gated_delta_net", linear_attention_freq=4,  # 3 GDN : 1 attention
+              linear_conv_kernel_dim=4, attention_output_gate=True,  # gated attention
+              moe_shared_expert_gate=True, moe_router_pre_softmax=False, moe_router_dtype="fp32",
+              moe_aux_loss_coeff=0.0, moe_router_load_balancing_type="none",  # paper: coefficient 0
+              moe_enable_routing_replay=True, moe_router_fusion=False,  # R3 (fusion bypasses RouterReplay)
+              moe_token_dispatcher_type="flex", moe_flex_dispatcher_backend="deepep",
+              moe_grouped_gemm=True, moe_permute_fusion=True,
+              normalization="RMSNorm", layernorm_zero_centered_gamma=True, layernorm_epsilon=1e-6,
+              qk_layernorm=True, rotary_interleaved=False, gated_linear_unit=True,
+              activation_func=torch.nn.functional.silu, add_bias_linear=False, hidden_dropout=0.0,
+              attention_dropout=0.0, bf16=True, params_dtype=torch.bfloat16,
+              tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+              expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, sequence_parallel=tp > 1,
+              recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1,
+              transformer_impl="transformer_engine")
+    kw.update(overrides)
+    return TransformerConfig(**kw), vocab
+
+
+def build_qwen35(preset, lr=1e-6, **parallel):
+    """(GPTModel wrapped in DDP, distributed optimizer) for a Qwen3.5 preset. Needs CUDA + TE + FLA + DeepEP,
+    and torch.distributed / parallel_state initialised by the launcher (one process per GPU)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+        get_transformer_block_with_experimental_attention_variant_spec)
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core import parallel_state
+    cfg, vocab = qwen35_config(preset, **parallel)
+    spec = get_transformer_block_with_experimental_attention_variant_spec(
+        cfg, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
+    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=262144,
+                   position_embedding_type="rope", rotary_percent=0.25, rotary_base=10_000_000,
+                   share_embeddings_and_output_weights=False,
+                   pre_process=parallel_state.is_pipeline_first_stage(),
+                   post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     overlap_grad_reduce=True), gpt)
+    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True,
+                                                 weight_decay=0.0, clip_grad=1.0), [ddp])
+    return ddp, opt
