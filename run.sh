@@ -6,6 +6,9 @@
 #   bash run.sh --quick              # the same pipeline, tiny settings (a smoke run of a few minutes)
 #   bash run.sh --run-dir runs/x     # any train_t1.py flag passes through; same --run-dir resumes
 #   bash run.sh test                 # the test suite (pytest, CPU only; GPU tests skip without CUDA)
+#   bash run.sh qwen35-122b-a10b [--model-path DIR]   # cluster preset: checks GPUs/env/model, prints the
+#   bash run.sh qwen35-35b-a3b   [--model-path DIR]   #   memory-model plan, starts/joins Ray, launches the run
+#   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
 #
 # On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
 # tmux for the terminal), a virtual environment at .venv/ and requirements.txt (torch pinned to the
@@ -45,6 +48,14 @@ case "${1:-}" in
   test)
     shift
     exec .venv/bin/python -m pytest -q tests "$@"
+    ;;
+  qwen35-122b-a10b|qwen35-35b-a3b)
+    preset=$1; shift
+    exec .venv/bin/python cluster.py launch --preset "$preset" "$@"
+    ;;
+  gpu-check)
+    shift
+    exec .venv/bin/python cluster.py gpu-check "$@"
     ;;
   *)
     exec .venv/bin/python train_t1.py "$@"

@@ -40,6 +40,7 @@ import json
 import math
 import os
 import random
+import shutil
 import subprocess
 import sys
 import time
@@ -71,6 +72,9 @@ class Args:
     """training pool size (paper: T1-15k)"""
     n_heldout_tasks: int = 89
     """held-out pool size (paper evaluates on Terminal-Bench 2.1, 89 tasks, disjoint from training)"""
+    n_sft_tasks: int = 0
+    """extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the
+    verifier resolves them); 0 = SFT on the training pool's reference trajectories"""
     # --- model
     vocab_size: int = 2048
     """embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)"""
@@ -156,11 +160,11 @@ class Args:
 EMBEDDED = dataclasses.replace(
     Args(), n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
     max_new_tokens=160, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
-    eval_attempts=1, sft_epochs=6, sft_lr=2e-3, sft_batch_size=8, critic_warmup_trials=64,
+    n_sft_tasks=960, eval_attempts=1, sft_epochs=3, sft_lr=2e-3, sft_batch_size=8, critic_warmup_trials=64,
     critic_lr=6e-4, rl_steps=8, actor_lr=2e-5, minibatch_size=8, ppo_epochs=2)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
-    sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
+    n_sft_tasks=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
 PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args()}
 
 
@@ -230,6 +234,32 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
     experts = batch["experts"][rows] if mode == "replay" else None
     with r3.routing(actor, mode, experts=experts), torch.set_grad_enabled(grad):
         return token_logprobs(actor, batch, mode, temperature, rows)
+
+
+def save_trainer(path: Path, actor, tokenizer, critic, actor_opt, critic_opt, step: int, rng) -> None:
+    """Checkpoint actor (HF layout), critic, both optimizers, step and RNG state; swapped in atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    M.save_checkpoint(actor, tokenizer, tmp)
+    torch.save({"critic": critic.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
+                "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    old = path.with_name(path.name + ".old")
+    shutil.rmtree(old, ignore_errors=True)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def drop_unfinished_steps(run_dir: Path, step: int) -> None:
+    """On resume, forget metrics of a step that was killed before its checkpoint (it is redone)."""
+    p = run_dir / "metrics.jsonl"
+    if p.exists():
+        keep = [l for l in p.read_text().splitlines() if l and not (json.loads(l)["phase"] == "rl" and json.loads(l)["step"] > step)]
+        p.write_text("".join(l + "\n" for l in keep))
+    latest, old = run_dir / "ckpt" / "latest", run_dir / "ckpt" / "latest.old"
+    if not latest.exists() and old.exists():  # killed between the two renames of save_trainer
+        old.rename(latest)
 
 
 def minibatches(n: int, size: int, rng: random.Random):
@@ -408,7 +438,13 @@ def train(args: Args) -> dict:
     (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
     state_path = run_dir / "state.json"
     state = json.loads(state_path.read_text()) if state_path.exists() else {"phase_times": {}, "step": 0}
-    save_state = lambda: state_path.write_text(json.dumps(state, indent=1))  # noqa: E731
+
+    def save_state():  # atomic: a kill at any moment leaves the old or the new state, never half of one
+        tmp = state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(state_path)
+
+    drop_unfinished_steps(run_dir, state["step"])
     metrics = Metrics(run_dir)
 
     def timed(name, fn):
@@ -432,10 +468,16 @@ def train(args: Args) -> dict:
     sft_dir = run_dir / "ckpt" / "sft"
     if not (sft_dir / "config.json").exists():
         def do_sft():
-            tokenizer = M.train_tokenizer(data.corpus(train_pool), vocab_size=args.vocab_size)
+            sft_pool = list(train_pool)
+            if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
+                extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
+                                               validate_tasks=False)
+                held = {data.load_task(d).instruction for d in heldout}
+                sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
+            tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
             actor = M.build_actor(M.tiny_config(len(tokenizer)), seed=args.seed)
-            trials, _, _ = run_rollouts(train_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
-            samples = to_samples(trials, run_dir, "sft")
+            trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
+            samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
             log(run_dir, f"sft: {len(samples)} reference trajectories, "
                          f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
             sft(actor, samples, args, metrics)
@@ -456,10 +498,13 @@ def train(args: Args) -> dict:
         critic_opt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
         actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
         latest = run_dir / "ckpt" / "latest"
+        rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
         if state["step"] > 0:
             actor, _ = M.load_actor(latest)
             ck = torch.load(latest / "trainer.pt", weights_only=False)
             critic.load_state_dict(ck["critic"])
+            rng.setstate(ck["rng"])
+            torch.set_rng_state(ck["torch_rng"])
             actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
             actor_opt.load_state_dict(ck["actor_opt"])
             critic_opt.load_state_dict(ck["critic_opt"])
@@ -480,7 +525,6 @@ def train(args: Args) -> dict:
         log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
 
         # --- RL: PPO steps ---------------------------------------------------------------------------
-        rng = random.Random(args.seed + 2)
         while state["step"] < args.rl_steps:
             step = state["step"] + 1
             t_step = time.time()
@@ -496,6 +540,9 @@ def train(args: Args) -> dict:
             t_rollout = time.time() - t0
             # 4. TITO assembly -> samples on disk
             samples = to_samples(trials, run_dir, f"step{step}")
+            with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
+                for d in dropped:
+                    f.write(json.dumps({"step": step, **d}) + "\n")
             tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
             if not samples:
                 log(run_dir, f"step {step}: no trainable trajectory; skipping update")
@@ -520,14 +567,14 @@ def train(args: Args) -> dict:
             m = batch["mask"]
             dlogp = C.masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m).item()
             dlogp_off = C.masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m).item()
+            mismatch = (r3.mismatch(actor, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
+                        if batch["experts"] is not None else float("nan"))  # expert sets the live router would change
             log(run_dir, f"step {step}: actor update")
             astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng)
             t_train = time.time() - t0
             # 7. publish barrier: checkpoint, then the engine serves version `step`
             t0 = time.time()
-            M.save_checkpoint(actor, tokenizer, latest)
-            torch.save({"critic": critic.state_dict(), "actor_opt": actor_opt.state_dict(),
-                        "critic_opt": critic_opt.state_dict(), "step": step}, latest / "trainer.pt")
+            save_trainer(latest, actor, tokenizer, critic, actor_opt, critic_opt, step, rng)
             engine.publish(latest, step)
             t_publish = time.time() - t0
             rewards = [s["reward"] for s in samples]
@@ -535,6 +582,7 @@ def train(args: Args) -> dict:
                    "reward_mean": float(np.mean(rewards)), "solve_rate": float(np.mean([t["resolved"] for t in trials])),
                    "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
                    "value_clipfrac": cstats["losses/value_clipfrac"], "dlogp": dlogp, "dlogp_r3_off": dlogp_off,
+                   "expert_set_mismatch": mismatch,
                    **astats, "turns_mean": float(np.mean([s["turns"] for s in samples])),
                    "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])),
                    "n_launched": len(launch), "n_kept": len(trials), "n_dropped": len(dropped),
