@@ -886,3 +886,19 @@ class DaytonaSandbox:
         except Exception as e:  # the TTL set at creation still deletes it
             print(f"[DaytonaSandbox] delete of {getattr(box, 'id', '?')} failed: {type(e).__name__}: {e}",
                   file=sys.stderr)
+
+
+# === harness hook (issue 4; the code lives in gateway.py) ===========================================
+# run_trial(..., harness="native" | "text" | "harbor"): native (the default) is the token-first loop
+# above, unchanged. "text" (a client that re-sends the history as text, like Terminus-2) and "harbor"
+# (Harbor's stock Terminus-2 from its own venv, bubblewrap environment) go through gateway.py's token
+# gateway, which records the same per-turn token records. run_trials passes harness=... through **kw.
+# CLI for the gateway harnesses: `python gateway.py harbor-trial ...`.
+_run_trial_native = run_trial
+
+
+def run_trial(task_dir, agent, *, harness="native", **kw) -> dict:  # noqa: F811
+    if harness == "native":
+        return _run_trial_native(task_dir, agent, **kw)
+    import gateway
+    return gateway.run_trial(task_dir, agent, harness=harness, **kw)

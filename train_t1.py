@@ -5,7 +5,8 @@ optimisation section and the step of DESIGN.md section 3, read top to bottom:
 
     tasks -> rollout (Terminus-2 in a sandbox) -> reward r = P/S -> TITO samples -> V_old ->
     GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> old logprobs with R3 replay ->
-    PPO actor update with R3 replay -> publish weights to the engine
+    PPO actor update with R3 replay -> publish weights to the engine (one-step async: the rollout of
+    step t+1 overlaps the update of step t, staleness exactly 1, publish barrier between)
 
 preceded by an SFT warm start on reference-solution trajectories (the paper starts RL from an SFT
 checkpoint) and one epoch of Critic Warm-Up, and followed by held-out evaluation.
@@ -25,8 +26,9 @@ Departures from the paper (numbered; each with its reason):
      gated attention MoE, random init) on synthesized shell tasks, with learning rates, batch sizes and
      limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
      `Args` and are used unchanged by the cluster preset.
-  2. The loop is synchronous here (rollout, then train, then publish); the one-step-async overlap with
-     staleness exactly 1 is its own issue.
+  2. One-step async runs as a rollout thread beside the trainer in one process (the engine is its own
+     process); Ray actors and placement across nodes are the cluster path (cluster.py). The first step
+     of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1.
   3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
      paper's SFT data is not public).
   4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
@@ -44,6 +46,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,6 +149,8 @@ class Args:
     """trajectories per optimizer step"""
     max_grad_norm: float = 1.0
     """gradient clipping"""
+    async_rollout: bool = True
+    """one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)"""
     r3_mode: str = "replay"
     """routing in the trainer: replay (R3, paper) | off"""
     # --- engine
@@ -427,6 +432,35 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> 
     return {k: float(np.mean(v)) for k, v in stats.items()}
 
 
+def train_step(actor, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path, step: int) -> dict:
+    """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay)."""
+    batch = pad_batch(samples, args.reward_scale)
+    # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+    old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
+    advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
+    mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
+            {**batch, "old_values": old_values, "returns": returns}.items()}
+           for mb in minibatches(len(samples), args.minibatch_size, rng)]
+    log(run_dir, f"step {step}: critic update")
+    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm)
+    # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
+    m = batch["mask"]
+    with torch.no_grad():
+        old_logprobs = forward_logprobs(actor, batch, args.r3_mode, args.temperature)
+        lp_off = forward_logprobs(actor, batch, "off", args.temperature)
+    mismatch = (r3.mismatch(actor, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
+                if batch["experts"] is not None else float("nan"))  # expert sets the live router would change
+    log(run_dir, f"step {step}: actor update")
+    t0 = time.time()
+    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng)
+    return {"explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
+            "value_clipfrac": cstats["losses/value_clipfrac"],
+            "dlogp": C.masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m).item(),  # |dlogp|, R3 on
+            "dlogp_r3_off": C.masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m).item(),
+            "expert_set_mismatch": mismatch, **astats,
+            "train_tokens_per_s": float(batch["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
+
+
 # --- the run --------------------------------------------------------------------------------------------
 
 def train(args: Args) -> dict:
@@ -525,79 +559,76 @@ def train(args: Args) -> dict:
         log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
 
         # --- RL: PPO steps ---------------------------------------------------------------------------
-        while state["step"] < args.rl_steps:
-            step = state["step"] + 1
-            t_step = time.time()
-            # 1. tasks: quality-ordered pool, reshuffled each epoch (paper)
+        def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
             per_epoch = max(1, len(train_pool) // args.n_launch)
-            order = data.epoch_order(train_pool, (step - 1) // per_epoch, args.seed)
+            order = data.epoch_order(train_pool, (step - 1) // per_epoch, args.seed)  # reshuffled per epoch
             off = ((step - 1) % per_epoch) * args.n_launch
             launch = [order[(off + i) % len(order)] for i in range(args.n_launch)]
-            # 2-3. rollout with oversampling: keep the first n_keep finished (engine serves version step-1)
             t0 = time.time()
             trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, engine,
                                                   n_keep=args.n_keep, desc=f"rollout step {step}")
-            t_rollout = time.time() - t0
+            return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
+                    "t_rollout": time.time() - t0}
+
+        # One-step async (paper): the engine samples step t+1 with weights t-1 while the trainer updates
+        # on step t; at the barrier (both done) weights t are published. Staleness = 1 from the second
+        # step of a process on (its first step is sampled synchronously with the current weights).
+        workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
+        pending, first_step = None, state["step"] + 1
+        while state["step"] < args.rl_steps:
+            step = state["step"] + 1
+            t_step = time.time()
+            ro = pending.result() if pending is not None else rollout_step(step)
+            t_wait = time.time() - t_step
+            if args.async_rollout and step < args.rl_steps:
+                if step > first_step:  # publish barrier: rollout of `step` and update of step-1 are both done
+                    t0 = time.time()
+                    engine.publish(latest, step - 1)
+                    t_wait += time.time() - t0
+                pending = workers.submit(rollout_step, step + 1)  # overlaps this step's update
+            else:
+                pending = None
+            trials, dropped = ro["trials"], ro["dropped"]
             # 4. TITO assembly -> samples on disk
             samples = to_samples(trials, run_dir, f"step{step}")
             with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
                 for d in dropped:
                     f.write(json.dumps({"step": step, **d}) + "\n")
             tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
-            if not samples:
-                log(run_dir, f"step {step}: no trainable trajectory; skipping update")
-                state["step"] = step
-                save_state()
-                continue
-            t0 = time.time()
-            batch = pad_batch(samples, args.reward_scale)
             versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
-            # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
-            old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
-            advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
-            mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
-                    {**batch, "old_values": old_values, "returns": returns}.items()}
-                   for mb in minibatches(len(samples), args.minibatch_size, rng)]
-            log(run_dir, f"step {step}: critic update")
-            cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm)
-            # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
-            with torch.no_grad():
-                old_logprobs = forward_logprobs(actor, batch, args.r3_mode, args.temperature)
-                lp_off = forward_logprobs(actor, batch, "off", args.temperature)
-            m = batch["mask"]
-            dlogp = C.masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m).item()
-            dlogp_off = C.masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m).item()
-            mismatch = (r3.mismatch(actor, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
-                        if batch["experts"] is not None else float("nan"))  # expert sets the live router would change
-            log(run_dir, f"step {step}: actor update")
-            astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng)
+            staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
+            want = 1 if (args.async_rollout and step > first_step) else 0
+            assert not versions or (len(versions) == 1 and staleness == want), \
+                f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want}"
+            if not samples:
+                log(run_dir, f"step {step}: no trainable trajectory; recorded, no update")
+            t0 = time.time()
+            stats = train_step(actor, critic, actor_opt, critic_opt, samples, args, rng, run_dir, step) if samples else {}
             t_train = time.time() - t0
-            # 7. publish barrier: checkpoint, then the engine serves version `step`
+            # 7. checkpoint (actor, critic, optimizers, step, RNG); synchronous mode publishes right away
             t0 = time.time()
             save_trainer(latest, actor, tokenizer, critic, actor_opt, critic_opt, step, rng)
-            engine.publish(latest, step)
+            if not args.async_rollout or pending is None:
+                engine.publish(latest, step)
             t_publish = time.time() - t0
-            rewards = [s["reward"] for s in samples]
-            rec = {"weight_version": step, "staleness": step - 1 - (versions[-1] if versions else step - 1),
-                   "reward_mean": float(np.mean(rewards)), "solve_rate": float(np.mean([t["resolved"] for t in trials])),
-                   "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
-                   "value_clipfrac": cstats["losses/value_clipfrac"], "dlogp": dlogp, "dlogp_r3_off": dlogp_off,
-                   "expert_set_mismatch": mismatch,
-                   **astats, "turns_mean": float(np.mean([s["turns"] for s in samples])),
-                   "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])),
-                   "n_launched": len(launch), "n_kept": len(trials), "n_dropped": len(dropped),
-                   "rollout_tokens_per_s": tok_s, "train_tokens_per_s": float(batch["attention_mask"].sum()) / max(t_train, 1e-9),
-                   "time_rollout": t_rollout, "time_train": t_train, "time_publish": t_publish,
-                   "time_step": time.time() - t_step}
+            rec = {"weight_version": step, "staleness": staleness,
+                   "reward_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
+                   "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
+                   **stats, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(dropped),
+                   "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
+                   "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
+                   "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], "time_rollout_wait": t_wait,
+                   "time_train": t_train, "time_publish": t_publish, "time_step": time.time() - t_step}
             metrics.write(rec, step, "rl")
             state["step"] = step
             state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
             save_state()
             log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
-                         f"EV {rec['explained_variance']:.3f} |dlogp| {dlogp:.4f} (R3 off {dlogp_off:.4f}) "
-                         f"kl {astats['approx_kl']:.4f} {rec['time_step']:.0f}s")
+                         f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
+                         f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} {rec['time_step']:.0f}s")
+        workers.shutdown()
 
-        # --- held-out evaluation after RL ----------------------------------------------------------
+        # --- held-out evaluation after RL (the engine serves the final weights) ----------------------
         if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
             state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl")),
                                 "after_step": state["step"]}

@@ -18,13 +18,14 @@ def read_metrics(run_dir):
 
 def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
     run_dir = tmp_path / "run"
-    summary = train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "1"]))
+    summary = train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "2"]))
     recs = read_metrics(run_dir)
     assert {r["phase"] for r in recs} == {"sft", "critic_warmup", "rl"}
     rl = [r for r in recs if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1]
+    assert [r["step"] for r in rl] == [1, 2]
     assert rl[0]["n_launched"] == 5 and rl[0]["n_kept"] + rl[0]["n_dropped"] == 5 and rl[0]["n_kept"] <= 4
-    assert rl[0]["staleness"] == 0 and np.isfinite(rl[0]["dlogp"])
+    assert [r["staleness"] for r in rl] == [0, 1]  # one-step async: step 2 was sampled while step 1 trained
+    assert np.isfinite(rl[0]["dlogp"])
     assert 0.0 <= rl[0]["reward_mean"] <= 1.0
     for phase in ("eval_sft", "eval_rl"):
         assert summary[phase]["n_trials"] == 3 and 0.0 <= summary[phase]["solve_rate"] <= 1.0
@@ -38,9 +39,9 @@ def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
     assert samples and tito.audit(samples)["loss_region_drift_pct"] == 0.0
     assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1 for s in samples)
 
-    # resume: the same run dir with more steps continues at step 2, nothing repeated
-    train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "2"]))
+    # resume: the same run dir with more steps continues at step 3, nothing repeated
+    train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3"]))
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
-    assert [r["step"] for r in rl] == [1, 2]
-    assert rl[1]["weight_version"] == 2
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    assert rl[2]["weight_version"] == 3
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == len([r for r in recs if r["phase"] == "sft"])

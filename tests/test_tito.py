@@ -107,3 +107,133 @@ def test_load_samples_names_the_bad_line(tmp_path):
     p.write_text('{"tokens": "AAAA"}\n')
     with pytest.raises(ValueError, match="line 1"):
         tito.load_samples(p)
+
+
+# --- the four boundary cases on constructed boundaries (real tokenizer) ---------------------------------
+
+@pytest.fixture(scope="module")
+def tok():
+    import model
+    texts = ['{"analysis": "hello world", "plan": "sort the lines", "commands": [], "task_complete": false}',
+             "New terminal output:\n$ ls -la\nin.txt out.txt\n", "hello world " * 20] * 20
+    return model.train_tokenizer(texts, vocab_size=400)
+
+
+def chat_trial(tok, outputs, harness_copies, with_routing=True):
+    """Turns whose next prompt = P_i + the harness's copy of O_i + <|im_end|>\\n + user message + header."""
+    import model
+    header = tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    im_end, nl = tok.convert_tokens_to_ids(model.IM_END), tok.encode("\n", add_special_tokens=False)
+    prompt = model.render_ids(tok, "user", "Task: sort in.txt") + header
+    recs = []
+    for i, out in enumerate(outputs):
+        recs.append({"prompt_ids": list(prompt), "output_ids": list(out), "output_logprobs": [-0.5] * len(out),
+                     "routed_experts": routing(len(prompt) + len(out) - 1, i) if with_routing else None})
+        if i < len(harness_copies):
+            prompt = prompt + harness_copies[i] + [im_end] + nl + model.render_ids(tok, "user", f"out {i}") + header
+    return {"task": "chat", "reward": 0.5, "records": recs}
+
+
+def reply_ids(tok, text, eot=True):
+    return tok.encode(text, add_special_tokens=False) + ([tok.convert_tokens_to_ids("<|im_end|>")] if eot else [])
+
+
+def non_canonical(tok, text):
+    """Ids that decode to `text` but are not what the tokenizer would encode: the first merged token split in bytes."""
+    ids = tok.encode(text, add_special_tokens=False)
+    k = next(k for k, t in enumerate(ids) if len(tok.convert_ids_to_tokens(t)) > 1)
+    parts = tok.convert_tokens_to_ids(list(tok.convert_ids_to_tokens(ids[k])))
+    out = ids[:k] + parts + ids[k + 1:]
+    assert out != ids and tok.decode(out) == text
+    return out
+
+
+def check_repaired(s, trial):
+    """m = 1 exactly on the sampled ids, which sit unchanged in the stream; audit drift 0."""
+    for (a, b), o in zip(s["spans"], s["sampled"]):
+        assert list(s["tokens"][a:b]) == o and (s["loss_mask"][a:b] == 1).all()
+    assert int(s["loss_mask"].sum()) == sum(b - a for a, b in s["spans"])
+    assert (s["rollout_logprobs"][s["loss_mask"] == 1] == -0.5).all()
+    assert (s["rollout_logprobs"][s["loss_mask"] == 0] == 0).all()
+    if s["routed_experts"] is not None:
+        assert s["routed_experts"].shape == (len(s["tokens"]) - 1, L, K)
+    assert tito.audit([s])["loss_region_drift_pct"] == 0.0
+
+
+def test_strict_boundary_with_tokenizer(tok):
+    o0 = reply_ids(tok, '{"analysis": "hello world"}')
+    trial = chat_trial(tok, [o0, reply_ids(tok, "{}")], [o0[:-1]])
+    s = tito.assemble(trial, tok)
+    assert s["cases"] == {"strict": 1, "normalized": 0, "retokenized": 0, "split": 0}
+    assert list(s["tokens"]) == trial["records"][1]["prompt_ids"] + trial["records"][1]["output_ids"]
+    check_repaired(s, trial)
+
+
+def test_normalized_boundary_keeps_the_sampled_whitespace(tok):
+    o0 = reply_ids(tok, '{"analysis": "hello world"}\n\n')        # the client strips the reply
+    stripped = tok.encode('{"analysis": "hello world"}', add_special_tokens=False)
+    trial = chat_trial(tok, [o0, reply_ids(tok, "{}")], [stripped])
+    assert tito.classify_boundary(trial["records"][0]["prompt_ids"], o0, trial["records"][1]["prompt_ids"], tok)[0] \
+        == "normalized"
+    s = tito.assemble(trial, tok)
+    assert s["cases"]["normalized"] == 1 and s["n_segments"] == 1
+    check_repaired(s, trial)
+    assert s["harness_drift_tokens"] > 0  # the harness's copy lost the sampled whitespace
+
+
+def test_retokenized_boundary_trains_on_sampled_ids_not_the_reencoded_copy(tok):
+    text = '{"analysis": "hello world", "plan": "sort the lines"}'
+    o0 = non_canonical(tok, text) + [tok.convert_tokens_to_ids("<|im_end|>")]
+    trial = chat_trial(tok, [o0, reply_ids(tok, "{}")], [tok.encode(text, add_special_tokens=False)])
+    s = tito.assemble(trial, tok)
+    assert s["cases"] == {"strict": 0, "normalized": 0, "retokenized": 1, "split": 0}
+    check_repaired(s, trial)
+    a, b = s["spans"][0]
+    assert list(s["tokens"][a:b]) == o0                        # sampled ids in the loss region
+    glue_start = b
+    p1 = trial["records"][1]["prompt_ids"]
+    assert list(s["tokens"][glue_start:s["spans"][1][0]]) == p1[p1.index(o0[-1], len(trial["records"][0]["prompt_ids"])) + 1:]
+    naive = tito.audit([tito.assemble_naive(trial, tok)])
+    assert naive["loss_region_drift_pct"] > 0                  # the re-encoded copy would have drifted
+    assert tito.audit([s])["harness_drift_pct"] > 0
+
+
+def test_split_boundary_starts_a_new_segment(tok):
+    o0, o1 = reply_ids(tok, '{"analysis": "hello world"}'), reply_ids(tok, "{}")
+    trial = chat_trial(tok, [o0, o1], [o0[:-1]])
+    import model
+    summary = model.render_ids(tok, "user", "Summary: sorted.") + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    p1 = summary
+    trial["records"][1]["prompt_ids"] = p1
+    trial["records"][1]["routed_experts"] = routing(len(p1) + len(o1) - 1, 1)
+    segs = tito.assemble_segments(trial, tok)
+    assert len(segs) == 2 and [s["segment"] for s in segs] == [0, 1]
+    assert segs[1]["cases"]["split"] == 1 and sum(s["cases"]["split"] for s in segs) == 1
+    assert list(segs[1]["tokens"]) == p1 + o1 and all(s["reward"] == 0.5 for s in segs)
+    for s in segs:
+        check_repaired(s, trial)
+    with pytest.raises(ValueError, match="turn 0.*split"):
+        tito.assemble(trial, tok)
+
+
+def test_all_four_cases_in_one_trajectory_audit_clean(tok, tmp_path):
+    t = '{"analysis": "hello world", "plan": "sort the lines"}'
+    outs = [reply_ids(tok, "{}"), reply_ids(tok, t + "\n"), non_canonical(tok, t) + reply_ids(tok, "", True),
+            reply_ids(tok, "{}"), reply_ids(tok, "{}")]
+    copies = [outs[0][:-1], tok.encode(t, add_special_tokens=False), tok.encode(t, add_special_tokens=False),
+              outs[3][:-1]]
+    trial = chat_trial(tok, outs, copies)
+    import model
+    p4 = model.render_ids(tok, "user", "Summary.") + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    trial["records"][4]["prompt_ids"] = p4
+    trial["records"][4]["routed_experts"] = routing(len(p4) + len(outs[4]) - 1, 4)
+    assert tito.case_counts(trial, tok) == {"strict": 1, "normalized": 1, "retokenized": 1, "split": 1}
+    segs = tito.assemble_segments(trial, tok)
+    rep = tito.audit(segs)
+    assert rep["cases"] == {"strict": 1, "normalized": 1, "retokenized": 1, "split": 1}
+    assert rep["loss_region_drift_pct"] == 0.0 and rep["loss_tokens"] == sum(len(o) for o in outs)
+    tito.save_samples(tmp_path / "s.jsonl", segs)
+    out = subprocess.run([sys.executable, "tito.py", "audit", str(tmp_path / "s.jsonl"), "--json"], capture_output=True,
+                         text=True, check=True, cwd=tito.__file__.rsplit("/", 1)[0])
+    back = json.loads(out.stdout)
+    assert back["cases"] == rep["cases"] and back["loss_region_drift_pct"] == 0.0 and back["samples"] == 2

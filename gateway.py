@@ -1,0 +1,708 @@
+"""Token gateway: an OpenAI-compatible /v1/chat/completions in front of any /generate engine, and the
+Harbor path (Harbor's stock Terminus-2 agent driving a local bubblewrap environment through the gateway).
+
+Paper section "TITO" (T1, arXiv 2609.11042): text harnesses (Terminus-2 over an OpenAI client) re-send
+the whole conversation as text every turn; re-encoding it changes token ids the sampler produced. The
+gateway is where that is fixed: it renders the messages with the pinned chat template (model.py's
+tokenizer), keeps each trial's token history, and in TITO mode splices the recorded ids back in
+wherever the incoming text extends the recorded history (prompt_i + reply_i), so only the new
+message text is encoded. Naive mode re-encodes the whole rendered history each turn (what a plain
+OpenAI-compatible server does). Per turn it records prompt ids, output ids, logprobs and routed
+experts in rollout.run_trial's record format, so tito.assemble_segments consumes them and the four
+boundary cases (tito.py) happen here in practice.
+
+Sessions: keyed by the client's session id (header X-Session-ID, body `session_id` (Harbor's LiteLLM
+sends both), `user`, or `metadata.session_id`), else by the longest recorded history that prefixes
+the incoming text, else a new session.
+Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprobs.content[].logprob`; with
+`return_token_ids: true` (what Harbor's LiteLLM client sends under collect_rollout_details) also
+`choices[0].token_ids` (LiteLLM exposes it as provider_specific_fields["token_ids"]) and top-level
+`prompt_token_ids` (the vLLM fields Harbor reads).
+
+Harbor path (Harbor >= 0.25, Python >= 3.12, its own venv `.venv-harbor`):
+    harbor trial start -c CONFIG.json      # what run_harbor_trial writes and runs: agent terminus-2,
+        model openai/t1 at api_base=<gateway>/v1, enable_summarize=false, collect_rollout_details=true,
+        session_id=<trial name>; environment import_path "gateway:BwrapEnvironment" (PYTHONPATH=repo)
+    The trial dir holds verifier/ctrf.json + verifier/reward.txt (read with reward.compute),
+    agent/ (Terminus-2 logs), result.json.
+
+Run:
+    python gateway.py serve --engine-url URL --model-path DIR [--mode tito|naive] [--port 8000]
+    python gateway.py harbor-trial --task DIR --engine-url URL --model-path DIR   # one Harbor trial
+    python gateway.py eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
+        # paper protocol: Terminus-2, 3600 s agent / 900 s verifier, temperature 0.1, top-p 0.95, 3 attempts;
+        # prints resolved rate and mean partial reward (r = P/S)
+    python tito.py measure --quick [--harness client|harbor]   # naive vs TITO, one JSON line
+In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
+run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (rollout.py's hook).
+
+Departures:
+  1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
+     needs none of them. `max_tokens` is clipped to the context left (max_total_tokens).
+  2. Harbor runs its agent with the bubblewrap jail of rollout.py (BwrapEnvironment) instead of Docker:
+     the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
+     tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
+     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with few caps.
+  3. The text client of `measure --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
+     condensed prompts over an OpenAI client that re-sends the whole message list each turn, verbatim.
+  4. The embedded model is tiny and random-init in `measure`, so its replies are mostly unparseable;
+     that is fine for the measurement (every reply is re-sent as history either way) and makes
+     non-canonical token sequences, and hence naive drift, frequent.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+REPO = os.path.dirname(os.path.abspath(__file__))
+HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
+IM_END = "<|im_end|>"
+# paper's evaluation protocol (Terminal-Bench 2 with Terminus-2)
+EVAL = {"agent_timeout_s": 3600.0, "verifier_timeout_s": 900.0, "temperature": 0.1, "top_p": 0.95, "attempts": 3}
+
+
+# --- the gateway -------------------------------------------------------------------------------------
+class Gateway:
+    """OpenAI-compatible chat completions over an SGLang-style /generate engine, recording token ids."""
+
+    def __init__(self, engine_url, tokenizer, mode="tito", max_total_tokens=8192, max_new_tokens=512,
+                 host="127.0.0.1", port=0):
+        if mode not in ("tito", "naive"):
+            raise ValueError(f"mode: expected tito|naive, got {mode!r}")
+        import rollout
+        self.client, self.tok, self.mode = rollout.EngineClient(engine_url), tokenizer, mode
+        self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
+        self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        self.sessions: dict[str, list[dict]] = {}  # session id -> turns
+        self.lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.thread = None
+
+    @property
+    def url(self):
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def start(self):
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    # -- token history --
+    def render(self, messages) -> str:
+        """Messages -> prompt text with the pinned chat template (+ the assistant header)."""
+        msgs = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+    def _encode(self, text):
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_prompt(self, turns, text):
+        """-> (prompt ids, how): TITO splices the recorded ids where `text` extends the recorded history."""
+        if self.mode == "tito":
+            for t in reversed(turns):  # prompt_i + reply_i as text -> prompt_ids_i + output_ids_i as ids
+                done = t["prompt_text"] + t["reply_text"]
+                if text.startswith(done):
+                    rest, out = text[len(done):], t["record"]["output_ids"]
+                    if out and out[-1] == self.im_end and rest.startswith(IM_END):
+                        rest = rest[len(IM_END):]  # the sampled end-of-turn token is already there
+                    return t["record"]["prompt_ids"] + out + self._encode(rest), "spliced"
+            for t in reversed(turns):  # the reply was edited: keep the prompt, encode the rest
+                if text.startswith(t["prompt_text"]):
+                    return t["record"]["prompt_ids"] + self._encode(text[len(t["prompt_text"]):]), "prefix"
+        return self._encode(text), "fresh"
+
+    def _session(self, body, headers, text):
+        meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
+        sid = (headers.get("X-Session-ID") or body.get("session_id") or body.get("user") or meta.get("session_id"))
+        with self.lock:
+            if sid is None:  # longest recorded history that prefixes the text
+                best = max(((len(t[-1]["prompt_text"] + t[-1]["reply_text"]), s) for s, t in self.sessions.items()
+                            if t and text.startswith(t[-1]["prompt_text"] + t[-1]["reply_text"])), default=None)
+                sid = best[1] if best else uuid.uuid4().hex
+            return str(sid), self.sessions.setdefault(str(sid), [])
+
+    def chat(self, body: dict, headers) -> dict:
+        """One /v1/chat/completions request -> the OpenAI response dict (raises ValueError on a bad request)."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
+            raise ValueError("messages: expected a non-empty list of {role, content}")
+        if body.get("stream"):
+            raise ValueError("stream: not supported by this gateway")
+        text = self.render(messages)
+        sid, turns = self._session(body, headers, text)
+        ids, how = self.encode_prompt(turns, text)
+        room = self.max_total_tokens - len(ids)
+        if room < 1:
+            raise ContextLengthExceeded(f"context length exceeded: prompt has {len(ids)} tokens, "
+                                        f"the limit is {self.max_total_tokens}")
+        want = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens
+        params = {"temperature": float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
+                  "top_p": float(body.get("top_p") if body.get("top_p") is not None else 1.0),
+                  "max_new_tokens": int(min(want, room)), "stop_token_ids": [self.im_end]}
+        gen = self.client.generate(ids, params, rid=uuid.uuid4().hex)
+        out = [int(t) for t in gen["output_ids"]]
+        reply = self.tok.decode([t for t in out if t != self.im_end] if out and out[-1] == self.im_end else out,
+                                skip_special_tokens=True)
+        record = {"prompt_ids": list(ids), "output_ids": out, "output_logprobs": gen["logprobs"],
+                  "routed_experts": gen["routed_experts"], "finish_reason": gen["finish_reason"],
+                  "weight_version": gen["weight_version"], "prompt_source": how}
+        with self.lock:
+            turns.append({"prompt_text": text, "reply_text": reply, "record": record})
+        finish = "length" if gen["finish_reason"] == "length" else "stop"
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}
+        if body.get("logprobs"):
+            choice["logprobs"] = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None,
+                                               "top_logprobs": []} for t, lp in zip(out, gen["logprobs"] or [])]}
+        resp = {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
+                "model": body.get("model", "t1"), "choices": [choice], "session_id": sid,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}
+        if body.get("return_token_ids"):
+            choice["token_ids"], resp["prompt_token_ids"] = out, list(ids)
+        return resp
+
+    # -- export --
+    def trial(self, session_id) -> dict:
+        """The session's turns in rollout.run_trial's record format: {"task", "records": [...]}."""
+        with self.lock:
+            turns = list(self.sessions.get(session_id, []))
+        return {"task": session_id, "records": [t["record"] for t in turns]}
+
+    def pop(self, session_id) -> dict:
+        trial = self.trial(session_id)
+        with self.lock:
+            self.sessions.pop(session_id, None)
+        return trial
+
+
+class ContextLengthExceeded(ValueError):
+    pass
+
+
+def _text(content) -> str:
+    """OpenAI message content (a str or a list of parts) -> text."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+
+
+def _make_handler(gw: Gateway):
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):  # quiet
+            pass
+
+        def _send(self, code, obj):
+            data = json.dumps(obj).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):
+            if self.path.rstrip("/") in ("/health", "/v1/health"):
+                return self._send(200, {"ok": True})
+            if self.path.rstrip("/") == "/v1/models":
+                return self._send(200, {"object": "list", "data": [{"id": "t1", "object": "model", "owned_by": "t1"}]})
+            self._send(404, {"error": {"message": f"no route {self.path}"}})
+
+        def do_POST(self):
+            if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
+                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            try:
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
+                self._send(200, gw.chat(body, self.headers))
+            except ContextLengthExceeded as e:
+                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error",
+                                           "code": "context_length_exceeded"}})
+            except (ValueError, json.JSONDecodeError) as e:
+                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
+            except Exception as e:  # engine errors
+                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+    return Handler
+
+
+def chat_completion(url, messages, session_id=None, timeout=600, **params) -> dict:
+    """A minimal OpenAI client: POST /v1/chat/completions -> response dict (raises on HTTP errors)."""
+    body = {"model": "t1", "messages": messages, **params}
+    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json",
+                                          **({"X-Session-ID": session_id} if session_id else {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise RuntimeError(f"gateway: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+
+
+# --- a text harness: Terminus-2's protocol over an OpenAI client (history re-sent as text) -------------
+def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
+                   stop_event=None) -> dict:
+    """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway."""
+    import data
+    import reward
+    import rollout
+    t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
+    sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
+    result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
+              "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
+              "weight_versions": [], "records": [], "session_id": session_id}
+    root = box = None
+    try:
+        task = data.load_task(task_dir)
+        result["task"] = task.name
+        t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
+        root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
+        box = rollout.Sandbox(task, root, limits, stop_event=stop_event).start()
+        messages = [{"role": "user", "content": rollout.PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))}]
+        pending, exit_reason, n = False, "max_turns", 0
+        while n < limits.max_turns:
+            if stop_event.is_set() or time.time() > t_end:
+                exit_reason = "cancelled" if stop_event.is_set() else "timeout"
+                break
+            try:
+                resp = chat_completion(gateway_url, messages, session_id, temperature=sp["temperature"], top_p=sp["top_p"],
+                                       max_tokens=sp["max_new_tokens"])
+            except RuntimeError as e:
+                if "context length" in str(e):
+                    exit_reason = "max_tokens"
+                    break
+                raise
+            n += 1
+            content = resp["choices"][0]["message"]["content"]
+            messages.append({"role": "assistant", "content": content})  # verbatim, as Harbor's Chat keeps it
+            reply, err = rollout.parse_reply(content)
+            if err is not None:
+                obs, pending = rollout.PARSE_ERROR.format(error=err), False
+            else:
+                chunks = []
+                for c in reply["commands"]:
+                    box.send_keys(c["keystrokes"])
+                    chunks.append(box.read(max(min(c["duration"], limits.max_duration_s, t_end - time.time()), 0.05)))
+                terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
+                if reply["task_complete"] and pending:
+                    exit_reason = "task_complete"
+                    break
+                pending = reply["task_complete"]
+                obs = (rollout.CONFIRM if pending else rollout.NEW_OUTPUT).format(terminal=terminal)
+            messages.append({"role": "user", "content": obs})
+        result["exit_reason"] = exit_reason
+        if exit_reason != "cancelled":
+            v = box.run_verifier()
+            result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
+                          resolved=reward.is_resolved(v))
+    except Exception as e:  # a crash inside a trial never propagates
+        result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
+    finally:
+        if box is not None:
+            box.close()
+        if root is not None and work_root is None:
+            shutil.rmtree(root, ignore_errors=True)
+        result["wall_s"] = time.time() - t0
+    return result
+
+
+# --- Harbor: environment class (imported by Harbor from its own venv) ---------------------------------
+try:  # only inside Harbor's venv (Python >= 3.12); the main venv never imports harbor
+    from harbor.environments.base import BaseEnvironment, ExecResult
+    from harbor.environments.capabilities import EnvironmentCapabilities
+except ImportError:
+    BaseEnvironment = None
+
+if BaseEnvironment is not None:
+    import asyncio
+    import base64
+
+    class BwrapEnvironment(BaseEnvironment):
+        """Harbor environment = rollout.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
+        mounted read-only and first on PATH, e.g. the main .venv for `pytest --ctrf`), max_procs."""
+
+        def __init__(self, *args, tools_prefix=None, max_procs=256, **kwargs):
+            self.tools_prefix = os.path.abspath(tools_prefix) if tools_prefix else None
+            self.max_procs = int(max_procs)
+            self.box = self.root = None
+            super().__init__(*args, **kwargs)
+
+        @staticmethod
+        def type() -> str:
+            return "bwrap"
+
+        @property
+        def capabilities(self) -> EnvironmentCapabilities:
+            return EnvironmentCapabilities(disable_internet=True)
+
+        def _validate_definition(self):
+            if not Path(self.environment_dir).is_dir():
+                raise FileNotFoundError(f"{self.environment_dir}: no environment dir")
+
+        async def start(self, force_build: bool) -> None:
+            import types
+            import rollout
+            task = types.SimpleNamespace(env_dir=str(self.environment_dir), solution_dir=None, config={},
+                                         tests_dir=None, name=self.environment_name)
+            self.root = tempfile.mkdtemp(prefix=f"harbor-{self.environment_name}-")
+            limits = rollout.Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
+            self.box = _ToolsSandbox(task, self.root, limits, tools_prefix=self.tools_prefix).start()
+            os.makedirs(f"{self.root}/logs/artifacts", exist_ok=True)
+
+        async def stop(self, delete: bool):
+            if self.box is not None:
+                self.box.close()
+            if delete and self.root:
+                shutil.rmtree(self.root, ignore_errors=True)
+
+        def _host(self, path: str) -> str | None:
+            """Host path behind a jail path (/app, /logs, /tests are host dirs), None elsewhere."""
+            p = os.path.normpath("/" + str(path).lstrip("/"))
+            for top in ("/app", "/logs", "/tests"):
+                if p == top or p.startswith(top + "/"):
+                    return os.path.join(self.root, top[1:], os.path.relpath(p, top)) if p != top else os.path.join(self.root, top[1:])
+            return None
+
+        async def exec(self, command, cwd=None, env=None, timeout_sec=None, user=None) -> ExecResult:
+            user = self._resolve_user(user)
+            cmd = f"cd {cwd} && {command}" if cwd else command
+            rc, out = await asyncio.to_thread(self.box.exec, cmd, timeout_sec or None, self._merge_env(env),
+                                              user in ("root", 0, "0"))
+            return ExecResult(stdout=out, stderr="", return_code=rc)
+
+        async def upload_file(self, source_path, target_path):
+            host = self._host(target_path)
+            if host is not None:
+                os.makedirs(os.path.dirname(host), exist_ok=True)
+                shutil.copy2(source_path, host)
+                if host.startswith(os.path.join(self.root, "app")):
+                    os.lchown(host, self.box.uid, self.box.uid)
+                return
+            data = base64.b64encode(Path(source_path).read_bytes()).decode()  # elsewhere: through the shell
+            await self.exec(f"mkdir -p $(dirname '{target_path}') && : > '{target_path}'", user="root")
+            for i in range(0, len(data), 64 << 10):
+                await self.exec(f"echo '{data[i:i + (64 << 10)]}' | base64 -d >> '{target_path}'", user="root")
+
+        async def upload_dir(self, source_dir, target_dir):
+            for d, _, files in os.walk(source_dir):
+                for f in files:
+                    src = os.path.join(d, f)
+                    await self.upload_file(src, os.path.join(str(target_dir), os.path.relpath(src, source_dir)))
+
+        async def download_file(self, source_path, target_path):
+            host = self._host(source_path)
+            Path(target_path).parent.mkdir(parents=True, exist_ok=True)
+            if host is not None:
+                shutil.copy2(host, target_path)
+                return
+            res = await self.exec(f"base64 -w0 '{source_path}'", user="root")
+            if res.return_code != 0:
+                raise FileNotFoundError(f"{source_path}: {res.stdout}")
+            Path(target_path).write_bytes(base64.b64decode(res.stdout.strip()))
+
+        async def download_dir(self, source_dir, target_dir):
+            host = self._host(source_dir)
+            if host is None:
+                raise NotImplementedError(f"bwrap environment: download_dir outside /app, /logs, /tests: {source_dir}")
+            if os.path.isdir(host):
+                shutil.copytree(host, target_dir, dirs_exist_ok=True, symlinks=True)
+
+
+def _tools_sandbox_class():
+    import rollout
+
+    class ToolsSandbox(rollout.Sandbox):
+        """rollout.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
+        venv (the main .venv: pytest, pytest-ctrf) mounted read-only and first on PATH."""
+
+        def __init__(self, *args, tools_prefix=None, **kw):
+            super().__init__(*args, **kw)
+            self.tools_prefix = tools_prefix
+
+        def _bwrap_args(self):
+            a = super()._bwrap_args()
+            i = a.index(f"{self.root}/tests")
+            a[i - 1] = "--bind"  # root-owned 0755: the agent's uid still cannot write it
+            for p in self._tool_paths():
+                parts = p.strip("/").split("/")
+                for k in range(1, len(parts)):  # intermediate dirs readable, nothing else of them
+                    a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:k])]
+                a += ["--ro-bind", p, p]
+            return a
+
+        def _tool_paths(self):
+            if not self.tools_prefix:
+                return []
+            cfg = os.path.join(self.tools_prefix, "pyvenv.cfg")
+            home = None
+            if os.path.isfile(cfg):
+                for line in open(cfg):
+                    if line.split("=")[0].strip() == "home":
+                        home = os.path.dirname(line.split("=", 1)[1].strip())
+            return [p for p in (self.tools_prefix, home) if p and not p.startswith("/usr/")]
+
+        def _env(self, extra=None):
+            env = super()._env(extra)
+            if self.tools_prefix:
+                env["PATH"] = f"{self.tools_prefix}/bin:" + env["PATH"]
+            return env
+    return ToolsSandbox
+
+
+def _ToolsSandbox(*args, **kw):  # noqa: N802  (built lazily: rollout is importable only from the repo)
+    return _tools_sandbox_class()(*args, **kw)
+
+
+# --- Harbor: the runner (main venv side) --------------------------------------------------------------
+def harbor_python():
+    return os.path.join(HARBOR_VENV, "bin", "python")
+
+
+def harbor_available() -> str | None:
+    """None when Harbor's venv is usable, else the reason it is not."""
+    if not os.path.exists(harbor_python()):
+        return f"Harbor's venv is absent ({HARBOR_VENV}; run.sh creates it with Python 3.12 and `pip install harbor`)"
+    return None
+
+
+def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperature, top_p, max_new_tokens,
+                        max_total_tokens, agent_timeout_s=None, verifier_timeout_s=None, max_turns=None) -> dict:
+    """Harbor TrialConfig: stock Terminus-2 against the gateway, summarisation off, bubblewrap environment."""
+    kwargs = {"api_base": api_base, "temperature": temperature, "collect_rollout_details": True,
+              "session_id": trial_name, "enable_summarize": False, "proactive_summarization_threshold": 0,
+              "record_terminal_session": False, "suppress_max_turns_warning": True,
+              "model_info": {"max_input_tokens": max_total_tokens, "max_output_tokens": max_new_tokens,
+                             "input_cost_per_token": 0.0, "output_cost_per_token": 0.0},
+              "llm_call_kwargs": {"top_p": top_p, "max_tokens": max_new_tokens}}
+    if max_turns is not None:
+        kwargs["max_turns"] = max_turns
+    return {"task": {"path": os.path.abspath(task_dir)}, "trial_name": trial_name, "trials_dir": os.path.abspath(trials_dir),
+            "agent": {"name": "terminus-2", "model_name": "openai/t1", "kwargs": kwargs,
+                      **({"override_timeout_sec": agent_timeout_s} if agent_timeout_s else {})},
+            "environment": {"import_path": "gateway:BwrapEnvironment", "delete": True,
+                            "kwargs": {"tools_prefix": sys.prefix}},
+            "verifier": {**({"override_timeout_sec": verifier_timeout_s} if verifier_timeout_s else {})}}
+
+
+def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, limits=None, stop_event=None,
+                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None) -> dict:
+    """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway)."""
+    import reward
+    import rollout
+    t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
+    sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
+    name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
+    result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
+              "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
+              "weight_versions": [], "records": [], "session_id": name, "trial_dir": os.path.join(trials_dir, name)}
+    try:
+        why = harbor_available()
+        if why:
+            raise RuntimeError(why)
+        os.makedirs(trials_dir, exist_ok=True)
+        cfg = harbor_trial_config(task_dir, trials_dir, name, gateway.url + "/v1", temperature=sp["temperature"],
+                                  top_p=sp["top_p"], max_new_tokens=sp["max_new_tokens"],
+                                  max_total_tokens=limits.max_total_tokens, max_turns=limits.max_turns,
+                                  agent_timeout_s=agent_timeout_s or limits.trial_timeout_s,
+                                  verifier_timeout_s=verifier_timeout_s)
+        cfg_path = os.path.join(trials_dir, f"{name}.config.json")
+        with open(cfg_path, "w") as f:
+            json.dump(cfg, f, indent=1)
+        env = {**os.environ, "PYTHONPATH": REPO, "OPENAI_API_KEY": "sk-local", "PYTHONUNBUFFERED": "1"}
+        log = open(os.path.join(trials_dir, f"{name}.harbor.log"), "w")
+        p = subprocess.Popen([os.path.join(HARBOR_VENV, "bin", "harbor"), "trial", "start", "-c", cfg_path],
+                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+        while p.poll() is None:
+            if stop_event.wait(0.2):
+                os.killpg(p.pid, 9)  # the process group we started
+                p.wait()
+                result["exit_reason"] = "cancelled"
+                return result
+        log.close()
+        tdir = result["trial_dir"]
+        if not os.path.isdir(tdir):
+            raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
+        res = json.load(open(os.path.join(tdir, "result.json"))) if os.path.isfile(os.path.join(tdir, "result.json")) else {}
+        v = reward.compute(os.path.join(tdir, "verifier"))
+        result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
+                      resolved=reward.is_resolved(v), exit_reason="harbor",
+                      error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)
+    except Exception as e:
+        result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
+    finally:
+        trial = gateway.pop(name)
+        result["records"], result["turns"] = trial["records"], len(trial["records"])
+        result["wall_s"] = time.time() - t0
+    return result
+
+
+# --- rollout.py's harness hook -------------------------------------------------------------------------
+_GATEWAYS: dict = {}  # (engine_url, id(tokenizer), mode) -> a started Gateway, shared by the trials of a process
+_GW_LOCK = threading.Lock()
+
+
+def gateway_for(engine_url, tokenizer, mode="tito", max_total_tokens=8192) -> Gateway:
+    with _GW_LOCK:
+        key = (engine_url, id(tokenizer), mode, max_total_tokens)
+        if key not in _GATEWAYS:
+            _GATEWAYS[key] = Gateway(engine_url, tokenizer, mode, max_total_tokens=max_total_tokens).start()
+        return _GATEWAYS[key]
+
+
+def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, sampling=None, limits=None,
+              work_root=None, stop_event=None, gateway_mode="tito") -> dict:
+    """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2)."""
+    import rollout
+    if agent != "model" or engine_url is None or tokenizer is None:
+        return {"task": os.path.basename(str(task_dir)), "exit_reason": "error", "records": [], "turns": 0,
+                "reward": 0.0, "wall_s": 0.0, "error": f"harness {harness!r} needs agent 'model', engine_url and tokenizer"}
+    limits = rollout.make_limits(limits)
+    gw = gateway_for(engine_url, tokenizer, gateway_mode, limits.max_total_tokens)
+    work_root = work_root or tempfile.mkdtemp(prefix="t1-gw-")
+    if harness == "text":
+        sid = uuid.uuid4().hex
+        res = run_text_trial(task_dir, gw.url, sid, sampling=sampling, limits=limits, work_root=work_root,
+                             stop_event=stop_event)
+        res["records"] = gw.pop(sid)["records"]
+        res["turns"] = len(res["records"])
+        return res
+    if harness == "harbor":
+        return run_harbor_trial(task_dir, gw, trials_dir=os.path.join(work_root, "harbor"), sampling=sampling,
+                                limits=limits, stop_event=stop_event)
+    raise ValueError(f"harness: expected native|text|harbor, got {harness!r}")
+
+
+# --- measurement: naive retokenization vs TITO (tito.py measure) ----------------------------------------
+def measure(quick=True, harness="client", work_dir=None, seed=0) -> dict:
+    """The same tasks through the gateway in naive and in TITO mode (+ the native token-first harness):
+    boundary cases and loss-region drift of what a trainer would train on in each case."""
+    import data
+    import model
+    import rollout
+    import tito
+    work = work_dir or tempfile.mkdtemp(prefix="t1-measure-")
+    n_tasks, max_turns, new_tokens = (3, 4, 48) if quick else (8, 10, 128)
+    train, _ = data.generate_tasks(os.path.join(work, "tasks"), n_tasks, 0, seed=seed, validate_tasks=False)
+    tok = model.train_tokenizer(data.corpus(train), vocab_size=1024)
+    ckpt = os.path.join(work, "ckpt")
+    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=seed), tok, ckpt)
+    eng = model.EngineServer(ckpt, port=0).start()
+    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": new_tokens}
+    limits = {"max_turns": max_turns, "max_total_tokens": 8192, "trial_timeout_s": 300}
+    out = {"harness": harness, "tasks": len(train)}
+    try:
+        for mode in ("naive", "tito"):
+            gw = Gateway(eng.url, tok, mode, max_total_tokens=8192).start()
+            trials = []
+            for td in train:
+                if harness == "harbor":
+                    res = run_harbor_trial(td, gw, trials_dir=os.path.join(work, f"harbor-{mode}"), sampling=sampling,
+                                           limits=limits)
+                else:
+                    sid = uuid.uuid4().hex
+                    res = run_text_trial(td, gw.url, sid, sampling=sampling, limits=limits, work_root=work)
+                    res["records"] = gw.pop(sid)["records"]
+                if res["records"]:
+                    trials.append(res)
+            gw.stop()
+            cases = dict.fromkeys(tito.CASES, 0)
+            for t in trials:
+                for k, v in tito.case_counts(t, tok).items():
+                    cases[k] += v
+            repaired = tito.audit([s for t in trials for s in tito.assemble_segments(t, tok)])
+            trained = tito.audit([tito.assemble_naive(t, tok) for t in trials]) if mode == "naive" else repaired
+            out[mode] = {"trials": len(trials), "turns": sum(len(t["records"]) for t in trials), "cases": cases,
+                         "loss_region_drift_pct": trained["loss_region_drift_pct"],
+                         "repaired_drift_pct": repaired["loss_region_drift_pct"],
+                         "harness_drift_pct": repaired["harness_drift_pct"]}
+        native = [rollout.run_trial(td, "model", engine_url=eng.url, tokenizer=tok, sampling=sampling, limits=limits)
+                  for td in train]
+        native = [t for t in native if t["records"]]
+        rep = tito.audit([tito.assemble(t) for t in native])
+        out["native"] = {"trials": len(native), "turns": sum(len(t["records"]) for t in native),
+                         "cases": rep["cases"], "loss_region_drift_pct": rep["loss_region_drift_pct"]}
+    finally:
+        eng.stop()
+    return out
+
+
+# --- evaluation with the paper's protocol on a Harbor dataset dir --------------------------------------
+def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["attempts"], max_total_tokens=8192,
+             max_new_tokens=2048) -> dict:
+    """Terminus-2 via Harbor, 3600 s agent / 900 s verifier, temperature 0.1, top-p 0.95, `attempts` per task:
+    resolved rate (passed == total > 0) and mean partial reward r = P/S over all attempts."""
+    tasks = sorted(str(p) for p in Path(dataset_dir).iterdir() if (p / "task.toml").is_file())
+    gw = Gateway(engine_url, tokenizer, "tito", max_total_tokens=max_total_tokens).start()
+    results = []
+    try:
+        for td in tasks:
+            for k in range(attempts):
+                r = run_harbor_trial(td, gw, trials_dir=trials_dir, trial_name=f"{os.path.basename(td)}__a{k}",
+                                     sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
+                                               "max_new_tokens": max_new_tokens},
+                                     limits={"max_total_tokens": max_total_tokens, "trial_timeout_s": EVAL["agent_timeout_s"],
+                                             "max_turns": 1000000},
+                                     agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"])
+                results.append({k2: r[k2] for k2 in ("task", "reward", "resolved", "passed", "total", "exit_reason", "error")})
+    finally:
+        gw.stop()
+    n = max(len(results), 1)
+    return {"n_tasks": len(tasks), "attempts": attempts, "n_trials": len(results),
+            "resolved_rate": sum(r["resolved"] for r in results) / n,
+            "mean_partial_reward": sum(r["reward"] for r in results) / n, "trials": results}
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    for name in ("serve", "harbor-trial", "eval"):
+        s = sub.add_parser(name)
+        s.add_argument("--engine-url", required=True)
+        s.add_argument("--model-path", required=True, help="directory with the tokenizer")
+        s.add_argument("--max-total-tokens", type=int, default=8192)
+        if name == "serve":
+            s.add_argument("--mode", choices=["tito", "naive"], default="tito")
+            s.add_argument("--host", default="127.0.0.1")
+            s.add_argument("--port", type=int, default=8000)
+        if name == "harbor-trial":
+            s.add_argument("--task", required=True)
+            s.add_argument("--trials-dir", default="runs/harbor-trials")
+            s.add_argument("--max-turns", type=int, default=50)
+        if name == "eval":
+            s.add_argument("--dataset", required=True, help="a Harbor dataset dir (one task dir per entry)")
+            s.add_argument("--trials-dir", default="runs/harbor-eval")
+            s.add_argument("--attempts", type=int, default=EVAL["attempts"])
+    a = p.parse_args(argv)
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(a.model_path)
+    if a.cmd == "serve":
+        gw = Gateway(a.engine_url, tok, a.mode, max_total_tokens=a.max_total_tokens, host=a.host, port=a.port).start()
+        print(f"gateway ({a.mode}) on {gw.url}/v1 -> {a.engine_url}", flush=True)
+        gw.thread.join()
+    elif a.cmd == "harbor-trial":
+        gw = Gateway(a.engine_url, tok, "tito", max_total_tokens=a.max_total_tokens).start()
+        r = run_harbor_trial(a.task, gw, trials_dir=a.trials_dir, limits={"max_turns": a.max_turns,
+                                                                        "max_total_tokens": a.max_total_tokens})
+        print(json.dumps({k: r[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
+                                            "error", "wall_s", "trial_dir")}))
+    else:
+        rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts, max_total_tokens=a.max_total_tokens)
+        print(json.dumps({k: v for k, v in rep.items() if k != "trials"}))
+
+
+if __name__ == "__main__":
+    main()
