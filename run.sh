@@ -41,6 +41,18 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install -q -r requirements.txt
   echo "$want" > "$stamp"
 fi
+
+# --- Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, gateway.py eval and tests ---
+HPY=${HARBOR_PYTHON:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+if [ ! -x .venv-harbor/bin/harbor ]; then
+  if [ -x "$HPY" ]; then
+    echo "[run.sh] creating .venv-harbor with $HPY and installing harbor==0.25.0"
+    "$HPY" -m venv .venv-harbor
+    .venv-harbor/bin/python -m pip install -q harbor==0.25.0
+  else
+    echo "[run.sh] no Python 3.12 found (set HARBOR_PYTHON): the Harbor path and its test are unavailable"
+  fi
+fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 
 # --- dispatch -----------------------------------------------------------------------------------
