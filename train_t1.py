@@ -282,7 +282,7 @@ class Engine:
         self.proc = subprocess.Popen(
             [sys.executable, "model.py", "serve", "--model-path", str(model_path), "--port", str(port),
              "--weight-dtype", args.engine_weight_dtype],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent)
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent, preexec_fn=_die_with_parent)
         self.url = f"http://127.0.0.1:{port}"
         self.client = rollout.EngineClient(self.url)
         for _ in range(600):
@@ -310,6 +310,12 @@ class Engine:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self.log.close()
+
+
+def _die_with_parent() -> None:
+    """The engine gets SIGKILL when the trainer dies, even by kill -9 (Linux PR_SET_PDEATHSIG)."""
+    import ctypes
+    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
 
 
 def _free_port() -> int:
