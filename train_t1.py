@@ -220,14 +220,12 @@ def pad_batch(samples: list[dict], scale: float) -> dict:
     return out
 
 
-def token_logprobs(actor, batch: dict, mode: str, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
+def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
     """logprobs (B, T): logprobs[:, j] = log pi(tokens[j] | tokens[:j]); column 0 is 0.
 
-    mode is the R3 routing mode: "replay" uses the sampler's recorded experts, "off" the live router.
-    Call backward inside the same `r3.routing` context when grads are needed (recompute replays too).
+    Runs inside the caller's `r3.routing` context; backward must run inside it too (recompute replays).
     """
     ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
-    experts = batch["experts"][rows] if (mode == "replay" and batch["experts"] is not None) else None
     logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     return F.pad(lp, (1, 0))
@@ -238,7 +236,7 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
     mode = mode if (mode != "replay" or batch["experts"] is not None) else "off"
     experts = batch["experts"][rows] if mode == "replay" else None
     with r3.routing(actor, mode, experts=experts), torch.set_grad_enabled(grad):
-        return token_logprobs(actor, batch, mode, temperature, rows)
+        return token_logprobs(actor, batch, temperature, rows)
 
 
 def save_trainer(path: Path, actor, tokenizer, critic, actor_opt, critic_opt, step: int, rng) -> None:
@@ -420,7 +418,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> 
         for mb in minibatches(B, args.minibatch_size, rng):
             mode = args.r3_mode if batch["experts"] is not None else "off"
             with r3.routing(actor, mode, experts=batch["experts"][mb] if mode == "replay" else None):
-                newlogprob = token_logprobs(actor, batch, mode, args.temperature, rows=mb)
+                newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
                 m, adv = batch["mask"][mb], advantages[mb]
                 logratio = newlogprob - old_logprobs[mb]
                 ratio = logratio.exp()

@@ -1,4 +1,4 @@
-"""cluster.py (presets, checks, SGLang client + weight publish) and rollout.DaytonaSandbox, on CPU.
+"""cluster.py (presets, checks, SGLang client + weight publish) and daytona_sandbox.DaytonaSandbox, on CPU.
 
 SGLang request bodies are checked two ways: against the embedded engine (model.py) where the protocol
 is shared, and, for the distributed weight update the embedded engine does not serve, against a small
@@ -20,6 +20,7 @@ import torch
 import cluster
 import data
 import model as model_lib
+import daytona_sandbox
 import rollout
 
 # --- helpers: a validating fake SGLang server in its own process --------------------------------------
@@ -339,15 +340,15 @@ class FakeDaytona:
 def test_daytona_create_params_are_the_sdks_own_objects(tmp_path):
     daytona = pytest.importorskip("daytona")
     task = _task(tmp_path, 'docker_image = "ghcr.io/laude/tb2-task:1"\nallow_internet = false\n')
-    params = rollout.DaytonaSandbox(task, tmp_path / "trial").create_params()
+    params = daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial").create_params()
     assert isinstance(params, daytona.CreateSandboxFromImageParams)
     assert params.image == "ghcr.io/laude/tb2-task:1"
     assert (params.resources.cpu, params.resources.memory, params.resources.disk) == (2, 3, 10)
     assert params.ephemeral and params.network_block_all and params.ttl_minutes == 6 + 30
     assert params.labels == {"t1-task": "task"}
-    built = rollout.DaytonaSandbox(_task(tmp_path / "b"), tmp_path / "t2").create_params()
+    built = daytona_sandbox.DaytonaSandbox(_task(tmp_path / "b"), tmp_path / "t2").create_params()
     assert isinstance(built.image, daytona.Image) and built.network_block_all is False  # from environment/Dockerfile
-    snap = rollout.DaytonaSandbox(_task(tmp_path / "c"), tmp_path / "t3", snapshot="tb2-base").create_params()
+    snap = daytona_sandbox.DaytonaSandbox(_task(tmp_path / "c"), tmp_path / "t3", snapshot="tb2-base").create_params()
     assert isinstance(snap, daytona.CreateSandboxFromSnapshotParams) and snap.snapshot == "tb2-base"
 
 
@@ -357,7 +358,7 @@ def test_daytona_sandbox_terminal_exec_and_verifier_through_the_sdk_calls(tmp_pa
                         "tests": [{"name": "a", "status": "passed"}, {"name": "b", "status": "failed"}]}}
     fake = FakeDaytona(pane=["$ ", "$ ls\nfile.txt\n$ "], files={"/logs/verifier/ctrf.json": json.dumps(ctrf).encode()})
     task = _task(tmp_path)
-    with rollout.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
+    with daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
         assert fake.created and any("tmux new-session -d -s t1" in c for c, _, _ in fake.cmds)
         assert box.read(0) == "$ "
         box.send_keys("ls\n")
@@ -379,22 +380,22 @@ def test_daytona_sandbox_is_deleted_on_every_exit_path(tmp_path, monkeypatch):
     task = _task(tmp_path)
     fake = FakeDaytona(fail_on="tmux new-session")  # start fails after the sandbox exists
     with pytest.raises(RuntimeError, match="tmux"):
-        rollout.DaytonaSandbox(task, tmp_path / "t1", client=fake).start()
+        daytona_sandbox.DaytonaSandbox(task, tmp_path / "t1", client=fake).start()
     assert fake.deleted == 1
     fake = FakeDaytona()
     with pytest.raises(KeyError):
-        with rollout.DaytonaSandbox(task, tmp_path / "t2", client=fake):
+        with daytona_sandbox.DaytonaSandbox(task, tmp_path / "t2", client=fake):
             raise KeyError("agent crashed")
     assert fake.deleted == 1
-    box = rollout.DaytonaSandbox(task, tmp_path / "t3", client=fake).start()
-    assert box in rollout._DAYTONA_OPEN
-    rollout._close_open_daytona()  # the atexit hook
-    assert fake.deleted == 2 and box not in rollout._DAYTONA_OPEN
+    box = daytona_sandbox.DaytonaSandbox(task, tmp_path / "t3", client=fake).start()
+    assert box in daytona_sandbox._DAYTONA_OPEN
+    daytona_sandbox._close_open_daytona()  # the atexit hook
+    assert fake.deleted == 2 and box not in daytona_sandbox._DAYTONA_OPEN
     box.close()  # idempotent
     assert fake.deleted == 2
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match="DAYTONA_API_KEY is not set"):
-        rollout.DaytonaSandbox(task, tmp_path / "t4").start()
+        daytona_sandbox.DaytonaSandbox(task, tmp_path / "t4").start()
 
 
 def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_counts():
