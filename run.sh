@@ -43,9 +43,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
 fi
 
 # --- Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, gateway.py eval and tests ---
-HPY=${HARBOR_PYTHON:-$(command -v python3.12 || echo /root/.pyenv/versions/3.12.1/bin/python)}
+HPY=""
+for c in "${HARBOR_PYTHON:-}" python3.12 python3.13 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
+  if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then HPY=$c; break; fi
+done
 if [ ! -x .venv-harbor/bin/harbor ]; then
-  if [ -x "$HPY" ]; then
+  if [ -n "$HPY" ]; then
     echo "[run.sh] creating .venv-harbor with $HPY and installing harbor==0.25.0"
     "$HPY" -m venv .venv-harbor
     .venv-harbor/bin/python -m pip install -q harbor==0.25.0
