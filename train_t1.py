@@ -107,6 +107,8 @@ class Args:
     """evaluation top-p (paper: 0.95)"""
     eval_attempts: int = 3
     """attempts per held-out task (paper: 3)"""
+    eval_train_tasks: int = 0
+    """also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)"""
     # --- reward
     reward_scale: float = 20.0
     """S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)"""
@@ -164,12 +166,12 @@ class Args:
 # (critic lr = 30 x actor lr, eval protocol, S = 20, clip values), sizes and lrs shrunk for 2 CPU cores.
 EMBEDDED = dataclasses.replace(
     Args(), n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
-    max_new_tokens=160, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
-    n_sft_tasks=960, eval_attempts=1, sft_epochs=3, sft_lr=2e-3, sft_batch_size=8, critic_warmup_trials=64,
-    critic_lr=6e-4, rl_steps=8, actor_lr=2e-5, minibatch_size=8, ppo_epochs=2)
+    max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
+    n_sft_tasks=0, eval_attempts=1, eval_train_tasks=30, sft_epochs=30, sft_lr=2e-3, sft_batch_size=8,
+    critic_warmup_trials=64, critic_lr=1.5e-3, rl_steps=8, actor_lr=5e-5, minibatch_size=8, ppo_epochs=2)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
-    n_sft_tasks=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
+    eval_train_tasks=6, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
 PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args()}
 
 
@@ -528,6 +530,8 @@ def train(args: Args) -> dict:
         # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
         if "eval_sft" not in state:
             state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "sft"))
+            state["eval_sft_train"] = timed("eval_sft", lambda: evaluate(
+                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, engine, "sft train"))
             save_state()
         log(run_dir, f"eval after SFT: {state['eval_sft']}")
 
@@ -636,12 +640,15 @@ def train(args: Args) -> dict:
         if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
             state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl")),
                                 "after_step": state["step"]}
+            state["eval_rl_train"] = timed("eval_rl", lambda: evaluate(
+                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, engine, "rl train"))
             save_state()
     finally:
         engine.close()
         metrics.tb.close()
 
-    summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "phase_times": state["phase_times"],
+    summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
+               "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
                "rl_steps": state["step"]}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(run_dir)
@@ -650,10 +657,12 @@ def train(args: Args) -> dict:
 
 
 def print_table(summary: dict) -> None:
-    e0, e1 = summary["eval_sft"], summary["eval_rl"]
-    print("\n| held-out | solve rate | mean reward | mean turns |\n|---|---|---|---|")
-    print(f"| after SFT | {e0['solve_rate']:.3f} | {e0['reward_mean']:.3f} | {e0['turns_mean']:.1f} |")
-    print(f"| after RL  | {e1['solve_rate']:.3f} | {e1['reward_mean']:.3f} | {e1['turns_mean']:.1f} |")
+    print("\n| pool | checkpoint | solve rate | mean reward (P/S) | mean turns | trials |\n|---|---|---|---|---|---|")
+    for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
+        for ck in ("sft", "rl"):
+            e = summary[key.format(ck)]
+            print(f"| {pool} | after {ck.upper()} | {e['solve_rate']:.3f} | {e['reward_mean']:.3f} | "
+                  f"{e['turns_mean']:.1f} | {e['n_trials']} |")
     print("\n| phase | wall time (s) |\n|---|---|")
     for k, v in summary["phase_times"].items():
         print(f"| {k} | {v:.0f} |")

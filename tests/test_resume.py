@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
-        "--rollout-workers", "5", "--minibatch-size", "2", "--rl-steps", "3"]
+        "--rollout-workers", "5", "--minibatch-size", "2", "--rl-steps", "3", "--eval-train-tasks", "2"]
 
 
 def run(run_dir, kill_at=None, timeout=600):
