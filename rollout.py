@@ -186,16 +186,18 @@ class Sandbox:
                 a += ["--symlink", os.readlink(d), d]
             elif os.path.isdir(d):
                 a += ["--ro-bind", d, d]
+        # /tmp first: a venv that lives under /tmp (a CI clone) is bound on top of the tmpfs, not hidden by it
+        a += ["--perms", "1777", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp"]
         prefixes = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
         for p in sorted(p for p in prefixes if not p.startswith("/usr/")):
             parts = p.strip("/").split("/")
             for i in range(1, len(parts)):  # intermediate dirs readable (0755), nothing else of them
-                a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+                if "/" + "/".join(parts[:i]) != "/tmp":
+                    a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
             a += ["--ro-bind", p, p]
         r = self.root
         a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests",
-              "--proc", "/proc", "--dev", "/dev", "--perms", "1777", "--size", str(self.limits.tmp_bytes),
-              "--tmpfs", "/tmp", "--chdir", "/app"]
+              "--proc", "/proc", "--dev", "/dev", "--chdir", "/app"]
         if self.solution and self.task.solution_dir:
             a += ["--ro-bind", self.task.solution_dir, "/solution"]
         return a
