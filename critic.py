@@ -106,13 +106,13 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """EV = 1 - Var(R - V) / Var(R) over the masked positions (unbounded below; nan if Var(R) = 0)."""
+    """EV = 1 - Var(R - V) / Var(R) over the masked positions (unbounded below; nan if Var(R) ~ 0)."""
     m = mask.bool()
     r, v = returns[m].double(), values[m].double()
     if r.numel() < 2:
         return float("nan")
     var_r = r.var(unbiased=False)
-    if var_r <= 0:
+    if var_r <= 1e-12:  # constant returns (up to float error of A + V): EV is undefined, not -1e13
         return float("nan")
     return float(1.0 - (r - v).var(unbiased=False) / var_r)
 

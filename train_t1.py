@@ -417,7 +417,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> 
     stats = {"pg_loss": [], "approx_kl": [], "clipfrac": []}
     B = batch["input_ids"].shape[0]
     for _ in range(args.ppo_epochs):
-        for mb in minibatches(B, args.minibatch_size, rng):
+        for mb in tqdm(minibatches(B, args.minibatch_size, rng), desc="ppo update", leave=False):
             mode = args.r3_mode if batch["experts"] is not None else "off"
             with r3.routing(actor, mode, experts=batch["experts"][mb] if mode == "replay" else None):
                 newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
@@ -554,6 +554,8 @@ def train(args: Args) -> dict:
             log(run_dir, f"resumed at RL step {state['step']}")
         elif "critic_warmup" not in state:
             def do_warmup():
+                if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
+                    return []
                 pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
                 trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, engine, desc="warm-up pool")
                 return critic_warmup(critic, critic_opt, to_samples(trials, run_dir, "warmup"), args, metrics)

@@ -1,4 +1,5 @@
 """critic.py: GAE against a plain recursion, clipped value loss against a reference, EV, the critic model."""
+import math
 import random
 
 import pytest
@@ -90,6 +91,8 @@ def test_explained_variance():
     assert C.explained_variance(torch.full_like(ret, ret.mean()), ret, m) == pytest.approx(0.0, abs=1e-9)
     assert C.explained_variance(-ret * 10, ret, m) < 0  # unbounded below
     assert C.explained_variance(ret, torch.zeros(4), m) != C.explained_variance(ret, torch.zeros(4), m)  # nan
+    almost_constant = torch.full((4,), 0.05) + torch.tensor([0.0, 1e-9, -1e-9, 0.0])  # float error of A + V
+    assert math.isnan(C.explained_variance(torch.zeros(4), almost_constant, m))
 
 
 def test_critic_has_actor_architecture_and_aligned_values():
