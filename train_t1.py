@@ -37,6 +37,7 @@ Departures from the paper (numbered; each with its reason):
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import json
 import math
@@ -438,8 +439,14 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> 
     return {k: float(np.mean(v)) for k, v in stats.items()}
 
 
-def train_step(actor, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path, step: int) -> dict:
-    """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay)."""
+def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path,
+               step: int) -> dict:
+    """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
+
+    `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
+    one-step async): the trainer's old logprobs pi^t_{t-1} come from it, so the PPO ratio compares two
+    versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
+    """
     batch = pad_batch(samples, args.reward_scale)
     # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
     old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
@@ -452,9 +459,9 @@ def train_step(actor, critic, actor_opt, critic_opt, samples, args: Args, rng, r
     # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
-        old_logprobs = forward_logprobs(actor, batch, args.r3_mode, args.temperature)
-        lp_off = forward_logprobs(actor, batch, "off", args.temperature)
-    mismatch = (r3.mismatch(actor, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
+        old_logprobs = forward_logprobs(behaviour, batch, args.r3_mode, args.temperature)  # pi^t_{t-1}, R3 replay
+        lp_off = forward_logprobs(behaviour, batch, "off", args.temperature)
+    mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
                 if batch["experts"] is not None else float("nan"))  # expert sets the live router would change
     log(run_dir, f"step {step}: actor update")
     t0 = time.time()
@@ -540,7 +547,17 @@ def train(args: Args) -> dict:
         critic_opt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
         actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
         latest = run_dir / "ckpt" / "latest"
+        behaviour = copy.deepcopy(actor)  # holds the weights that sampled the batch being trained
+        published = {}  # weight version -> state dict the engine served (the last two are kept)
+
+        def publish(version):  # publish barrier: pause generation, push weights, resume
+            engine.publish(latest, version)
+            published[version] = {k: v.detach().clone() for k, v in actor.state_dict().items()}
+            for old in [v for v in published if v < version - 1]:
+                del published[old]
         rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
+        if state["step"] == 0:
+            published[0] = {k: v.detach().clone() for k, v in actor.state_dict().items()}  # the engine's SFT weights
         if state["step"] > 0:
             actor, _ = M.load_actor(latest)
             ck = torch.load(latest / "trainer.pt", weights_only=False)
@@ -550,7 +567,8 @@ def train(args: Args) -> dict:
             actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
             actor_opt.load_state_dict(ck["actor_opt"])
             critic_opt.load_state_dict(ck["critic_opt"])
-            engine.publish(latest, state["step"])
+            behaviour = copy.deepcopy(actor)
+            publish(state["step"])
             log(run_dir, f"resumed at RL step {state['step']}")
         elif "critic_warmup" not in state:
             def do_warmup():
@@ -593,7 +611,7 @@ def train(args: Args) -> dict:
             if args.async_rollout and step < args.rl_steps:
                 if step > first_step:  # publish barrier: rollout of `step` and update of step-1 are both done
                     t0 = time.time()
-                    engine.publish(latest, step - 1)
+                    publish(step - 1)
                     t_wait += time.time() - t0
                 pending = workers.submit(rollout_step, step + 1)  # overlaps this step's update
             else:
@@ -613,13 +631,15 @@ def train(args: Args) -> dict:
             if not samples:
                 log(run_dir, f"step {step}: no trainable trajectory; recorded, no update")
             t0 = time.time()
-            stats = train_step(actor, critic, actor_opt, critic_opt, samples, args, rng, run_dir, step) if samples else {}
+            if versions:
+                behaviour.load_state_dict(published[versions[0]])  # the policy that sampled this batch
+            stats = train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, rng, run_dir, step) if samples else {}
             t_train = time.time() - t0
             # 7. checkpoint (actor, critic, optimizers, step, RNG); synchronous mode publishes right away
             t0 = time.time()
             save_trainer(latest, actor, tokenizer, critic, actor_opt, critic_opt, step, rng)
             if not args.async_rollout or pending is None:
-                engine.publish(latest, step)
+                publish(step)
             t_publish = time.time() - t0
             rec = {"weight_version": step, "staleness": staleness,
                    "reward_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
