@@ -63,7 +63,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -205,18 +205,9 @@ def _text(content) -> str:
 
 
 def _make_handler(gw: Gateway):
-    class Handler(BaseHTTPRequestHandler):
-        def log_message(self, *args):  # quiet
-            pass
+    import model  # lazily: Harbor's own Python imports this module without torch
 
-        def _send(self, code, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(model.JSONHandler):
         def do_GET(self):
             if self.path.rstrip("/") in ("/health", "/v1/health"):
                 return self._send(200, {"ok": True})

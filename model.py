@@ -463,21 +463,24 @@ class EngineServer:
         return {"text": self.tokenizer.decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
 
 
+class JSONHandler(BaseHTTPRequestHandler):
+    """Quiet HTTP/1.1 handler with JSON replies (the engine's and the gateway's servers)."""
+    protocol_version = "HTTP/1.1"
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 def _make_handler(engine):
-    class Handler(BaseHTTPRequestHandler):
-        protocol_version = "HTTP/1.1"
-
-        def log_message(self, *args):  # quiet
-            pass
-
-        def _send(self, code, obj):
-            data = json.dumps(obj).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
+    class Handler(JSONHandler):
         def _body(self):
             n = int(self.headers.get("Content-Length") or 0)
             try:
