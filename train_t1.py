@@ -25,7 +25,8 @@ Departures from the paper (numbered; each with its reason):
   1. Scale. The embedded preset trains a ~2.5M-parameter Qwen3.5-MoE (same hybrid Gated DeltaNet +
      gated attention MoE, random init) on synthesized shell tasks, with learning rates, batch sizes and
      limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
-     `Args` and are used unchanged by the cluster preset.
+     `Args` and are used unchanged by the cluster preset. At this size SFT memorises the training pool
+     (30 epochs) so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
   2. One-step async runs as a rollout thread beside the trainer in one process (the engine is its own
      process); Ray actors and placement across nodes are the cluster path (cluster.py). The first step
      of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1.
