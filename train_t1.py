@@ -45,7 +45,6 @@ import math
 import os
 import random
 import shutil
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -275,58 +274,6 @@ def minibatches(n: int, size: int, rng: random.Random):
     return [idx[i:i + size] for i in range(0, n, size)]
 
 
-class Engine:
-    """The embedded engine as its own process (`python model.py serve`), spoken to only over HTTP."""
-
-    def __init__(self, model_path: Path, run_dir: Path, args: Args):
-        port = args.engine_port or _free_port()
-        self.log = open(run_dir / "engine.log", "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, "model.py", "serve", "--model-path", str(model_path), "--port", str(port),
-             "--weight-dtype", args.engine_weight_dtype],
-            stdout=self.log, stderr=subprocess.STDOUT, cwd=Path(__file__).parent, preexec_fn=_die_with_parent)
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = rollout.EngineClient(self.url)
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self.proc.returncode}; see {run_dir / 'engine.log'}")
-            try:
-                if self.client.health():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("engine did not become healthy in 120 s")
-
-    def publish(self, model_path: Path, version: int) -> None:
-        """Publish barrier: pause generation, push weights of `version`, resume."""
-        self.client.pause()
-        self.client.update_weights_from_disk(str(model_path), weight_version=version)
-        self.client.resume()
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()  # by pid: only what we started
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-
-def _die_with_parent() -> None:
-    """The engine gets SIGKILL when the trainer dies, even by kill -9 (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, engine=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout"):
     """Trials through rollout.run_trials; returns (kept trials, dropped, tokens/s)."""
@@ -533,7 +480,7 @@ def train(args: Args) -> dict:
         timed("sft", do_sft)
     actor, tokenizer = M.load_actor(sft_dir)
 
-    engine = Engine(sft_dir, run_dir, args)
+    engine = M.EngineProcess(sft_dir, run_dir / "engine.log", args.engine_port, args.engine_weight_dtype)
     try:
         # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
         if "eval_sft" not in state:
