@@ -676,8 +676,14 @@ def parse_args(argv=None) -> Args:
     p.add_argument("--preset", choices=sorted(PRESETS), default="embedded")
     p.add_argument("--quick", action="store_true", help="the quick preset (smoke run)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (the default when it exists)")
+    def boolean(v: str) -> bool:
+        if v.lower() not in ("true", "false", "1", "0"):
+            raise argparse.ArgumentTypeError(f"expected true or false, got {v!r}")
+        return v.lower() in ("true", "1")
+
     for f in dataclasses.fields(Args):
-        p.add_argument("--" + f.name.replace("_", "-"), type=type(f.default), default=None)
+        kind = boolean if isinstance(f.default, bool) else type(f.default)
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None)
     ns = p.parse_args(argv)
     base = PRESETS["quick" if ns.quick else ns.preset]
     return dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)

@@ -45,3 +45,8 @@ def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[2]["weight_version"] == 3
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == len([r for r in recs if r["phase"] == "sft"])
+
+
+def test_boolean_flags_parse_false():
+    assert train_t1.parse_args(["--async-rollout", "False"]).async_rollout is False
+    assert train_t1.parse_args(["--async-rollout", "true"]).async_rollout is True
