@@ -249,7 +249,6 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
                    stop_event=None) -> dict:
     """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway."""
     import data
-    import reward
     import rollout
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
@@ -297,9 +296,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
             messages.append({"role": "user", "content": obs})
         result["exit_reason"] = exit_reason
         if exit_reason != "cancelled":
-            v = box.run_verifier()
-            result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
-                          resolved=reward.is_resolved(v))
+            rollout.score(box, result)
     except Exception as e:  # a crash inside a trial never propagates
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
     finally:

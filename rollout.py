@@ -556,6 +556,14 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
         prompt = prompt + out + glue + render_ids(tok, "user", obs) + gen_prefix  # token-first: strict
 
 
+def score(box, result: dict) -> None:
+    """Copy the tests in (only now), run the verifier, and put r = P/S and its report into `result`."""
+    import reward
+    v = box.run_verifier()
+    result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
+                  resolved=reward.is_resolved(v))
+
+
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
               work_root=None, stop_event=None, harness="native") -> dict:
     """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
@@ -605,10 +613,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             exit_reason = _agent_loop(box, task, policy, tokenizer, limits, stop_event, t_end, result)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
-            v = box.run_verifier()
-            import reward
-            result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
-                          resolved=reward.is_resolved(v))
+            score(box, result)
             if stop_event.is_set():  # cancelled while verifying: the report may be partial
                 result["exit_reason"] = "cancelled"
     except Exception as e:  # a crash inside a trial never propagates

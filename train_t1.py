@@ -234,11 +234,15 @@ def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None
     return F.pad(lp, (1, 0))
 
 
-def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=False):
-    """token_logprobs under the right R3 context (replay needs recorded experts)."""
+def batch_routing(actor, batch, mode, rows=slice(None)):
+    """The R3 context for rows of a batch: replay its recorded experts, or live routing when it has none."""
     mode = mode if (mode != "replay" or batch["experts"] is not None) else "off"
-    experts = batch["experts"][rows] if mode == "replay" else None
-    with r3.routing(actor, mode, experts=experts), torch.set_grad_enabled(grad):
+    return r3.routing(actor, mode, experts=batch["experts"][rows] if mode == "replay" else None)
+
+
+def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=False):
+    """token_logprobs under the batch's R3 context."""
+    with batch_routing(actor, batch, mode, rows), torch.set_grad_enabled(grad):
         return token_logprobs(actor, batch, temperature, rows)
 
 
@@ -367,8 +371,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> 
     B = batch["input_ids"].shape[0]
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(B, args.minibatch_size, rng), desc="ppo update", leave=False):
-            mode = args.r3_mode if batch["experts"] is not None else "off"
-            with r3.routing(actor, mode, experts=batch["experts"][mb] if mode == "replay" else None):
+            with batch_routing(actor, batch, args.r3_mode, mb):
                 newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
                 m, adv = batch["mask"][mb], advantages[mb]
                 logratio = newlogprob - old_logprobs[mb]
