@@ -6,7 +6,8 @@ fusion off, distributed optimizer). This module holds:
 
 - `qwen35_config` / `build_qwen35`: the cluster model, written against megatron-core 0.16's API
   (GDN via `experimental_attention_variant="gated_delta_net"`, `attention_output_gate=True`); needs
-  CUDA, Transformer Engine and flash-linear-attention, so on CPU only its config is checked.
+  CUDA, Transformer Engine, flash-linear-attention and DeepEP, so on CPU only its config is checked
+  (the builders raise a RuntimeError naming what is missing).
 - `tiny_hf_config` / `build_tiny`: a tiny standard-attention MoE (Hugging Face `Qwen3MoeForCausalLM`
   layout: q/k RMSNorm, SwiGLU experts, softmax top-k renormalised) built as a Megatron-Core GPTModel
   on CPU in one gloo process, with small shims (`cpu_shims`).
@@ -14,8 +15,12 @@ fusion off, distributed optimizer). This module holds:
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
   `train_t1.py` switches backend with one argument.
+- `MegatronCritic` (+ `critic_hf_to_megatron` / `critic_megatron_to_hf`, `build_qwen35_critic`): the paper's
+  full-size critic, the actor's GPTModel with a scalar value head in place of the LM output layer; the same
+  interface and conventions as `critic.Critic` (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init
+  head), so `critic.compute_values` / `critic.critic_update` take it unchanged.
 
-    python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay
+    python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
 
 Departures from the paper:
 1. The CPU check uses standard attention (Qwen3-MoE layout), not Qwen3.5's Gated DeltaNet: megatron
@@ -27,7 +32,12 @@ Departures from the paper:
    the name undefined without Transformer Engine (a NameError in the router's gating linear).
 3. `MegatronActor` runs the model without Megatron's pipeline schedule (one stage, forward then
    backward per call); with pipeline parallel the schedule must call `r3.megatron_routing` per micro-
-   batch (REPLAY_BACKWARD pops the replay tensors in forward order under recompute).
+   batch (REPLAY_BACKWARD pops the replay tensors in forward order under recompute). The same holds
+   for `MegatronCritic` (one stage; under context parallel the shift by one would cross chunks).
+4. The critic routes live (built with `moe_enable_routing_replay=False`): the paper's R3 replays the
+   sampler's experts for the actor's logprobs; it says nothing of the critic, which never ran in the
+   sampler, so there is nothing to replay. Its backbone starts as a copy of the SFT actor's
+   (`MegatronCritic.from_actor`, critic.py departure 1).
 """
 
 import contextlib
@@ -129,13 +139,13 @@ def megatron_config(hf, **overrides):
     return TransformerConfig(**kw)
 
 
-def build_tiny(hf, seed=0):
+def build_tiny(hf, seed=0, **overrides):
     """Megatron-Core GPTModel (local spec, CPU) with the architecture of the HF Qwen3-MoE config `hf`."""
     init_cpu()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     torch.manual_seed(seed)
-    cfg = megatron_config(hf)
+    cfg = megatron_config(hf, **overrides)
     spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")
     return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
@@ -217,6 +227,18 @@ def load_hf_into_megatron(gpt, hf_state_dict, hf):
 
 
 # --- the training-step interface of the embedded backend ----------------------------------------------
+def _gpt_forward(gpt, input_ids, attention_mask=None):
+    """GPTModel on (B, T) ids with a 1/0 right-padding mask -> its output layer's (B, T, *) output."""
+    B, T = input_ids.shape
+    dev = input_ids.device
+    key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))[None] & key_ok[:, None, :]  # (B, T, T)
+    mask = ~allowed[:, None]  # (B, 1, T, T): Megatron masks where True
+    pos = torch.arange(T, device=dev)[None].expand(B, T)  # (B, T)
+    with cpu_shims():
+        return gpt(input_ids.to(torch.long), pos, attention_mask=mask)
+
+
 class MegatronActor(torch.nn.Module):
     """GPTModel behind the embedded backend's interface: forward(input_ids, attention_mask) -> .logits.
 
@@ -234,14 +256,8 @@ class MegatronActor(torch.nn.Module):
         self.batch_shape = None
 
     def forward(self, input_ids, attention_mask=None):
-        B, T = input_ids.shape
-        self.batch_shape = (B, T)
-        key_ok = torch.ones(B, T, dtype=torch.bool) if attention_mask is None else attention_mask.bool()
-        allowed = torch.tril(torch.ones(T, T, dtype=torch.bool))[None] & key_ok[:, None, :]  # (B, T, T)
-        mask = ~allowed[:, None]  # (B, 1, T, T): Megatron masks where True
-        pos = torch.arange(T)[None].expand(B, T)  # (B, T)
-        with cpu_shims():
-            logits = self.gpt(input_ids.to(torch.long), pos, attention_mask=mask)  # (B, T, V)
+        self.batch_shape = tuple(input_ids.shape)  # (B, T)
+        logits = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, V)
         return types.SimpleNamespace(logits=logits.float())
 
     @contextlib.contextmanager
@@ -255,6 +271,84 @@ class MegatronActor(torch.nn.Module):
         with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
             ctx.batch_shape = lambda: self.batch_shape
             yield ctx
+
+
+# --- the critic: the actor's GPTModel with a scalar value head (paper: full-size critic) -------------------
+class _ValueHead(torch.nn.Module):
+    """Scalar head in GPTModel's output_layer slot: (S, B, H) -> ((S, B, 1), None). Replicated on every TP
+    rank; under sequence parallel it gathers the sequence, backward only splits (no reduce: grads are whole)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))  # zero init,
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))  # as critic.Critic: V = 0 at start
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
+
+def _same_architecture(gpt, **config_overrides):
+    """A fresh GPTModel built like `gpt` (its config with overrides, layer spec, sizes, rope, stage, groups)."""
+    import dataclasses
+    from megatron.core.models.gpt import GPTModel
+    return GPTModel(config=dataclasses.replace(gpt.config, **config_overrides),
+                    transformer_layer_spec=gpt.transformer_layer_spec, vocab_size=gpt.vocab_size,
+                    max_sequence_length=gpt.max_sequence_length, pre_process=gpt.pre_process,
+                    post_process=gpt.post_process, position_embedding_type=gpt.position_embedding_type,
+                    rotary_percent=gpt.rotary_percent, rotary_base=gpt.rotary_base,
+                    pg_collection=gpt.pg_collection, vp_stage=gpt.vp_stage)
+
+
+class MegatronCritic(torch.nn.Module):
+    """critic.Critic on Megatron-Core: forward(input_ids, attention_mask) -> values (B, T) fp32 with
+    values[:, j] = V(tokens[:j]) = head(h_{j-1}), values[:, 0] = 0; works with critic.compute_values / critic_update.
+
+    `gpt`: a GPTModel of the actor's architecture; its LM output layer is replaced by the scalar head (the
+    vocab-size layer is built, then freed). Routing is live: build `gpt` with moe_enable_routing_replay=False
+    (as from_actor and build_qwen35_critic do). R3 pins the actor's logprobs to the sampler's experts; the
+    critic never ran in the sampler, so there is no recording to replay and its router trains freely.
+    """
+
+    def __init__(self, gpt):
+        super().__init__()
+        self.gpt = gpt
+        if gpt.post_process:  # last pipeline stage
+            gpt.output_layer = _ValueHead(gpt.config)
+
+    @classmethod
+    def from_actor(cls, megatron_actor) -> "MegatronCritic":
+        """Critic with a copy of the actor's backbone and a zero head (critic.py departure 1: init from SFT)."""
+        actor = megatron_actor.gpt
+        gpt = _same_architecture(actor, moe_enable_routing_replay=False).to(next(actor.parameters()).device)
+        backbone = {k: v for k, v in actor.state_dict().items() if not k.startswith("output_layer.")}
+        missing, unexpected = gpt.load_state_dict(backbone, strict=False)
+        missing = [k for k in missing if not k.endswith("_extra_state") and not k.startswith("output_layer.")]
+        if missing or unexpected:
+            raise ValueError(f"from_actor: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+        return cls(gpt)
+
+    def forward(self, input_ids, attention_mask=None):
+        v = _gpt_forward(self.gpt, input_ids, attention_mask).squeeze(-1).float()  # (B, T): V of prefix ending at t
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # shift: V(s_j) from h_{j-1}
+
+
+def critic_hf_to_megatron(sd, hf) -> dict:
+    """HF critic state dict (Qwen3-MoE `model.*` + `value_head.weight/bias`) -> MegatronCritic.gpt state dict."""
+    out = hf_to_megatron({**sd, "lm_head.weight": sd["value_head.weight"]}, hf)  # head sits in output_layer
+    out["output_layer.bias"] = sd["value_head.bias"].detach().clone()
+    return out
+
+
+def critic_megatron_to_hf(sd, hf) -> dict:
+    """MegatronCritic.gpt state dict -> HF critic state dict (the inverse of critic_hf_to_megatron)."""
+    out = megatron_to_hf(sd, hf)
+    out["value_head.weight"] = out.pop("lm_head.weight")
+    out["value_head.bias"] = sd["output_layer.bias"].detach().clone()
+    return out
 
 
 # --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
@@ -298,25 +392,53 @@ def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
     return TransformerConfig(**kw), vocab
 
 
-def build_qwen35(preset, lr=1e-6, **parallel):
-    """(GPTModel wrapped in DDP, distributed optimizer) for a Qwen3.5 preset. Needs CUDA + TE + FLA + DeepEP,
-    and torch.distributed / parallel_state initialised by the launcher (one process per GPU)."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+def _require_cluster(what):
+    """Fail early, naming what is missing, instead of deep inside Megatron (no CUDA / TE / FLA / DeepEP)."""
+    import importlib.util
+    missing = [] if torch.cuda.is_available() else ["CUDA"]
+    missing += [m for m in ("transformer_engine", "fla", "deep_ep") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RuntimeError(f"{what}: needs a GPU node with {', '.join(missing)} (requirements-cluster.txt); "
+                           "on CPU use build_tiny")
+
+
+def _qwen35_gpt(preset, **config):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
         get_transformer_block_with_experimental_attention_variant_spec)
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core import parallel_state
-    cfg, vocab = qwen35_config(preset, **parallel)
+    cfg, vocab = qwen35_config(preset, **config)
     spec = get_transformer_block_with_experimental_attention_variant_spec(
         cfg, pp_rank=parallel_state.get_pipeline_model_parallel_rank())
-    gpt = GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=262144,
-                   position_embedding_type="rope", rotary_percent=0.25, rotary_base=10_000_000,
-                   share_embeddings_and_output_weights=False,
-                   pre_process=parallel_state.is_pipeline_first_stage(),
-                   post_process=parallel_state.is_pipeline_last_stage()).cuda()
+    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=vocab, max_sequence_length=262144,
+                    position_embedding_type="rope", rotary_percent=0.25, rotary_base=10_000_000,
+                    share_embeddings_and_output_weights=False,
+                    pre_process=parallel_state.is_pipeline_first_stage(),
+                    post_process=parallel_state.is_pipeline_last_stage())
+
+
+def _ddp_and_optimizer(model, cfg, lr):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                     overlap_grad_reduce=True), gpt)
+                                                                     overlap_grad_reduce=True), model)
     opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True,
                                                  weight_decay=0.0, clip_grad=1.0), [ddp])
     return ddp, opt
+
+
+def build_qwen35(preset, lr=1e-6, **parallel):
+    """(GPTModel wrapped in DDP, distributed optimizer) for a Qwen3.5 preset. Needs CUDA + TE + FLA + DeepEP,
+    and torch.distributed / parallel_state initialised by the launcher (one process per GPU)."""
+    _require_cluster("build_qwen35")
+    gpt = _qwen35_gpt(preset, **parallel).cuda()
+    return _ddp_and_optimizer(gpt, gpt.config, lr)
+
+
+def build_qwen35_critic(preset, lr=1.5e-5, **parallel):
+    """(MegatronCritic wrapped in DDP, distributed optimizer): the actor's architecture with the scalar head,
+    live routing (replay off), paper lr 1.5e-5 (30x the actor's). Same needs as build_qwen35; load the
+    backbone from the SFT actor's checkpoint (critic.py departure 1)."""
+    _require_cluster("build_qwen35_critic")
+    critic = MegatronCritic(_qwen35_gpt(preset, moe_enable_routing_replay=False, **parallel)).cuda()
+    return _ddp_and_optimizer(critic, critic.gpt.config, lr)

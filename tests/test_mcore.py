@@ -1,11 +1,13 @@
-"""Tests for mcore.py on CPU: tiny Megatron-Core MoE vs its HF twin, conversion both ways, native R3 replay."""
+"""Tests for mcore.py on CPU: tiny Megatron-Core MoE vs its HF twin, conversion both ways, native R3 replay,
+the Megatron critic vs critic.Critic's conventions."""
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+import critic  # noqa: E402
 import mcore  # noqa: E402
 import r3  # noqa: E402
-from transformers import Qwen3MoeForCausalLM  # noqa: E402
+from transformers import Qwen3MoeForCausalLM, Qwen3MoeModel  # noqa: E402
 
 B, T, V = 2, 12, 96
 
@@ -169,3 +171,100 @@ def test_qwen35_cluster_config_has_r3_on_fusion_off_aux_zero_flex_dispatch():
         assert cfg.sequence_parallel and vocab == 248320
     cfg, _ = mcore.qwen35_config("qwen35-122b-a10b", moe_permute_fusion=False)
     assert (cfg.num_layers, cfg.num_moe_experts, cfg.moe_router_topk, cfg.hidden_size) == (48, 256, 8, 3072)
+
+
+# --- the critic ----------------------------------------------------------------------------------------
+class HFCritic(critic.Critic):
+    """critic.Critic (zero-init head, forward with its shift) on the tiny Qwen3-MoE backbone of these tests."""
+
+    def __init__(self, config):
+        torch.nn.Module.__init__(self)
+        self.config, self.model = config, Qwen3MoeModel(config)
+        self.value_head = torch.nn.Linear(config.hidden_size, 1)
+        torch.nn.init.zeros_(self.value_head.weight)
+        torch.nn.init.zeros_(self.value_head.bias)
+
+
+@pytest.fixture(scope="module")
+def hf_critic(hf, hf_cfg):
+    c = HFCritic(hf_cfg)
+    c.model.load_state_dict(hf.model.state_dict())
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a trained-looking head, so values depend on the backbone
+        c.value_head.weight.copy_(torch.randn(c.value_head.weight.shape, generator=g))
+        c.value_head.bias.fill_(0.3)
+    return c.eval()
+
+
+@pytest.fixture(scope="module")
+def mg_critic(hf_critic, hf_cfg):
+    c = mcore.MegatronCritic(mcore.build_tiny(hf_cfg, moe_enable_routing_replay=False))
+    sd = mcore.critic_hf_to_megatron(hf_critic.state_dict(), hf_cfg)
+    missing, unexpected = c.gpt.load_state_dict(sd, strict=False)
+    assert not unexpected and all(k.endswith("_extra_state") for k in missing)
+    return c.eval()
+
+
+def test_megatron_critic_values_match_hf_critic(hf_critic, mg_critic, batch):
+    ids, am = batch
+    want, got = critic.compute_values(hf_critic, ids, am), critic.compute_values(mg_critic, ids, am)  # (B, T)
+    assert got.shape == (B, T) and got.dtype == torch.float32 and torch.all(got[:, 0] == 0)
+    dv = (got - want)[am.bool()].abs().max().item()
+    print(f"max |dV| HF vs Megatron critic: {dv:.2e}")
+    assert dv < 1e-5 and want[am.bool()].abs().max() > 0.1
+
+
+def test_critic_hf_megatron_hf_round_trip_is_bit_equal(hf_critic, mg_critic, hf_cfg):
+    sd = hf_critic.state_dict()
+    back = mcore.critic_megatron_to_hf(mg_critic.gpt.state_dict(), hf_cfg)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_critic_from_actor_copies_backbone_with_zero_head(actor, hf_critic, mg_critic, batch):
+    ids, am = batch
+    c = mcore.MegatronCritic.from_actor(actor)
+    assert torch.equal(critic.compute_values(c, ids, am), torch.zeros(B, T))  # zero head: V = 0, as critic.Critic
+    sd, act = c.gpt.state_dict(), actor.gpt.state_dict()
+    backbone = [k for k in act if not k.startswith("output_layer.") and not k.endswith("_extra_state")]
+    assert all(torch.equal(sd[k], act[k]) for k in backbone)
+    routers = [m for m in c.gpt.modules() if hasattr(m, "router_replay")]
+    assert len(routers) == 2 and all(r.router_replay is None for r in routers)  # live routing, no RouterReplay
+    with torch.no_grad():  # same head as hf_critic -> same values: the backbone is the actor's
+        c.gpt.output_layer.weight.copy_(mg_critic.gpt.output_layer.weight)
+        c.gpt.output_layer.bias.copy_(mg_critic.gpt.output_layer.bias)
+    dv = (critic.compute_values(c, ids, am) - critic.compute_values(hf_critic, ids, am))[am.bool()].abs().max().item()
+    print(f"max |dV| from_actor critic vs HF critic: {dv:.2e}")
+    assert dv < 1e-5
+
+
+def test_critic_update_step_lowers_clipped_value_loss(actor, batch):
+    ids, am = batch
+    c = mcore.MegatronCritic.from_actor(actor)
+    old = critic.compute_values(c, ids, am)  # (B, T) V_old
+    mask = am.clone()
+    mask[:, 0] = 0
+    returns = torch.linspace(0.2, 1.0, T).expand(B, T) * mask  # (B, T)
+    b = {"input_ids": ids, "attention_mask": am, "mask": mask, "returns": returns, "old_values": old}
+    before = critic.value_loss(old, old, returns, mask, 0.2)[0].item()
+    opt = torch.optim.Adam(c.parameters(), lr=1e-2)
+    stats = critic.critic_update(c, opt, [b], clip_eps_v=0.2)
+    after = critic.value_loss(critic.compute_values(c, ids, am), old, returns, mask, 0.2)[0].item()
+    assert stats["losses/value_loss"] == pytest.approx(before) and after < before
+    assert all(p.grad is not None for p in c.gpt.output_layer.parameters())
+
+
+def test_critic_value_at_j_uses_only_tokens_before_j(mg_critic, batch):
+    ids, am = batch
+    j = 5
+    other = ids.clone()
+    other[:, j] = (ids[:, j] + 7) % V
+    a, b = critic.compute_values(mg_critic, ids, am), critic.compute_values(mg_critic, other, am)
+    assert torch.allclose(a[:, : j + 1], b[:, : j + 1], atol=1e-6, rtol=0)
+    assert (a[:, j + 1:] - b[:, j + 1:]).abs().max() > 1e-4
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU failure message")
+def test_qwen35_builders_name_what_is_missing_on_cpu():
+    for build in (mcore.build_qwen35, mcore.build_qwen35_critic):
+        with pytest.raises(RuntimeError, match=f"{build.__name__}: needs a GPU node with CUDA, transformer_engine"):
+            build("qwen35-122b-a10b")
