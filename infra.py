@@ -1,4 +1,5 @@
-"""Infrastructure (paper section "infrastructure"): memory model + planner, context-parallel Gated DeltaNet.
+"""Infrastructure (paper section "infrastructure"): memory model + planner, context-parallel Gated DeltaNet,
+the Ray layout of one-step async (trainer, engine and rollout-worker actors, publish barrier).
 
 Run:
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
@@ -51,6 +52,9 @@ Departures (numbered, with why):
     grads (`grad_bytes=4`; Megatron's --accumulate-allreduce-grads-in-fp32, which slime's MoE recipes
     set); a fixed 4 GiB per device covers CUDA context, NCCL/DeepEP buffers and fragmentation.
  8. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
+ 9. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers,
+    4 bundles); the embedded engine publishes from disk (/update_weights_from_disk), the cluster
+    through NCCL (cluster.WeightPublisher).
 
 Measured (python infra.py cp-bench --seq-len 2048; B=1, 4 value heads, d=32, CPU/gloo): forward
 bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
@@ -60,6 +64,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import socket
 from dataclasses import asdict, dataclass
 
@@ -529,6 +534,160 @@ def cp_bench(kappas=(1, 2, 4, 8), shape=None):
         grel = gerr / max(b.abs().max().item() for b in ref_grads)
         print(f"{kappa:>5} {(out - ref_out).abs().max().item():>14.3e} {str(torch.equal(out, ref_out)):>8}"
               f" {gerr:>15.3e} {grel:>9.2e} {peak / 2**20:>14.2f} {peak / base:>10.3f}")
+
+
+# ----------------------------------------------------------------------------- Ray layout
+# One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
+# co-resident, train_t1.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
+# workers (RolloutWorker: trials in sandboxes). One placement group holds them all: bundle 0 the trainer,
+# then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
+# SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
+# machine the actors share the cores (infra departure 9).
+
+def ray_start(n_bundles: int, address: str = "", threads: int = 2):
+    """Join the Ray cluster at `address` ($RAY_ADDRESS) or start one on this machine for this process only.
+
+    A started cluster shares this process's fate: killed with -9, its raylet dies and takes the actors
+    (trainer, engine, rollout workers and their sandboxes) with it. Workers import the repo's modules.
+    """
+    import ray
+    if ray.is_initialized():
+        return ray
+    root = os.path.dirname(os.path.abspath(__file__))
+    env = {"env_vars": {"PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])),
+                        "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(threads)}}
+    address = address or os.environ.get("RAY_ADDRESS", "")
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=True)
+    else:
+        os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+        ray.init(num_cpus=max(os.cpu_count() or 1, n_bundles), include_dashboard=False, runtime_env=env,
+                 object_store_memory=256 * 1024**2, log_to_driver=True, configure_logging=False)
+    return ray
+
+
+def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_gpus: float = 0,
+               strategy: str = "PACK"):
+    """The placement group and where each actor goes -> (pg, {"trainer": opts, "engines": [...], "workers": [...]})."""
+    import ray
+    from ray.util.placement_group import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    gpu = lambda g: {"GPU": g} if g else {}  # noqa: E731
+    bundles = [{"CPU": 1, **gpu(trainer_gpus)}] + [{"CPU": 1, **gpu(engine_gpus)}] * n_engines + [{"CPU": 1}] * n_workers
+    pg = placement_group(bundles, strategy=strategy)
+    ray.get(pg.ready(), timeout=300)
+
+    def at(i, gpus=0):
+        return {"num_cpus": 1, "num_gpus": gpus,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)}
+    return pg, {"trainer": at(0, trainer_gpus), "engines": [at(1 + i, engine_gpus) for i in range(n_engines)],
+                "workers": [at(1 + n_engines + i) for i in range(n_workers)]}
+
+
+def ray_stop(pg) -> None:
+    """Remove the run's placement group (its actors die with it) and disconnect; a started cluster stops."""
+    import ray
+    if not ray.is_initialized():
+        return
+    try:
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(pg)
+    finally:
+        ray.shutdown()
+
+
+class EngineActor:
+    """The embedded engine (model.EngineServer) inside a Ray actor; spoken to only over HTTP, like SGLang."""
+
+    def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1"):
+        import model as M
+        torch.set_num_threads(threads)
+        self.server = M.EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype).start()
+
+    def info(self) -> dict:
+        return {"url": self.server.url, "pid": os.getpid()}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+def publish_from_disk(urls, model_path, version: int) -> None:
+    """Publish barrier over every engine: pause all, load the weights of `version` from disk, resume all.
+
+    SGLang's /pause_generation, /update_weights_from_disk, /continue_generation (the embedded engine
+    speaks the same); the cluster's NCCL path is cluster.WeightPublisher.
+    """
+    import rollout
+    clients = [rollout.EngineClient(u) for u in urls]
+    for c in clients:
+        c.pause()
+    try:
+        for c in clients:
+            c.update_weights_from_disk(str(model_path), weight_version=version)
+    finally:
+        for c in clients:
+            c.resume()
+
+
+class RolloutWorker:
+    """Runs trials (rollout.run_trial) for the driver's oversampling loop; `slots` of them at once.
+
+    Trials run in the "trials" concurrency group (threads, at most `slots`), cancel() in "control", so a
+    cancel is never queued behind trials. Every launch is a round with its own stop event: cancelling a
+    round kills its sandboxes, aborts its engine requests and turns its unstarted trials into None.
+    """
+
+    def __init__(self, tokenizer_path: str | None = None):
+        import threading
+        self.tokenizer, self.rounds, self.lock = None, {}, threading.Lock()
+        if tokenizer_path:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def _event(self, rnd):
+        import threading
+        with self.lock:
+            return self.rounds.setdefault(rnd, threading.Event())
+
+    def trial(self, rnd: str, task_dir: str, agent: str, kw: dict):
+        import rollout
+        stop = self._event(rnd)
+        if stop.is_set():
+            return None
+        return rollout.run_trial(task_dir, agent, stop_event=stop, tokenizer=self.tokenizer, **kw)
+
+    def cancel(self, rnd: str) -> None:
+        self._event(rnd).set()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list):
+    """Start n RolloutWorker actors, `slots` concurrent trials each -> list of actor handles."""
+    import ray
+    cls = ray.remote(concurrency_groups={"trials": max(1, slots), "control": 2})(RolloutWorker)
+    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path) for i in range(n)]
+
+
+def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, desc="rollout", **kw):
+    """rollout.run_trials with its trials on the Ray rollout workers -> (kept, dropped).
+
+    Trials go round robin over the workers and over the engines (engine_urls); kw go to run_trial.
+    """
+    import uuid
+    import rollout
+    rnd, it, urls = uuid.uuid4().hex, itertools.count(), list(engine_urls or [None])
+
+    def submit(td):
+        i = next(it)
+        w, url = workers[i % len(workers)], urls[i % len(urls)]
+        return w.trial.options(concurrency_group="trials").remote(rnd, str(td), agent, {**kw, "engine_url": url}).future()
+
+    def cancel():  # the round's event stays set: a trial still queued for it returns None
+        for w in workers:
+            w.cancel.options(concurrency_group="control").remote(rnd)
+    return rollout.run_trials(task_dirs, agent, n_keep=n_keep, desc=desc, submit=submit, cancel=cancel)
 
 
 # ----------------------------------------------------------------------------- CLI

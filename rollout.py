@@ -565,7 +565,7 @@ def score(box, result: dict) -> None:
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, harness="native") -> dict:
+              work_root=None, stop_event=None, harness="native", sandbox="bwrap") -> dict:
     """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
 
     harness: "native" (this token-first loop) | "text" (a client re-sending the history as text, like
@@ -574,7 +574,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
 
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
-    there; None -> a temp dir that is deleted.
+    there; None -> a temp dir that is deleted. sandbox: "bwrap" (the local jail, Sandbox) | "daytona"
+    (daytona_sandbox.DaytonaSandbox, the cluster's; same interface).
     """
     if harness != "native":
         import gateway
@@ -591,6 +592,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         result["task"] = task.name
         if agent not in ("oracle", "nop", "model", "scripted"):
             raise ValueError(f"agent: expected oracle|nop|model|scripted, got {agent!r}")
+        if sandbox not in ("bwrap", "daytona"):
+            raise ValueError(f"sandbox: expected bwrap|daytona, got {sandbox!r}")
         if agent in ("model", "scripted") and tokenizer is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
         limits = make_limits(limits)
@@ -599,7 +602,11 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         if work_root is not None:
             os.makedirs(work_root, exist_ok=True)
         root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
-        box = Sandbox(task, root, limits, stop_event=stop_event, solution=(agent == "oracle")).start()
+        if sandbox == "daytona":
+            from daytona_sandbox import DaytonaSandbox as box_cls
+        else:
+            box_cls = Sandbox
+        box = box_cls(task, root, limits, stop_event=stop_event, solution=(agent == "oracle")).start()
         if agent == "oracle":
             rc, out = box.exec("bash /solution/solve.sh", timeout=max(t_end - time.time(), 1))
             with open(os.path.join(root, "logs", "agent", "oracle.txt"), "w") as f:
@@ -628,30 +635,35 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     return result
 
 
-def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", **kw):
+def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", submit=None, cancel=None, **kw):
     """Concurrent trials; keep the first n_keep that finish, cancel the rest -> (kept, dropped).
 
     Paper: launch 560, keep the first 512 finished. dropped: {task, seconds, reason} for cancelled,
-    never-started and crashed trials. kw go to run_trial (engine_url, tokenizer, sampling, limits, work_root).
+    never-started and crashed trials. kw go to run_trial (engine_url, tokenizer, sampling, limits, work_root,
+    sandbox). submit(task_dir) -> Future of run_trial's result (or None when cancelled before it started)
+    and cancel() replace the local thread pool: infra.RolloutWorkers passes its Ray actors' here.
     """
     from tqdm import tqdm
     task_dirs = [str(t) for t in task_dirs]
     n_keep = len(task_dirs) if n_keep is None else n_keep
     if n_keep < 0:
         raise ValueError(f"n_keep: must be >= 0, got {n_keep}")
-    stop_event, lock, started, t0 = threading.Event(), threading.Lock(), {}, time.time()
+    stop_event, lock, t0 = threading.Event(), threading.Lock(), time.time()
     kept, dropped, n_tokens = [], [], 0
 
     def one(td):
         with lock:
             if stop_event.is_set():
                 return None
-            started[td] = time.time()
         return run_trial(td, agent, stop_event=stop_event, **kw)
 
+    pool = None
+    if submit is None:
+        pool = cf.ThreadPoolExecutor(max_workers=max(1, max_workers))
+        submit = lambda td: pool.submit(one, td)  # noqa: E731
     bar = tqdm(total=n_keep, desc=desc, leave=False, disable=n_keep == 0)
-    with cf.ThreadPoolExecutor(max_workers=max(1, max_workers)) as pool:
-        futures = {pool.submit(one, td): td for td in task_dirs}
+    try:
+        futures = {submit(td): td for td in task_dirs}
         for fut in cf.as_completed(futures):
             td, res = futures[fut], fut.result()
             if res is None:
@@ -664,10 +676,19 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", **k
             kept.append(res)
             n_tokens += sum(len(r["output_ids"]) for r in res["records"])
             bar.update(1)
-            bar.set_postfix(launched=len(started), tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
-            if len(kept) >= n_keep:
+            bar.set_postfix(launched=len(futures), tok_s=f"{n_tokens / max(time.time() - t0, 1e-9):.0f}")
+            if len(kept) >= n_keep and not stop_event.is_set():
                 stop_event.set()  # cancel the rest: their sandboxes are killed, their requests aborted
-    bar.close()
+                if cancel is not None:
+                    cancel()
+    finally:  # on an exception too: nothing keeps running behind the caller's back
+        if not stop_event.is_set():
+            stop_event.set()
+            if cancel is not None:
+                cancel()
+        if pool is not None:
+            pool.shutdown(wait=True)
+        bar.close()
     return kept, dropped
 
 

@@ -27,9 +27,12 @@ Departures from the paper (numbered; each with its reason):
      limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
      `Args` and are used unchanged by the cluster preset. At this size SFT memorises the training pool
      (30 epochs) so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
-  2. One-step async runs as a rollout thread beside the trainer in one process (the engine is its own
-     process); Ray actors and placement across nodes are the cluster path (cluster.py). The first step
-     of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1.
+  2. One-step async runs on Ray actors (infra.py "Ray layout": the Trainer below with actor + critic,
+     EngineActor(s), RolloutWorker(s), one placement group). This driver process runs the oversampling
+     loop of a rollout while the trainer actor updates; on a 2-core machine the actors share the cores,
+     so the overlap cannot give the paper's speed-up here (README: async vs sequential). The first step
+     of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1;
+     --sync-steps N makes the first N steps sequential to measure both modes in one run.
   3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
      paper's SFT data is not public).
   4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
@@ -47,7 +50,6 @@ import random
 import shutil
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -55,9 +57,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 import critic as C
 import data
+import infra
 import model as M
 import r3
 import rollout
@@ -154,13 +158,23 @@ class Args:
     """gradient clipping"""
     async_rollout: bool = True
     """one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)"""
+    sync_steps: int = 0
+    """run the first sync_steps RL steps sequentially (async vs sequential step time within one run)"""
     r3_mode: str = "replay"
     """routing in the trainer: replay (R3, paper) | off"""
-    # --- engine
+    # --- engine, sandboxes, Ray
     engine_weight_dtype: str = "bf16"
     """engine weights: bf16-rounded (production-like mismatch) or fp32"""
-    engine_port: int = 0
-    """port of the embedded engine (0: pick a free one)"""
+    n_engines: int = 1
+    """embedded engines started as Ray actors (ignored with engine_urls)"""
+    engine_urls: str = ""
+    """comma-separated SGLang-protocol servers already running (cluster.py launch); empty: start n_engines"""
+    rollout_actors: int = 8
+    """Ray rollout-worker actors; rollout_workers concurrent trials are spread over them"""
+    sandbox: str = "bwrap"
+    """bwrap (local jail) | daytona (cluster; needs DAYTONA_API_KEY)"""
+    ray_address: str = ""
+    """Ray cluster to join (or $RAY_ADDRESS); empty: start one on this machine for this run"""
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
@@ -169,7 +183,8 @@ EMBEDDED = dataclasses.replace(
     Args(), n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
     max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
     n_sft_tasks=0, eval_attempts=1, eval_train_tasks=30, sft_epochs=30, sft_lr=2e-3, sft_batch_size=8,
-    critic_warmup_trials=64, critic_lr=1.5e-3, rl_steps=8, actor_lr=5e-5, minibatch_size=8, ppo_epochs=2)
+    critic_warmup_trials=64, critic_lr=1.5e-3, rl_steps=8, actor_lr=5e-5, minibatch_size=8, ppo_epochs=2,
+    rollout_actors=2)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
     eval_train_tasks=6, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
@@ -212,14 +227,14 @@ def pad_batch(samples: list[dict], scale: float) -> dict:
     out["experts"] = None if re0 is None else torch.full((B, T) + re0.shape[1:], -1, dtype=torch.int32)
     for b, s in enumerate(samples):
         n = len(s["tokens"])
-        out["input_ids"][b, :n] = torch.as_tensor(s["tokens"])
+        out["input_ids"][b, :n] = torch.tensor(np.asarray(s["tokens"]))  # copies (Ray hands over read-only arrays)
         out["attention_mask"][b, :n] = 1
-        out["mask"][b, :n] = torch.as_tensor(s["loss_mask"], dtype=torch.float32)
-        out["rollout_logprobs"][b, :n] = torch.as_tensor(s["rollout_logprobs"], dtype=torch.float32)
+        out["mask"][b, :n] = torch.tensor(np.asarray(s["loss_mask"]), dtype=torch.float32)
+        out["rollout_logprobs"][b, :n] = torch.tensor(np.asarray(s["rollout_logprobs"]), dtype=torch.float32)
         last = int(np.flatnonzero(s["loss_mask"])[-1])
         out["rewards"][b, last] = s["passed"] / scale if s.get("reward_source") == "ctrf" else s["reward"]  # r = P / S
         if out["experts"] is not None and s.get("routed_experts") is not None:
-            out["experts"][b, : n - 1] = torch.as_tensor(s["routed_experts"])  # row n-1 stays -1 (no next token)
+            out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))  # row n-1 stays -1 (no next token)
     return out
 
 
@@ -278,20 +293,23 @@ def minibatches(n: int, size: int, rng: random.Random):
     return [idx[i:i + size] for i in range(0, n, size)]
 
 
-def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, engine=None, n_keep=None,
+def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout"):
-    """Trials through rollout.run_trials; returns (kept trials, dropped, tokens/s)."""
+    """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
+    (the SFT data, before any engine); returns (kept trials, dropped, tokens/s)."""
     sampling = {"temperature": args.temperature if temperature is None else temperature,
                 "top_p": args.top_p if top_p is None else top_p,
                 "max_new_tokens": args.max_new_tokens,
                 "stop_token_ids": [tokenizer.convert_tokens_to_ids(M.IM_END)]}
     limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
               "trial_timeout_s": args.trial_timeout_s}
+    kw = dict(sampling=sampling, limits=limits, work_root=str(run_dir / "trials"), sandbox=args.sandbox)
     t0 = time.time()
-    kept, dropped = rollout.run_trials(
-        [str(d) for d in task_dirs], agent, n_keep=n_keep, max_workers=args.rollout_workers,
-        engine_url=engine.url if engine else None, tokenizer=tokenizer, sampling=sampling, limits=limits,
-        work_root=str(run_dir / "trials"), desc=desc)
+    if workers is None:
+        kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
+                                           max_workers=args.rollout_workers, desc=desc, **kw)
+    else:
+        kept, dropped = infra.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc, **kw)
     n_tok = sum(len(r["output_ids"]) for t in kept for r in t.get("records", []))
     return kept, dropped, n_tok / max(time.time() - t0, 1e-9)
 
@@ -309,11 +327,11 @@ def to_samples(trials: list[dict], run_dir: Path, tag: str) -> list[dict]:
     return samples
 
 
-def evaluate(task_dirs, args, run_dir, tokenizer, engine, tag) -> dict:
+def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
     """Held-out evaluation with the paper's protocol (temperature 0.1, top-p 0.95, attempts)."""
     trials = []
     for a in range(args.eval_attempts):
-        kept, _, _ = run_rollouts(task_dirs, "model", args, run_dir, tokenizer, engine,
+        kept, _, _ = run_rollouts(task_dirs, "model", args, run_dir, tokenizer, workers, urls,
                                   temperature=args.eval_temperature, top_p=args.eval_top_p, desc=f"eval {tag} #{a + 1}")
         trials += kept
     return {"solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
@@ -345,10 +363,10 @@ def sft(actor, samples: list[dict], args: Args, metrics: Metrics) -> None:
             metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
 
 
-def critic_warmup(critic, opt, samples, args: Args, metrics: Metrics) -> list[float]:
-    """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV logged from the first update."""
+def critic_warmup(critic, opt, samples, args: Args) -> list[dict]:
+    """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV of every update from the first."""
     rng = random.Random(args.seed + 1)
-    evs, step = [], 0
+    recs = []
     for epoch in range(args.critic_warmup_epochs):
         for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
             batch = pad_batch([samples[i] for i in mb], args.reward_scale)
@@ -356,12 +374,9 @@ def critic_warmup(critic, opt, samples, args: Args, metrics: Metrics) -> list[fl
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
             batch.update(old_values=old, returns=returns)
             stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm)
-            step += 1
-            evs.append(stats["charts/explained_variance"])
-            metrics.write({"explained_variance": stats["charts/explained_variance"],
-                           "value_loss": stats["losses/value_loss"],
-                           "value_clipfrac": stats["losses/value_clipfrac"]}, step, "critic_warmup")
-    return evs
+            recs.append({"explained_variance": stats["charts/explained_variance"],
+                         "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
+    return recs
 
 
 def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> dict:
@@ -425,6 +440,63 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
             "train_tokens_per_s": float(batch["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
 
 
+# --- the trainer actor -------------------------------------------------------------------------------
+
+class Trainer:
+    """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
+    the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7."""
+
+    def __init__(self, args: Args, sft_dir: str, step: int):
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        torch.manual_seed(args.seed)
+        self.args, self.run_dir = args, Path(args.run_dir)
+        self.latest = self.run_dir / "ckpt" / "latest"
+        self.actor, self.tokenizer = M.load_actor(self.latest if step > 0 else sft_dir)
+        self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
+        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
+        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
+        self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
+        warm = self.run_dir / "ckpt" / "critic_warm.pt"
+        if step > 0:
+            ck = torch.load(self.latest / "trainer.pt", weights_only=False)
+            self.critic.load_state_dict(ck["critic"])
+            self.actor_opt.load_state_dict(ck["actor_opt"])
+            self.critic_opt.load_state_dict(ck["critic_opt"])
+            self.rng.setstate(ck["rng"])
+            torch.set_rng_state(ck["torch_rng"])
+        elif warm.exists():
+            ck = torch.load(warm, weights_only=False)
+            self.critic.load_state_dict(ck["critic"])
+            self.critic_opt.load_state_dict(ck["critic_opt"])
+        self.behaviour = copy.deepcopy(self.actor)  # holds the weights that sampled the batch being trained
+        self.published = {}  # weight version -> the actor's state dict the engines were given
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def mark_published(self, version: int) -> None:
+        self.published[version] = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
+        for old in [v for v in self.published if v < version - 1]:
+            del self.published[old]
+
+    def warmup(self, samples: list[dict]) -> list[dict]:
+        recs = critic_warmup(self.critic, self.critic_opt, samples, self.args) if samples else []
+        torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()},
+                   self.run_dir / "ckpt" / "critic_warm.pt")
+        return recs
+
+    def train_step(self, samples: list[dict], step: int) -> dict:
+        """Steps 5-7 on this step's samples, then the checkpoint (actor, critic, optimizers, step, RNG)."""
+        t0 = time.time()
+        versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
+        if versions:
+            self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
+        stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
+                            self.args, self.rng, self.run_dir, step) if samples else {})
+        save_trainer(self.latest, self.actor, self.tokenizer, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
+        return {**stats, "time_train": time.time() - t0}
+
+
 # --- the run --------------------------------------------------------------------------------------------
 
 def train(args: Args) -> dict:
@@ -462,7 +534,7 @@ def train(args: Args) -> dict:
     heldout = state["tasks"]["heldout"]
     log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
 
-    # --- SFT warm start ----------------------------------------------------------------------------
+    # --- SFT warm start (its reference trajectories run in this process: no engine needed) -------------
     sft_dir = run_dir / "ckpt" / "sft"
     if not (sft_dir / "config.json").exists():
         def do_sft():
@@ -481,60 +553,56 @@ def train(args: Args) -> dict:
             sft(actor, samples, args, metrics)
             M.save_checkpoint(actor, tokenizer, sft_dir)
         timed("sft", do_sft)
-    actor, tokenizer = M.load_actor(sft_dir)
+    tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
+    latest = run_dir / "ckpt" / "latest"
 
-    engine = M.EngineProcess(sft_dir, run_dir / "engine.log", args.engine_port, args.engine_weight_dtype)
+    # --- Ray actors: the trainer (actor + critic), the engines, the rollout workers ---------------------
+    ext_urls = [u for u in args.engine_urls.split(",") if u]
+    n_eng = 0 if ext_urls else args.n_engines
+    ray = infra.ray_start(1 + n_eng + args.rollout_actors, args.ray_address)
+    pg, place = infra.ray_layout(n_eng, args.rollout_actors)
+    engines = []
     try:
+        engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(str(sft_dir), args.engine_weight_dtype)
+                   for i in range(n_eng)]
+        trainer = ray.remote(Trainer).options(**place["trainer"]).remote(args, str(sft_dir), state["step"])
+        workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
+                                            str(sft_dir), place["workers"])
+        infos = ray.get([e.info.remote() for e in engines])
+        urls = ext_urls or [i["url"] for i in infos]
+        log(run_dir, f"ray actors: trainer pid {ray.get(trainer.pid.remote())}, engines {infos or urls}, "
+                     f"rollout workers pids {ray.get([w.pid.remote() for w in workers])}")
+
+        def publish(version):  # publish barrier: pause generation, push weights, resume; the trainer keeps a copy
+            infra.publish_from_disk(urls, latest, version)
+            ray.get(trainer.mark_published.remote(version))
+
         # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
         if "eval_sft" not in state:
-            state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "sft"))
+            state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "sft"))
             state["eval_sft_train"] = timed("eval_sft", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, engine, "sft train"))
+                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "sft train"))
             save_state()
         log(run_dir, f"eval after SFT: {state['eval_sft']}")
 
-        # --- critic: full-size, warm-up on SFT-policy rollouts ---------------------------------------
-        critic = C.Critic.from_actor(actor)
-        critic_opt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
-        actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
-        latest = run_dir / "ckpt" / "latest"
-        behaviour = copy.deepcopy(actor)  # holds the weights that sampled the batch being trained
-        published = {}  # weight version -> state dict the engine served (the last two are kept)
-
-        def publish(version):  # publish barrier: pause generation, push weights, resume
-            engine.publish(latest, version)
-            published[version] = {k: v.detach().clone() for k, v in actor.state_dict().items()}
-            for old in [v for v in published if v < version - 1]:
-                del published[old]
-        rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
-        if state["step"] == 0:
-            published[0] = {k: v.detach().clone() for k, v in actor.state_dict().items()}  # the engine's SFT weights
+        # --- critic warm-up on SFT-policy rollouts (or resume) -----------------------------------------
         if state["step"] > 0:
-            actor, _ = M.load_actor(latest)
-            ck = torch.load(latest / "trainer.pt", weights_only=False)
-            critic.load_state_dict(ck["critic"])
-            rng.setstate(ck["rng"])
-            torch.set_rng_state(ck["torch_rng"])
-            actor_opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
-            actor_opt.load_state_dict(ck["actor_opt"])
-            critic_opt.load_state_dict(ck["critic_opt"])
-            behaviour = copy.deepcopy(actor)
-            publish(state["step"])
+            publish(state["step"])  # the engines serve the weights of the last finished step
             log(run_dir, f"resumed at RL step {state['step']}")
-        elif "critic_warmup" not in state:
-            def do_warmup():
-                if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
-                    return []
-                pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
-                trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, engine, desc="warm-up pool")
-                return critic_warmup(critic, critic_opt, to_samples(trials, run_dir, "warmup"), args, metrics)
-            state["critic_warmup"] = {"explained_variance": timed("critic_warmup", do_warmup)}
-            torch.save({"critic": critic.state_dict(), "critic_opt": critic_opt.state_dict()}, run_dir / "ckpt" / "critic_warm.pt")
-            save_state()
         else:
-            ck = torch.load(run_dir / "ckpt" / "critic_warm.pt", weights_only=False)
-            critic.load_state_dict(ck["critic"])
-            critic_opt.load_state_dict(ck["critic_opt"])
+            ray.get(trainer.mark_published.remote(0))  # the engines serve the SFT weights
+            if "critic_warmup" not in state:
+                def do_warmup():
+                    if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
+                        return []
+                    pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
+                    trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, workers, urls, desc="warm-up pool")
+                    recs = ray.get(trainer.warmup.remote(to_samples(trials, run_dir, "warmup")))
+                    for i, r in enumerate(recs):
+                        metrics.write(r, i + 1, "critic_warmup")
+                    return [r["explained_variance"] for r in recs]
+                state["critic_warmup"] = {"explained_variance": timed("critic_warmup", do_warmup)}
+                save_state()
         log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
 
         # --- RL: PPO steps ---------------------------------------------------------------------------
@@ -544,30 +612,24 @@ def train(args: Args) -> dict:
             off = ((step - 1) % per_epoch) * args.n_launch
             launch = [order[(off + i) % len(order)] for i in range(args.n_launch)]
             t0 = time.time()
-            trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, engine,
+            trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, workers, urls,
                                                   n_keep=args.n_keep, desc=f"rollout step {step}")
             return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
                     "t_rollout": time.time() - t0}
 
-        # One-step async (paper): the engine samples step t+1 with weights t-1 while the trainer updates
-        # on step t; at the barrier (both done) weights t are published. Staleness = 1 from the second
-        # step of a process on (its first step is sampled synchronously with the current weights).
-        workers = ThreadPoolExecutor(max_workers=1, thread_name_prefix="rollout")
-        pending, first_step = None, state["step"] + 1
+        first_step = state["step"] + 1
+
+        def overlapped(t):  # was step t sampled beside the update of step t-1? (then staleness is exactly 1)
+            return args.async_rollout and t > first_step and t > args.sync_steps
+
+        ro = None
         while state["step"] < args.rl_steps:
             step = state["step"] + 1
             t_step = time.time()
-            ro = pending.result() if pending is not None else rollout_step(step)
+            if ro is None:  # sequential: sample with the weights of the last update
+                ro = rollout_step(step)
             t_wait = time.time() - t_step
-            if args.async_rollout and step < args.rl_steps:
-                if step > first_step:  # publish barrier: rollout of `step` and update of step-1 are both done
-                    t0 = time.time()
-                    publish(step - 1)
-                    t_wait += time.time() - t0
-                pending = workers.submit(rollout_step, step + 1)  # overlaps this step's update
-            else:
-                pending = None
-            trials, dropped = ro["trials"], ro["dropped"]
+            trials, dropped, n_launched, tok_s, t_rollout = (ro[k] for k in ("trials", "dropped", "n_launched", "tok_s", "t_rollout"))
             # 4. TITO assembly -> samples on disk
             samples = to_samples(trials, run_dir, f"step{step}")
             with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
@@ -576,30 +638,28 @@ def train(args: Args) -> dict:
             tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
             versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
             staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
-            want = 1 if (args.async_rollout and step > first_step) else 0
+            want = 1 if overlapped(step) else 0
             assert not versions or (len(versions) == 1 and staleness == want), \
                 f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want}"
             if not samples:
                 log(run_dir, f"step {step}: no trainable trajectory; recorded, no update")
+            # One-step async (paper): the trainer actor updates on step t (5-7, checkpoint included) while the
+            # rollout workers sample step t+1 with weights t-1; at the barrier (both done) weights t are published.
+            update = trainer.train_step.remote(samples, step)
+            ro = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
+            stats = ray.get(update)
             t0 = time.time()
-            if versions:
-                behaviour.load_state_dict(published[versions[0]])  # the policy that sampled this batch
-            stats = train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, rng, run_dir, step) if samples else {}
-            t_train = time.time() - t0
-            # 7. checkpoint (actor, critic, optimizers, step, RNG); synchronous mode publishes right away
-            t0 = time.time()
-            save_trainer(latest, actor, tokenizer, critic, actor_opt, critic_opt, step, rng)
-            if not args.async_rollout or pending is None:
-                publish(step)
+            publish(step)
             t_publish = time.time() - t0
-            rec = {"weight_version": step, "staleness": staleness,
+            rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
+                   "rollout_beside_update": ro is not None,
                    "reward_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
                    "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
-                   **stats, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(dropped),
+                   **stats, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
                    "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
                    "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
-                   "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], "time_rollout_wait": t_wait,
-                   "time_train": t_train, "time_publish": t_publish, "time_step": time.time() - t_step}
+                   "rollout_tokens_per_s": tok_s, "time_rollout": t_rollout, "time_rollout_wait": t_wait,
+                   "time_publish": t_publish, "time_step": time.time() - t_step}
             metrics.write(rec, step, "rl")
             state["step"] = step
             state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
@@ -607,26 +667,54 @@ def train(args: Args) -> dict:
             log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
                          f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
                          f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} {rec['time_step']:.0f}s")
-        workers.shutdown()
 
-        # --- held-out evaluation after RL (the engine serves the final weights) ----------------------
+        # --- held-out evaluation after RL (the engines serve the final weights) ----------------------
         if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
-            state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, engine, "rl")),
+            state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "rl")),
                                 "after_step": state["step"]}
             state["eval_rl_train"] = timed("eval_rl", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, engine, "rl train"))
+                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "rl train"))
             save_state()
     finally:
-        engine.close()
+        for e in engines:
+            try:
+                ray.get(e.stop.remote(), timeout=30)
+            except Exception:
+                pass
+        infra.ray_stop(pg)
         metrics.tb.close()
 
     summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "rl_steps": state["step"]}
+               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run_dir)}
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     plot(run_dir)
     print_table(summary)
     return summary
+
+
+def async_vs_sequential(run_dir) -> dict:
+    """Step time with the next rollout beside the update (async) vs rollout then update (sequential).
+
+    Goal (issue): async step <= 1.15 x max(rollout, update), both measured in sequential steps of the run.
+    """
+    rl = [json.loads(l) for l in open(Path(run_dir) / "metrics.jsonl") if json.loads(l)["phase"] == "rl"]
+    nxt = {r["step"] - 1: r for r in rl}
+    seq = [r for r in rl if not r.get("rollout_beside_update") and not r.get("sampled_beside_update")
+           and "time_train" in r]  # rollout, then update, nothing beside
+    asy = [r for r in rl if r.get("rollout_beside_update") and r["step"] in nxt and "time_train" in r]
+    out = {"n_sequential": len(seq), "n_async": len(asy)}
+    if seq:
+        out.update(sequential_step_s=float(np.mean([r["time_step"] for r in seq])),
+                   sequential_rollout_s=float(np.mean([r["time_rollout"] for r in seq])),
+                   sequential_train_s=float(np.mean([r["time_train"] for r in seq])))
+    if asy:
+        out.update(async_step_s=float(np.mean([r["time_step"] for r in asy])),
+                   async_over_own_max=float(np.mean([r["time_step"] / max(nxt[r["step"]]["time_rollout"], r["time_train"])
+                                                     for r in asy])))
+    if seq and asy:
+        out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"], out["sequential_train_s"])
+    return out
 
 
 def print_table(summary: dict) -> None:

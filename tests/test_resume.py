@@ -2,6 +2,7 @@
 or duplicated: every step's metrics and samples exist exactly once, and the killed step is redone."""
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -31,11 +32,19 @@ def run(run_dir, kill_at=None, timeout=600):
 
 def test_kill_mid_update_then_resume_loses_and_repeats_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    run(run_dir, kill_at="step 2: actor update")  # killed inside step 2's PPO update
+    log = run(run_dir, kill_at="step 2: actor update")  # killed inside step 2's PPO update
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 1  # step 2 never checkpointed
-    engine_pid_alive = subprocess.run(["pgrep", "-f", f"model.py serve --model-path {run_dir}"], capture_output=True)
-    assert engine_pid_alive.returncode == 1, "the engine outlived the killed trainer"
+    # the Ray actors (trainer, engine, rollout workers) and their sandboxes die with the killed driver
+    pids = [int(p) for p in re.findall(r"pid'?:? (\d+)", log.split("ray actors:")[1].splitlines()[0])]
+    pids += [int(p) for p in re.findall(r"\[([\d, ]+)\]", log.split("rollout workers pids")[1])[0].split(",")]
+    assert len(pids) >= 4
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.5)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an actor outlived the killed driver"
+    jails = subprocess.run(["pgrep", "-f", f"bwrap.*{run_dir}"], capture_output=True)
+    assert jails.returncode == 1, "a sandbox outlived the killed driver"
     run(run_dir)
     rl = [json.loads(l) for l in open(run_dir / "metrics.jsonl") if json.loads(l)["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
