@@ -648,6 +648,14 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
     return res
 
 
+def train_command(preset, run_dir, model_path, urls, row, extra=()):
+    """The train_t1.py command line of a cluster run: the preset, the SGLang URLs and the planner's plan."""
+    return [sys.executable, "train_t1.py", "--preset", preset.name, "--run-dir", run_dir, "--model-path", model_path,
+            "--backend", "megatron", "--sandbox", "daytona", "--engine-urls", ",".join(urls),
+            "--engine-world-sizes", ",".join([str(preset.engine_tp)] * preset.n_engines),
+            "--plan", json.dumps({k: row[k] for k in ("tp", "pp", "cp", "ep", "etp", "dp", "recompute")}), *extra]
+
+
 # --- CLI ---------------------------------------------------------------------------------------------
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -678,11 +686,7 @@ def main(argv=None):
     pgs = placement_groups(ray, preset)
     actors, urls = start_engines(ray, preset, pgs, model_path, os.path.join(run_dir, "logs"))
     print(f"[cluster] SGLang servers up: {urls}", flush=True)
-    extra = [x for x in a.train_args if x != "--"]
-    cmd = [sys.executable, "train_t1.py", "--preset", preset.name, "--run-dir", run_dir, "--model-path", model_path,
-           "--backend", "megatron", "--sandbox", "daytona", "--engine-urls", ",".join(urls),
-           "--engine-world-sizes", ",".join([str(preset.engine_tp)] * preset.n_engines),
-           "--plan", json.dumps({k: row[k] for k in ("tp", "pp", "cp", "ep", "etp", "dp", "recompute")}), *extra]
+    cmd = train_command(preset, run_dir, model_path, urls, row, [x for x in a.train_args if x != "--"])
     print("[cluster] " + " ".join(cmd), flush=True)
     try:
         return subprocess.call(cmd, cwd=os.path.dirname(os.path.abspath(__file__)))

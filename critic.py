@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
+from transformers import AutoModel
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -43,10 +43,10 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 class Critic(nn.Module):
     """Same architecture as the actor (Qwen3.5-MoE backbone) with a scalar value head."""
 
-    def __init__(self, config: Qwen3_5MoeTextConfig):
+    def __init__(self, config):
         super().__init__()
         self.config = config
-        self.model = Qwen3_5MoeTextModel(config)  # same layers as the actor's `model.` submodule
+        self.model = AutoModel.from_config(config, dtype=torch.float32)  # the actor's `model.` submodule's class
         self.value_head = nn.Linear(config.hidden_size, 1)
         nn.init.zeros_(self.value_head.weight)
         nn.init.zeros_(self.value_head.bias)

@@ -15,6 +15,9 @@ fusion off, distributed optimizer). This module holds:
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
   `train_t1.py` switches backend with one argument.
+- `embedded_models` / `save_hf`: the backend `train_t1.py --backend megatron --arch qwen3_moe` trains
+  with at the embedded scale (actor, behaviour copy and critic in one process; HF checkpoints out for
+  the engines).
 - `MegatronCritic` (+ `critic_hf_to_megatron` / `critic_megatron_to_hf`, `build_qwen35_critic`): the paper's
   full-size critic, the actor's GPTModel with a scalar value head in place of the LM output layer; the same
   interface and conventions as `critic.Critic` (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init
@@ -38,9 +41,13 @@ Departures from the paper:
    sampler's experts for the actor's logprobs; it says nothing of the critic, which never ran in the
    sampler, so there is nothing to replay. Its backbone starts as a copy of the SFT actor's
    (`MegatronCritic.from_actor`, critic.py departure 1).
+5. The embedded Megatron backend (`embedded_models`) runs at world size 1 with torch's Adam on the
+   GPTModels' parameters (train_t1.py), not Megatron's DDP + distributed optimizer, which need a process
+   group per parallel dimension and shard nothing at one rank.
 """
 
 import contextlib
+import os
 import types
 
 import torch
@@ -351,6 +358,32 @@ def critic_megatron_to_hf(sd, hf) -> dict:
     return out
 
 
+
+# --- the embedded Megatron backend: world size 1 on this machine (train_t1.py --backend megatron) ---------
+def embedded_models(hf_actor):
+    """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE actor: two MegatronActors
+    with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic
+    from the actor's backbone. One process, TP = PP = EP = 1, CPU (or one GPU)."""
+    cfg = hf_actor.config
+    if getattr(cfg, "model_type", "") != "qwen3_moe":
+        raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE layout, got "
+                         f"{getattr(cfg, 'model_type', type(hf_actor).__name__)!r} (train_t1.py --arch qwen3_moe)")
+    sd = hf_actor.state_dict()
+    actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg), sd, cfg)) for _ in range(2))
+    return actor, behaviour, MegatronCritic.from_actor(actor)
+
+
+def save_hf(actor, hf_config, tokenizer, path):
+    """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load)."""
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    sd = {k: v for k, v in actor.gpt.state_dict().items() if not k.endswith("_extra_state")}
+    hf.load_state_dict(megatron_to_hf(sd, hf_config), strict=True)
+    os.makedirs(path, exist_ok=True)
+    hf.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
 # --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
 QWEN35_PRESETS = {  # paper model and its smaller sibling (num layers, hidden, heads, experts, ...)
     "qwen35-122b-a10b": dict(num_layers=48, hidden_size=3072, num_attention_heads=32, num_query_groups=2,
@@ -392,7 +425,7 @@ def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
     return TransformerConfig(**kw), vocab
 
 
-def _require_cluster(what):
+def require_cluster(what):
     """Fail early, naming what is missing, instead of deep inside Megatron (no CUDA / TE / FLA / DeepEP)."""
     import importlib.util
     missing = [] if torch.cuda.is_available() else ["CUDA"]
@@ -430,7 +463,7 @@ def _ddp_and_optimizer(model, cfg, lr):
 def build_qwen35(preset, lr=1e-6, **parallel):
     """(GPTModel wrapped in DDP, distributed optimizer) for a Qwen3.5 preset. Needs CUDA + TE + FLA + DeepEP,
     and torch.distributed / parallel_state initialised by the launcher (one process per GPU)."""
-    _require_cluster("build_qwen35")
+    require_cluster("build_qwen35")
     gpt = _qwen35_gpt(preset, **parallel).cuda()
     return _ddp_and_optimizer(gpt, gpt.config, lr)
 
@@ -439,6 +472,6 @@ def build_qwen35_critic(preset, lr=1.5e-5, **parallel):
     """(MegatronCritic wrapped in DDP, distributed optimizer): the actor's architecture with the scalar head,
     live routing (replay off), paper lr 1.5e-5 (30x the actor's). Same needs as build_qwen35; load the
     backbone from the SFT actor's checkpoint (critic.py departure 1)."""
-    _require_cluster("build_qwen35_critic")
+    require_cluster("build_qwen35_critic")
     critic = MegatronCritic(_qwen35_gpt(preset, moe_enable_routing_replay=False, **parallel)).cuda()
     return _ddp_and_optimizer(critic, critic.gpt.config, lr)

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, DynamicCache, PreTrainedTokenizerFast
-from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig
+from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
@@ -113,8 +113,26 @@ def render_ids(tok, role: str, content: str) -> list:
     return tok.encode(f"{IM_START}{role}\n{content}{IM_END}\n", add_special_tokens=False)
 
 
-def tiny_config(vocab_size: int) -> Qwen3_5MoeTextConfig:
-    """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off)."""
+ARCHS = ("qwen3_5_moe", "qwen3_moe")
+
+
+def tiny_config(vocab_size: int, arch: str = "qwen3_5_moe"):
+    """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off).
+
+    arch "qwen3_moe": the same sizes with standard attention in every layer and no shared expert
+    (Qwen3-MoE): the architecture Megatron-Core builds on a CPU (mcore.py; its Gated DeltaNet needs
+    Transformer Engine), used by `train_t1.py --backend megatron` at the embedded scale.
+    """
+    if arch == "qwen3_moe":
+        return Qwen3MoeConfig(
+            vocab_size=vocab_size, hidden_size=TINY_HIDDEN, intermediate_size=2 * TINY_MOE_INTERMEDIATE,
+            num_hidden_layers=len(TINY_LAYER_TYPES), num_attention_heads=TINY_HEADS,
+            num_key_value_heads=TINY_KV_HEADS, head_dim=TINY_HEAD_DIM, num_experts=TINY_EXPERTS,
+            num_experts_per_tok=TINY_TOP_K, moe_intermediate_size=TINY_MOE_INTERMEDIATE, norm_topk_prob=True,
+            router_aux_loss_coef=0.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=0, eos_token_id=2, max_position_embeddings=TINY_MAX_POSITIONS)
+    if arch != "qwen3_5_moe":
+        raise ValueError(f"arch: expected one of {'|'.join(ARCHS)}, got {arch!r}")
     return Qwen3_5MoeTextConfig(
         vocab_size=vocab_size, hidden_size=TINY_HIDDEN, num_hidden_layers=len(TINY_LAYER_TYPES),
         layer_types=list(TINY_LAYER_TYPES), num_attention_heads=TINY_HEADS,
@@ -127,10 +145,10 @@ def tiny_config(vocab_size: int) -> Qwen3_5MoeTextConfig:
         pad_token_id=0, bos_token_id=0, eos_token_id=2, max_position_embeddings=TINY_MAX_POSITIONS)
 
 
-def build_actor(config, seed: int) -> Qwen3_5MoeForCausalLM:
-    """Random-init actor (fp32) with R3 routers installed."""
+def build_actor(config, seed: int):
+    """Random-init actor (fp32, Qwen3_5MoeForCausalLM or Qwen3MoeForCausalLM) with R3 routers installed."""
     torch.manual_seed(seed)
-    return r3.install(Qwen3_5MoeForCausalLM(config))
+    return r3.install(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
 
 
 def save_checkpoint(model, tokenizer, path: str):
@@ -144,7 +162,7 @@ def load_actor(path: str):
     """(model fp32 with R3 routers, tokenizer) from a save_checkpoint directory."""
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"path: no config.json in {path!r}")
-    model = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     return r3.install(model), AutoTokenizer.from_pretrained(path)
 
 
@@ -164,7 +182,7 @@ def load_weights_from_disk(model, path: str):
     """
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"model_path: no config.json in {path!r}")
-    fresh = Qwen3_5MoeForCausalLM.from_pretrained(path, dtype=torch.float32)
+    fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.load_state_dict(fresh.state_dict(), strict=True)
 
 

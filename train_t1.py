@@ -37,6 +37,11 @@ Departures from the paper (numbered; each with its reason):
      paper's SFT data is not public).
   4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
      them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
+  5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py) in the one Trainer actor: at the
+     embedded scale with `--arch qwen3_moe` (standard attention; Megatron's Gated DeltaNet needs Transformer
+     Engine) and torch's Adam (world size 1: the distributed optimizer would shard nothing). The cluster's
+     Qwen3.5 trainer group (one rank per GPU under torch.distributed, rank 0 publishing over NCCL) is not
+     wired into this loop yet; check_args says so before any work.
 """
 from __future__ import annotations
 
@@ -84,6 +89,9 @@ class Args:
     """extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the
     verifier resolves them); 0 = SFT on the training pool's reference trajectories"""
     # --- model
+    arch: str = "qwen3_5_moe"
+    """embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention MoE) | qwen3_moe (standard
+    attention MoE, the layout --backend megatron builds on a CPU)"""
     vocab_size: int = 2048
     """embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)"""
     # --- rollout (paper: 1 trajectory per task; launch 560, keep the first 512 finished)
@@ -175,6 +183,18 @@ class Args:
     """bwrap (local jail) | daytona (cluster; needs DAYTONA_API_KEY)"""
     ray_address: str = ""
     """Ray cluster to join (or $RAY_ADDRESS); empty: start one on this machine for this run"""
+    torch_threads: int = 0
+    """CPU threads of the trainer and of each embedded engine; 0: half the cores each when async (the
+    overlapped rollout and update then do not fight over the same cores), all of them (max 2) otherwise"""
+    # --- cluster (the flags `cluster.py launch` passes)
+    backend: str = "hf"
+    """trainer backend: hf (transformers, this machine) | megatron (mcore.py; GPU nodes only)"""
+    model_path: str = ""
+    """start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start"""
+    plan: str = ""
+    """parallel plan chosen by infra.py's planner (JSON: tp, pp, cp, ep, etp, dp, recompute)"""
+    engine_world_sizes: str = ""
+    """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
@@ -188,7 +208,39 @@ EMBEDDED = dataclasses.replace(
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
     eval_train_tasks=6, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
-PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args()}
+CLUSTER = dataclasses.replace(Args(), backend="megatron", sandbox="daytona", n_engines=0)  # paper values
+PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args(),
+           "qwen35-122b-a10b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-122b-a10b"),
+           "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b")}
+
+
+def check_args(args: Args) -> None:
+    """Bad flags fail before any work, naming the flag and what is wrong (and, for the cluster, what is missing)."""
+    choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
+               "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS}
+    for k, ok in choices.items():
+        if getattr(args, k) not in ok:
+            raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
+    if args.n_keep > args.n_launch or args.n_keep < 1:
+        raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
+    urls = [u for u in args.engine_urls.split(",") if u]
+    if not urls and args.n_engines < 1:
+        raise ValueError("--engine-urls: empty and --n-engines 0: no engine to sample from")
+    sizes = [s for s in args.engine_world_sizes.split(",") if s]
+    if sizes and len(sizes) != len(urls):
+        raise ValueError(f"--engine-world-sizes: {len(sizes)} entries for {len(urls)} --engine-urls")
+    if args.model_path and not (Path(args.model_path) / "config.json").is_file():
+        raise ValueError(f"--model-path: no config.json in {args.model_path!r}")
+    if args.sandbox == "daytona" and not os.environ.get("DAYTONA_API_KEY"):
+        raise ValueError("--sandbox daytona: DAYTONA_API_KEY is not set")
+    start = Path(args.model_path) / "config.json" if args.model_path else None
+    layout = json.loads(start.read_text()).get("model_type") if start else args.arch
+    if args.backend == "megatron" and layout != "qwen3_moe":  # Qwen3.5 in Megatron-Core: GPU nodes only
+        import mcore
+        mcore.require_cluster("--backend megatron")  # names CUDA / transformer_engine / fla / deep_ep
+        raise NotImplementedError("--backend megatron: the multi-rank Megatron trainer group (one Ray actor per "
+                                  "GPU under torch.distributed, rank 0 publishing through cluster.WeightPublisher) "
+                                  "is not wired into train_t1.py yet; mcore.py has the models and optimizers")
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -261,11 +313,11 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
         return token_logprobs(actor, batch, temperature, rows)
 
 
-def save_trainer(path: Path, actor, tokenizer, critic, actor_opt, critic_opt, step: int, rng) -> None:
-    """Checkpoint actor (HF layout), critic, both optimizers, step and RNG state; swapped in atomically."""
+def save_trainer(path: Path, save_actor, critic, actor_opt, critic_opt, step: int, rng) -> None:
+    """Checkpoint actor (HF layout, save_actor(dir)), critic, both optimizers, step and RNG state; swapped in atomically."""
     tmp = path.with_name(path.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    M.save_checkpoint(actor, tokenizer, tmp)
+    save_actor(tmp)
     torch.save({"critic": critic.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
                 "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
     old = path.with_name(path.name + ".old")
@@ -442,17 +494,30 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
 
 # --- the trainer actor -------------------------------------------------------------------------------
 
+def actor_threads(args: Args) -> int:
+    """torch threads of the trainer and of each engine (Args.torch_threads)."""
+    cores = os.cpu_count() or 1
+    return args.torch_threads or (max(1, cores // 2) if args.async_rollout else min(2, cores))
+
+
 class Trainer:
     """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
     the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7."""
 
     def __init__(self, args: Args, sft_dir: str, step: int):
-        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        torch.set_num_threads(actor_threads(args))
         torch.manual_seed(args.seed)
         self.args, self.run_dir = args, Path(args.run_dir)
         self.latest = self.run_dir / "ckpt" / "latest"
-        self.actor, self.tokenizer = M.load_actor(self.latest if step > 0 else sft_dir)
-        self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
+        hf_actor, self.tokenizer = M.load_actor(self.latest if step > 0 else sft_dir)
+        if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
+            import mcore
+            self.actor, self.behaviour, self.critic = mcore.embedded_models(hf_actor)
+            self.save_actor = lambda path: mcore.save_hf(self.actor, hf_actor.config, self.tokenizer, path)
+        else:
+            self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
+            self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
+            self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
         self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
@@ -468,14 +533,14 @@ class Trainer:
             ck = torch.load(warm, weights_only=False)
             self.critic.load_state_dict(ck["critic"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
-        self.behaviour = copy.deepcopy(self.actor)  # holds the weights that sampled the batch being trained
         self.published = {}  # weight version -> the actor's state dict the engines were given
 
     def pid(self) -> int:
         return os.getpid()
 
     def mark_published(self, version: int) -> None:
-        self.published[version] = {k: v.detach().clone() for k, v in self.actor.state_dict().items()}
+        self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                   for k, v in self.actor.state_dict().items()}
         for old in [v for v in self.published if v < version - 1]:
             del self.published[old]
 
@@ -493,13 +558,14 @@ class Trainer:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
         stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
                             self.args, self.rng, self.run_dir, step) if samples else {})
-        save_trainer(self.latest, self.actor, self.tokenizer, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
+        save_trainer(self.latest, self.save_actor, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
         return {**stats, "time_train": time.time() - t0}
 
 
 # --- the run --------------------------------------------------------------------------------------------
 
 def train(args: Args) -> dict:
+    check_args(args)
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)
@@ -535,7 +601,7 @@ def train(args: Args) -> dict:
     log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
 
     # --- SFT warm start (its reference trajectories run in this process: no engine needed) -------------
-    sft_dir = run_dir / "ckpt" / "sft"
+    sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
     if not (sft_dir / "config.json").exists():
         def do_sft():
             sft_pool = list(train_pool)
@@ -545,7 +611,7 @@ def train(args: Args) -> dict:
                 held = {data.load_task(d).instruction for d in heldout}
                 sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
             tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
-            actor = M.build_actor(M.tiny_config(len(tokenizer)), seed=args.seed)
+            actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
             trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
             samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
             log(run_dir, f"sft: {len(samples)} reference trajectories, "
@@ -559,12 +625,12 @@ def train(args: Args) -> dict:
     # --- Ray actors: the trainer (actor + critic), the engines, the rollout workers ---------------------
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
-    ray = infra.ray_start(1 + n_eng + args.rollout_actors, args.ray_address)
+    ray = infra.ray_start(1 + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
     pg, place = infra.ray_layout(n_eng, args.rollout_actors)
     engines = []
     try:
-        engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(str(sft_dir), args.engine_weight_dtype)
-                   for i in range(n_eng)]
+        engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
+            str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
         trainer = ray.remote(Trainer).options(**place["trainer"]).remote(args, str(sft_dir), state["step"])
         workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
                                             str(sft_dir), place["workers"])
@@ -702,7 +768,8 @@ def async_vs_sequential(run_dir) -> dict:
     nxt = {r["step"] - 1: r for r in rl}
     seq = [r for r in rl if not r.get("rollout_beside_update") and not r.get("sampled_beside_update")
            and "time_train" in r]  # rollout, then update, nothing beside
-    asy = [r for r in rl if r.get("rollout_beside_update") and r["step"] in nxt and "time_train" in r]
+    asy = [r for r in rl if r.get("rollout_beside_update") and r.get("sampled_beside_update") and r["step"] in nxt
+           and "time_train" in r]  # steady state: own rollout ran beside the last update, the next beside this one
     out = {"n_sequential": len(seq), "n_async": len(asy)}
     if seq:
         out.update(sequential_step_s=float(np.mean([r["time_step"] for r in seq])),

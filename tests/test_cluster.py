@@ -406,3 +406,45 @@ def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_count
         m = Qwen3_5MoeForCausalLM(cluster.hf_config(c))
     assert sum(p.numel() for p in m.parameters()) == infra.param_counts(c)["total"]
     assert m.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+
+
+# --- the cluster run's command line reaches train_t1.py ------------------------------------------------
+def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_missing(tmp_path, monkeypatch):
+    import train_t1
+    (tmp_path / "config.json").write_text("{}")
+    preset = cluster.PRESETS["qwen35-122b-a10b"]
+    row = {"tp": 2, "pp": 1, "cp": 1, "ep": 64, "etp": 1, "dp": 32, "recompute": True}
+    cmd = cluster.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
+    args = train_t1.parse_args(cmd[2:])
+    assert (args.backend, args.sandbox, args.rl_steps, args.n_launch, args.n_keep) == ("megatron", "daytona", 3, 560, 512)
+    assert args.engine_urls == "http://a:1,http://b:2" and json.loads(args.plan)["ep"] == 64
+    assert args.engine_world_sizes == ",".join(["8"] * preset.n_engines)
+    monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
+    with pytest.raises(ValueError, match="engine-world-sizes"):  # 8 servers in the preset, 2 URLs here
+        train_t1.check_args(args)
+    args = train_t1.parse_args(cmd[2:] + ["--engine-world-sizes", "8,8"])
+    with pytest.raises(ValueError, match="DAYTONA_API_KEY"):
+        train_t1.check_args(args)
+    monkeypatch.setenv("DAYTONA_API_KEY", "k")
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError, match="CUDA"):
+            train_t1.check_args(args)
+
+
+@pytest.mark.parametrize("flags, match", [(["--sandbox", "docker"], "--sandbox"), (["--backend", "jax"], "--backend"),
+                                          (["--n-keep", "9", "--n-launch", "5"], "--n-keep"),
+                                          (["--model-path", "/nonexistent"], "--model-path"),
+                                          (["--n-engines", "0"], "--engine-urls")])
+def test_bad_flags_are_refused_naming_the_flag(flags, match):
+    import train_t1
+    with pytest.raises(ValueError, match=match):
+        train_t1.check_args(train_t1.parse_args(["--quick"] + flags))
+
+
+def test_run_trial_selects_the_daytona_sandbox(tmp_path, monkeypatch):
+    monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
+    task = data.generate_tasks(tmp_path / "tasks", 1, 0, seed=0, validate_tasks=False)[0][0]
+    res = rollout.run_trial(task, "nop", sandbox="daytona")
+    assert res["exit_reason"] == "error" and "DaytonaSandbox: DAYTONA_API_KEY is not set" in res["error"]
+    res = rollout.run_trial(task, "nop", sandbox="lxc")
+    assert res["exit_reason"] == "error" and "sandbox: expected bwrap|daytona" in res["error"]

@@ -4,6 +4,8 @@ import json
 
 import numpy as np
 
+import model as M
+import rollout
 import tito
 import train_t1
 
@@ -39,14 +41,37 @@ def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
     assert samples and tito.audit(samples)["loss_region_drift_pct"] == 0.0
     assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1 for s in samples)
 
-    # resume: the same run dir with more steps continues at step 3, nothing repeated
-    train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3"]))
+    # resume: the same run dir with more steps continues at step 3, nothing repeated; this time against an
+    # engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
+    engine = M.EngineServer(str(run_dir / "ckpt" / "sft"), port=0).start()
+    try:
+        train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3",
+                                                   "--engine-urls", engine.url]))
+        assert rollout.EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
+    finally:
+        engine.stop()
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
-    assert rl[2]["weight_version"] == 3
+    assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == len([r for r in recs if r["phase"] == "sft"])
 
 
 def test_boolean_flags_parse_false():
     assert train_t1.parse_args(["--async-rollout", "False"]).async_rollout is False
     assert train_t1.parse_args(["--async-rollout", "true"]).async_rollout is True
+
+
+def test_megatron_backend_trains_the_same_loop(tmp_path):
+    """--backend megatron (Qwen3-MoE layout, Megatron-Core on this CPU): same loop, R3 through RouterReplay,
+    HF checkpoints out for the engine; the trainer's old logprobs match the sampler's like the HF backend's."""
+    run_dir = tmp_path / "run"
+    train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "2", "--backend", "megatron",
+                                               "--arch", "qwen3_moe", "--eval-attempts", "1"]))
+    rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
+    assert [r["step"] for r in rl] == [1, 2] and [r["staleness"] for r in rl] == [0, 1]
+    assert all(np.isfinite(r["dlogp"]) and r["dlogp"] < 0.05 for r in rl if "dlogp" in r)
+    assert any("dlogp" in r for r in rl)  # at least one step trained
+    cfg = json.loads((run_dir / "ckpt" / "latest" / "config.json").read_text())
+    assert cfg["model_type"] == "qwen3_moe"
+    ck = __import__("torch").load(run_dir / "ckpt" / "latest" / "trainer.pt", weights_only=False)
+    assert any(k.startswith("gpt.") for k in ck["critic"])  # the critic is the Megatron one
