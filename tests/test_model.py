@@ -111,6 +111,21 @@ def test_checkpoint_round_trip_loads_with_plain_hugging_face(tok, ckpt):
 
 # --- engine ------------------------------------------------------------------------------------------
 def test_engine_wire_format_logprobs_and_routing_match_a_teacher_forced_forward(engine, tok, ckpt):
+    check_wire_format(engine, tok, ckpt)
+
+
+def test_engine_serves_the_qwen3_moe_layout_of_the_megatron_backend(tok, tmp_path):
+    path = str(tmp_path / "q3")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=0), tok, path)
+    eng = model_lib.EngineServer(path, port=0, max_batch=4).start()
+    try:
+        assert type(eng.model).__name__ == "Qwen3MoeForCausalLM"
+        check_wire_format(eng, tok, path)
+    finally:
+        eng.stop()
+
+
+def check_wire_format(engine, tok, ckpt):
     ids = prompt(tok, "count the errors")
     out = generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)
     meta, out_ids = out["meta_info"], out["output_ids"]

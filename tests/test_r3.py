@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -53,7 +54,7 @@ def bottom_k_experts(m, ids):
 
 
 def test_install_keeps_the_router_parameter_and_state_dict_keys():
-    m = model_lib.Qwen3_5MoeForCausalLM(model_lib.tiny_config(300))
+    m = transformers.Qwen3_5MoeForCausalLM(model_lib.tiny_config(300))
     keys = list(m.state_dict().keys())
     weight = m.model.layers[0].mlp.gate.weight
     r3.install(m)
