@@ -373,12 +373,18 @@ def embedded_models(hf_actor):
     return actor, behaviour, MegatronCritic.from_actor(actor)
 
 
-def save_hf(actor, hf_config, tokenizer, path):
-    """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load)."""
+def to_hf(actor, hf_config):
+    """The MegatronActor's weights in a Hugging Face model of `hf_config`."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     sd = {k: v for k, v in actor.gpt.state_dict().items() if not k.endswith("_extra_state")}
     hf.load_state_dict(megatron_to_hf(sd, hf_config), strict=True)
+    return hf
+
+
+def save_hf(actor, hf_config, tokenizer, path):
+    """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load)."""
+    hf = to_hf(actor, hf_config)
     os.makedirs(path, exist_ok=True)
     hf.save_pretrained(path)
     tokenizer.save_pretrained(path)

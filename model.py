@@ -166,6 +166,13 @@ def load_actor(path: str):
     return r3.install(model), AutoTokenizer.from_pretrained(path)
 
 
+def hub_state_dict(model) -> dict:
+    """The weights under the checkpoint's (Hub) names, experts one by one, as save_pretrained writes them:
+    what an SGLang server's load_weights expects from /update_weights_from_distributed."""
+    from transformers.core_model_loading import revert_weight_conversion
+    return revert_weight_conversion(model, dict(model.state_dict()))
+
+
 @torch.no_grad()
 def round_to_bf16(model):
     """Round every parameter to bf16 and keep it in fp32 (emulates bf16 inference weights)."""

@@ -514,10 +514,12 @@ class Trainer:
             import mcore
             self.actor, self.behaviour, self.critic = mcore.embedded_models(hf_actor)
             self.save_actor = lambda path: mcore.save_hf(self.actor, hf_actor.config, self.tokenizer, path)
+            self.hub_weights = lambda: M.hub_state_dict(mcore.to_hf(self.actor, hf_actor.config))
         else:
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
+            self.hub_weights = lambda: M.hub_state_dict(self.actor)
         self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
         self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
         self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
@@ -534,6 +536,7 @@ class Trainer:
             self.critic.load_state_dict(ck["critic"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
         self.published = {}  # weight version -> the actor's state dict the engines were given
+        self.publisher = None
 
     def pid(self) -> int:
         return os.getpid()
@@ -543,6 +546,27 @@ class Trainer:
                                    for k, v in self.actor.state_dict().items()}
         for old in [v for v in self.published if v < version - 1]:
             del self.published[old]
+
+    def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
+        """Cluster publish: this process becomes rank 0 of one group with every engine rank (NCCL; gloo on CPU)."""
+        import cluster
+        if not master_address:
+            import ray
+            master_address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+        self.publisher = cluster.WeightPublisher(
+            [cluster.SGLangClient(u) for u in urls], world_sizes, master_address,
+            backend="nccl" if torch.cuda.is_available() else "gloo").connect()
+
+    def publish(self, version: int) -> int:
+        """Publish barrier over the group: pause every engine, broadcast the weights (Hub names), resume."""
+        n = self.publisher.publish(list(self.hub_weights().items()), version)
+        self.mark_published(version)
+        return n
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
 
     def warmup(self, samples: list[dict]) -> list[dict]:
         recs = critic_warmup(self.critic, self.critic_opt, samples, self.args) if samples else []
@@ -627,7 +651,7 @@ def train(args: Args) -> dict:
     n_eng = 0 if ext_urls else args.n_engines
     ray = infra.ray_start(1 + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
     pg, place = infra.ray_layout(n_eng, args.rollout_actors)
-    engines = []
+    engines, trainer = [], None
     try:
         engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
             str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
@@ -639,9 +663,16 @@ def train(args: Args) -> dict:
         log(run_dir, f"ray actors: trainer pid {ray.get(trainer.pid.remote())}, engines {infos or urls}, "
                      f"rollout workers pids {ray.get([w.pid.remote() for w in workers])}")
 
+        sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
+        if sizes:  # cluster: weights go from the trainer to every engine rank over one process group
+            ray.get(trainer.connect_engines.remote(urls, sizes))
+
         def publish(version):  # publish barrier: pause generation, push weights, resume; the trainer keeps a copy
-            infra.publish_from_disk(urls, latest, version)
-            ray.get(trainer.mark_published.remote(version))
+            if sizes:
+                ray.get(trainer.publish.remote(version))
+            else:
+                infra.publish_from_disk(urls, latest, version)
+                ray.get(trainer.mark_published.remote(version))
 
         # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
         if "eval_sft" not in state:
@@ -742,9 +773,9 @@ def train(args: Args) -> dict:
                 train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "rl train"))
             save_state()
     finally:
-        for e in engines:
+        for h in engines + ([trainer] if trainer is not None else []):
             try:
-                ray.get(e.stop.remote(), timeout=30)
+                ray.get((h.close if h is trainer else h.stop).remote(), timeout=30)
             except Exception:
                 pass
         infra.ray_stop(pg)

@@ -448,3 +448,38 @@ def test_run_trial_selects_the_daytona_sandbox(tmp_path, monkeypatch):
     assert res["exit_reason"] == "error" and "DaytonaSandbox: DAYTONA_API_KEY is not set" in res["error"]
     res = rollout.run_trial(task, "nop", sandbox="lxc")
     assert res["exit_reason"] == "error" and "sandbox: expected bwrap|daytona" in res["error"]
+
+
+def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
+    """train_t1.Trainer with --engine-world-sizes: rank 0 of one group with the (fake) SGLang server; the
+    server receives every weight under the checkpoint's names, bit-exact, then weight_version."""
+    import train_t1
+    tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort"] * 20, vocab_size=300)
+    path = str(tmp_path / "sft")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
+    ctx = mp.get_context("spawn")
+    port_q, result_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=fake_sglang, args=(port_q, result_q), daemon=True)
+    proc.start()
+    try:
+        url = f"http://127.0.0.1:{port_q.get(timeout=120)}"
+        args = train_t1.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--engine-urls", url,
+                                    "--engine-world-sizes", "1"])
+        trainer = train_t1.Trainer(args, path, 0)
+        trainer.connect_engines([url], [1], "127.0.0.1")
+        trainer.publish(5)
+        want = model_lib.hub_state_dict(trainer.actor)
+        trainer.close()
+        res = result_q.get(timeout=300)
+    finally:
+        proc.terminate()
+        proc.join(10)
+    assert res["errors"] == []
+    kinds = [k for k, _ in res["calls"]]
+    assert kinds[:2] == ["init", "pause"] and kinds[-2:] == ["continue", "destroy"]
+    updates = [b for k, b in res["calls"] if k == "update"]
+    assert updates[-1]["weight_version"] == "5"
+    assert set(res["received"]) == set(want) and "model.layers.0.mlp.experts.7.down_proj.weight" in want
+    for name, t in want.items():
+        assert torch.equal(torch.tensor(res["received"][name]), t.float()), name
+    assert 5 in trainer.published
