@@ -40,8 +40,9 @@ Departures from the paper (numbered; each with its reason):
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py) in the one Trainer actor: at the
      embedded scale with `--arch qwen3_moe` (standard attention; Megatron's Gated DeltaNet needs Transformer
      Engine) and torch's Adam (world size 1: the distributed optimizer would shard nothing). The cluster's
-     Qwen3.5 trainer group (one rank per GPU under torch.distributed, rank 0 publishing over NCCL) is not
-     wired into this loop yet; check_args says so before any work.
+     Qwen3.5 trainer group (one rank per GPU under torch.distributed) is not wired into this loop yet;
+     check_args says so before any work. The publish over a process group (--engine-world-sizes: the
+     Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher) is wired and tested over gloo.
 """
 from __future__ import annotations
 
