@@ -8,6 +8,7 @@ receives the broadcast tensors over a real gloo group, in a second process.
 Daytona: the real SDK's create-params objects are built (skipped when `daytona` is not installed); the
 sandbox's calls go to a fake client that implements the SDK's method names (the SDK has no offline mode).
 """
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -96,6 +97,20 @@ def fake_sglang(port_q, result_q):
     srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
     port_q.put(srv.server_address[1])
     srv.serve_forever()
+
+
+@contextlib.contextmanager
+def fake_sglang_server():
+    """(url, result queue) of a fake_sglang in a spawned process, stopped on exit."""
+    ctx = mp.get_context("spawn")
+    port_q, result_q = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=fake_sglang, args=(port_q, result_q), daemon=True)
+    proc.start()
+    try:
+        yield f"http://127.0.0.1:{port_q.get(timeout=120)}", result_q
+    finally:
+        proc.terminate()
+        proc.join(10)
 
 
 # --- SGLang client against the embedded engine (shared protocol) ---------------------------------------
@@ -187,12 +202,7 @@ def test_gather_experts_rebuilds_every_expert_from_ep_and_etp_shards(ep, etp):
 
 # --- the distributed publish end to end (gloo, a validating fake SGLang in a second process) -----------
 def test_publish_barrier_sends_sglang_bodies_and_every_tensor_over_the_group():
-    ctx = mp.get_context("spawn")
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=fake_sglang, args=(port_q, result_q), daemon=True)
-    proc.start()
-    try:
-        url = f"http://127.0.0.1:{port_q.get(timeout=120)}"
+    with fake_sglang_server() as (url, result_q):
         client = cluster.SGLangClient(url, timeout=120)
         pub = cluster.WeightPublisher([client], [1], "127.0.0.1", group_name="t1_test", backend="gloo",
                                       bucket_bytes=64 * 4)
@@ -206,9 +216,6 @@ def test_publish_barrier_sends_sglang_bodies_and_every_tensor_over_the_group():
         n_buckets = pub.publish(weights, version=3)
         pub.close()
         res = result_q.get(timeout=120)
-    finally:
-        proc.terminate()
-        proc.join(10)
     assert res["errors"] == []
     kinds = [k for k, _ in res["calls"]]
     assert kinds == ["init", "pause"] + ["update"] * n_buckets + ["continue", "destroy"]
@@ -457,12 +464,7 @@ def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
     tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort"] * 20, vocab_size=300)
     path = str(tmp_path / "sft")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
-    ctx = mp.get_context("spawn")
-    port_q, result_q = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=fake_sglang, args=(port_q, result_q), daemon=True)
-    proc.start()
-    try:
-        url = f"http://127.0.0.1:{port_q.get(timeout=120)}"
+    with fake_sglang_server() as (url, result_q):
         args = train_t1.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--engine-urls", url,
                                     "--engine-world-sizes", "1"])
         trainer = train_t1.Trainer(args, path, 0)
@@ -471,9 +473,6 @@ def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
         want = model_lib.hub_state_dict(trainer.actor)
         trainer.close()
         res = result_q.get(timeout=300)
-    finally:
-        proc.terminate()
-        proc.join(10)
     assert res["errors"] == []
     kinds = [k for k, _ in res["calls"]]
     assert kinds[:2] == ["init", "pause"] and kinds[-2:] == ["continue", "destroy"]
