@@ -8,31 +8,44 @@ fusion off, distributed optimizer). This module holds:
   (GDN via `experimental_attention_variant="gated_delta_net"`, `attention_output_gate=True`); needs
   CUDA, Transformer Engine, flash-linear-attention and DeepEP, so on CPU only its config is checked
   (the builders raise a RuntimeError naming what is missing).
-- `tiny_hf_config` / `build_tiny`: a tiny standard-attention MoE (Hugging Face `Qwen3MoeForCausalLM`
-  layout: q/k RMSNorm, SwiGLU experts, softmax top-k renormalised) built as a Megatron-Core GPTModel
-  on CPU in one gloo process, with small shims (`cpu_shims`).
-- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for that layout.
+- `tiny_hf_config` / `tiny_qwen35_hf_config` / `build_tiny`: a tiny MoE built as a Megatron-Core GPTModel on
+  CPU in one gloo process, with small shims (`init_cpu`, `cpu_shims`), in either Hugging Face layout:
+  `Qwen3MoeForCausalLM` (standard attention, q/k RMSNorm, SwiGLU experts, softmax top-k renormalised) or
+  `Qwen3_5MoeForCausalLM` (3 Gated DeltaNet : 1 gated attention, partial rotary 1/4, gated shared expert,
+  zero-centred RMSNorm), the latter from Megatron's own GatedDeltaNet / SelfAttention / SharedExpertMLP with
+  local modules in place of Transformer Engine's (`_qwen35_local_spec`).
+- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts.
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
   `train_t1.py` switches backend with one argument.
-- `embedded_models` / `save_hf`: the backend `train_t1.py --backend megatron --arch qwen3_moe` trains
-  with at the embedded scale (actor, behaviour copy and critic in one process; HF checkpoints out for
-  the engines).
+- `embedded_models` / `save_hf`: the backend `train_t1.py --backend megatron` trains with at the embedded
+  scale (actor, behaviour copy and critic in one process; HF checkpoints out for the engines).
 - `MegatronCritic` (+ `critic_hf_to_megatron` / `critic_megatron_to_hf`, `build_qwen35_critic`): the paper's
   full-size critic, the actor's GPTModel with a scalar value head in place of the LM output layer; the same
   interface and conventions as `critic.Critic` (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init
   head), so `critic.compute_values` / `critic.critic_update` take it unchanged.
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
+    python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
 
 Departures from the paper:
-1. The CPU check uses standard attention (Qwen3-MoE layout), not Qwen3.5's Gated DeltaNet: megatron
-   -core 0.16.1 has a GDN spec, but it is Transformer-Engine-only and its kernel is flash-linear-
-   attention (triton), neither of which runs here. Conversion is written and tested for the Qwen3-MoE
-   layout at TP = EP = 1; Qwen3.5's GDN, gated-attention and shared-expert tensors are not converted.
-2. CPU shims (only here, never on GPU): `torch.cuda.current_device` -> "cpu" while a forward runs,
-   a no-op CUDA RNG tracker (dropout is 0), and `moe_utils.te_general_gemm = None` where 0.16.1 leaves
-   the name undefined without Transformer Engine (a NameError in the router's gating linear).
+1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
+   (`get_transformer_block_with_experimental_attention_variant_spec` asserts transformer_impl ==
+   "transformer_engine"): the same GatedDeltaNet, gated SelfAttention and MoE classes, but unfused norms
+   (TE keeps the input norm inside in_proj / linear_qkv as `layer_norm_weight`; here it is
+   `input_layernorm.weight`) and one module per expert (the cluster's grouped GEMM names them
+   `experts.linear_fc1.weight{e}`), so the conversion's key names are the local ones; the TE names are a
+   rename away and untested here. Conversion is at TP = EP = 1. Megatron's GatedDeltaNet ignores the
+   attention mask (HF zeroes padded inputs): with right padding the causal recurrence leaves real tokens
+   unchanged, so only padded positions differ; left padding or packed sequences would leak.
+2. CPU shims (only without CUDA, never on GPU): `torch.cuda.current_device` -> "cpu" while a model is built or
+   run, a no-op CUDA RNG tracker (dropout is 0), `moe_utils.te_general_gemm = None` where 0.16.1 leaves the
+   name undefined without Transformer Engine (a NameError in the router's gating linear); for Gated DeltaNet
+   without flash-linear-attention, `HAVE_FLA = True`, fla's l2norm -> a torch one and `chunk_gated_delta_rule`
+   -> Megatron's own `torch_chunk_gated_delta_rule` (its deterministic-mode kernel; causal_conv1d already
+   falls back to nn.Conv1d). Not a shim but part of the local spec (`build_tiny` on CPU or one GPU; the
+   cluster uses TENorm): `_RMSNorm`, a zero-centred RMSNorm, where Megatron's WrappedTorchNorm refuses
+   `layernorm_zero_centered_gamma`.
 3. `MegatronActor` runs the model without Megatron's pipeline schedule (one stage, forward then
    backward per call); with pipeline parallel the schedule must call `r3.megatron_routing` per micro-
    batch (REPLAY_BACKWARD pops the replay tensors in forward order under recompute). The same holds
@@ -88,6 +101,11 @@ def init_cpu():
     from megatron.core.transformer.moe import moe_utils
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE: name never bound
         moe_utils.te_general_gemm = None
+    from megatron.core.ssm import gated_delta_net as gdn
+    if not gdn.HAVE_FLA and not torch.cuda.is_available():  # GDN without flash-linear-attention (triton):
+        gdn.HAVE_FLA = True  # GatedDeltaNet.__init__ raises ImportError on this flag alone
+        gdn.l2norm = _l2norm  # fla.modules.l2norm
+        gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel
     mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if not dist.is_initialized():
@@ -95,6 +113,27 @@ def init_cpu():
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     _CPU_READY = True
+
+
+def _l2norm(x, dim=-1, eps=1e-6):
+    """fla's l2norm on CPU (as transformers' Qwen3.5 reference): x / sqrt(sum x^2 + eps)."""
+    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
+
+
+class _RMSNorm(torch.nn.Module):
+    """Local stand-in for TENorm(RMSNorm) honouring `layernorm_zero_centered_gamma` (y = x / rms(x) * (1 + w)),
+    which megatron-core's own WrappedTorchNorm refuses; computed in fp32 as TE and transformers do."""
+
+    def __init__(self, config, hidden_size, eps=1e-6, **unused):
+        super().__init__()
+        self.zero_centered, self.eps = config.layernorm_zero_centered_gamma, eps
+        init = torch.zeros if self.zero_centered else torch.ones
+        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+
+    def forward(self, x):
+        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        w = self.weight.float() + 1 if self.zero_centered else self.weight.float()
+        return (y * w).type_as(x)
 
 
 @contextlib.contextmanager
@@ -122,16 +161,37 @@ def tiny_hf_config(vocab_size=96):
                           max_position_embeddings=256, tie_word_embeddings=False)
 
 
+def tiny_qwen35_hf_config(vocab_size=96):
+    """Qwen3.5-MoE text model at toy size (model.tiny_config's layout): 4 layers [GDN x3, gated attention],
+    hidden 32, 4 heads (2 KV groups, head dim 16, rotary on 1/4), GDN 2 key / 4 value heads, 8 experts top-2
+    + gated shared expert, aux loss 0."""
+    from transformers import Qwen3_5MoeTextConfig
+    return Qwen3_5MoeTextConfig(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=4,
+                                layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                                shared_expert_intermediate_size=16, router_aux_loss_coef=0.0, rms_norm_eps=1e-6,
+                                max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def is_qwen35(hf):
+    """Qwen3.5 layout (GDN + gated attention + gated shared expert) vs Qwen3-MoE (standard attention)."""
+    return getattr(hf, "model_type", "").startswith("qwen3_5")
+
+
 def _rope_theta(hf):
     rp = getattr(hf, "rope_parameters", None) or {}
     return float(rp.get("rope_theta", getattr(hf, "rope_theta", 10000.0)))
 
 
 def megatron_config(hf, **overrides):
-    """TransformerConfig equivalent to a Qwen3-MoE HF config (fp32, dropout 0, R3 replay on, fusion off)."""
+    """TransformerConfig equivalent to a Qwen3-MoE or Qwen3.5-MoE HF config (fp32, dropout 0, R3 replay on,
+    fusion off, local modules)."""
     from megatron.core.transformer import TransformerConfig
     kw = dict(num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-              num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim, ffn_hidden_size=hf.intermediate_size,
+              num_query_groups=hf.num_key_value_heads, kv_channels=hf.head_dim,
+              ffn_hidden_size=getattr(hf, "intermediate_size", None) or hf.moe_intermediate_size,  # dense: unused
               num_moe_experts=hf.num_experts, moe_router_topk=hf.num_experts_per_tok,
               moe_ffn_hidden_size=hf.moe_intermediate_size,
               moe_router_pre_softmax=False,  # top-k on logits, softmax over the k = renormalised top-k
@@ -142,55 +202,131 @@ def megatron_config(hf, **overrides):
               gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
               hidden_dropout=0.0, attention_dropout=0.0, bf16=False, params_dtype=torch.float32,
               use_cpu_initialization=True)
+    if is_qwen35(hf):  # the same switches as qwen35_config, with the pattern and sizes read from `hf`
+        kw.update(experimental_attention_variant="gated_delta_net",
+                  linear_attention_freq=[int(t == "linear_attention") for t in hf.layer_types],  # 1 = GDN
+                  linear_conv_kernel_dim=hf.linear_conv_kernel_dim, linear_key_head_dim=hf.linear_key_head_dim,
+                  linear_value_head_dim=hf.linear_value_head_dim, linear_num_key_heads=hf.linear_num_key_heads,
+                  linear_num_value_heads=hf.linear_num_value_heads, attention_output_gate=True,
+                  moe_shared_expert_intermediate_size=hf.shared_expert_intermediate_size, moe_shared_expert_gate=True,
+                  layernorm_zero_centered_gamma=True,  # HF Qwen3.5 RMSNorm: x / rms(x) * (1 + w)
+                  transformer_impl="local")
     kw.update(overrides)
     return TransformerConfig(**kw)
 
 
+def _qwen35_local_spec(cfg):
+    """The block spec get_transformer_block_with_experimental_attention_variant_spec builds, with Megatron's
+    local modules in place of Transformer Engine's (which that function asserts): per layer GatedDeltaNet
+    (in_proj, out_norm, out_proj) or gated SelfAttention, MoE with a shared expert, zero-centred RMSNorms.
+    Unfused: the norm TE folds into in_proj / linear_qkv (layer_norm_weight) sits in input_layernorm."""
+    import copy
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+    from megatron.core.transformer.spec_utils import ModuleSpec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    base = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                    normalization="RMSNorm")  # MoE spec has SharedExpertMLP
+    gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=ColumnParallelLinear, out_norm=_RMSNorm, out_proj=RowParallelLinear))
+    layers = []
+    for linear in cfg.linear_attention_freq:
+        spec = copy.deepcopy(base)
+        sub = spec.submodules
+        sub.input_layernorm = sub.pre_mlp_layernorm = _RMSNorm
+        if linear:
+            sub.self_attention = gdn
+        else:
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = _RMSNorm
+        layers.append(spec)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_RMSNorm)
+
+
 def build_tiny(hf, seed=0, **overrides):
-    """Megatron-Core GPTModel (local spec, CPU) with the architecture of the HF Qwen3-MoE config `hf`."""
+    """Megatron-Core GPTModel (local modules, CPU) with the architecture of the HF Qwen3-MoE or Qwen3.5-MoE
+    config `hf`."""
     init_cpu()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     torch.manual_seed(seed)
     cfg = megatron_config(hf, **overrides)
-    spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
-                                    normalization="RMSNorm")
-    return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
-                    max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
-                    rotary_base=_rope_theta(hf), share_embeddings_and_output_weights=hf.tie_word_embeddings)
+    if is_qwen35(hf):
+        spec = _qwen35_local_spec(cfg)
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
+                                        normalization="RMSNorm")
+    rotary_percent = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)  # Qwen3.5: 0.25
+    with cpu_shims():  # GatedDeltaNet allocates on torch.cuda.current_device()
+        return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
+                        max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
+                        rotary_percent=rotary_percent, rotary_base=_rope_theta(hf),
+                        share_embeddings_and_output_weights=hf.tie_word_embeddings)
 
 
-# --- HF <-> Megatron weights (Qwen3-MoE layout, TP = EP = 1) ---------------------------------------------
-def _qkv_pack(q, k, v, n_heads, n_groups, d):
-    """q (nh*d, H), k/v (ng*d, H) -> Megatron linear_qkv ((nh + 2 ng) * d, H): per group [q.., k, v]."""
+# --- HF <-> Megatron weights (Qwen3-MoE and Qwen3.5-MoE layouts, TP = EP = 1, local module names) -----------
+def _qkv_pack(q, k, v, n_heads, n_groups, d, gate=None):
+    """q (nh*d, H), k/v (ng*d, H) [, gate (nh*d, H)] -> Megatron linear_qkv: per query group [q.., gate.., k, v]
+    ((nh + 2 ng) * d rows; (2 nh + 2 ng) * d with the attention output gate)."""
     H = q.shape[-1]
-    q = q.reshape(n_groups, n_heads // n_groups * d, H)
-    k, v = k.reshape(n_groups, d, H), v.reshape(n_groups, d, H)
-    return torch.cat([q, k, v], dim=1).reshape(-1, H)
+    parts = [q] if gate is None else [q, gate]
+    parts = [x.reshape(n_groups, n_heads // n_groups * d, H) for x in parts]
+    return torch.cat(parts + [k.reshape(n_groups, d, H), v.reshape(n_groups, d, H)], dim=1).reshape(-1, H)
 
 
-def _qkv_unpack(qkv, n_heads, n_groups, d):
+def _qkv_unpack(qkv, n_heads, n_groups, d, gated=False):
+    """Inverse of _qkv_pack -> [q, gate (if gated), k, v], each (heads * d, H)."""
     H = qkv.shape[-1]
     per = n_heads // n_groups * d
-    g = qkv.reshape(n_groups, per + 2 * d, H)
-    return g[:, :per].reshape(-1, H), g[:, per:per + d].reshape(-1, H), g[:, per + d:].reshape(-1, H)
+    sizes = [per] * (2 if gated else 1) + [d, d]
+    return [x.reshape(-1, H) for x in qkv.reshape(n_groups, sum(sizes), H).split(sizes, dim=1)]
+
+
+def _gated_q_split(q_proj, n_heads, d):
+    """HF Qwen3.5 q_proj (nh * 2d, H), per head [q_h; gate_h] -> q, gate (nh*d, H) each."""
+    x = q_proj.reshape(n_heads, 2, d, -1)
+    return x[:, 0].reshape(n_heads * d, -1), x[:, 1].reshape(n_heads * d, -1)
+
+
+def _gated_q_join(q, gate, n_heads, d):
+    return torch.stack([q.reshape(n_heads, d, -1), gate.reshape(n_heads, d, -1)], dim=1).reshape(n_heads * 2 * d, -1)
+
+
+def _gdn_split(hf):
+    """Row sizes of Megatron's GDN in_proj: [q k v (= HF in_proj_qkv), z, beta (in_proj_b), alpha (in_proj_a)]."""
+    qk, v = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * hf.linear_value_head_dim
+    return [2 * qk + v, v, hf.linear_num_value_heads, hf.linear_num_value_heads]
 
 
 def hf_to_megatron(sd, hf) -> dict:
-    """HF Qwen3MoeForCausalLM state dict (transformers 5: fused experts) -> GPTModel state dict."""
+    """HF Qwen3MoeForCausalLM / Qwen3_5MoeForCausalLM state dict (transformers 5: fused experts) -> GPTModel's.
+
+    Qwen3.5: all HF RMSNorms but the GDN's gated norm are zero-centred (1 + w), as Megatron's with
+    layernorm_zero_centered_gamma, so they copy; that config also makes the GDN out_norm zero-centred, while
+    HF's Qwen3_5MoeRMSNormGated multiplies by w: out_norm = w - 1 (exact for w in [0.5, 2], Sterbenz)."""
     nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
+    q35 = is_qwen35(hf)
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": sd["model.norm.weight"],
            "output_layer.weight": sd["lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"]}
     for i in range(hf.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
         out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
-        out[m + "self_attention.linear_qkv.weight"] = _qkv_pack(sd[a + "q_proj.weight"], sd[a + "k_proj.weight"],
-                                                              sd[a + "v_proj.weight"], nh, ng, d)
-        out[m + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
-        out[m + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
-        out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
+        if q35 and hf.layer_types[i] == "linear_attention":  # Gated DeltaNet
+            a, g = h + "linear_attn.", m + "self_attention."
+            out[g + "in_proj.weight"] = torch.cat([sd[a + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")])
+            out[g + "conv1d.weight"] = sd[a + "conv1d.weight"]  # (conv_dim, 1, K) over [q, k, v] channels
+            out[g + "dt_bias"], out[g + "A_log"] = sd[a + "dt_bias"], sd[a + "A_log"]
+            out[g + "out_norm.weight"] = sd[a + "norm.weight"] - 1
+            out[g + "out_proj.weight"] = sd[a + "out_proj.weight"]
+        else:
+            a = h + "self_attn."
+            q, gate = (_gated_q_split(sd[a + "q_proj.weight"], nh, d) if q35 else (sd[a + "q_proj.weight"], None))
+            out[m + "self_attention.linear_qkv.weight"] = _qkv_pack(q, sd[a + "k_proj.weight"], sd[a + "v_proj.weight"],
+                                                                  nh, ng, d, gate)
+            out[m + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
+            out[m + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
+            out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
         out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
         out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
         gate_up, down = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.down_proj"]  # (E, 2I, H), (E, H, I)
@@ -198,28 +334,50 @@ def hf_to_megatron(sd, hf) -> dict:
             x = f"{m}mlp.experts.local_experts.{e}."
             out[x + "linear_fc1.weight"] = gate_up[e]  # [gate; up], Megatron's GLU chunk order
             out[x + "linear_fc2.weight"] = down[e]
+        if q35:  # shared expert: sigmoid(x . gate_weight) * SwiGLU(x), added to the routed output
+            s, x = h + "mlp.shared_expert", m + "mlp.shared_experts."
+            out[x + "linear_fc1.weight"] = torch.cat([sd[s + ".gate_proj.weight"], sd[s + ".up_proj.weight"]])
+            out[x + "linear_fc2.weight"] = sd[s + ".down_proj.weight"]
+            out[x + "gate_weight"] = sd[s + "_gate.weight"]  # (1, H)
     return {k: v.detach().clone() for k, v in out.items()}
 
 
 def megatron_to_hf(sd, hf) -> dict:
-    """GPTModel state dict -> HF Qwen3MoeForCausalLM state dict (the inverse of hf_to_megatron)."""
+    """GPTModel state dict -> HF Qwen3MoeForCausalLM / Qwen3_5MoeForCausalLM state dict (inverse of hf_to_megatron)."""
     nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
+    q35 = is_qwen35(hf)
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
            "model.norm.weight": sd["decoder.final_layernorm.weight"], "lm_head.weight": sd["output_layer.weight"]}
     for i in range(hf.num_hidden_layers):
         h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        a = h + "self_attn."
         out[h + "input_layernorm.weight"] = sd[m + "input_layernorm.weight"]
-        q, k, v = _qkv_unpack(sd[m + "self_attention.linear_qkv.weight"], nh, ng, d)
-        out[a + "q_proj.weight"], out[a + "k_proj.weight"], out[a + "v_proj.weight"] = q, k, v
-        out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
-        out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
-        out[a + "o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
+        if q35 and hf.layer_types[i] == "linear_attention":
+            a, g = h + "linear_attn.", m + "self_attention."
+            qkv, z, b, al = sd[g + "in_proj.weight"].split(_gdn_split(hf))
+            out.update({a + "in_proj_qkv.weight": qkv, a + "in_proj_z.weight": z, a + "in_proj_b.weight": b,
+                        a + "in_proj_a.weight": al})
+            out[a + "conv1d.weight"] = sd[g + "conv1d.weight"]
+            out[a + "dt_bias"], out[a + "A_log"] = sd[g + "dt_bias"], sd[g + "A_log"]
+            out[a + "norm.weight"] = sd[g + "out_norm.weight"] + 1
+            out[a + "out_proj.weight"] = sd[g + "out_proj.weight"]
+        else:
+            a = h + "self_attn."
+            parts = _qkv_unpack(sd[m + "self_attention.linear_qkv.weight"], nh, ng, d, gated=q35)
+            out[a + "q_proj.weight"] = _gated_q_join(parts[0], parts[1], nh, d) if q35 else parts[0]
+            out[a + "k_proj.weight"], out[a + "v_proj.weight"] = parts[-2], parts[-1]
+            out[a + "q_norm.weight"] = sd[m + "self_attention.q_layernorm.weight"]
+            out[a + "k_norm.weight"] = sd[m + "self_attention.k_layernorm.weight"]
+            out[a + "o_proj.weight"] = sd[m + "self_attention.linear_proj.weight"]
         out[h + "post_attention_layernorm.weight"] = sd[m + "pre_mlp_layernorm.weight"]
         out[h + "mlp.gate.weight"] = sd[m + "mlp.router.weight"]
         x = f"{m}mlp.experts.local_experts."
         out[h + "mlp.experts.gate_up_proj"] = torch.stack([sd[f"{x}{e}.linear_fc1.weight"] for e in range(E)])
         out[h + "mlp.experts.down_proj"] = torch.stack([sd[f"{x}{e}.linear_fc2.weight"] for e in range(E)])
+        if q35:
+            s, x = h + "mlp.shared_expert", m + "mlp.shared_experts."
+            out[s + ".gate_proj.weight"], out[s + ".up_proj.weight"] = sd[x + "linear_fc1.weight"].chunk(2)
+            out[s + ".down_proj.weight"] = sd[x + "linear_fc2.weight"]
+            out[s + "_gate.weight"] = sd[x + "gate_weight"]
     return {k: v.detach().clone() for k, v in out.items()}
 
 
@@ -302,12 +460,13 @@ def _same_architecture(gpt, **config_overrides):
     """A fresh GPTModel built like `gpt` (its config with overrides, layer spec, sizes, rope, stage, groups)."""
     import dataclasses
     from megatron.core.models.gpt import GPTModel
-    return GPTModel(config=dataclasses.replace(gpt.config, **config_overrides),
-                    transformer_layer_spec=gpt.transformer_layer_spec, vocab_size=gpt.vocab_size,
-                    max_sequence_length=gpt.max_sequence_length, pre_process=gpt.pre_process,
-                    post_process=gpt.post_process, position_embedding_type=gpt.position_embedding_type,
-                    rotary_percent=gpt.rotary_percent, rotary_base=gpt.rotary_base,
-                    pg_collection=gpt.pg_collection, vp_stage=gpt.vp_stage)
+    with cpu_shims():  # GatedDeltaNet allocates on torch.cuda.current_device()
+        return GPTModel(config=dataclasses.replace(gpt.config, **config_overrides),
+                        transformer_layer_spec=gpt.transformer_layer_spec, vocab_size=gpt.vocab_size,
+                        max_sequence_length=gpt.max_sequence_length, pre_process=gpt.pre_process,
+                        post_process=gpt.post_process, position_embedding_type=gpt.position_embedding_type,
+                        rotary_percent=gpt.rotary_percent, rotary_base=gpt.rotary_base,
+                        pg_collection=gpt.pg_collection, vp_stage=gpt.vp_stage)
 
 
 class MegatronCritic(torch.nn.Module):
@@ -361,13 +520,13 @@ def critic_megatron_to_hf(sd, hf) -> dict:
 
 # --- the embedded Megatron backend: world size 1 on this machine (train_t1.py --backend megatron) ---------
 def embedded_models(hf_actor):
-    """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE actor: two MegatronActors
+    """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE or Qwen3.5-MoE actor: two MegatronActors
     with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic
     from the actor's backbone. One process, TP = PP = EP = 1, CPU (or one GPU)."""
     cfg = hf_actor.config
-    if getattr(cfg, "model_type", "") != "qwen3_moe":
-        raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE layout, got "
-                         f"{getattr(cfg, 'model_type', type(hf_actor).__name__)!r} (train_t1.py --arch qwen3_moe)")
+    if getattr(cfg, "model_type", "") not in ("qwen3_moe", "qwen3_5_moe_text"):
+        raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE and Qwen3.5-MoE text "
+                         f"layouts, got {getattr(cfg, 'model_type', type(hf_actor).__name__)!r}")
     sd = hf_actor.state_dict()
     actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg), sd, cfg)) for _ in range(2))
     return actor, behaviour, MegatronCritic.from_actor(actor)

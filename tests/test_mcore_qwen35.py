@@ -1,0 +1,160 @@
+"""Tests for mcore.py's Qwen3.5 layout on CPU: Megatron-Core's GatedDeltaNet + gated attention + MoE with a gated
+shared expert (local modules, torch GDN kernel) vs HF Qwen3_5MoeForCausalLM, conversion both ways, native R3."""
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import critic  # noqa: E402
+import mcore  # noqa: E402
+import r3  # noqa: E402
+from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
+
+B, T, V, L, K, E = 2, 12, 96, 4, 2, 8  # L MoE layers (every layer), top-K of E experts
+
+
+@pytest.fixture(scope="module")
+def hf_cfg():
+    return mcore.tiny_qwen35_hf_config(V)
+
+
+@pytest.fixture(scope="module")
+def hf(hf_cfg):
+    torch.manual_seed(0)
+    m = r3.install(Qwen3_5MoeForCausalLM(hf_cfg)).eval()
+    with torch.no_grad():  # move norms, gates and dt_bias off their init so each conversion rule is exercised
+        for name, p in m.named_parameters():
+            if "norm" in name or "gate" in name or "dt_bias" in name:
+                p.add_(0.1 * torch.randn(p.shape))
+    return m
+
+
+@pytest.fixture(scope="module")
+def actor(hf, hf_cfg):
+    gpt = mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
+    return mcore.MegatronActor(gpt).eval()
+
+
+@pytest.fixture(scope="module")
+def batch():
+    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 9:] = 0  # right padding, as train_t1.pad_batch
+    return ids, am
+
+
+def logprobs(model, ids, am):
+    logits = model(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
+    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * am[:, 1:]  # (B, T-1)
+
+
+def routing_maps(actor, fn):
+    """Run fn() and return each TopKRouter's routing_map (N, E) in layer order."""
+    maps, hooks = [], [r.register_forward_hook(lambda m, i, o: maps.append(o[1].clone()))
+                       for r in r3.megatron_routers(actor.gpt)]
+    try:
+        fn()
+    finally:
+        for h in hooks:
+            h.remove()
+    return maps
+
+
+def test_qwen35_builds_megatron_gdn_gated_attention_and_gated_shared_expert(actor):
+    from megatron.core.ssm.gated_delta_net import GatedDeltaNet
+    from megatron.core.transformer.attention import SelfAttention
+    layers = actor.gpt.decoder.layers
+    assert [type(l.self_attention) for l in layers] == [GatedDeltaNet] * 3 + [SelfAttention]
+    assert actor.gpt.config.attention_output_gate and actor.gpt.config.layernorm_zero_centered_gamma
+    assert all(l.mlp.shared_experts.gate_weight.shape == (1, 32) for l in layers)
+    assert actor.gpt.rotary_pos_emb.inv_freq.numel() == 2  # rotary on 16 * 0.25 = 4 of 16 head dims
+
+
+def test_qwen35_hf_and_megatron_logits_agree(hf, actor, batch):
+    ids, am = batch
+    with torch.no_grad():
+        a, b = hf(input_ids=ids, attention_mask=am).logits, actor(input_ids=ids, attention_mask=am).logits
+    d = (a - b)[am.bool()].abs().max().item()
+    print(f"max |dlogit| HF vs Megatron Qwen3.5: {d:.2e} (logits up to {a.abs().max().item():.2f})")
+    assert d < 1e-6  # measured 1.4e-7 (fp32; two torch chunked delta-rule kernels, two attentions)
+
+
+def test_qwen35_hf_megatron_hf_round_trip_is_bit_equal(hf, hf_cfg, actor):
+    sd = hf.state_dict()
+    back = mcore.megatron_to_hf(actor.gpt.state_dict(), hf_cfg)
+    assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
+
+
+def test_qwen35_megatron_hf_megatron_round_trip_is_bit_equal(hf_cfg):
+    gpt = mcore.build_tiny(hf_cfg, seed=3)  # Megatron's own init: out_norm 0, A_log from its range
+    sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    again = mcore.hf_to_megatron(mcore.megatron_to_hf(sd, hf_cfg), hf_cfg)
+    assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
+
+
+def test_qwen35_megatron_replays_a_recorded_routing_under_perturbed_router_weights(hf, hf_cfg, actor, batch):
+    ids, am = batch
+    with torch.no_grad(), r3.routing(actor, "record") as rec:
+        actor(input_ids=ids, attention_mask=am)
+        recorded = rec.experts  # (B, T, L, K) from the native RECORD action
+    assert recorded.shape == (B, T, L, K)
+    other = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)).eval()
+    with torch.no_grad():
+        for r in r3.megatron_routers(other.gpt):
+            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(2)))
+    live = routing_maps(other, lambda: other(input_ids=ids, attention_mask=am))
+
+    def replay():
+        with torch.no_grad(), r3.routing(other, "replay", recorded):
+            other(input_ids=ids, attention_mask=am)
+    got = routing_maps(other, replay)
+    want = r3.slice_for_megatron(recorded)  # per layer (T * B, K), Megatron's [s, b] order
+    for l in range(L):
+        assert torch.equal(got[l], torch.zeros(T * B, E, dtype=torch.bool).scatter(1, want[l].long(), True))
+    assert any(not torch.equal(live[l], got[l]) for l in range(L))  # the replay really overrode live routing
+
+
+def test_qwen35_megatron_replay_matches_hf_replay_and_gradient_reaches_gdn(hf, actor, batch):
+    ids, am = batch
+    forced = torch.zeros(B, T, L, K, dtype=torch.int32)
+    forced[..., 0], forced[..., 1] = 5, 6  # experts 5 and 6 everywhere
+    with torch.no_grad(), r3.routing(hf, "replay", forced):
+        want = logprobs(hf, ids, am)
+    actor.zero_grad()
+    with r3.routing(actor, "replay", forced):  # the training-step interface of the embedded backend
+        got = logprobs(actor, ids, am)
+        got.sum().backward()
+    assert torch.allclose(got.detach(), want, atol=1e-6, rtol=0)
+    gdn = actor.gpt.decoder.layers[0].self_attention
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (gdn.A_log, gdn.dt_bias, gdn.conv1d.weight))
+    g = r3.megatron_routers(actor.gpt)[0].weight.grad  # (E, H): softmax over the recorded K only
+    assert g[5:7].abs().sum() > 0 and g[[0, 1, 2, 3, 4, 7]].abs().max() < 1e-4 * g[5:7].abs().max()
+    actor.zero_grad()
+
+
+def test_qwen35_critic_from_actor_gives_zero_values_then_trains(actor, batch):
+    ids, am = batch
+    c = mcore.MegatronCritic.from_actor(actor)
+    assert torch.equal(critic.compute_values(c, ids, am), torch.zeros(B, T))  # zero head, as critic.Critic
+    mask = am.clone()
+    mask[:, 0] = 0
+    old = critic.compute_values(c, ids, am)
+    returns = torch.linspace(0.2, 1.0, T).expand(B, T) * mask  # (B, T)
+    b = {"input_ids": ids, "attention_mask": am, "mask": mask, "returns": returns, "old_values": old}
+    critic.critic_update(c, torch.optim.Adam(c.parameters(), lr=1e-2), [b], clip_eps_v=0.2)
+    after = critic.value_loss(critic.compute_values(c, ids, am), old, returns, mask, 0.2)[0].item()
+    assert after < critic.value_loss(old, old, returns, mask, 0.2)[0].item()
+
+
+def test_embedded_models_take_the_qwen35_embedded_preset(batch):
+    import model as model_lib
+    cfg = model_lib.tiny_config(V)  # the embedded preset train_t1 builds (hidden 128, GDN x3 + attention)
+    hf = model_lib.build_actor(cfg, seed=0).eval()
+    actor, behaviour, c = mcore.embedded_models(hf)
+    ids, am = batch
+    with torch.no_grad():
+        a, b = hf(input_ids=ids, attention_mask=am).logits, actor(input_ids=ids, attention_mask=am).logits
+    d = (a - b)[am.bool()].abs().max().item()
+    print(f"max |dlogit| HF vs Megatron, embedded Qwen3.5 preset: {d:.2e}")
+    assert d < 1e-5
+    back = mcore.to_hf(actor, cfg).state_dict()
+    assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
