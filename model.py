@@ -120,8 +120,7 @@ def tiny_config(vocab_size: int, arch: str = "qwen3_5_moe"):
     """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off).
 
     arch "qwen3_moe": the same sizes with standard attention in every layer and no shared expert
-    (Qwen3-MoE): the architecture Megatron-Core builds on a CPU (mcore.py; its Gated DeltaNet needs
-    Transformer Engine), used by `train_t1.py --backend megatron` at the embedded scale.
+    (Qwen3-MoE), the other layout mcore.py converts (`train_t1.py --arch qwen3_moe`).
     """
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(

@@ -37,12 +37,14 @@ Departures from the paper (numbered; each with its reason):
      paper's SFT data is not public).
   4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
      them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
-  5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py) in the one Trainer actor: at the
-     embedded scale with `--arch qwen3_moe` (standard attention; Megatron's Gated DeltaNet needs Transformer
-     Engine) and torch's Adam (world size 1: the distributed optimizer would shard nothing). The cluster's
-     Qwen3.5 trainer group (one rank per GPU under torch.distributed) is not wired into this loop yet;
-     check_args says so before any work. The publish over a process group (--engine-world-sizes: the
-     Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher) is wired and tested over gloo.
+  5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
+     gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) in the one Trainer
+     actor, with torch's Adam (world size 1: the distributed optimizer would shard nothing); on a CPU
+     through mcore's shims (torch GDN kernel, local modules instead of Transformer Engine). The cluster's
+     trainer group (one rank per GPU under torch.distributed, a --plan over many GPUs) is not wired into
+     this loop yet; check_args says so before any work. The publish over a process group
+     (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher) is
+     wired and tested over gloo.
 """
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ class Args:
     # --- model
     arch: str = "qwen3_5_moe"
     """embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention MoE) | qwen3_moe (standard
-    attention MoE, the layout --backend megatron builds on a CPU)"""
+    attention MoE, Qwen3-MoE)"""
     vocab_size: int = 2048
     """embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)"""
     # --- rollout (paper: 1 trajectory per task; launch 560, keep the first 512 finished)
@@ -234,14 +236,14 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--model-path: no config.json in {args.model_path!r}")
     if args.sandbox == "daytona" and not os.environ.get("DAYTONA_API_KEY"):
         raise ValueError("--sandbox daytona: DAYTONA_API_KEY is not set")
-    start = Path(args.model_path) / "config.json" if args.model_path else None
-    layout = json.loads(start.read_text()).get("model_type") if start else args.arch
-    if args.backend == "megatron" and layout != "qwen3_moe":  # Qwen3.5 in Megatron-Core: GPU nodes only
+    plan = json.loads(args.plan) if args.plan else {}
+    world = math.prod(int(plan.get(k, 1)) for k in ("tp", "pp", "cp", "dp"))
+    if args.backend == "megatron" and world > 1:  # a plan over many GPUs: the cluster's trainer group
         import mcore
         mcore.require_cluster("--backend megatron")  # names CUDA / transformer_engine / fla / deep_ep
-        raise NotImplementedError("--backend megatron: the multi-rank Megatron trainer group (one Ray actor per "
-                                  "GPU under torch.distributed, rank 0 publishing through cluster.WeightPublisher) "
-                                  "is not wired into train_t1.py yet; mcore.py has the models and optimizers")
+        raise NotImplementedError(f"--plan: {world} trainer ranks; the multi-rank Megatron trainer group (one Ray "
+                                  "actor per GPU under torch.distributed) is not wired into train_t1.py yet, only "
+                                  "the one-process Megatron backend (world size 1)")
 
 
 # --- helpers ------------------------------------------------------------------------------------------
