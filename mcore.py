@@ -24,9 +24,13 @@ fusion off, distributed optimizer). This module holds:
   full-size critic, the actor's GPTModel with a scalar value head in place of the LM output layer; the same
   interface and conventions as `critic.Critic` (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init
   head), so `critic.compute_values` / `critic.critic_update` take it unchanged.
+- `context_parallel_gdn`: Megatron's own GatedDeltaNet layer with its sequence split over a context-parallel
+  group (paper: native CP for the recurrent operator), which megatron-core 0.16.1 refuses: a conv1d halo
+  exchange plus infra.py's CP chunked gated delta rule (state passing, infra.py section 2).
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
+    python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
 
 Departures from the paper:
 1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
@@ -57,6 +61,19 @@ Departures from the paper:
 5. The embedded Megatron backend (`embedded_models`) runs at world size 1 with torch's Adam on the
    GPTModels' parameters (train_t1.py), not Megatron's DDP + distributed optimizer, which need a process
    group per parallel dimension and shard nothing at one rank.
+6. Context parallel covers the GDN layers only (`context_parallel_gdn`), patched around megatron-core's unchanged
+   GatedDeltaNet.forward (hooks on its conv1d, its module-level kernel name swapped inside the block), with
+   TransformerConfig.context_parallel_size left at 1 because 0.16.1 asserts it for GDN; the CP group is
+   parallel_state's (Megatron's layer.pg_collection.cp). The recurrence is infra.py's torch kernel, also on GPU
+   (FLA's chunk_gated_delta_rule is not state-passed here). Not wired into build_tiny / MegatronActor / the
+   trainer: gated attention under CP (Megatron's TE attention with cp_comm_type) and the position ids of a
+   slice are the cluster's, untested on CPU (the local DotProductAttention refuses CP). Tested at TP = 1,
+   B = 2, one layer.
+
+Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a partial last chunk, B = 2, fp32,
+gloo): output concatenated over ranks bitwise equal to one rank at kappa = 2 and 4; input grads max |diff| 1.4e-9 /
+1.9e-9; weight grads summed over ranks 8.3e-7 / 1.3e-6 at |dW| up to 4.5 (fp32 reassociation). Without the halo,
+rank 1's output differs from its first token on (6e-3).
 """
 
 import contextlib
@@ -262,6 +279,85 @@ def build_tiny(hf, seed=0, **overrides):
                         max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=rotary_percent, rotary_base=_rope_theta(hf),
                         share_embeddings_and_output_weights=hf.tie_word_embeddings)
+
+
+# --- context-parallel Gated DeltaNet: Megatron's layer, infra.py's CP recurrence -----------------------------
+# Paper: "native context parallelism for the recurrent operator". megatron-core 0.16.1 refuses it
+# (TransformerConfig.__post_init__: "Gated delta net does not support context parallel for now"; gated_delta_net.py
+# keeps `# TODO: support CP`). Inside GatedDeltaNet.forward only two things cross tokens: the causal depthwise
+# conv1d (kernel K reads K-1 earlier tokens) and the recurrence; in_proj, l2norm, g/beta, gated norm and out_proj
+# are token-local. `context_parallel_gdn` patches exactly those two and leaves the forward's code as it is.
+class _ConvHalo(torch.autograd.Function):
+    """(B, D, S_r) -> (B, D, K-1 + S_r): prepend the previous CP rank's last K-1 pre-conv columns (zeros on rank 0,
+    i.e. the conv's own causal padding). Backward returns the halo's gradient to its owner, which adds it."""
+
+    @staticmethod
+    def forward(ctx, x, width, group):
+        import torch.distributed as dist
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        peer = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
+        halo = torch.zeros(*x.shape[:-1], width, dtype=x.dtype)
+        send = dist.isend(x[..., -width:].contiguous(), peer(rank + 1), group=group) if rank < world - 1 else None
+        if rank > 0:
+            dist.recv(halo, peer(rank - 1), group=group)
+        if send is not None:
+            send.wait()
+        ctx.width, ctx.group, ctx.rank, ctx.world, ctx.peer = width, group, rank, world, peer
+        return torch.cat([halo, x], dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import torch.distributed as dist
+        w, rank, world, peer = ctx.width, ctx.rank, ctx.world, ctx.peer
+        dx = dy[..., w:].clone()  # (B, D, S_r)
+        send = dist.isend(dy[..., :w].contiguous(), peer(rank - 1), group=ctx.group) if rank > 0 else None
+        if rank < world - 1:  # my last K-1 columns were rank+1's halo: their gradient comes back from there
+            d_tail = torch.zeros_like(dx[..., -w:])
+            dist.recv(d_tail, peer(rank + 1), group=ctx.group)
+            dx[..., -w:] += d_tail
+        if send is not None:
+            send.wait()
+        return dx, None, None
+
+
+@contextlib.contextmanager
+def context_parallel_gdn(model, group=None, chunk_size=64):
+    """Inside the block every Megatron GatedDeltaNet in `model` runs as one rank of the context-parallel `group`
+    (default: the layer's own pg_collection.cp, Megatron's CP group) on this rank's slice of the sequence,
+    hidden_states [S_r, B, H] with the slices cut by infra.cp_split (chunk boundaries). Outputs and input
+    gradients are this rank's slices; parameter gradients are partial sums (Megatron's DDP reduces them over
+    DP x CP). How (module departure 6):
+      1. conv1d: a forward pre-hook prepends the K-1 halo columns (_ConvHalo), a forward hook drops the K-1
+         extra leading outputs, so the forward's own `[..., :seq_len]` slice is exact.
+      2. recurrence: the module-level `chunk_gated_delta_rule` / `torch_chunk_gated_delta_rule` the forward
+         calls -> infra.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
+         `causal_conv1d_fn` -> None for the block so the (hooked) nn.Conv1d path runs on GPU too.
+      3. TransformerConfig keeps context_parallel_size = 1 (it asserts that for GDN); the CP group is passed here.
+    """
+    import infra
+    from megatron.core.ssm import gated_delta_net as gdn
+    layers = [m for m in model.modules() if isinstance(m, gdn.GatedDeltaNet)]
+    group = group if group is not None else layers[0].pg_collection.cp
+
+    def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   **unused):  # as GatedDeltaNet.forward calls either kernel
+        assert initial_state is None and not output_final_state  # training forward: the sequence starts on rank 0
+        return infra.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
+
+    hooks = []
+    for m in layers:
+        w = m.conv1d.kernel_size[0] - 1  # K - 1 = 3 for Qwen3.5
+        hooks += [m.conv1d.register_forward_pre_hook(lambda mod, args, w=w: (_ConvHalo.apply(args[0], w, group),)),
+                  m.conv1d.register_forward_hook(lambda mod, args, out, w=w: out[..., w:])]  # (B, D, S_r + K-1)
+    saved = gdn.chunk_gated_delta_rule, gdn.torch_chunk_gated_delta_rule, gdn.causal_conv1d_fn
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule = recurrence
+    gdn.causal_conv1d_fn = None
+    try:
+        yield
+    finally:
+        gdn.chunk_gated_delta_rule, gdn.torch_chunk_gated_delta_rule, gdn.causal_conv1d_fn = saved
+        for h in hooks:
+            h.remove()
 
 
 # --- HF <-> Megatron weights (Qwen3-MoE and Qwen3.5-MoE layouts, TP = EP = 1, local module names) -----------
