@@ -19,6 +19,12 @@ transitions: GAE skips them and carries the bootstrap across.
 
 Run: this module is used by train_t1.py; `python -m pytest tests/test_critic.py` checks it.
 
+Data parallel (train_t1.py, --trainer-ranks N): every function below takes an optional `group`, the
+trainer ranks' process group. Each rank holds a full replica and some rows of each minibatch; a loss is
+divided by the minibatch's GLOBAL token count and the gradients are summed over the ranks
+(`allreduce_grads`) before clipping, so the step equals one rank's step on the whole minibatch.
+group=None (one rank) runs no collective.
+
 Departures from the paper:
   1. The critic backbone is initialised from the SFT actor (the paper does not say how its critic is
      initialised; initialising from the policy is the common choice and keeps the warm-up short).
@@ -28,14 +34,50 @@ Departures from the paper:
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from transformers import AutoModel
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of x over positions where mask == 1 (the one masking helper; see tito.py)."""
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of x over positions where mask == 1 (the one masking helper; see tito.py).
+
+    n: the denominator when these rows are one rank's share of a minibatch (its global token count)."""
     mask = mask.to(x.dtype)
-    return (x * mask).sum() / mask.sum().clamp(min=1.0)
+    return (x * mask).sum() / (mask.sum().clamp(min=1.0) if n is None else n)
+
+
+# --- data parallel over the trainer ranks (group None: one rank, no collective) -------------------------
+
+def dp_sum(x: torch.Tensor, group=None) -> torch.Tensor:
+    """x summed over the trainer ranks of `group`."""
+    if group is not None:
+        x = x.detach().clone()
+        dist.all_reduce(x, group=group)
+    return x
+
+
+def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
+    """masked_mean over the masked positions of every rank (a statistic, no gradient)."""
+    if group is None:
+        return masked_mean(x, mask)
+    return dp_sum(masked_mean(x, mask, dp_sum(mask.sum().to(x.dtype), group).clamp(min=1.0)), group)
+
+
+def allreduce_grads(model: nn.Module, group=None) -> None:
+    """Sum the gradients over the ranks (one flat fp32 buffer). A parameter no rank touched (an expert
+    nobody routed to) keeps grad None, as on one rank, so Adam skips it there too."""
+    if group is None:
+        return
+    params = list(model.parameters())
+    used = dp_sum(torch.tensor([float(p.grad is not None) for p in params]), group) > 0
+    params = [p for p, u in zip(params, used) if u]
+    flat = dp_sum(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
+                             for p in params]), group)
+    i = 0
+    for p in params:
+        p.grad = flat[i:i + p.numel()].view_as(p).to(p.dtype)
+        i += p.numel()
 
 
 # --- value model ------------------------------------------------------------------------------------
@@ -95,20 +137,28 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 # --- losses and diagnostics ---------------------------------------------------------------------------
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_eps_v: float):
-    """Clipped value loss around V_old (paper: eps_v = 0.2). Returns (loss, clipfrac)."""
+               clip_eps_v: float, n: torch.Tensor | None = None):
+    """Clipped value loss around V_old (paper: eps_v = 0.2). Returns (loss, clipfrac); n as in masked_mean."""
     v_clipped = old_values + (values - old_values).clamp(-clip_eps_v, clip_eps_v)
     v_loss_unclipped = (values - returns) ** 2
     v_loss_clipped = (v_clipped - returns) ** 2
-    v_loss = 0.5 * masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask)
-    clipfrac = masked_mean(((values - old_values).abs() > clip_eps_v).float(), mask)
+    v_loss = 0.5 * masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask, n)
+    clipfrac = masked_mean(((values - old_values).abs() > clip_eps_v).float(), mask, n)
     return v_loss, clipfrac
 
 
-def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> float:
-    """EV = 1 - Var(R - V) / Var(R) over the masked positions (unbounded below; nan if Var(R) ~ 0)."""
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor, group=None) -> float:
+    """EV = 1 - Var(R - V) / Var(R) over the masked positions (unbounded below; nan if Var(R) ~ 0).
+
+    Over several ranks from the summed moments (n, sum R, sum R^2, sum d, sum d^2 with d = R - V)."""
     m = mask.bool()
     r, v = returns[m].double(), values[m].double()
+    if group is not None:
+        n, sr, srr, sd, sdd = dp_sum(torch.stack([torch.tensor(r.numel(), dtype=torch.float64), r.sum(),
+                                                   (r * r).sum(), (r - v).sum(), ((r - v) ** 2).sum()]), group)
+        if n < 2 or srr / n - (sr / n) ** 2 <= 1e-12:
+            return float("nan")
+        return float(1.0 - (sdd / n - (sd / n) ** 2) / (srr / n - (sr / n) ** 2))
     if r.numel() < 2:
         return float("nan")
     var_r = r.var(unbiased=False)
@@ -125,26 +175,32 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, attention_mask: torc
 
 
 def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, clip_eps_v: float,
-                  epochs: int = 1, max_grad_norm: float = 1.0) -> dict:
+                  epochs: int = 1, max_grad_norm: float = 1.0, group=None) -> dict:
     """One critic update over minibatches of dicts with input_ids, attention_mask, mask, returns, old_values.
 
-    Returns mean value loss, clip fraction and the explained variance of the *pre-update* values.
+    With a group, each dict holds this rank's rows of the minibatch (possibly none) and every rank passes
+    as many. Returns mean value loss, clip fraction and the explained variance of the *pre-update* values.
     """
     critic.train()
     losses, clipfracs = [], []
     for _ in range(epochs):
         for b in batches:
-            values = critic(b["input_ids"], b["attention_mask"])
-            loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v)
+            n = None if group is None else dp_sum(b["mask"].sum(), group).clamp(min=1.0)  # minibatch tokens
             optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = clipfrac = torch.zeros(())
+            if b["input_ids"].shape[0]:  # a rank without rows still joins the gradient sum
+                values = critic(b["input_ids"], b["attention_mask"])
+                loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n)
+                loss.backward()
+            allreduce_grads(critic, group)
             nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
             optimizer.step()
+            loss, clipfrac = dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)
             losses.append(loss.item())
             clipfracs.append(clipfrac.item())
     old = torch.cat([b["old_values"][b["mask"].bool()] for b in batches])
     ret = torch.cat([b["returns"][b["mask"].bool()] for b in batches])
-    ev = explained_variance(old, ret, torch.ones_like(ret))
+    ev = explained_variance(old, ret, torch.ones_like(ret), group)
     return {"losses/value_loss": sum(losses) / max(len(losses), 1),
             "losses/value_clipfrac": sum(clipfracs) / max(len(clipfracs), 1),
             "charts/explained_variance": ev}

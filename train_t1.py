@@ -40,11 +40,22 @@ Departures from the paper (numbered; each with its reason):
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
      gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) in the one Trainer
      actor, with torch's Adam (world size 1: the distributed optimizer would shard nothing); on a CPU
-     through mcore's shims (torch GDN kernel, local modules instead of Transformer Engine). The cluster's
-     trainer group (one rank per GPU under torch.distributed, a --plan over many GPUs) is not wired into
-     this loop yet; check_args says so before any work. The publish over a process group
+     through mcore's shims (torch GDN kernel, local modules instead of Transformer Engine). Data parallel
+     over ranks is wired (6); Megatron's model parallel (a --plan with tp/pp/cp over many GPUs) is not
+     wired into this loop yet; check_args says so before any work. The publish over a process group
      (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher) is
      wired and tested over gloo.
+  6. --trainer-ranks N (TrainerGroup): N Trainer Ray actors, each a full replica of actor + critic (pure
+     DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the weights are on
+     CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the same
+     minibatches and train their share; losses divide by the minibatch's global token count and gradients
+     are summed over the ranks before clipping, so a step equals the one-rank step (tests/test_trainer_group.py,
+     2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps, 1.8e-5 after one step at lr 1e-3,
+     float reassociation amplified by Adam; replicas bitwise identical). Rank 0 saves and publishes, every
+     rank keeps the published copies. Losses, clip fractions, EV and |dlogp| are over all ranks,
+     expert_set_mismatch over rank 0's samples. Ranks > 0 sit outside the placement group (ray_layout has
+     one trainer bundle). Tested on CPU with the hf backend; once by hand with --backend megatron (the same
+     test: actor 1.7e-6, critic 1.6e-7 at lr 1e-4, replicas bitwise identical).
 """
 from __future__ import annotations
 
@@ -60,6 +71,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -198,6 +210,8 @@ class Args:
     """parallel plan chosen by infra.py's planner (JSON: tp, pp, cp, ep, etp, dp, recompute)"""
     engine_world_sizes: str = ""
     """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
+    trainer_ranks: int = 1
+    """data-parallel trainer ranks (Ray actors under one torch.distributed group, full replicas; TrainerGroup)"""
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
@@ -224,6 +238,8 @@ def check_args(args: Args) -> None:
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
+    if args.trainer_ranks < 1:
+        raise ValueError(f"--trainer-ranks: must be >= 1, got {args.trainer_ranks}")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
     urls = [u for u in args.engine_urls.split(",") if u]
@@ -241,9 +257,8 @@ def check_args(args: Args) -> None:
     if args.backend == "megatron" and world > 1:  # a plan over many GPUs: the cluster's trainer group
         import mcore
         mcore.require_cluster("--backend megatron")  # names CUDA / transformer_engine / fla / deep_ep
-        raise NotImplementedError(f"--plan: {world} trainer ranks; the multi-rank Megatron trainer group (one Ray "
-                                  "actor per GPU under torch.distributed) is not wired into train_t1.py yet, only "
-                                  "the one-process Megatron backend (world size 1)")
+        raise NotImplementedError(f"--plan: {world} trainer ranks; Megatron's model parallel over ranks is not "
+                                  "wired into train_t1.py yet, only full replicas (--trainer-ranks N, pure DP)")
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -348,6 +363,23 @@ def minibatches(n: int, size: int, rng: random.Random):
     return [idx[i:i + size] for i in range(0, n, size)]
 
 
+def rank_world(group) -> tuple[int, int]:
+    """(rank, world size) of this trainer rank; (0, 1) without a group."""
+    return (0, 1) if group is None else (group.rank(), group.size())
+
+
+def share(mb: list[int], group) -> list[int]:
+    """This rank's rows of minibatch mb: sample i lives on rank i % N, at row i // N of its local batch."""
+    rank, world = rank_world(group)
+    return [i // world for i in mb if i % world == rank]
+
+
+def local_rows(batch: dict, group) -> dict:
+    """The rows of this rank's samples (i = rank mod N); the whole batch on one rank."""
+    rank, world = rank_world(group)
+    return {k: (v[rank::world] if torch.is_tensor(v) else v) for k, v in batch.items()}
+
+
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout"):
     """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
@@ -418,81 +450,97 @@ def sft(actor, samples: list[dict], args: Args, metrics: Metrics) -> None:
             metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
 
 
-def critic_warmup(critic, opt, samples, args: Args) -> list[dict]:
+def critic_warmup(critic, opt, samples, args: Args, group=None) -> list[dict]:
     """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV of every update from the first."""
     rng = random.Random(args.seed + 1)
     recs = []
     for epoch in range(args.critic_warmup_epochs):
         for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
-            batch = pad_batch([samples[i] for i in mb], args.reward_scale)
-            old = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])
+            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group)
+            old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
+                   else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
             batch.update(old_values=old, returns=returns)
-            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm)
+            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group)
             recs.append({"explained_variance": stats["charts/explained_variance"],
                          "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
     return recs
 
 
-def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng) -> dict:
-    """PPO clipped surrogate on the m = 1 tokens, with R3 replay in every forward (and its recompute)."""
+def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_samples: int, group=None) -> dict:
+    """PPO clipped surrogate on the m = 1 tokens, with R3 replay in every forward (and its recompute).
+
+    batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
+    all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
     actor.train()
     stats = {"pg_loss": [], "approx_kl": [], "clipfrac": []}
-    B = batch["input_ids"].shape[0]
     for _ in range(args.ppo_epochs):
-        for mb in tqdm(minibatches(B, args.minibatch_size, rng), desc="ppo update", leave=False):
-            with batch_routing(actor, batch, args.r3_mode, mb):
-                newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
-                m, adv = batch["mask"][mb], advantages[mb]
-                logratio = newlogprob - old_logprobs[mb]
-                ratio = logratio.exp()
-                pg_loss1 = -adv * ratio
-                pg_loss2 = -adv * torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps)
-                pg_loss = C.masked_mean(torch.max(pg_loss1, pg_loss2), m)  # no KL, no entropy (paper)
-                opt.zero_grad(set_to_none=True)
-                pg_loss.backward()  # inside the routing context: recompute replays the same experts
+        for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
+            mb = share(mb, group)
+            m = batch["mask"][mb]
+            n = None if group is None else C.dp_sum(m.sum(), group).clamp(min=1.0)  # tokens of the whole minibatch
+            opt.zero_grad(set_to_none=True)
+            st = torch.zeros(3)  # pg_loss, approx_kl, clipfrac (this rank's part)
+            if mb:  # a rank without rows still joins the gradient sum
+                with batch_routing(actor, batch, args.r3_mode, mb):
+                    newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
+                    adv = advantages[mb]
+                    logratio = newlogprob - old_logprobs[mb]
+                    ratio = logratio.exp()
+                    pg_loss1 = -adv * ratio
+                    pg_loss2 = -adv * torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps)
+                    pg_loss = C.masked_mean(torch.max(pg_loss1, pg_loss2), m, n)  # no KL, no entropy (paper)
+                    pg_loss.backward()  # inside the routing context: recompute replays the same experts
+                with torch.no_grad():
+                    st = torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n),
+                                      C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n)])
+            C.allreduce_grads(actor, group)  # sum over ranks, then clip: the one-rank step on the whole minibatch
             torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
             opt.step()
-            with torch.no_grad():
-                stats["pg_loss"].append(pg_loss.item())
-                stats["approx_kl"].append(C.masked_mean((ratio - 1) - logratio, m).item())
-                stats["clipfrac"].append(C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m).item())
+            for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
+                stats[k].append(v)
     return {k: float(np.mean(v)) for k, v in stats.items()}
 
 
 def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path,
-               step: int) -> dict:
+               step: int, group=None) -> dict:
     """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
 
     `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
     one-step async): the trainer's old logprobs pi^t_{t-1} come from it, so the PPO ratio compares two
     versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
+    With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
+    only, and trains its share of every minibatch.
     """
-    batch = pad_batch(samples, args.reward_scale)
+    full = pad_batch(samples, args.reward_scale)  # every rank pads the whole batch: the same (B, T) as one rank
+    batch = local_rows(full, group)  # this rank's samples (B_local, T)
+    no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
     # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
-    old_values = C.compute_values(critic, batch["input_ids"], batch["attention_mask"])  # V_old (B, T)
+    old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
+                  else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
     advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
     mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
             {**batch, "old_values": old_values, "returns": returns}.items()}
-           for mb in minibatches(len(samples), args.minibatch_size, rng)]
+           for mb in (share(mb, group) for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
-    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm)
+    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group)
     # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
-        old_logprobs = forward_logprobs(behaviour, batch, args.r3_mode, args.temperature)  # pi^t_{t-1}, R3 replay
-        lp_off = forward_logprobs(behaviour, batch, "off", args.temperature)
+        old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
+            forward_logprobs(behaviour, batch, args.r3_mode, args.temperature),  # pi^t_{t-1}, R3 replay
+            forward_logprobs(behaviour, batch, "off", args.temperature))
     mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
-                if batch["experts"] is not None else float("nan"))  # expert sets the live router would change
+                if batch["experts"] is not None and no_rows is None else float("nan"))  # sets live routing would change
     log(run_dir, f"step {step}: actor update")
     t0 = time.time()
-    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng)
+    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group)
     return {"explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
             "value_clipfrac": cstats["losses/value_clipfrac"],
-            "dlogp": C.masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m).item(),  # |dlogp|, R3 on
-            "dlogp_r3_off": C.masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m).item(),
-            "expert_set_mismatch": mismatch, **astats,
-            "train_tokens_per_s": float(batch["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
+            "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
+            "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
+            "expert_set_mismatch": mismatch, **astats,  # mismatch: over rank 0's samples only
+            "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
 
 
 # --- the trainer actor -------------------------------------------------------------------------------
@@ -505,9 +553,10 @@ def actor_threads(args: Args) -> int:
 
 class Trainer:
     """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
-    the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7."""
+    the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7.
+    Rank r of a TrainerGroup of `world` full replicas (pure data parallel; rank 0 saves and publishes)."""
 
-    def __init__(self, args: Args, sft_dir: str, step: int):
+    def __init__(self, args: Args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
         torch.set_num_threads(actor_threads(args))
         torch.manual_seed(args.seed)
         self.args, self.run_dir = args, Path(args.run_dir)
@@ -540,9 +589,25 @@ class Trainer:
             self.critic_opt.load_state_dict(ck["critic_opt"])
         self.published = {}  # weight version -> the actor's state dict the engines were given
         self.publisher = None
+        self.rank, self.world, self.group = rank, world, None
 
     def pid(self) -> int:
         return os.getpid()
+
+    def address(self) -> tuple[str, int]:
+        """Where the trainer ranks meet: this (rank 0's) node and a free port on it."""
+        import ray
+        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), infra.free_port()
+
+    def join_group(self, address: str, port: int) -> None:
+        """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights), apart from any other."""
+        import cluster
+        backend = "nccl" if next(self.actor.parameters()).is_cuda else "gloo"
+        self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
+
+    def state_dicts(self) -> dict:
+        """Actor and critic weights of this replica (tests compare replicas)."""
+        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
 
     def mark_published(self, version: int) -> None:
         self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
@@ -552,6 +617,8 @@ class Trainer:
 
     def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
         """Cluster publish: this process becomes rank 0 of one group with every engine rank (NCCL; gloo on CPU)."""
+        if self.rank > 0:  # trainer rank 0 alone speaks to the engines
+            return
         import cluster
         if not master_address:
             import ray
@@ -562,7 +629,7 @@ class Trainer:
 
     def publish(self, version: int) -> int:
         """Publish barrier over the group: pause every engine, broadcast the weights (Hub names), resume."""
-        n = self.publisher.publish(list(self.hub_weights().items()), version)
+        n = self.publisher.publish(list(self.hub_weights().items()), version) if self.rank == 0 else 0
         self.mark_published(version)
         return n
 
@@ -570,11 +637,16 @@ class Trainer:
         if self.publisher is not None:
             self.publisher.close()
             self.publisher = None
+        if self.group is not None:
+            import torch.distributed as dist
+            dist.destroy_process_group(self.group)
+            self.group = None
 
     def warmup(self, samples: list[dict]) -> list[dict]:
-        recs = critic_warmup(self.critic, self.critic_opt, samples, self.args) if samples else []
-        torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()},
-                   self.run_dir / "ckpt" / "critic_warm.pt")
+        recs = critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
+        if self.rank == 0:
+            torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()},
+                       self.run_dir / "ckpt" / "critic_warm.pt")
         return recs
 
     def train_step(self, samples: list[dict], step: int) -> dict:
@@ -584,9 +656,38 @@ class Trainer:
         if versions:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
         stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
-                            self.args, self.rng, self.run_dir, step) if samples else {})
-        save_trainer(self.latest, self.save_actor, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
+                            self.args, self.rng, self.run_dir, step, self.group) if samples else {})
+        if self.rank == 0:  # the replicas are identical: one checkpoint
+            save_trainer(self.latest, self.save_actor, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
         return {**stats, "time_train": time.time() - t0}
+
+
+class TrainerGroup:
+    """The trainer ranks behind the one handle the loop talks to: `group.method.remote(*a)` runs the method
+    on every rank (in the same order on each) and returns rank 0's ObjectRef. The ranks move in lockstep
+    through their collectives; an error of another rank surfaces at the next call (or hangs rank 0 in a
+    collective until the group's timeout, 30 min, if that rank stays alive)."""
+
+    def __init__(self, ray, args: Args, sft_dir: str, step: int, options: list[dict]):
+        self.ray, world = ray, len(options)
+        self.ranks = [ray.remote(Trainer).options(**o).remote(args, sft_dir, step, r, world)
+                      for r, o in enumerate(options)]
+        self.others = []  # the other ranks' refs of the last call
+        if world > 1:
+            address, port = ray.get(self.ranks[0].address.remote())
+            ray.get([t.join_group.remote(address, port) for t in self.ranks])
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # pickle / copy probes: not a Trainer method
+            raise AttributeError(name)
+
+        def remote(*a, **kw):
+            done, _ = self.ray.wait(self.others, num_returns=len(self.others), timeout=0) if self.others else ([], [])
+            self.ray.get(done)  # raises the error of another rank in the last call
+            refs = [getattr(t, name).remote(*a, **kw) for t in self.ranks]
+            self.others = refs[1:]
+            return refs[0]
+        return SimpleNamespace(remote=remote)
 
 
 # --- the run --------------------------------------------------------------------------------------------
@@ -652,13 +753,14 @@ def train(args: Args) -> dict:
     # --- Ray actors: the trainer (actor + critic), the engines, the rollout workers ---------------------
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
-    ray = infra.ray_start(1 + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
+    ray = infra.ray_start(args.trainer_ranks + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
     pg, place = infra.ray_layout(n_eng, args.rollout_actors)
     engines, trainer = [], None
     try:
         engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
             str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
-        trainer = ray.remote(Trainer).options(**place["trainer"]).remote(args, str(sft_dir), state["step"])
+        trainer = TrainerGroup(ray, args, str(sft_dir), state["step"],  # ranks > 0 outside the placement group
+                               [place["trainer"]] + [{"num_cpus": 1}] * (args.trainer_ranks - 1))
         workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
                                             str(sft_dir), place["workers"])
         infos = ray.get([e.info.remote() for e in engines])
