@@ -544,8 +544,8 @@ def cp_bench(kappas=(1, 2, 4, 8), shape=None):
 # ----------------------------------------------------------------------------- Ray layout
 # One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
 # co-resident, train_t1.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
-# workers (RolloutWorker: trials in sandboxes). One placement group holds them all: bundle 0 the trainer,
-# then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
+# workers (RolloutWorker: trials in sandboxes). One placement group holds them all: one bundle per trainer
+# rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 9).
 
@@ -572,21 +572,23 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
 
 
 def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_gpus: float = 0,
-               strategy: str = "PACK"):
-    """The placement group and where each actor goes -> (pg, {"trainer": opts, "engines": [...], "workers": [...]})."""
+               strategy: str = "PACK", n_trainers: int = 1):
+    """The placement group and where each actor goes -> (pg, {"trainers": [...], "engines": [...], "workers": [...]})."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     gpu = lambda g: {"GPU": g} if g else {}  # noqa: E731
-    bundles = [{"CPU": 1, **gpu(trainer_gpus)}] + [{"CPU": 1, **gpu(engine_gpus)}] * n_engines + [{"CPU": 1}] * n_workers
+    bundles = ([{"CPU": 1, **gpu(trainer_gpus)}] * n_trainers + [{"CPU": 1, **gpu(engine_gpus)}] * n_engines
+               + [{"CPU": 1}] * n_workers)
     pg = placement_group(bundles, strategy=strategy)
     ray.get(pg.ready(), timeout=300)
 
     def at(i, gpus=0):
         return {"num_cpus": 1, "num_gpus": gpus,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)}
-    return pg, {"trainer": at(0, trainer_gpus), "engines": [at(1 + i, engine_gpus) for i in range(n_engines)],
-                "workers": [at(1 + n_engines + i) for i in range(n_workers)]}
+    t, e = n_trainers, n_trainers + n_engines
+    return pg, {"trainers": [at(i, trainer_gpus) for i in range(t)], "engines": [at(t + i, engine_gpus) for i in range(n_engines)],
+                "workers": [at(e + i) for i in range(n_workers)]}
 
 
 def ray_stop(pg) -> None:

@@ -53,9 +53,9 @@ Departures from the paper (numbered; each with its reason):
      2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps, 1.8e-5 after one step at lr 1e-3,
      float reassociation amplified by Adam; replicas bitwise identical). Rank 0 saves and publishes, every
      rank keeps the published copies. Losses, clip fractions, EV and |dlogp| are over all ranks,
-     expert_set_mismatch over rank 0's samples. Ranks > 0 sit outside the placement group (ray_layout has
-     one trainer bundle). Tested on CPU with the hf backend; once by hand with --backend megatron (the same
-     test: actor 1.7e-6, critic 1.6e-7 at lr 1e-4, replicas bitwise identical).
+     expert_set_mismatch over rank 0's samples. Each rank has its own bundle in the placement group.
+     Tested on CPU with the hf backend (and end to end with --backend megatron in tests/test_e2e.py); by
+     hand with the megatron backend, the same comparison: actor 1.7e-6, critic 1.6e-7, replicas identical.
 """
 from __future__ import annotations
 
@@ -754,18 +754,18 @@ def train(args: Args) -> dict:
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
     ray = infra.ray_start(args.trainer_ranks + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
-    pg, place = infra.ray_layout(n_eng, args.rollout_actors)
+    pg, place = infra.ray_layout(n_eng, args.rollout_actors, n_trainers=args.trainer_ranks)
     engines, trainer = [], None
     try:
         engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
             str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
-        trainer = TrainerGroup(ray, args, str(sft_dir), state["step"],  # ranks > 0 outside the placement group
-                               [place["trainer"]] + [{"num_cpus": 1}] * (args.trainer_ranks - 1))
+        trainer = TrainerGroup(ray, args, str(sft_dir), state["step"], place["trainers"])
         workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
                                             str(sft_dir), place["workers"])
         infos = ray.get([e.info.remote() for e in engines])
         urls = ext_urls or [i["url"] for i in infos]
-        log(run_dir, f"ray actors: trainer pid {ray.get(trainer.pid.remote())}, engines {infos or urls}, "
+        ranks = ray.get([t.pid.remote() for t in trainer.ranks])
+        log(run_dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, engines {infos or urls}, "
                      f"rollout workers pids {ray.get([w.pid.remote() for w in workers])}")
 
         sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
