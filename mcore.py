@@ -14,7 +14,8 @@ fusion off, distributed optimizer). This module holds:
   `Qwen3_5MoeForCausalLM` (3 Gated DeltaNet : 1 gated attention, partial rotary 1/4, gated shared expert,
   zero-centred RMSNorm), the latter from Megatron's own GatedDeltaNet / SelfAttention / SharedExpertMLP with
   local modules in place of Transformer Engine's (`_qwen35_local_spec`).
-- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts.
+- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts; `shard_for_tp` /
+  `shard_for_ep` cut the TP = 1 result for one tensor- / expert-parallel rank (`load_hf_into_megatron` applies them).
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
   `train_t1.py` switches backend with one argument.
@@ -31,6 +32,7 @@ fusion off, distributed optimizer). This module holds:
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
+    python -m pytest tests/test_mcore_tp.py -q     # CPU: the tiny Qwen3.5 GPTModel at TP = 2 (+ SP) and EP = 2, gloo
 
 Departures from the paper:
 1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
@@ -39,9 +41,11 @@ Departures from the paper:
    (TE keeps the input norm inside in_proj / linear_qkv as `layer_norm_weight`; here it is
    `input_layernorm.weight`) and one module per expert (the cluster's grouped GEMM names them
    `experts.linear_fc1.weight{e}`), so the conversion's key names are the local ones; the TE names are a
-   rename away and untested here. Conversion is at TP = EP = 1. Megatron's GatedDeltaNet ignores the
-   attention mask (HF zeroes padded inputs): with right padding the causal recurrence leaves real tokens
-   unchanged, so only padded positions differ; left padding or packed sequences would leak.
+   rename away and untested here. Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: expert TP =
+   TP only; `shard_for_ep`: contiguous expert blocks); saving a sharded model back to HF is not written.
+   Megatron's GatedDeltaNet ignores the attention mask (HF zeroes padded inputs): with right padding the causal
+   recurrence leaves real tokens unchanged, so only padded positions differ; left padding or packed sequences
+   would leak.
 2. CPU shims (only without CUDA, never on GPU): `torch.cuda.current_device` -> "cpu" while a model is built or
    run, a no-op CUDA RNG tracker (dropout is 0), `moe_utils.te_general_gemm = None` where 0.16.1 leaves the
    name undefined without Transformer Engine (a NameError in the router's gating linear); for Gated DeltaNet
@@ -74,6 +78,12 @@ Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a 
 gloo): output concatenated over ranks bitwise equal to one rank at kappa = 2 and 4; input grads max |diff| 1.4e-9 /
 1.9e-9; weight grads summed over ranks 8.3e-7 / 1.3e-6 at |dW| up to 4.5 (fp32 reassociation). Without the halo,
 rank 1's output differs from its first token on (6e-3).
+
+Measured (tests/test_mcore_tp.py: the tiny Qwen3.5 GPTModel, HF weights sharded per rank, B = 2, T = 12, fp32, 2 gloo
+ranks, allgather dispatcher): TP = 2 with sequence parallel (MoELayer refuses TP > 1 without it in training) and EP = 2
+give full-vocab logits within 1.2e-7 / 6.0e-8 of TP = EP = 1, grads within 3.1e-5 / 1.9e-5 at |grad| up to 81
+(replicated grads summed over TP ranks, as finalize_model_grads does; EP experts 2x: both ranks ran the same batch).
+Naive dim-0 chunks of in_proj / fc1 instead of per-part slices: logits off by 0.5.
 """
 
 import contextlib
@@ -146,6 +156,8 @@ class _RMSNorm(torch.nn.Module):
         self.zero_centered, self.eps = config.layernorm_zero_centered_gamma, eps
         init = torch.zeros if self.zero_centered else torch.ones
         self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
+        # as TENorm: under sequence parallel each TP rank's grad is partial; finalize_model_grads all-reduces it
+        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
 
     def forward(self, x):
         y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
@@ -477,9 +489,59 @@ def megatron_to_hf(sd, hf) -> dict:
     return {k: v.detach().clone() for k, v in out.items()}
 
 
+def shard_for_tp(sd, hf, tp_rank, tp_size) -> dict:
+    """TP = 1 GPTModel state dict (hf_to_megatron's) -> tensor-parallel rank `tp_rank` of `tp_size` (experts too:
+    expert TP = TP, Megatron's default). Column-parallel rows split per part so every rank holds whole heads:
+    vocab (embedding, output layer); linear_qkv (whole query groups: [q.., gate.., k, v] per group); linear_fc1
+    [gate_r; up_r] (Megatron's GLU shard); GDN in_proj [q_r k_r v_r z_r b_r a_r], conv1d [q_r k_r v_r], A_log and
+    dt_bias per value head. Row-parallel columns: linear_proj, linear_fc2, out_proj. The rest is replicated."""
+    if tp_size == 1:
+        return dict(sd)
+    parts = {"linear_fc1.weight": 2}  # [gate; up]
+    if is_qwen35(hf):
+        qk, v, nv = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * \
+            hf.linear_value_head_dim, hf.linear_num_value_heads
+        parts.update({"in_proj.weight": [qk, qk, v, v, nv, nv], "conv1d.weight": [qk, qk, v]})
+    cols = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "A_log", "dt_bias")
+    rows = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
+    out = {}
+    for k, w in sd.items():
+        split = next((p for n, p in parts.items() if k.endswith(n)), None)
+        if split is not None:  # each part sharded on its own, the rank's shards concatenated in the same order
+            chunks = w.chunk(split) if isinstance(split, int) else w.split(split)
+            w = torch.cat([c.chunk(tp_size)[tp_rank] for c in chunks])
+        elif k.endswith(cols):
+            w = w.chunk(tp_size)[tp_rank]
+        elif k.endswith(rows):
+            w = w.chunk(tp_size, dim=1)[tp_rank]
+        out[k] = w.contiguous().clone()
+    return out
+
+
+def shard_for_ep(sd, num_experts, ep_rank, ep_size) -> dict:
+    """Expert-parallel rank `ep_rank` of `ep_size`: its contiguous block of E / ep_size experts, renumbered
+    local_experts.0.. (Megatron's SequentialMLP state dict); everything else replicated."""
+    per, out = num_experts // ep_size, {}
+    for k, w in sd.items():
+        if ".local_experts." in k:
+            head, rest = k.split(".local_experts.")
+            e, tail = rest.split(".", 1)
+            if int(e) // per != ep_rank:
+                continue
+            k = f"{head}.local_experts.{int(e) - ep_rank * per}.{tail}"
+        out[k] = w
+    return out
+
+
 def load_hf_into_megatron(gpt, hf_state_dict, hf):
     """Copy converted HF weights into `gpt`; every real parameter must be covered (only _extra_state left)."""
+    c = gpt.config
     sd = hf_to_megatron(hf_state_dict, hf)
+    if c.tensor_model_parallel_size > 1 or c.expert_model_parallel_size > 1:  # this rank's shard
+        from megatron.core import parallel_state as ps
+        assert c.expert_tensor_parallel_size == c.tensor_model_parallel_size, "expert TP != TP: not sharded here"
+        sd = shard_for_ep(sd, hf.num_experts, ps.get_expert_model_parallel_rank(), c.expert_model_parallel_size)
+        sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size)
     missing, unexpected = gpt.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:

@@ -1,0 +1,144 @@
+"""Model-parallel tiny Qwen3.5 GPTModel (mcore.shard_for_tp / shard_for_ep): the same HF weights loaded into
+Megatron-Core's GPTModel sharded over 2 spawned gloo processes (TP = 2 with sequence parallel, or EP = 2) vs the
+TP = EP = 1 model in this process: full-vocab logits gathered on every rank and the parameter grads must match."""
+import datetime
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import infra  # noqa: E402
+import mcore  # noqa: E402
+
+B, T, V = 2, 12, 96
+
+
+def hf_weights():
+    """Tiny Qwen3.5-MoE HF state dict, norms / gates / dt_bias moved off their init (every sharding rule matters)."""
+    from transformers import Qwen3_5MoeForCausalLM
+    torch.manual_seed(0)
+    m = Qwen3_5MoeForCausalLM(mcore.tiny_qwen35_hf_config(V))
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if "norm" in name or "gate" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(0.1 * torch.randn(p.shape))
+    return m.state_dict()
+
+
+def batch():
+    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 9:] = 0  # right padding
+    return ids, am
+
+
+def run_model(tp=1, ep=1):
+    """This rank's model on batch(): forward, gather the vocab shards (Megatron's all-gather; its backward takes
+    this rank's slice), backward of sum(logits * dout) -> (full-vocab logits (B, T, V), {param name: grad},
+    names of the parameters flagged `sequence_parallel`, whose grads Megatron's finalize_model_grads all-reduces
+    over TP)."""
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    hf = mcore.tiny_qwen35_hf_config(V)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    gpt = mcore.load_hf_into_megatron(gpt, hf_weights(), hf)  # train mode: MoELayer refuses TP > 1 without SP
+    with mcore.cpu_shims():  # the gather allocates on torch.cuda.current_device()
+        out = mcore._gpt_forward(gpt, *batch())  # (B, T, V / tp): the vocab-parallel output layer's shard
+        out = gather_from_tensor_model_parallel_region(out) if tp > 1 else out  # (B, T, V)
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))  # (B, T, V)
+        (out * dout).sum().backward()
+    params = dict(gpt.named_parameters())
+    return out.detach(), {n: p.grad for n, p in params.items()}, {n for n, p in params.items()
+                                                                    if getattr(p, "sequence_parallel", False)}
+
+
+def _worker(rank, world, tp, ep, port, queue):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        mcore.init_cpu()  # shims only: the group and parallel state above are kept
+        out, grads, sp = run_model(tp, ep)
+        queue.put((rank, out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp))  # by value
+    except Exception as e:  # noqa: BLE001 -- report, so the parent fails with the cause, not a timeout
+        queue.put((rank, repr(e)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def run_parallel(tp=1, ep=1):
+    """Spawn tp * ep ranks -> each rank's (gathered logits (B, T, V), {param name: grad}, sequence-parallel names)."""
+    import torch.multiprocessing as mp
+    ctx, world = mp.get_context("spawn"), tp * ep
+    queue, port = ctx.Queue(), infra.free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world, tp, ep, port, queue)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    try:
+        res = sorted((queue.get(timeout=120) for _ in range(world)), key=lambda r: r[0])
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.exitcode is None:
+                pr.kill()
+    errors = [r[1] for r in res if isinstance(r[1], str)]
+    assert not errors, errors
+    return [(torch.from_numpy(r[1]), {n: torch.from_numpy(g) for n, g in r[2].items()}, r[3]) for r in res]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    mcore.init_cpu()
+    return run_model()
+
+
+def test_shard_for_tp_splits_each_part():
+    """GDN in_proj [q k v z b a] and GLU fc1 [gate; up] split per part; the two shards re-join to the whole."""
+    hf = mcore.tiny_qwen35_hf_config(V)
+    sd = mcore.hf_to_megatron(hf_weights(), hf)
+    s0, s1 = (mcore.shard_for_tp(sd, hf, r, 2) for r in range(2))
+    k = "decoder.layers.0.self_attention.in_proj.weight"
+    sizes = [16, 16, 32, 32, 4, 4]  # q k v z b a rows at TP = 1 (2 x 8, 2 x 8, 4 x 8, 4 x 8, 4, 4)
+    half = [n // 2 for n in sizes]
+    for whole, a, b in zip(sd[k].split(sizes), s0[k].split(half), s1[k].split(half)):
+        assert torch.equal(torch.cat([a, b]), whole)
+    k = "decoder.layers.0.mlp.experts.local_experts.3.linear_fc1.weight"
+    gate, up = sd[k].chunk(2)
+    assert torch.equal(s1[k], torch.cat([gate[8:], up[8:]]))
+    k = "decoder.layers.3.self_attention.linear_proj.weight"
+    assert torch.equal(torch.cat([s0[k], s1[k]], dim=1), sd[k])
+
+
+def max_diff(a, b):
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_parallel_model_matches_one_rank(reference, tp, ep):
+    """Logits equal on every rank; TP (with sequence parallel: MoELayer refuses to train TP > 1 without it): each
+    rank's grads are the TP = 1 grads sharded the same way, replicated ones summed over ranks; EP: both ranks ran
+    the same batch, so a local expert's grad is twice the TP = 1 one (the allgather dispatcher brings it both
+    ranks' tokens) and every other grad is the TP = 1 one (before DDP)."""
+    hf = mcore.tiny_qwen35_hf_config(V)
+    ref_out, ref_g, _ = reference
+    results = run_parallel(tp, ep)
+    d_out = max((out - ref_out).abs().max().item() for out, _, _ in results)
+    d_g = 0.0
+    for rank, (_, grads, sp) in enumerate(results):
+        tp_rank, ep_rank = rank % tp, rank // tp  # parallel_state's order: TP fastest
+        want = mcore.shard_for_ep(mcore.shard_for_tp(ref_g, hf, tp_rank, tp), hf.num_experts, ep_rank, ep)
+        want = {k: 2 * g if ep > 1 and ".local_experts." in k else g for k, g in want.items()}
+        if tp > 1:  # replicated parameters saw this rank's sequence slice or heads: partial sums over TP ranks,
+            replicated = {k for k in want if want[k].shape == ref_g[k].shape and ".local_experts." not in k}
+            assert replicated <= sp  # ... which Megatron's finalize_model_grads all-reduces (flag sequence_parallel)
+            grads = {k: sum(r[1][k] for r in results) if k in replicated else g for k, g in grads.items()}
+        d_g = max(d_g, max_diff(grads, want))
+    scale = max(g.abs().max().item() for g in ref_g.values())
+    print(f"TP={tp} EP={ep}: max |logits - TP=EP=1| {d_out:.1e} (|logits| up to {ref_out.abs().max():.2f}), "
+          f"grads {d_g:.1e} (|grad| up to {scale:.1f})")
+    assert d_out < 1e-5
+    assert d_g < 1e-5 * scale
