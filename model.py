@@ -8,8 +8,8 @@ small torch server that speaks SGLang's `/generate` protocol, so rollout.py has 
     python model.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
     python model.py bench          # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
 
-In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. As its own process (what
-train_t1.py uses): `EngineProcess(model_path, log_path)` -> `.url`, `.publish(path, version)`, `.close()`.
+In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a
+Ray actor (infra.EngineActor); `python model.py serve` runs it as its own process.
 
 Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
 them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
@@ -561,64 +561,6 @@ def _make_handler(engine):
 
 
 # --- CLI ----------------------------------------------------------------------------------------
-class EngineProcess:
-    """The embedded engine as its own process (`python model.py serve`), spoken to only over HTTP.
-
-    It is killed with the trainer, even by kill -9 (PR_SET_PDEATHSIG); close() ends it by pid.
-    """
-
-    def __init__(self, model_path, log_path, port=0, weight_dtype="bf16"):
-        import subprocess
-        import sys
-        import rollout  # the SGLang-protocol client (rollout.py imports nothing from here at top level)
-        port = port or _free_port()
-        self.log = open(log_path, "a")
-        self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "serve", "--model-path", str(model_path), "--port", str(port),
-             "--weight-dtype", weight_dtype], stdout=self.log, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
-        self.url = f"http://127.0.0.1:{port}"
-        self.client = rollout.EngineClient(self.url)
-        for _ in range(600):
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"engine exited with code {self.proc.returncode}; see {log_path}")
-            try:
-                if self.client.health():
-                    return
-            except Exception:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError("engine did not become healthy in 120 s")
-
-    def publish(self, model_path, version: int) -> None:
-        """Publish barrier: pause generation, push weights of `version`, resume."""
-        self.client.pause()
-        self.client.update_weights_from_disk(str(model_path), weight_version=version)
-        self.client.resume()
-
-    def close(self) -> None:
-        import subprocess
-        if self.proc.poll() is None:
-            self.proc.terminate()  # by pid: only what we started
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-        self.log.close()
-
-
-def _die_with_parent() -> None:
-    """SIGKILL this child when its parent dies (Linux PR_SET_PDEATHSIG)."""
-    import ctypes
-    ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG = 1, SIGKILL = 9
-
-
-def _free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url, obj):
     req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
