@@ -9,7 +9,7 @@ import mcore  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Qwen3MoeModel  # noqa: E402
 
-B, T, V = 2, 12, 96
+from mcore_common import *  # noqa: E402,F401,F403  B, T, V, actor, batch, logprobs, routing_maps, ...
 
 
 @pytest.fixture(scope="module")
@@ -21,42 +21,6 @@ def hf_cfg():
 def hf(hf_cfg):
     torch.manual_seed(0)
     return r3.install(Qwen3MoeForCausalLM(hf_cfg)).eval()
-
-
-@pytest.fixture(scope="module")
-def actor(hf, hf_cfg):
-    gpt = mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
-    return mcore.MegatronActor(gpt).eval()
-
-
-@pytest.fixture(scope="module")
-def batch():
-    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
-    am = torch.ones(B, T, dtype=torch.long)
-    am[1, 9:] = 0  # right padding, as train_t1.pad_batch
-    return ids, am
-
-
-def logprobs(model, ids, am):
-    logits = model(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * am[:, 1:]  # (B, T-1)
-
-
-def chosen_experts(actor, fn):
-    """Run fn() and return each TopKRouter's routing_map (N, E) in layer order."""
-    maps, hooks = [], [r.register_forward_hook(lambda m, i, o: maps.append(o[1].clone()))
-                       for r in r3.megatron_routers(actor.gpt)]
-    try:
-        fn()
-    finally:
-        for h in hooks:
-            h.remove()
-    return maps
-
-
-def as_map(layer_ids, E):
-    """(N, k) ids -> (N, E) bool."""
-    return torch.zeros(layer_ids.shape[0], E, dtype=torch.bool).scatter(1, layer_ids.long(), True)
 
 
 def test_hf_and_megatron_logits_agree(hf, actor, batch):
@@ -81,39 +45,12 @@ def test_megatron_hf_megatron_round_trip_gives_equal_weights(hf_cfg, actor):
 
 
 def test_megatron_replays_a_recorded_routing_under_perturbed_router_weights(hf, hf_cfg, actor, batch):
-    ids, am = batch
-    with torch.no_grad(), r3.routing(actor, "record") as rec:
-        actor(input_ids=ids, attention_mask=am)
-        recorded = rec.experts  # (B, T, L, k) from the native RECORD action
-    assert recorded.shape == (B, T, 2, 2)
-    other = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)).eval()
-    with torch.no_grad():
-        for r in r3.megatron_routers(other.gpt):
-            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(2)))
-    live = chosen_experts(other, lambda: other(input_ids=ids, attention_mask=am))
-
-    def replay():
-        with torch.no_grad(), r3.routing(other, "replay", recorded):
-            other(input_ids=ids, attention_mask=am)
-    got = chosen_experts(other, replay)
-    want = r3.slice_for_megatron(recorded)  # per layer (T * B, k), Megatron's [s, b] order
-    for l in range(2):
-        assert torch.equal(got[l], as_map(want[l], 4))
-    assert any(not torch.equal(live[l], got[l]) for l in range(2))  # the replay really overrode live routing
-    assert all(rp.router_replay_action is None for rp in (r.router_replay for r in r3.megatron_routers(other.gpt)))
+    check_replay_under_perturbed_routers(hf, hf_cfg, actor, batch, n_layers=2, n_experts=4, top_k=2)
 
 
 def test_megatron_replay_matches_hf_replay_and_gradient_reaches_forced_experts(hf, actor, batch):
-    ids, am = batch
-    forced = torch.zeros(B, T, 2, 2, dtype=torch.int32)
-    forced[..., 0], forced[..., 1] = 2, 3  # experts 2 and 3 everywhere: not what the live router picks
-    with torch.no_grad(), r3.routing(hf, "replay", forced):
-        want = logprobs(hf, ids, am)
-    actor.zero_grad()
-    with r3.routing(actor, "replay", forced):  # the training-step interface of the embedded backend
-        got = logprobs(actor, ids, am)
-        got.sum().backward()
-    assert torch.allclose(got.detach(), want, atol=1e-5, rtol=0)
+    got, want = replay_forced(hf, actor, batch, 2, (2, 3))  # experts 2 and 3 everywhere: not what the live router picks
+    assert torch.allclose(got, want, atol=1e-5, rtol=0)
     g = r3.megatron_routers(actor.gpt)[0].weight.grad  # (E, H)
     assert g[2].abs().sum() > 0 and g[3].abs().sum() > 0
     assert g[:2].abs().max() < 1e-4 * g[2:].abs().max()  # softmax over the recorded k only
@@ -122,13 +59,13 @@ def test_megatron_replay_matches_hf_replay_and_gradient_reaches_forced_experts(h
 
 def test_megatron_placeholder_rows_use_live_routing_and_bad_slices_raise(actor, batch):
     ids, am = batch
-    live = chosen_experts(actor, lambda: actor(input_ids=ids, attention_mask=am))
+    live = routing_maps(actor, lambda: actor(input_ids=ids, attention_mask=am))
     forced = torch.full((B, T, 2, 2), -1, dtype=torch.int32)
 
     def replay():
         with torch.no_grad(), r3.routing(actor, "replay", forced):
             actor(input_ids=ids, attention_mask=am)
-    assert all(torch.equal(a, b) for a, b in zip(live, chosen_experts(actor, replay)))
+    assert all(torch.equal(a, b) for a, b in zip(live, routing_maps(actor, replay)))
     short = r3.slice_for_megatron(forced[:, : T - 2])
     with pytest.raises(ValueError, match="replay slice"), torch.no_grad():
         with r3.megatron_routing(actor.gpt, "replay", short):

@@ -9,7 +9,9 @@ import mcore  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
 
-B, T, V, L, K, E = 2, 12, 96, 4, 2, 8  # L MoE layers (every layer), top-K of E experts
+from mcore_common import *  # noqa: E402,F401,F403  B, T, V, actor, batch, logprobs, routing_maps, ...
+
+L, K, E = 4, 2, 8  # L MoE layers (every layer), top-K of E experts
 
 
 @pytest.fixture(scope="module")
@@ -26,37 +28,6 @@ def hf(hf_cfg):
             if "norm" in name or "gate" in name or "dt_bias" in name:
                 p.add_(0.1 * torch.randn(p.shape))
     return m
-
-
-@pytest.fixture(scope="module")
-def actor(hf, hf_cfg):
-    gpt = mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
-    return mcore.MegatronActor(gpt).eval()
-
-
-@pytest.fixture(scope="module")
-def batch():
-    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
-    am = torch.ones(B, T, dtype=torch.long)
-    am[1, 9:] = 0  # right padding, as train_t1.pad_batch
-    return ids, am
-
-
-def logprobs(model, ids, am):
-    logits = model(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
-    return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1) * am[:, 1:]  # (B, T-1)
-
-
-def routing_maps(actor, fn):
-    """Run fn() and return each TopKRouter's routing_map (N, E) in layer order."""
-    maps, hooks = [], [r.register_forward_hook(lambda m, i, o: maps.append(o[1].clone()))
-                       for r in r3.megatron_routers(actor.gpt)]
-    try:
-        fn()
-    finally:
-        for h in hooks:
-            h.remove()
-    return maps
 
 
 def test_qwen35_builds_megatron_gdn_gated_attention_and_gated_shared_expert(actor):
@@ -92,38 +63,12 @@ def test_qwen35_megatron_hf_megatron_round_trip_is_bit_equal(hf_cfg):
 
 
 def test_qwen35_megatron_replays_a_recorded_routing_under_perturbed_router_weights(hf, hf_cfg, actor, batch):
-    ids, am = batch
-    with torch.no_grad(), r3.routing(actor, "record") as rec:
-        actor(input_ids=ids, attention_mask=am)
-        recorded = rec.experts  # (B, T, L, K) from the native RECORD action
-    assert recorded.shape == (B, T, L, K)
-    other = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)).eval()
-    with torch.no_grad():
-        for r in r3.megatron_routers(other.gpt):
-            r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(2)))
-    live = routing_maps(other, lambda: other(input_ids=ids, attention_mask=am))
-
-    def replay():
-        with torch.no_grad(), r3.routing(other, "replay", recorded):
-            other(input_ids=ids, attention_mask=am)
-    got = routing_maps(other, replay)
-    want = r3.slice_for_megatron(recorded)  # per layer (T * B, K), Megatron's [s, b] order
-    for l in range(L):
-        assert torch.equal(got[l], torch.zeros(T * B, E, dtype=torch.bool).scatter(1, want[l].long(), True))
-    assert any(not torch.equal(live[l], got[l]) for l in range(L))  # the replay really overrode live routing
+    check_replay_under_perturbed_routers(hf, hf_cfg, actor, batch, n_layers=L, n_experts=E, top_k=K)
 
 
 def test_qwen35_megatron_replay_matches_hf_replay_and_gradient_reaches_gdn(hf, actor, batch):
-    ids, am = batch
-    forced = torch.zeros(B, T, L, K, dtype=torch.int32)
-    forced[..., 0], forced[..., 1] = 5, 6  # experts 5 and 6 everywhere
-    with torch.no_grad(), r3.routing(hf, "replay", forced):
-        want = logprobs(hf, ids, am)
-    actor.zero_grad()
-    with r3.routing(actor, "replay", forced):  # the training-step interface of the embedded backend
-        got = logprobs(actor, ids, am)
-        got.sum().backward()
-    assert torch.allclose(got.detach(), want, atol=1e-6, rtol=0)
+    got, want = replay_forced(hf, actor, batch, L, (5, 6))  # experts 5 and 6 everywhere
+    assert torch.allclose(got, want, atol=1e-6, rtol=0)
     gdn = actor.gpt.decoder.layers[0].self_attention
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in (gdn.A_log, gdn.dt_bias, gdn.conv1d.weight))
     g = r3.megatron_routers(actor.gpt)[0].weight.grad  # (E, H): softmax over the recorded K only
