@@ -472,20 +472,14 @@ def saved_bytes(fn):
     return out, sum(seen.values())
 
 
-def _cp_worker(rank, kappa, port, shape, chunk_size, queue):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=kappa)
-    try:
-        (q, k, v, g, beta), dout = gdn_inputs(**shape)
-        s, e = cp_split(q.shape[1], kappa, chunk_size)[rank]
-        local = [x[:, s:e].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-        out, nbytes = saved_bytes(lambda: cp_chunk_gated_delta_rule(*local, chunk_size=chunk_size,
-                                                                    use_qk_l2norm_in_kernel=True))
-        out.backward(dout[:, s:e])
-        # numpy pickles by value (torch tensors would travel as fds that die with this process)
-        queue.put((rank, out.detach().numpy().copy(), [x.grad.numpy().copy() for x in local], nbytes))
-    finally:
-        dist.destroy_process_group()
+def _cp_rank(rank, kappa, shape, chunk_size):
+    (q, k, v, g, beta), dout = gdn_inputs(**shape)
+    s, e = cp_split(q.shape[1], kappa, chunk_size)[rank]
+    local = [x[:, s:e].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
+    out, nbytes = saved_bytes(lambda: cp_chunk_gated_delta_rule(*local, chunk_size=chunk_size,
+                                                                use_qk_l2norm_in_kernel=True))
+    out.backward(dout[:, s:e])
+    return out.detach().numpy().copy(), [x.grad.numpy().copy() for x in local], nbytes
 
 
 def free_port() -> int:
@@ -494,23 +488,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gloo_rank(fn, rank, world, port, queue, args):
+    import datetime
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        queue.put((rank, fn(rank, world, *args), None))
+    except Exception as e:  # report, so the parent fails with the cause, not a timeout
+        queue.put((rank, None, repr(e)))
+        raise
+    finally:
+        dist.destroy_process_group()
+
+
+def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
+    """Run fn(rank, world, *args) in `world` spawned processes joined by one gloo group on 127.0.0.1 (the
+    default process group) -> their return values in rank order; a rank's exception is raised here.
+    timeout_s bounds the wait for each rank's result (None: no bound).
+
+    Return numpy arrays, not tensors: numpy pickles by value, a tensor would travel as a file descriptor
+    that dies with its process."""
+    import torch.multiprocessing as mp
+    ctx = mp.get_context("spawn")
+    queue, port = ctx.Queue(), free_port()
+    procs = [ctx.Process(target=_gloo_rank, args=(fn, r, world, port, queue, args)) for r in range(world)]
+    for pr in procs:
+        pr.start()
+    try:
+        res = sorted((queue.get(timeout=timeout_s) for _ in range(world)), key=lambda r: r[0])
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.exitcode is None:
+                pr.kill()
+    errors = [f"rank {r}: {err}" for r, _, err in res if err]
+    if errors or any(pr.exitcode != 0 for pr in procs):
+        raise RuntimeError(f"gloo ranks failed: {errors or [pr.exitcode for pr in procs]}")
+    return [out for _, out, _ in res]
+
+
 def run_cp(kappa: int, shape: dict, chunk_size: int = 64):
     """Spawn kappa gloo ranks on 127.0.0.1; returns (out, grads [q, k, v, g, beta], saved bytes per rank),
     outputs and grads concatenated along the sequence."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_cp_worker, args=(r, kappa, port, shape, chunk_size, queue)) for r in range(kappa)]
-    for pr in procs:
-        pr.start()
-    res = sorted((queue.get() for _ in range(kappa)), key=lambda x: x[0])
-    for pr in procs:
-        pr.join(timeout=60)
-        assert pr.exitcode == 0, f"CP rank exited with {pr.exitcode}"
-    out = torch.cat([torch.from_numpy(r[1]) for r in res], dim=1)
-    grads = [torch.cat([torch.from_numpy(r[2][i]) for r in res], dim=1) for i in range(5)]
-    return out, grads, [r[3] for r in res]
+    res = gloo_ranks(_cp_rank, kappa, shape, chunk_size)
+    out = torch.cat([torch.from_numpy(r[0]) for r in res], dim=1)
+    grads = [torch.cat([torch.from_numpy(r[1][i]) for r in res], dim=1) for i in range(5)]
+    return out, grads, [r[2] for r in res]
 
 
 def reference_gdn(shape: dict, chunk_size: int = 64):

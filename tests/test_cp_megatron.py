@@ -2,7 +2,6 @@
 sequence split over kappa gloo ranks (spawned processes, infra.cp_split boundaries; conv1d halo exchange + infra's
 CP recurrence) against the same layer on one rank."""
 import contextlib
-import datetime
 
 import pytest
 import torch
@@ -45,42 +44,22 @@ def run_layer(layer, x, dout, cp=False):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _worker(rank, kappa, port, queue):
-    import torch.distributed as dist
+def _cp_rank(rank, kappa):
     from megatron.core import parallel_state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=kappa,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        parallel_state.initialize_model_parallel(context_parallel_size=kappa)  # the layer's pg_collection.cp
-        mcore.init_cpu()
-        x, dout = inputs()
-        s, e = infra.cp_split(S, kappa)[rank]
-        out, dx, grads = run_layer(gdn_layer(), x[s:e], dout[s:e], cp=True)
-        queue.put((rank, out.numpy(), dx.numpy(), {n: g.numpy() for n, g in grads.items()}))  # by value
-    finally:
-        dist.destroy_process_group()
+    parallel_state.initialize_model_parallel(context_parallel_size=kappa)  # the layer's pg_collection.cp
+    mcore.init_cpu()
+    x, dout = inputs()
+    s, e = infra.cp_split(S, kappa)[rank]
+    out, dx, grads = run_layer(gdn_layer(), x[s:e], dout[s:e], cp=True)
+    return out.numpy(), dx.numpy(), {n: g.numpy() for n, g in grads.items()}
 
 
 def run_cp_layer(kappa):
     """Spawn kappa ranks -> (out [S, B, H], dx [S, B, H] concatenated on the sequence, parameter grads summed)."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), infra.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, kappa, port, queue)) for r in range(kappa)]
-    for pr in procs:
-        pr.start()
-    try:
-        res = sorted((queue.get(timeout=120) for _ in range(kappa)), key=lambda r: r[0])
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.exitcode is None:
-                pr.kill()
-    assert all(pr.exitcode == 0 for pr in procs)
-    out = torch.cat([torch.from_numpy(r[1]) for r in res])
-    dx = torch.cat([torch.from_numpy(r[2]) for r in res])
-    grads = {n: sum(torch.from_numpy(r[3][n]) for r in res) for n in res[0][3]}  # Megatron: DP x CP all-reduce
+    res = infra.gloo_ranks(_cp_rank, kappa, timeout_s=120)
+    out = torch.cat([torch.from_numpy(r[0]) for r in res])
+    dx = torch.cat([torch.from_numpy(r[1]) for r in res])
+    grads = {n: sum(torch.from_numpy(r[2][n]) for r in res) for n in res[0][2]}  # Megatron: DP x CP all-reduce
     return out, dx, grads
 
 

@@ -1,7 +1,6 @@
 """Model-parallel tiny Qwen3.5 GPTModel (mcore.shard_for_tp / shard_for_ep): the same HF weights loaded into
 Megatron-Core's GPTModel sharded over 2 spawned gloo processes (TP = 2 with sequence parallel, or EP = 2) vs the
 TP = EP = 1 model in this process: full-vocab logits gathered on every rank and the parameter grads must match."""
-import datetime
 
 import pytest
 import torch
@@ -51,42 +50,18 @@ def run_model(tp=1, ep=1):
                                                                     if getattr(p, "sequence_parallel", False)}
 
 
-def _worker(rank, world, tp, ep, port, queue):
-    import torch.distributed as dist
+def _parallel_rank(rank, world, tp, ep):
     from megatron.core import parallel_state
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-        mcore.init_cpu()  # shims only: the group and parallel state above are kept
-        out, grads, sp = run_model(tp, ep)
-        queue.put((rank, out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp))  # by value
-    except Exception as e:  # noqa: BLE001 -- report, so the parent fails with the cause, not a timeout
-        queue.put((rank, repr(e)))
-        raise
-    finally:
-        dist.destroy_process_group()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    mcore.init_cpu()  # shims only: the group and parallel state above are kept
+    out, grads, sp = run_model(tp, ep)
+    return out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp
 
 
 def run_parallel(tp=1, ep=1):
     """Spawn tp * ep ranks -> each rank's (gathered logits (B, T, V), {param name: grad}, sequence-parallel names)."""
-    import torch.multiprocessing as mp
-    ctx, world = mp.get_context("spawn"), tp * ep
-    queue, port = ctx.Queue(), infra.free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, tp, ep, port, queue)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    try:
-        res = sorted((queue.get(timeout=120) for _ in range(world)), key=lambda r: r[0])
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.exitcode is None:
-                pr.kill()
-    errors = [r[1] for r in res if isinstance(r[1], str)]
-    assert not errors, errors
-    return [(torch.from_numpy(r[1]), {n: torch.from_numpy(g) for n, g in r[2].items()}, r[3]) for r in res]
+    res = infra.gloo_ranks(_parallel_rank, tp * ep, tp, ep, timeout_s=120)
+    return [(torch.from_numpy(out), {n: torch.from_numpy(g) for n, g in grads.items()}, sp) for out, grads, sp in res]
 
 
 @pytest.fixture(scope="module")
