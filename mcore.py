@@ -40,14 +40,18 @@ Departures from the paper:
    "transformer_engine"): the same GatedDeltaNet, gated SelfAttention and MoE classes, but unfused norms
    (TE keeps the input norm inside in_proj / linear_qkv as `layer_norm_weight`; here it is
    `input_layernorm.weight`) and one module per expert (the cluster's grouped GEMM names them
-   `experts.linear_fc1.weight{e}`), so the conversion's key names are the local ones; the TE names are a
-   rename away and untested here. Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: expert TP =
+   `experts.linear_fc1.weight{e}`), so the conversion's key names are the local ones. `to_te_layout` /
+   `from_te_layout` rename them to the TE spec's (rules read from the 0.16.1 source, listed above them) and
+   `load_hf_into_cluster_model` loads HF weights into the cluster model with them; on CPU the renames are tested
+   against names listed per layer type (tests/test_mcore_te.py), while that the built TE model has exactly those
+   names and loads them is checked only on a GPU with Transformer Engine (`cluster.py gpu-check`); PP > 1 is not
+   written (a stage renumbers its layers). Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: expert TP =
    TP only; `shard_for_ep`: contiguous expert blocks); saving a sharded model back to HF is not written.
    Megatron's GatedDeltaNet ignores the attention mask (HF zeroes padded inputs): with right padding the causal
    recurrence leaves real tokens unchanged, so only padded positions differ; left padding or packed sequences
    would leak.
-2. CPU shims (only without CUDA, never on GPU): `torch.cuda.current_device` -> "cpu" while a model is built or
-   run, a no-op CUDA RNG tracker (dropout is 0), `moe_utils.te_general_gemm = None` where 0.16.1 leaves the
+2. CPU shims (only without CUDA, never on GPU): `torch.cuda.current_device` -> "cpu" (for the whole process once
+   `init_cpu` ran: the backward of tensor-parallel layers asks for it outside any block), a no-op CUDA RNG tracker (dropout is 0), `moe_utils.te_general_gemm = None` where 0.16.1 leaves the
    name undefined without Transformer Engine (a NameError in the router's gating linear); for Gated DeltaNet
    without flash-linear-attention, `HAVE_FLA = True`, fla's l2norm -> a torch one and `chunk_gated_delta_rule`
    -> Megatron's own `torch_chunk_gated_delta_rule` (its deterministic-mode kernel; causal_conv1d already
@@ -135,6 +139,8 @@ def init_cpu():
         gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel
     mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if not torch.cuda.is_available():  # the backward of TP / SP layers asks for the device outside any block
+        torch.cuda.current_device = lambda: "cpu"
     if not dist.is_initialized():
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to collide on
     if not parallel_state.model_parallel_is_initialized():
@@ -489,6 +495,104 @@ def megatron_to_hf(sd, hf) -> dict:
     return {k: v.detach().clone() for k, v in out.items()}
 
 
+# --- the Transformer-Engine layout: the cluster model's parameter names -----------------------------------------
+# hf_to_megatron writes the local modules' names (build_tiny). The cluster model (_qwen35_gpt: megatron-core 0.16.1's
+# get_transformer_block_with_experimental_attention_variant_spec, TESpecProvider, moe_grouped_gemm=True) differs in
+# two places only, both read from the 0.16.1 source:
+# 1. input norm: models/gpt/experimental_attention_variant_module_specs.py (get_transformer_block_with_experimental_
+#    attention_variant_spec) sets input_layernorm = IdentityOp when the attention spec's metainfo
+#    "fuse_input_layernorm" is True: GDN (get_gated_delta_net_module_spec: in_proj = TELayerNormColumnParallelLinear)
+#    and attention (_get_self_attention_module_spec: TESpecProvider.fuse_layernorm_and_linear() is True; linear_qkv
+#    = TELayerNormColumnParallelLinear, gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec). That class is
+#    te.pytorch.LayerNormLinear (extensions/transformer_engine.py), which registers `layer_norm_weight` (and
+#    `layer_norm_bias` only for LayerNorm, not RMSNorm) and takes zero_centered_gamma from the config as _RMSNorm
+#    does, so the value copies: input_layernorm.weight -> self_attention.{in_proj | linear_qkv}.layer_norm_weight.
+#    Qwen3-MoE's TE spec (get_gpt_layer_with_transformer_engine_spec) leaves input_layernorm at its IdentityOp
+#    default with the same linear_qkv: the same rule.
+# 2. routed experts: TESpecProvider.grouped_mlp_modules(grouped gemm) -> TEGroupedMLP (transformer/moe/experts.py)
+#    with linear_fc1 / linear_fc2 = TE{Column,Row}ParallelGroupedLinear over num_local_experts GEMMs; te.pytorch.
+#    GroupedLinear registers weight0..weight{n-1}: mlp.experts.local_experts.{e}.linear_fc1.weight ->
+#    mlp.experts.linear_fc1.weight{e}, e the LOCAL expert index (apply after shard_for_ep).
+# Unchanged: pre_mlp_layernorm (_get_moe_module_spec sets fuse_pre_mlp_layernorm False: the router reads the normed
+# input; TENorm -> te.pytorch.RMSNorm `weight`), q/k_layernorm (TENorm), GDN conv1d / dt_bias / A_log / out_norm
+# (TENorm) / out_proj (TERowParallelLinear `weight`), shared experts (moe_module_specs: SharedExpertMLP with
+# TEColumnParallelLinear / TERowParallelLinear `weight`, shared_experts.py gate_weight), router, embedding, output
+# layer, final_layernorm (TENorm). With add_bias_linear=False TE registers no bias; TE modules add `_extra_state`
+# (fp8 metadata) only, and TEDotProductAttention nothing else (softmax_offset only with softmax_type "learnable").
+def _fused_input_norm(hf, i):
+    """Where the TE layout keeps layer i's input norm: GDN in_proj or attention linear_qkv (rule 1)."""
+    gdn = is_qwen35(hf) and hf.layer_types[i] == "linear_attention"
+    return f"decoder.layers.{i}.self_attention.{'in_proj' if gdn else 'linear_qkv'}.layer_norm_weight"
+
+
+def to_te_layout(sd, hf) -> dict:
+    """Local-module GPTModel state dict (hf_to_megatron's, after shard_for_ep / shard_for_tp) -> the TE-spec model's
+    names (rules 1-2 above); tensors are not copied. Inverse: from_te_layout."""
+    fused = {f"decoder.layers.{i}.input_layernorm.weight": _fused_input_norm(hf, i)
+             for i in range(hf.num_hidden_layers)}
+    if not fused.keys() <= sd.keys():
+        raise KeyError(f"to_te_layout: no {sorted(fused.keys() - sd.keys())[:3]}")
+    out = {}
+    for k, w in sd.items():
+        if ".mlp.experts.local_experts." in k:  # {m}.mlp.experts.local_experts.{e}.linear_fc1.weight
+            head, rest = k.split(".local_experts.")
+            e, tail = rest.split(".", 1)
+            k = f"{head}.{tail}{e}"  # {m}.mlp.experts.linear_fc1.weight{e}
+        out[fused.get(k, k)] = w
+    return out
+
+
+def from_te_layout(sd, hf) -> dict:
+    """TE-spec GPTModel state dict (without `_extra_state`) -> the local-module names: the inverse of to_te_layout."""
+    unfused = {_fused_input_norm(hf, i): f"decoder.layers.{i}.input_layernorm.weight"
+               for i in range(hf.num_hidden_layers)}
+    out = {}
+    for k, w in sd.items():
+        if ".mlp.experts.linear_fc" in k:  # {m}.mlp.experts.linear_fc1.weight{e}
+            head, rest = k.split(".mlp.experts.")
+            name = rest.rstrip("0123456789")
+            k = f"{head}.mlp.experts.local_experts.{rest[len(name):]}.{name}"
+        out[unfused.get(k, k)] = w
+    return out
+
+
+def load_hf_into_cluster_model(gpt, hf_state_dict, hf):
+    """HF weights into the cluster GPTModel (_qwen35_gpt: TE modules, grouped-GEMM experts): hf_to_megatron, this
+    rank's shard (shard_for_ep, shard_for_tp), the TE names (to_te_layout), then a strict load (only `_extra_state`
+    may be missing). Needs CUDA + Transformer Engine (the model does); on CPU its renames are tested as functions."""
+    from megatron.core import parallel_state as ps
+    c = gpt.config
+    assert c.moe_grouped_gemm, "to_te_layout writes TEGroupedMLP names (moe_grouped_gemm=True)"
+    assert c.pipeline_model_parallel_size == 1, "PP > 1: a stage's layers are renumbered from 0, not written here"
+    assert c.expert_tensor_parallel_size == c.tensor_model_parallel_size, "expert TP != TP: not sharded here"
+    sd = hf_to_megatron(hf_state_dict, hf)
+    sd = shard_for_ep(sd, hf.num_experts, ps.get_expert_model_parallel_rank(), c.expert_model_parallel_size)
+    sd = to_te_layout(shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size), hf)
+    missing, unexpected = gpt.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise ValueError(f"load_hf_into_cluster_model: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+    return gpt
+
+
+def _tp_cuts(hf):
+    """shard_for_tp's rules: {key suffix: part count or part row sizes} for tensors column-cut per part, then the
+    suffixes of whole column-parallel (dim 0) and row-parallel (dim 1) tensors; any other key is replicated."""
+    parts = {"linear_fc1.weight": 2}  # [gate; up]
+    if is_qwen35(hf):
+        qk, v, nv = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * \
+            hf.linear_value_head_dim, hf.linear_num_value_heads
+        parts.update({"in_proj.weight": [qk, qk, v, v, nv, nv], "conv1d.weight": [qk, qk, v]})
+    cols = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "A_log", "dt_bias")
+    rows = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
+    return parts, cols, rows
+
+
+def _is_tp_cut(k, hf):
+    parts, cols, rows = _tp_cuts(hf)
+    return k.endswith(tuple(parts) + cols + rows)
+
+
 def shard_for_tp(sd, hf, tp_rank, tp_size) -> dict:
     """TP = 1 GPTModel state dict (hf_to_megatron's) -> tensor-parallel rank `tp_rank` of `tp_size` (experts too:
     expert TP = TP, Megatron's default). Column-parallel rows split per part so every rank holds whole heads:
@@ -497,13 +601,7 @@ def shard_for_tp(sd, hf, tp_rank, tp_size) -> dict:
     dt_bias per value head. Row-parallel columns: linear_proj, linear_fc2, out_proj. The rest is replicated."""
     if tp_size == 1:
         return dict(sd)
-    parts = {"linear_fc1.weight": 2}  # [gate; up]
-    if is_qwen35(hf):
-        qk, v, nv = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * \
-            hf.linear_value_head_dim, hf.linear_num_value_heads
-        parts.update({"in_proj.weight": [qk, qk, v, v, nv, nv], "conv1d.weight": [qk, qk, v]})
-    cols = ("embedding.word_embeddings.weight", "output_layer.weight", "linear_qkv.weight", "A_log", "dt_bias")
-    rows = ("linear_proj.weight", "linear_fc2.weight", "out_proj.weight")
+    parts, cols, rows = _tp_cuts(hf)
     out = {}
     for k, w in sd.items():
         split = next((p for n, p in parts.items() if k.endswith(n)), None)
@@ -533,6 +631,46 @@ def shard_for_ep(sd, num_experts, ep_rank, ep_size) -> dict:
     return out
 
 
+def unshard_tp(shards, hf, tp_size) -> dict:
+    """Inverse of shard_for_tp: the `tp_size` ranks' dicts, in TP rank order -> the TP = 1 dict. A tensor cut per
+    part is split back into its parts on every rank, each part re-joined over ranks, the parts in their order
+    ([gate; up], GDN [q k v z b a] / [q k v]); column-parallel re-join on dim 0, row-parallel on dim 1;
+    replicated tensors are rank 0's."""
+    assert len(shards) == tp_size, f"unshard_tp: {len(shards)} shards for TP = {tp_size}"
+    if tp_size == 1:
+        return dict(shards[0])
+    parts, cols, rows = _tp_cuts(hf)
+    out = {}
+    for k, w in shards[0].items():
+        split = next((p for n, p in parts.items() if k.endswith(n)), None)
+        if split is not None:  # rank r holds [part0_r; part1_r; ..]: parts back out of each rank, joined over ranks
+            per_rank = [s[k].chunk(split) if isinstance(split, int) else s[k].split([n // tp_size for n in split])
+                        for s in shards]
+            w = torch.cat([torch.cat(part) for part in zip(*per_rank)])
+        elif k.endswith(cols):
+            w = torch.cat([s[k] for s in shards])
+        elif k.endswith(rows):
+            w = torch.cat([s[k] for s in shards], dim=1)
+        out[k] = w
+    return out
+
+
+def unshard_ep(shards, num_experts, ep_size) -> dict:
+    """Inverse of shard_for_ep: the `ep_size` ranks' dicts, in EP rank order -> all experts, numbered back
+    (rank r's local expert j is expert r * E / ep_size + j); everything else is rank 0's."""
+    assert len(shards) == ep_size and num_experts % ep_size == 0, f"unshard_ep: {len(shards)} shards, E = {num_experts}"
+    per, out = num_experts // ep_size, {}
+    for r, s in enumerate(shards):
+        for k, w in s.items():
+            if ".local_experts." in k:
+                head, rest = k.split(".local_experts.")
+                e, tail = rest.split(".", 1)
+                out[f"{head}.local_experts.{r * per + int(e)}.{tail}"] = w
+            elif r == 0:
+                out[k] = w
+    return out
+
+
 def load_hf_into_megatron(gpt, hf_state_dict, hf):
     """Copy converted HF weights into `gpt`; every real parameter must be covered (only _extra_state left)."""
     c = gpt.config
@@ -550,24 +688,40 @@ def load_hf_into_megatron(gpt, hf_state_dict, hf):
 
 
 # --- the training-step interface of the embedded backend ----------------------------------------------
+def _seq_multiple(gpt) -> int:
+    """Sequence parallel splits the sequence over the TP ranks: T must be a multiple of tp (1 otherwise)."""
+    c = gpt.config
+    return c.tensor_model_parallel_size if c.sequence_parallel else 1
+
+
 def _gpt_forward(gpt, input_ids, attention_mask=None):
-    """GPTModel on (B, T) ids with a 1/0 right-padding mask -> its output layer's (B, T, *) output."""
+    """GPTModel on (B, T) ids with a 1/0 right-padding mask -> its output layer's (B, T, *) output (vocab-parallel
+    logits: this TP rank's V / tp columns). Under sequence parallel T is right-padded to a multiple of tp (mask 0,
+    so real tokens are unchanged) and the output cut back to T."""
     B, T = input_ids.shape
     dev = input_ids.device
     key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
-    allowed = torch.tril(torch.ones(T, T, dtype=torch.bool, device=dev))[None] & key_ok[:, None, :]  # (B, T, T)
-    mask = ~allowed[:, None]  # (B, 1, T, T): Megatron masks where True
-    pos = torch.arange(T, device=dev)[None].expand(B, T)  # (B, T)
+    pad = -T % _seq_multiple(gpt)
+    if pad:
+        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
+        key_ok = torch.nn.functional.pad(key_ok, (0, pad))
+    Tp = T + pad
+    allowed = torch.tril(torch.ones(Tp, Tp, dtype=torch.bool, device=dev))[None] & key_ok[:, None, :]  # (B, Tp, Tp)
+    mask = ~allowed[:, None]  # (B, 1, Tp, Tp): Megatron masks where True
+    pos = torch.arange(Tp, device=dev)[None].expand(B, Tp)  # (B, Tp)
     with cpu_shims():
-        return gpt(input_ids.to(torch.long), pos, attention_mask=mask)
+        return gpt(input_ids.to(torch.long), pos, attention_mask=mask)[:, :T]
 
 
 class MegatronActor(torch.nn.Module):
     """GPTModel behind the embedded backend's interface: forward(input_ids, attention_mask) -> .logits.
 
-    attention_mask (B, T) 1/0 (right padding, as train_t1.pad_batch); logits (B, T, V) fp32.
-    `r3.routing(actor, mode, experts)` works as for the HF actor: it calls `self.routing`, which
-    slices (B, T, L, k) experts for this rank (`r3.slice_for_megatron`) and drives RouterReplay.
+    attention_mask (B, T) 1/0 (right padding, as train_t1.pad_batch); logits (B, T, V) fp32 (gathered over the
+    TP ranks when the output layer is vocab-parallel). `token_logprobs` is the training path: log pi of the next
+    token straight from the vocab-parallel logits (Megatron's vocab-parallel cross entropy), never the (B, T, V)
+    gather. `r3.routing(actor, mode, experts)` works as for the HF actor: it calls `self.routing`, which slices
+    (B, T, L, k) experts for this rank (`r3.slice_for_megatron`, layout from parallel_state unless given) and
+    drives RouterReplay; a recording is gathered back to (B, T, L, k) over the sequence-parallel ranks.
     """
 
     r3_backend = "megatron"
@@ -575,13 +729,31 @@ class MegatronActor(torch.nn.Module):
     def __init__(self, gpt, layout=None):
         super().__init__()
         self.gpt = gpt
+        c = gpt.config
+        if layout is None and c.tensor_model_parallel_size > 1:
+            from megatron.core import parallel_state as ps
+            layout = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=c.tensor_model_parallel_size,
+                          sp=c.sequence_parallel)
         self.layout = dict(layout or {})  # kwargs of r3.slice_for_megatron (tp/cp ranks, layers, moe_layers)
         self.batch_shape = None
 
     def forward(self, input_ids, attention_mask=None):
         self.batch_shape = tuple(input_ids.shape)  # (B, T)
-        logits = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, V)
+        logits = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, V / tp)
+        if self.gpt.config.tensor_model_parallel_size > 1:
+            from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+            with cpu_shims():
+                logits = gather_from_tensor_model_parallel_region(logits)  # (B, T, V)
         return types.SimpleNamespace(logits=logits.float())
+
+    def token_logprobs(self, input_ids, attention_mask=None, temperature=1.0):
+        """(B, T-1): log pi(tokens[j+1] | tokens[:j+1]) at temperature, from this rank's vocab shard:
+        log p = -CE = z_target - log sum exp z (max, sum and target logit all-reduced over TP)."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+        self.batch_shape = tuple(input_ids.shape)
+        logits = _gpt_forward(self.gpt, input_ids, attention_mask)[:, :-1].float() / temperature  # (B, T-1, V / tp)
+        with cpu_shims():
+            return -vocab_parallel_cross_entropy(logits, input_ids[:, 1:].long())  # (B, T-1); CE works in place
 
     @contextlib.contextmanager
     def routing(self, mode, experts=None):
@@ -590,10 +762,29 @@ class MegatronActor(torch.nn.Module):
         if mode == "replay" and experts is not None:
             n_moe = sum(self.layout.get("moe_layers") or [1] * len(rs))
             experts = r3._check_replay_experts(experts, n_moe, rs[0].topk, rs[0].config.num_moe_experts)
+            pad = -experts.shape[1] % _seq_multiple(self.gpt)  # _gpt_forward's padding; -1 rows route live
+            experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, pad), value=-1) if pad else experts
             layer_experts = r3.slice_for_megatron(experts, **self.layout)
         with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
-            ctx.batch_shape = lambda: self.batch_shape
+            ctx.batch_shape = self._routed_shape
+            if _seq_multiple(self.gpt) > 1:
+                ctx.gather = self._gather_sequence
             yield ctx
+
+    def _routed_shape(self):
+        """(B, T_routed, T): the routers saw the padded length; the recording is cut back to T."""
+        if self.batch_shape is None:
+            return None
+        B, T = self.batch_shape
+        return B, T + (-T % _seq_multiple(self.gpt)), T
+
+    def _gather_sequence(self, ex):
+        """(N / tp, L, k) rows of this TP rank's sequence slice -> (N, L, k), all TP ranks' slices in order."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        parts = [torch.empty_like(ex) for _ in range(ps.get_tensor_model_parallel_world_size())]
+        dist.all_gather(parts, ex.contiguous(), group=ps.get_tensor_model_parallel_group())
+        return torch.cat(parts)
 
 
 # --- the critic: the actor's GPTModel with a scalar value head (paper: full-size critic) -------------------
@@ -690,21 +881,74 @@ def embedded_models(hf_actor):
     return actor, behaviour, MegatronCritic.from_actor(actor)
 
 
+def gather_full_state(gpt, hf) -> dict:
+    """This rank's GPTModel -> the TP = EP = 1 state dict (no _extra_state), what megatron_to_hf /
+    critic_megatron_to_hf take. Sharded (TP or EP > 1, parallel_state initialised) it is a collective: every rank
+    of the model-parallel job calls it and every rank gets the whole dict. Dense tensors cut by shard_for_tp's
+    rules are all-gathered over the TP group; expert tensors over the expert-TP group (= TP: the only case
+    load_hf_into_megatron shards), then over the expert-parallel group; then unshard_tp / unshard_ep. Replicated
+    tensors are this rank's, not sent (equal over ranks once grads are all-reduced). A MegatronCritic's value head
+    (_ValueHead, weight (1, H) and bias) is replicated, not vocab-parallel: taken as it is. One pipeline stage only.
+    At TP = EP = 1 it is the local state dict, no communication."""
+    c = gpt.config
+    tp, ep = c.tensor_model_parallel_size, c.expert_model_parallel_size
+    sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    if tp == 1 and ep == 1:
+        return sd
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    if c.pipeline_model_parallel_size > 1:
+        raise NotImplementedError("gather_full_state: pipeline parallel (one stage per rank) is not gathered here")
+    assert c.expert_tensor_parallel_size == tp, "expert TP != TP: not unsharded here"
+    value_head = isinstance(getattr(gpt, "output_layer", None), _ValueHead)
+    head = {k: sd.pop(k) for k in list(sd) if value_head and k.startswith("output_layer.")}
+    experts = {k: sd.pop(k) for k in list(sd) if ".local_experts." in k}
+
+    def all_gather(part, group, size, which):  # {k: this rank's tensor} -> [{k: rank r's tensor}] in group order
+        ranks = [{} for _ in range(size)]
+        for k, w in part.items():  # the same keys in the same order on every rank of the group
+            ws = [w] * size
+            if which(k):
+                ws = [torch.empty_like(w) for _ in range(size)]
+                dist.all_gather(ws, w.contiguous(), group=group)
+            for r in range(size):
+                ranks[r][k] = ws[r]
+        return ranks
+
+    if tp > 1:
+        cut = lambda k: _is_tp_cut(k, hf)  # noqa: E731
+        sd = unshard_tp(all_gather(sd, ps.get_tensor_model_parallel_group(), tp, cut), hf, tp)
+        experts = unshard_tp(all_gather(experts, ps.get_expert_tensor_parallel_group(), tp, cut), hf, tp)
+    if ep > 1:
+        experts = unshard_ep(all_gather(experts, ps.get_expert_model_parallel_group(), ep, lambda k: True),
+                             hf.num_experts, ep)
+    return {**sd, **experts, **head}
+
+
 def to_hf(actor, hf_config):
-    """The MegatronActor's weights in a Hugging Face model of `hf_config`."""
+    """The MegatronActor's weights in a Hugging Face model of `hf_config`. Sharded over TP / EP ranks: a collective
+    (gather_full_state), every rank calls it and gets the whole model."""
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    sd = {k: v for k, v in actor.gpt.state_dict().items() if not k.endswith("_extra_state")}
-    hf.load_state_dict(megatron_to_hf(sd, hf_config), strict=True)
+    hf.load_state_dict(megatron_to_hf(gather_full_state(actor.gpt, hf_config), hf_config), strict=True)
     return hf
 
 
 def save_hf(actor, hf_config, tokenizer, path):
-    """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load)."""
-    hf = to_hf(actor, hf_config)
-    os.makedirs(path, exist_ok=True)
-    hf.save_pretrained(path)
-    tokenizer.save_pretrained(path)
+    """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load). Under torch.distributed with
+    world size > 1 every rank calls it (the gather is a collective); global rank 0 writes, and no rank returns
+    before the checkpoint is on disk."""
+    dist = torch.distributed
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and dist.get_rank() != 0:
+        gather_full_state(actor.gpt, hf_config)  # this rank's part of the gather; rank 0 writes
+    else:
+        hf = to_hf(actor, hf_config)
+        os.makedirs(path, exist_ok=True)
+        hf.save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    if world > 1:
+        dist.barrier()
 
 
 # --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
@@ -798,3 +1042,135 @@ def build_qwen35_critic(preset, lr=1.5e-5, **parallel):
     require_cluster("build_qwen35_critic")
     critic = MegatronCritic(_qwen35_gpt(preset, moe_enable_routing_replay=False, **parallel)).cuda()
     return _ddp_and_optimizer(critic, critic.gpt.config, lr)
+
+
+# --- the distributed optimizer on CPU: ZeRO-1 as Megatron shards it (DDP grad buffers, gloo) ----------------
+# Megatron's DistributedOptimizer (get_megatron_optimizer(use_distributed_optimizer=True), what build_qwen35 /
+# _ddp_and_optimizer use on the cluster) is ZeRO-1 over DDP's contiguous grad buffers: each bucket is cut into dp
+# equal shards (DDP pads it to a multiple of lcm(dp, 128)); finalize_model_grads reduce-scatters the grads so the
+# rank r of the bucket's data-parallel group holds the summed grads of shard r; the optimizer keeps fp32 state for
+# that shard only, updates that shard of the params, and DDP all-gathers the params (start_param_sync). Expert
+# buckets shard the same way over the expert-data-parallel group. It cannot run on CPU in megatron-core 0.16.1:
+# DistributedOptimizer._build_model_and_main_param_groups accepts only params of type 'torch.cuda.FloatTensor' /
+# 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (a CPU param raises TypeError); the grad norm
+# (clip_grads.get_grad_norm_fp32) and the mixed-precision optimizer make their buffers with device='cuda'
+# (overflow buffer, norm, found_inf, loss scale); its FusedAdam and multi-tensor l2norm / scale come from
+# Transformer Engine or apex (without them it falls back to torch's Adam and local loops, but the two CUDA-only
+# points above remain). ShardedAdam is the same sharding, step for step, over the same DDP buffers, in plain
+# torch (gloo); Adam as torch.optim.Adam, without weight decay. The cluster keeps get_megatron_optimizer.
+def wrap_ddp(model):
+    """Megatron DistributedDataParallel (use_distributed_optimizer=True, overlap_grad_reduce=False, fp32 grad
+    buffers) around a GPTModel, or around the `.gpt` of a MegatronActor / MegatronCritic, which then keeps calling
+    its GPTModel directly: DDP's grad hooks sit on the parameters' grad accumulators, so any backward through them
+    fills `param.main_grad` (param.grad stays None), and the parameters become views of DDP's param buffer.
+
+    Needs the model built with calculate_per_token_loss=True (ValueError otherwise): DDP then leaves the reduced
+    grads summed over the data-parallel ranks instead of dividing them by dp, as the trainer's losses are already
+    normalised by the global token count (sum of per-rank losses = the one-rank loss of the global batch)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    gpt = getattr(model, "gpt", model)
+    if not gpt.config.calculate_per_token_loss:
+        raise ValueError("wrap_ddp: build the model with calculate_per_token_loss=True (build_tiny(hf, "
+                         "calculate_per_token_loss=True)); otherwise DDP divides the grads of a globally "
+                         "normalised loss by the data-parallel size")
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                        grad_reduce_in_fp32=True)
+    with cpu_shims():  # the buffers are allocated on torch.cuda.current_device()
+        return DistributedDataParallel(gpt.config, cfg, gpt)
+
+
+class ShardedAdam:
+    """ZeRO-1 Adam over a `wrap_ddp` model, sharded as Megatron's distributed optimizer: this rank owns shard r of
+    every DDP bucket (r, dp: its rank and size in the bucket's data-parallel group: dense buckets over DP x CP,
+    expert buckets over expert-DP) and keeps exp_avg / exp_avg_sq for that shard only.
+
+        opt.zero_grad()                # DDP grad buffers to 0, before the backward passes of a step
+        grad_norm = opt.step(max_norm) # finalize_model_grads, global-norm clip, Adam on the shard, param all-gather
+
+    Grad norm as Megatron's (MegatronOptimizer.get_main_grads_for_grad_norm + get_grad_norm_fp32): the squares of
+    this rank's reduced grad shards, counting a parameter only if it is not a TP duplicate (the
+    `tensor_model_parallel` attribute, else TP rank 0) and not shared, summed over the intra-distributed-optimizer
+    group (all ranks of a DP x TP x PP x CP instance, the group Megatron's dense and expert optimizers share), so
+    it equals the one-rank norm of the global batch; clipped as torch's clip_grad_norm_ (max_norm / (norm + 1e-6)
+    when below 1). fp32 parameters only (the shard is its own master copy; bf16 params would need an fp32 one).
+    state_dict() / load_state_dict(): this rank's shard (step, hyperparameters, exp_avg / exp_avg_sq per bucket);
+    the parameters are checkpointed with the model's own (sharded) state dict."""
+
+    def __init__(self, ddp, lr, betas=(0.9, 0.999), eps=1e-8):
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+        self.ddp, self.lr, self.betas, self.eps, self.step_count = ddp, lr, tuple(betas), eps, 0
+        self.shards = []  # one per bucket: this rank's views of its grads / params and its Adam state
+        for buf in ddp.buffers + ddp.expert_parallel_buffers:
+            if buf.param_dtype != torch.float32 or buf.grad_dtype != torch.float32:
+                raise ValueError(f"ShardedAdam: fp32 params and grads only, got {buf.param_dtype} / {buf.grad_dtype}")
+            dp, r = buf.data_parallel_group.size(), buf.data_parallel_group.rank()
+            for bucket in buf.buckets:
+                n = bucket.grad_data.numel() // dp  # DDP pads each bucket to a multiple of dp
+                lo, hi = r * n, (r + 1) * n  # this rank's shard, bucket-local
+                norm_ranges = []  # shard-local [a, b) of the parameters the grad norm counts
+                for p in bucket.params_list:
+                    start, end, _ = buf.param_index_map[p]  # buffer indices; the bucket starts at bucket.offset
+                    a, b = max(start - bucket.offset, lo), min(end - bucket.offset, hi)
+                    if a < b and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                        norm_ranges.append((a - lo, b - lo))
+                self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=bucket.param_data[lo:hi],
+                                        norm_ranges=norm_ranges, exp_avg=torch.zeros_like(bucket.grad_data[lo:hi]),
+                                        exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi])))
+
+    def zero_grad(self):
+        self.ddp.zero_grad_buffer()
+
+    @torch.no_grad()
+    def grad_norm(self):
+        """Global L2 norm of the reduced grads (call after finalize_model_grads)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        sq = torch.zeros((), dtype=torch.float32)
+        for s in self.shards:
+            for a, b in s["norm_ranges"]:
+                sq += s["grad"][a:b].pow(2).sum()
+        dist.all_reduce(sq, group=ps.get_intra_distributed_optimizer_instance_group())  # all shards, all MP ranks
+        return sq.sqrt().item()
+
+    @torch.no_grad()
+    def step(self, max_grad_norm=None):
+        """finalize_model_grads (reduce-scatter over DP / expert-DP, sequence-parallel grads all-reduced over TP),
+        clip by the global norm, Adam on this rank's shards, all-gather the params. -> grad norm before clipping."""
+        from megatron.core.distributed import finalize_model_grads
+        with cpu_shims():
+            finalize_model_grads([self.ddp])
+        norm = self.grad_norm()
+        if max_grad_norm is not None and max_grad_norm > 0:
+            clip_coef = max_grad_norm / (norm + 1e-6)  # torch clip_grad_norm_ / Megatron clip_grad_by_total_norm_fp32
+            if clip_coef < 1.0:
+                for s in self.shards:
+                    s["grad"].mul_(clip_coef)
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1 ** self.step_count
+        bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
+        for s in self.shards:  # torch.optim.Adam's single-tensor update, elementwise on the flat shard
+            g, m, v = s["grad"], s["exp_avg"], s["exp_avg_sq"]
+            m.lerp_(g, 1 - beta1)  # m = b1 m + (1 - b1) g
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = b2 v + (1 - b2) g^2
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)  # sqrt(v_hat) + eps
+            s["param"].addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
+        with cpu_shims():
+            self.ddp.start_param_sync(force_sync=True)  # all-gather every bucket's param shards
+        return norm
+
+    def state_dict(self):
+        return dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps,
+                    exp_avg=[s["exp_avg"].clone() for s in self.shards],
+                    exp_avg_sq=[s["exp_avg_sq"].clone() for s in self.shards])
+
+    def load_state_dict(self, sd):
+        shapes = [tuple(s["exp_avg"].shape) for s in self.shards]
+        if [tuple(t.shape) for t in sd["exp_avg"]] != shapes:
+            raise ValueError(f"ShardedAdam.load_state_dict: shard shapes {[tuple(t.shape) for t in sd['exp_avg']]} "
+                             f"!= {shapes} (another parallel layout or model?)")
+        self.step_count, self.lr, self.betas, self.eps = sd["step"], sd["lr"], tuple(sd["betas"]), sd["eps"]
+        for s, m, v in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"]):
+            s["exp_avg"].copy_(m)
+            s["exp_avg_sq"].copy_(v)

@@ -387,7 +387,8 @@ class MegatronRouting:
 
     def __init__(self, replays, mode):
         self.replays, self.mode = replays, mode
-        self.batch_shape = lambda: None  # mcore.MegatronActor sets it: (B, T) of the last forward
+        self.batch_shape = lambda: None  # mcore.MegatronActor sets it: (B, T_routed, T) of the last forward
+        self.gather = lambda ex: ex  # mcore.MegatronActor under sequence parallel: all TP ranks' rows, in order
 
     def backward_mode(self):
         """Switch replay to REPLAY_BACKWARD before a backward that recomputes (pops in forward order)."""
@@ -401,10 +402,10 @@ class MegatronRouting:
         got = [rp.get_recorded_indices() for rp in self.replays]
         if any(g is None for g in got):
             raise RuntimeError("R3 record: no forward ran inside the routing context")
-        ex = torch.stack([g.to(torch.int32).cpu() for g in got], dim=1)  # (N, L_local, k), rows s * B + b
+        ex = self.gather(torch.stack([g.to(torch.int32).cpu() for g in got], dim=1))  # (N, L_local, k), rows s * B + b
         bt = self.batch_shape()
         if bt is not None and ex.shape[0] == bt[0] * bt[1]:  # whole sequence on this rank -> (B, T, L, k)
-            ex = ex.reshape(bt[1], bt[0], *ex.shape[1:]).transpose(0, 1)
+            ex = ex.reshape(bt[1], bt[0], *ex.shape[1:]).transpose(0, 1)[:, :bt[-1]]  # padded tail cut off
         return ex
 
 
