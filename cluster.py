@@ -606,6 +606,14 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
                                capture_output=True, text=True, timeout=420)
             res["checks"].append({"name": "mcore pytest (GPU)", "ok": r.returncode == 0,
                                   "tail": (r.stdout + r.stderr)[-1500:]})
+        if os.path.isfile(os.path.join(here, "tests/test_mcore_te.py")):  # the cluster model's TE names + HF load
+            try:  # own process (its NCCL group); a failure or timeout is reported, the checks below still run
+                r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_mcore_te.py"], cwd=here,
+                                   capture_output=True, text=True, timeout=300)
+                ok = False if r.returncode else None if "skipped" in r.stdout else True  # skipped: no TE here
+                res["checks"].append({"name": "mcore TE layout (GPU)", "ok": ok, "tail": (r.stdout + r.stderr)[-1500:]})
+            except Exception as e:
+                res["checks"].append({"name": "mcore TE layout (GPU)", "ok": False, "error": repr(e)})
         import mcore
         if hasattr(mcore, "memory_probe"):
             c, plan = probe_config(), infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
