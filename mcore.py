@@ -15,12 +15,14 @@ fusion off, distributed optimizer). This module holds:
   zero-centred RMSNorm), the latter from Megatron's own GatedDeltaNet / SelfAttention / SharedExpertMLP with
   local modules in place of Transformer Engine's (`_qwen35_local_spec`).
 - `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts; `shard_for_tp` /
-  `shard_for_ep` cut the TP = 1 result for one tensor- / expert-parallel rank (`load_hf_into_megatron` applies them).
+  `shard_for_ep` cut the TP = 1 result for one tensor- / expert-parallel rank (`load_hf_into_megatron` applies them);
+  `unshard_tp` / `unshard_ep` join them back, `gather_full_state` collects a sharded model's TP = 1 state dict.
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
   `train_t1.py` switches backend with one argument.
 - `embedded_models` / `save_hf`: the backend `train_t1.py --backend megatron` trains with at the embedded
-  scale (actor, behaviour copy and critic in one process; HF checkpoints out for the engines).
+  scale (actor, behaviour copy and critic in one process; HF checkpoints out for the engines). `to_hf` / `save_hf`
+  also take a TP / EP-sharded actor: every rank calls them (a gather), rank 0 writes.
 - `MegatronCritic` (+ `critic_hf_to_megatron` / `critic_megatron_to_hf`, `build_qwen35_critic`): the paper's
   full-size critic, the actor's GPTModel with a scalar value head in place of the LM output layer; the same
   interface and conventions as `critic.Critic` (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init
@@ -32,7 +34,7 @@ fusion off, distributed optimizer). This module holds:
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
-    python -m pytest tests/test_mcore_tp.py -q     # CPU: the tiny Qwen3.5 GPTModel at TP = 2 (+ SP) and EP = 2, gloo
+    python -m pytest tests/test_mcore_tp.py -q     # CPU: tiny Qwen3.5 at TP = 2 (+ SP), EP = 2, gloo; back to HF
 
 Departures from the paper:
 1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
@@ -46,7 +48,9 @@ Departures from the paper:
    against names listed per layer type (tests/test_mcore_te.py), while that the built TE model has exactly those
    names and loads them is checked only on a GPU with Transformer Engine (`cluster.py gpu-check`); PP > 1 is not
    written (a stage renumbers its layers). Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: expert TP =
-   TP only; `shard_for_ep`: contiguous expert blocks); saving a sharded model back to HF is not written.
+   TP only; `shard_for_ep`: contiguous expert blocks); saving goes back the same way (`gather_full_state`: all-gather
+   over the TP / expert groups, then `unshard_tp` / `unshard_ep`), one pipeline stage only, the whole model on every
+   rank (at the cluster's scale a gather to rank 0 tensor by tensor would be needed; not written).
    Megatron's GatedDeltaNet ignores the attention mask (HF zeroes padded inputs): with right padding the causal
    recurrence leaves real tokens unchanged, so only padded positions differ; left padding or packed sequences
    would leak.
@@ -871,13 +875,20 @@ def critic_megatron_to_hf(sd, hf) -> dict:
 def embedded_models(hf_actor):
     """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE or Qwen3.5-MoE actor: two MegatronActors
     with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic
-    from the actor's backbone. One process, TP = PP = EP = 1, CPU (or one GPU)."""
+    from the actor's backbone. Local modules (CPU or GPU), in the layout parallel_state holds (the trainer rank
+    initialises it per --plan; one process otherwise): this rank's TP / EP shards, sequence parallel with TP
+    (Megatron's MoE refuses TP without it in training), calculate_per_token_loss for DDP (wrap_ddp)."""
     cfg = hf_actor.config
     if getattr(cfg, "model_type", "") not in ("qwen3_moe", "qwen3_5_moe_text"):
         raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE and Qwen3.5-MoE text "
                          f"layouts, got {getattr(cfg, 'model_type', type(hf_actor).__name__)!r}")
+    init_cpu()  # shims; parallel state of one rank unless the trainer set its plan
+    from megatron.core import parallel_state as ps
+    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
+    layout = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                  calculate_per_token_loss=True)
     sd = hf_actor.state_dict()
-    actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg), sd, cfg)) for _ in range(2))
+    actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg, **layout), sd, cfg)) for _ in range(2))
     return actor, behaviour, MegatronCritic.from_actor(actor)
 
 
@@ -916,7 +927,8 @@ def gather_full_state(gpt, hf) -> dict:
         return ranks
 
     if tp > 1:
-        cut = lambda k: _is_tp_cut(k, hf)  # noqa: E731
+        def cut(k):
+            return _is_tp_cut(k, hf)
         sd = unshard_tp(all_gather(sd, ps.get_tensor_model_parallel_group(), tp, cut), hf, tp)
         experts = unshard_tp(all_gather(experts, ps.get_expert_tensor_parallel_group(), tp, cut), hf, tp)
     if ep > 1:

@@ -1,6 +1,8 @@
 """Model-parallel tiny Qwen3.5 GPTModel (mcore.shard_for_tp / shard_for_ep): the same HF weights loaded into
 Megatron-Core's GPTModel sharded over 2 spawned gloo processes (TP = 2 with sequence parallel, or EP = 2) vs the
-TP = EP = 1 model in this process: full-vocab logits gathered on every rank and the parameter grads must match."""
+TP = EP = 1 model in this process: full-vocab logits gathered on every rank and the parameter grads must match.
+The way back (mcore.unshard_tp / unshard_ep, gather_full_state, to_hf / save_hf): shard -> unshard is the identity,
+and a model loaded sharded over 2 or 4 ranks gathers and converts back to the HF weights bit for bit."""
 
 import pytest
 import torch
@@ -117,3 +119,114 @@ def test_parallel_model_matches_one_rank(reference, tp, ep):
           f"grads {d_g:.1e} (|grad| up to {scale:.1f})")
     assert d_out < 1e-5
     assert d_g < 1e-5 * scale
+
+
+# --- the inverse: sharded Megatron -> TP = EP = 1 -> Hugging Face (mcore.unshard_tp / unshard_ep / gather_full_state)
+def hf_config(layout):
+    """"qwen35": the tiny Qwen3.5 (2 KV groups, 2 GDN key heads: TP <= 2); "qwen35_tp4": with 4 KV groups and 4 GDN
+    key heads, so TP = 4 keeps whole query groups and key heads per rank; "qwen3": the tiny Qwen3-MoE."""
+    if layout == "qwen3":
+        return mcore.tiny_hf_config(V)
+    hf = mcore.tiny_qwen35_hf_config(V)
+    if layout == "qwen35_tp4":
+        hf.num_key_value_heads = hf.linear_num_key_heads = 4
+    return hf
+
+
+def weights_of(hf):
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(hf).state_dict()
+
+
+@pytest.mark.parametrize("layout,tp,ep", [("qwen35", 2, 1), ("qwen35_tp4", 4, 1), ("qwen35", 1, 2), ("qwen35", 1, 4),
+                                          ("qwen35", 2, 2), ("qwen35_tp4", 4, 2), ("qwen3", 2, 2)])
+def test_unshard_inverts_shard(layout, tp, ep):
+    """shard_for_ep then shard_for_tp on every (ep, tp) rank, unshard_tp over each EP rank's TP row, unshard_ep
+    over the rows: the TP = EP = 1 dict back, bit for bit, same keys and dtypes."""
+    hf = hf_config(layout)
+    E = hf.num_experts
+    sd = mcore.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
+    shards = [[mcore.shard_for_tp(mcore.shard_for_ep(sd, E, e, ep), hf, t, tp) for t in range(tp)] for e in range(ep)]
+    k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"  # really cut: 1 / tp rows, E / ep experts
+    assert shards[-1][-1][k].shape[0] * tp == sd[k].shape[0]
+    assert sum(".local_experts." in n for n in shards[-1][-1]) * ep == sum(".local_experts." in n for n in sd)
+    back = mcore.unshard_ep([mcore.unshard_tp(row, hf, tp) for row in shards], E, ep)
+    assert back.keys() == sd.keys()
+    for n in sd:
+        assert back[n].dtype == sd[n].dtype and torch.equal(back[n], sd[n]), n
+
+
+def value_head(H):
+    """A non-zero critic head (1, H), (1,): the zero init would hide a wrong gather."""
+    g = torch.Generator().manual_seed(3)
+    return torch.randn(1, H, generator=g), torch.randn(1, generator=g)
+
+
+class _Tokenizer:
+    """save_hf writes the tokenizer beside the weights; this one leaves a file naming the rank that wrote."""
+
+    def save_pretrained(self, path):
+        import torch.distributed as dist
+        open(f"{path}/tokenizer_by_rank{dist.get_rank()}", "w").close()
+
+
+def _gather_rank(rank, world, tp, ep, path):
+    """One rank: the HF weights loaded sharded; gather_full_state -> megatron_to_hf, to_hf, a MegatronCritic's
+    gather -> critic_megatron_to_hf, and save_hf to `path`."""
+    from megatron.core import parallel_state
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    mcore.init_cpu()
+    hf = mcore.tiny_qwen35_hf_config(V)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    actor = mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
+    back = mcore.megatron_to_hf(mcore.gather_full_state(actor.gpt, hf), hf)
+    via_to_hf = mcore.to_hf(actor, hf).state_dict()
+    critic = mcore.MegatronCritic.from_actor(actor)
+    with torch.no_grad():
+        w, b = value_head(hf.hidden_size)
+        critic.gpt.output_layer.weight.copy_(w)
+        critic.gpt.output_layer.bias.copy_(b)
+    critic_hf = mcore.critic_megatron_to_hf(mcore.gather_full_state(critic.gpt, hf), hf)
+    mcore.save_hf(actor, hf, _Tokenizer(), path)
+    as_np = lambda d: {k: v.numpy() for k, v in d.items()}  # noqa: E731
+    return as_np(back), as_np(via_to_hf), as_np(critic_hf)
+
+
+def one_rank_critic(hf):
+    """The same critic at TP = EP = 1, converted: what every rank's gathered critic must equal."""
+    mcore.init_cpu()
+    actor = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf), hf_weights(), hf))
+    critic = mcore.MegatronCritic.from_actor(actor)
+    with torch.no_grad():
+        w, b = value_head(hf.hidden_size)
+        critic.gpt.output_layer.weight.copy_(w)
+        critic.gpt.output_layer.bias.copy_(b)
+    sd = {k: v for k, v in critic.gpt.state_dict().items() if not k.endswith("_extra_state")}
+    return mcore.critic_megatron_to_hf(sd, hf)
+
+
+def assert_bit_equal(got, want):
+    assert got.keys() == want.keys()
+    for k in want:
+        g = torch.as_tensor(got[k])
+        assert g.dtype == want[k].dtype and torch.equal(g, want[k]), k
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
+def test_gather_full_state_gives_back_the_hf_checkpoint(tp, ep, tmp_path):
+    """tp * ep gloo ranks (TP with sequence parallel), the HF weights loaded sharded: on every rank the gathered
+    state converts back to the original HF state dict bit for bit (megatron_to_hf and to_hf), a MegatronCritic's
+    gather (replicated scalar head) converts to the one-rank critic's, and save_hf leaves one checkpoint, written
+    by rank 0 alone, that loads back to the same weights."""
+    from transformers import AutoModelForCausalLM
+    hf = mcore.tiny_qwen35_hf_config(V)
+    want, want_critic = hf_weights(), one_rank_critic(hf)
+    results = infra.gloo_ranks(_gather_rank, tp * ep, tp, ep, str(tmp_path), timeout_s=180)
+    for back, via_to_hf, critic_hf in results:
+        assert_bit_equal(back, want)
+        assert_bit_equal(via_to_hf, want)
+        assert_bit_equal(critic_hf, want_critic)
+    assert [f for f in sorted(p.name for p in tmp_path.iterdir()) if f.startswith("tokenizer_by")] == \
+        ["tokenizer_by_rank0"]
+    assert_bit_equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict(), want)
