@@ -64,6 +64,18 @@ def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Ten
     return dp_sum(masked_mean(x, mask, dp_sum(mask.sum().to(x.dtype), group).clamp(min=1.0)), group)
 
 
+def optimizer_step(model: nn.Module, optimizer, max_grad_norm: float, group=None) -> None:
+    """Sum the grads over the ranks, clip by the global norm, step (the one-rank step on the whole minibatch).
+    mcore.ShardedAdam (the Megatron backend over ranks) does all three itself: DDP's reduce-scatter over the
+    data-parallel ranks, the norm over every model-parallel shard, Adam on this rank's shard."""
+    if hasattr(optimizer, "ddp"):
+        optimizer.step(max_grad_norm)
+        return
+    allreduce_grads(model, group)
+    nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    optimizer.step()
+
+
 def allreduce_grads(model: nn.Module, group=None) -> None:
     """Sum the gradients over the ranks (one flat fp32 buffer). A parameter no rank touched (an expert
     nobody routed to) keeps grad None, as on one rank, so Adam skips it there too."""
@@ -186,15 +198,13 @@ def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, cli
     for _ in range(epochs):
         for b in batches:
             n = None if group is None else dp_sum(b["mask"].sum(), group).clamp(min=1.0)  # minibatch tokens
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad()
             loss = clipfrac = torch.zeros(())
             if b["input_ids"].shape[0]:  # a rank without rows still joins the gradient sum
                 values = critic(b["input_ids"], b["attention_mask"])
                 loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n)
                 loss.backward()
-            allreduce_grads(critic, group)
-            nn.utils.clip_grad_norm_(critic.parameters(), max_grad_norm)
-            optimizer.step()
+            optimizer_step(critic, optimizer, max_grad_norm, group)
             loss, clipfrac = dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)
             losses.append(loss.item())
             clipfracs.append(clipfrac.item())

@@ -207,11 +207,12 @@ class Args:
     model_path: str = ""
     """start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start"""
     plan: str = ""
-    """parallel plan chosen by infra.py's planner (JSON: tp, pp, cp, ep, etp, dp, recompute)"""
+    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / ep / dp
+    (etp = tp) run over tp * dp trainer ranks, on this CPU too (gloo)"""
     engine_world_sizes: str = ""
     """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
     trainer_ranks: int = 1
-    """data-parallel trainer ranks (Ray actors under one torch.distributed group, full replicas; TrainerGroup)"""
+    """data-parallel trainer ranks (Ray actors under one torch.distributed group; TrainerGroup) when no --plan"""
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
@@ -252,13 +253,37 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--model-path: no config.json in {args.model_path!r}")
     if args.sandbox == "daytona" and not os.environ.get("DAYTONA_API_KEY"):
         raise ValueError("--sandbox daytona: DAYTONA_API_KEY is not set")
-    plan = json.loads(args.plan) if args.plan else {}
-    world = math.prod(int(plan.get(k, 1)) for k in ("tp", "pp", "cp", "dp"))
-    if args.backend == "megatron" and world > 1:  # a plan over many GPUs: the cluster's trainer group
-        import mcore
-        mcore.require_cluster("--backend megatron")  # names CUDA / transformer_engine / fla / deep_ep
-        raise NotImplementedError(f"--plan: {world} trainer ranks; Megatron's model parallel over ranks is not "
-                                  "wired into train_t1.py yet, only full replicas (--trainer-ranks N, pure DP)")
+    p = parallel_plan(args)
+    if args.plan and args.trainer_ranks not in (1, p["world"]):
+        raise ValueError(f"--trainer-ranks: {args.trainer_ranks}, but --plan lays out {p['world']} ranks "
+                         "(tp * pp * cp * dp)")
+    if args.backend == "hf" and max(p["tp"], p["pp"], p["cp"], p["ep"]) > 1:
+        raise ValueError(f"--plan: {args.plan} asks for model parallel; the hf backend only runs full replicas "
+                         "(dp); use --backend megatron")
+    if args.backend == "megatron" and p["world"] > 1:
+        if p["pp"] > 1 or p["cp"] > 1:  # the loop runs one pipeline stage; CP is wired at the GDN layer only
+            raise NotImplementedError(f"--plan: pp = {p['pp']}, cp = {p['cp']}: pipeline and context parallel are "
+                                      "not wired into the trainer loop (mcore.py departures 3 and 6); use tp / ep / dp")
+        if p["etp"] != p["tp"]:
+            raise NotImplementedError(f"--plan: etp = {p['etp']} != tp = {p['tp']}: the weights are sharded with "
+                                      "expert TP = TP only (mcore.shard_for_tp)")
+        if p["ep"] > 1 and (p["tp"] * p["dp"]) % (p["ep"] * p["etp"]):
+            raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * dp = {p['tp'] * p['dp']}")
+
+
+def parallel_plan(args: Args) -> dict:
+    """The trainer's layout: --plan (infra.py's planner JSON: tp, pp, cp, ep, etp, dp) or --trainer-ranks N
+    full replicas (dp = N); world = tp * pp * cp * dp trainer ranks."""
+    try:
+        plan = json.loads(args.plan) if args.plan else {"dp": args.trainer_ranks}
+        p = {k: int(plan.get(k, 1)) for k in ("tp", "pp", "cp", "ep", "dp")}
+        p["etp"] = int(plan.get("etp", p["tp"]))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"--plan: expected JSON like '{{\"tp\": 2, \"ep\": 1, \"dp\": 1}}', got {args.plan!r} ({e})")
+    if min(p.values()) < 1:
+        raise ValueError(f"--plan: every size must be >= 1, got {p}")
+    p["world"] = p["tp"] * p["pp"] * p["cp"] * p["dp"]
+    return p
 
 
 # --- helpers ------------------------------------------------------------------------------------------
@@ -333,13 +358,21 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
         return token_logprobs(actor, batch, temperature, rows)
 
 
-def save_trainer(path: Path, save_actor, critic, actor_opt, critic_opt, step: int, rng) -> None:
-    """Checkpoint actor (HF layout, save_actor(dir)), critic, both optimizers, step and RNG state; swapped in atomically."""
+def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", rank: int = 0,
+                 barrier=lambda: None) -> None:
+    """Checkpoint: the actor in HF layout (save_actor(dir)) and `state` (critic, both optimizers, step, RNG) as
+    `name`; swapped in atomically. Sharded trainer ranks (Megatron model parallel) all call it: the actor save is
+    their gather (rank 0 writes), each rank writes its own shard file, rank 0 swaps once every rank is done."""
     tmp = path.with_name(path.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier()
     save_actor(tmp)
-    torch.save({"critic": critic.state_dict(), "actor_opt": actor_opt.state_dict(), "critic_opt": critic_opt.state_dict(),
-                "step": step, "rng": rng.getstate(), "torch_rng": torch.get_rng_state()}, tmp / "trainer.pt")
+    tmp.mkdir(parents=True, exist_ok=True)
+    torch.save(state, tmp / name)
+    barrier()
+    if rank > 0:
+        return
     old = path.with_name(path.name + ".old")
     shutil.rmtree(old, ignore_errors=True)
     if path.exists():
@@ -370,16 +403,32 @@ def rank_world(group) -> tuple[int, int]:
     return (0, 1) if group is None else (group.rank(), group.size())
 
 
-def share(mb: list[int], group) -> list[int]:
-    """This rank's rows of minibatch mb: sample i lives on rank i % N, at row i // N of its local batch."""
+def share(mb: list[int], group, even: bool = False) -> list[int]:
+    """This rank's rows of minibatch mb: sample i lives on rank i % N, at row i // N of its local batch.
+    even (Megatron ranks: every forward is a collective over the expert-parallel ranks, with equal token counts):
+    padded to the largest rank's share with the local batch's last row, a dummy whose loss mask is 0."""
     rank, world = rank_world(group)
-    return [i // world for i in mb if i % world == rank]
+    rows = [i // world for i in mb if i % world == rank]
+    most = max(sum(1 for i in mb if i % world == r) for r in range(world))
+    return rows + [-1] * (most - len(rows)) if even else rows
 
 
-def local_rows(batch: dict, group) -> dict:
-    """The rows of this rank's samples (i = rank mod N); the whole batch on one rank."""
+def even(args, group) -> bool:
+    """Megatron ranks (a forward is a collective over the expert-parallel ranks) take equal shares, padded."""
+    return args.backend == "megatron" and group is not None
+
+
+def local_rows(batch: dict, group, even: bool = False) -> dict:
+    """The rows of this rank's samples (i = rank mod N); the whole batch on one rank. even: every rank gets
+    ceil(B / N) + 1 rows, the extra ones dummies (copies of row 0 with every mask 0: they train nothing)."""
     rank, world = rank_world(group)
-    return {k: (v[rank::world] if torch.is_tensor(v) else v) for k, v in batch.items()}
+    out = {k: (v[rank::world] if torch.is_tensor(v) else v) for k, v in batch.items()}
+    if even and world > 1:
+        n_pad = -(-len(batch["mask"]) // world) + 1 - len(out["mask"])
+        dummy = {k: v[:1].expand(n_pad, *v.shape[1:]) for k, v in batch.items() if torch.is_tensor(v)}
+        dummy["mask"] = torch.zeros_like(dummy["mask"])  # m = 0: no loss, no statistic, no advantage
+        out.update({k: torch.cat([out[k], dummy[k]]) for k in dummy})
+    return out
 
 
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
@@ -458,7 +507,7 @@ def critic_warmup(critic, opt, samples, args: Args, group=None) -> list[dict]:
     recs = []
     for epoch in range(args.critic_warmup_epochs):
         for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
-            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group)
+            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group, even(args, group))
             old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
                    else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
@@ -478,10 +527,10 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
     stats = {"pg_loss": [], "approx_kl": [], "clipfrac": []}
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
-            mb = share(mb, group)
+            mb = share(mb, group, even(args, group))
             m = batch["mask"][mb]
             n = None if group is None else C.dp_sum(m.sum(), group).clamp(min=1.0)  # tokens of the whole minibatch
-            opt.zero_grad(set_to_none=True)
+            opt.zero_grad()
             st = torch.zeros(3)  # pg_loss, approx_kl, clipfrac (this rank's part)
             if mb:  # a rank without rows still joins the gradient sum
                 with batch_routing(actor, batch, args.r3_mode, mb):
@@ -496,9 +545,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
                 with torch.no_grad():
                     st = torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n),
                                       C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n)])
-            C.allreduce_grads(actor, group)  # sum over ranks, then clip: the one-rank step on the whole minibatch
-            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
-            opt.step()
+            C.optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
             for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
                 stats[k].append(v)
     return {k: float(np.mean(v)) for k, v in stats.items()}
@@ -515,7 +562,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
     only, and trains its share of every minibatch.
     """
     full = pad_batch(samples, args.reward_scale)  # every rank pads the whole batch: the same (B, T) as one rank
-    batch = local_rows(full, group)  # this rank's samples (B_local, T)
+    batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
     # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
     old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
@@ -523,7 +570,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
     advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
     mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
             {**batch, "old_values": old_values, "returns": returns}.items()}
-           for mb in (share(mb, group) for mb in minibatches(len(samples), args.minibatch_size, rng))]
+           for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
     cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group)
     # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
@@ -556,42 +603,78 @@ def actor_threads(args: Args) -> int:
 class Trainer:
     """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
     the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7.
-    Rank r of a TrainerGroup of `world` full replicas (pure data parallel; rank 0 saves and publishes)."""
+    Rank r of a TrainerGroup of `world` ranks: with the hf backend full replicas (pure data parallel; rank 0
+    saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
+    EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
+    and publishes, rank 0 writes). A multi-rank trainer builds its models once the group is joined."""
 
     def __init__(self, args: Args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
         torch.set_num_threads(actor_threads(args))
         torch.manual_seed(args.seed)
-        self.args, self.run_dir = args, Path(args.run_dir)
+        self.args, self.run_dir, self.sft_dir, self.step0 = args, Path(args.run_dir), sft_dir, step
         self.latest = self.run_dir / "ckpt" / "latest"
-        hf_actor, self.tokenizer = M.load_actor(self.latest if step > 0 else sft_dir)
+        self.rank, self.world, self.group = rank, world, None
+        self.sharded = args.backend == "megatron" and world > 1  # each rank holds shards (Megatron's layout)
+        self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
+        self.published = {}  # weight version -> the actor's state dict the engines were given
+        self.publisher = None
+        if not self.sharded:
+            self._build()
+
+    def _build(self) -> None:
+        """Actor, behaviour copy, critic and their optimizers from the SFT (or latest) checkpoint; on resume the
+        critic, optimizers and RNG of this rank's checkpoint file."""
+        args, step = self.args, self.step0
+        hf_actor, self.tokenizer = M.load_actor(self.latest if step > 0 else self.sft_dir)
+        self.hf_config = hf_actor.config
         if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
             import mcore
-            self.actor, self.behaviour, self.critic = mcore.embedded_models(hf_actor)
-            self.save_actor = lambda path: mcore.save_hf(self.actor, hf_actor.config, self.tokenizer, path)
-            self.hub_weights = lambda: M.hub_state_dict(mcore.to_hf(self.actor, hf_actor.config))
+            cfg = hf_actor.config
+            self.actor, self.behaviour, self.critic = mcore.embedded_models(hf_actor)  # this rank's shards
+            self.save_actor = lambda path: mcore.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
+            self.hub_weights = lambda: M.hub_state_dict(mcore.to_hf(self.actor, cfg))
         else:
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
             self.hub_weights = lambda: M.hub_state_dict(self.actor)
-        self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
-        self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
+        if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore.py)
+            self.actor_opt = mcore.ShardedAdam(mcore.wrap_ddp(self.actor), lr=args.actor_lr)
+            self.critic_opt = mcore.ShardedAdam(mcore.wrap_ddp(self.critic), lr=args.critic_lr)
+        else:
+            self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
+            self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
         self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
-        warm = self.run_dir / "ckpt" / "critic_warm.pt"
+        warm = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
         if step > 0:
-            ck = torch.load(self.latest / "trainer.pt", weights_only=False)
+            ck = self._load(self.latest / self.ckpt_name)
             self.critic.load_state_dict(ck["critic"])
             self.actor_opt.load_state_dict(ck["actor_opt"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
             self.rng.setstate(ck["rng"])
             torch.set_rng_state(ck["torch_rng"])
         elif warm.exists():
-            ck = torch.load(warm, weights_only=False)
+            ck = self._load(warm)
             self.critic.load_state_dict(ck["critic"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
-        self.published = {}  # weight version -> the actor's state dict the engines were given
-        self.publisher = None
-        self.rank, self.world, self.group = rank, world, None
+
+    def _load(self, path: Path) -> dict:
+        ck = torch.load(path, weights_only=False)
+        plan = parallel_plan(self.args)
+        if self.sharded and ck.get("plan") != plan:  # the shards of another layout do not fit this one
+            raise ValueError(f"--plan: {path} holds shards of the layout {ck.get('plan')}, this run asks for {plan}")
+        return ck
+
+    def _state(self, step: int) -> dict:
+        """What this rank checkpoints besides the actor (HF layout): critic, optimizers, step, RNG (and the plan)."""
+        return {"critic": self.critic.state_dict(), "actor_opt": self.actor_opt.state_dict(),
+                "critic_opt": self.critic_opt.state_dict(), "step": step, "rng": self.rng.getstate(),
+                "torch_rng": torch.get_rng_state(), "plan": parallel_plan(self.args) if self.sharded else None}
+
+    def _barrier(self) -> None:
+        if self.sharded:
+            import torch.distributed as dist
+            dist.barrier()
 
     def pid(self) -> int:
         return os.getpid()
@@ -602,13 +685,33 @@ class Trainer:
         return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), infra.free_port()
 
     def join_group(self, address: str, port: int) -> None:
-        """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights), apart from any other."""
+        """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights). hf: apart from any other, for
+        the replicas' gradient sums. megatron: the default group of this process, carved by parallel_state into
+        Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
         import cluster
-        backend = "nccl" if next(self.actor.parameters()).is_cuda else "gloo"
-        self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        if not self.sharded:
+            self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
+            return
+        import datetime
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
+                                world_size=self.world, timeout=datetime.timedelta(minutes=30))
+        p = parallel_plan(self.args)
+        ps.initialize_model_parallel(tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"],
+                                     context_parallel_size=p["cp"], expert_model_parallel_size=p["ep"],
+                                     expert_tensor_parallel_size=p["etp"])
+        self.group = ps.get_data_parallel_group()  # rows of a batch are shared out over the DP ranks only
+        self._build()
 
     def state_dicts(self) -> dict:
-        """Actor and critic weights of this replica (tests compare replicas)."""
+        """Actor and critic weights of this rank (tests compare ranks); megatron: the whole TP = EP = 1 GPTModel
+        state dicts, gathered over the ranks when sharded (a collective: every rank calls it)."""
+        if self.args.backend == "megatron":
+            import mcore
+            return {part: mcore.gather_full_state(m.gpt, self.hf_config)
+                    for part, m in (("actor", self.actor), ("critic", self.critic))}
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
 
     def mark_published(self, version: int) -> None:
@@ -631,7 +734,8 @@ class Trainer:
 
     def publish(self, version: int) -> int:
         """Publish barrier over the group: pause every engine, broadcast the weights (Hub names), resume."""
-        n = self.publisher.publish(list(self.hub_weights().items()), version) if self.rank == 0 else 0
+        weights = self.hub_weights() if self.rank == 0 or self.sharded else None  # sharded: every rank gathers
+        n = self.publisher.publish(list(weights.items()), version) if self.rank == 0 else 0
         self.mark_published(version)
         return n
 
@@ -641,14 +745,20 @@ class Trainer:
             self.publisher = None
         if self.group is not None:
             import torch.distributed as dist
-            dist.destroy_process_group(self.group)
+            if self.sharded:
+                from megatron.core import parallel_state as ps
+                ps.destroy_model_parallel()
+                dist.destroy_process_group()
+            else:
+                dist.destroy_process_group(self.group)
             self.group = None
 
     def warmup(self, samples: list[dict]) -> list[dict]:
         recs = critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
-        if self.rank == 0:
-            torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict()},
-                       self.run_dir / "ckpt" / "critic_warm.pt")
+        if self.rank == 0 or self.sharded:  # replicas: one file; shards: one per rank
+            torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict(),
+                        "plan": parallel_plan(self.args) if self.sharded else None},
+                       self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm"))
         return recs
 
     def train_step(self, samples: list[dict], step: int) -> dict:
@@ -659,8 +769,8 @@ class Trainer:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
         stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
                             self.args, self.rng, self.run_dir, step, self.group) if samples else {})
-        if self.rank == 0:  # the replicas are identical: one checkpoint
-            save_trainer(self.latest, self.save_actor, self.critic, self.actor_opt, self.critic_opt, step, self.rng)
+        if self.rank == 0 or self.sharded:  # replicas are identical: one checkpoint; shards: every rank
+            save_trainer(self.latest, self.save_actor, self._state(step), self.ckpt_name, self.rank, self._barrier)
         return {**stats, "time_train": time.time() - t0}
 
 
@@ -696,6 +806,7 @@ class TrainerGroup:
 
 def train(args: Args) -> dict:
     check_args(args)
+    args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan sets the rank count
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(args.seed)

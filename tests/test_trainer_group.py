@@ -79,3 +79,61 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
     for r1, r2 in zip(warm1, warm2):
         assert r2 == pytest.approx(r1, rel=1e-4, abs=1e-6, nan_ok=True)  # EV nan: constant returns
     assert (tmp_path / "two" / "ckpt" / "latest" / "trainer.pt").exists()  # rank 0 saved the checkpoint
+
+
+@pytest.mark.parametrize("plan", ['{"tp": 2}', '{"ep": 2, "dp": 2}'])
+def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
+    """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel, or
+    EP = 2 over 2 data-parallel ranks; Megatron DDP + mcore.ShardedAdam, the distributed optimizer): critic warm-up
+    and two train_steps (the second on one sample: the other DP rank trains a dummy row) give the weights of the
+    one-rank Megatron trainer (torch Adam), gathered back to TP = EP = 1; rank 0 writes the HF checkpoint and
+    every rank its shard file."""
+    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
+    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
+    M.save_checkpoint(actor, tok, tmp_path / "sft")
+    samples = fake_samples(actor, len(tok))
+    base = dataclasses.replace(T.EMBEDDED, backend="megatron", minibatch_size=3, ppo_epochs=2, actor_lr=1e-4,
+                               critic_lr=1e-4, torch_threads=1)
+
+    (tmp_path / "one" / "ckpt").mkdir(parents=True)
+    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
+    before = {k: v.clone() for k, v in one.state_dicts()["actor"].items()}
+    warm1 = one.warmup(samples)
+    one.mark_published(0)
+    stats1 = one.train_step(samples, 1)
+    one.train_step(samples[:1], 2)
+    ref = one.state_dicts()
+
+    ray = infra.ray_start(2, "", 1)
+    try:
+        (tmp_path / "two" / "ckpt").mkdir(parents=True)
+        two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
+        T.check_args(two_args)
+        assert T.parallel_plan(two_args)["world"] == 2
+        group = T.TrainerGroup(ray, two_args, str(tmp_path / "sft"), 0, [{"num_cpus": 1}] * 2)
+        warm2 = ray.get(group.warmup.remote(samples))
+        ray.get(group.mark_published.remote(0))
+        stats2 = ray.get(group.train_step.remote(samples, 1))
+        ray.get(group.train_step.remote(samples[:1], 2))
+        reps = ray.get([r.state_dicts.remote() for r in group.ranks])  # gathered: a collective on both ranks
+        ray.get(group.close.remote())
+    finally:
+        ray.shutdown()
+
+    for part in ("actor", "critic"):
+        assert reps[0][part].keys() == ref[part].keys()
+        for k in ref[part]:
+            assert torch.equal(reps[0][part][k], reps[1][part][k]), f"{part}.{k}: ranks gathered different weights"
+        diff = max((reps[0][part][k] - v).abs().max().item() for k, v in ref[part].items())
+        print(f"{plan} {part}: max |2 ranks - 1 rank| = {diff:.2e}")
+        assert diff < 1e-5, f"{part}: {plan} step differs from the 1-rank step by {diff}"
+    moved = max((ref["actor"][k] - v).abs().max().item() for k, v in before.items())
+    assert moved > 1e-4
+    for k in ("pg_loss", "approx_kl", "clipfrac", "value_loss", "value_clipfrac", "explained_variance", "dlogp",
+              "dlogp_r3_off", "expert_set_mismatch"):
+        assert stats2[k] == pytest.approx(stats1[k], rel=1e-4, abs=1e-6), k
+    for r1, r2 in zip(warm1, warm2):
+        assert r2 == pytest.approx(r1, rel=1e-4, abs=1e-6, nan_ok=True)
+    latest = tmp_path / "two" / "ckpt" / "latest"
+    assert (latest / "config.json").exists()  # rank 0 wrote the gathered HF actor
+    assert {p.name for p in latest.glob("trainer_rank*.pt")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
