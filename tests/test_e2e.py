@@ -63,17 +63,21 @@ def test_boolean_flags_parse_false():
 
 def test_megatron_backend_trains_the_same_loop(tmp_path):
     """--backend megatron (Qwen3.5 in Megatron-Core on this CPU: GatedDeltaNet, gated attention, gated shared
-    expert) over a 2-rank data-parallel trainer group: same loop, R3 through RouterReplay, HF checkpoints out
-    for the engine; the trainer's old logprobs match the sampler's like the HF backend's."""
+    expert) with Megatron's model parallel over 2 trainer ranks (--plan tp = 2: sequence parallel, vocab-parallel
+    logprobs, DDP + distributed optimizer): same loop, R3 through RouterReplay, a gathered HF checkpoint for the
+    engine, the trainer's old logprobs match the sampler's like the HF backend's; then a resume that reloads
+    every rank's shards and adds exactly step 3."""
     run_dir = tmp_path / "run"
-    train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "2", "--backend", "megatron",
-                                               "--eval-attempts", "1", "--trainer-ranks", "2"]))
+    flags = TINY + ["--run-dir", str(run_dir), "--backend", "megatron", "--eval-attempts", "1", "--plan", '{"tp": 2}']
+    train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "2"]))
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2] and [r["staleness"] for r in rl] == [0, 1]
     assert all(np.isfinite(r["dlogp"]) and r["dlogp"] < 0.05 for r in rl if "dlogp" in r)
     assert any("dlogp" in r for r in rl)  # at least one step trained
     cfg = json.loads((run_dir / "ckpt" / "latest" / "config.json").read_text())
     assert cfg["model_type"] == "qwen3_5_moe_text"
-    ck = __import__("torch").load(run_dir / "ckpt" / "latest" / "trainer.pt", weights_only=False)
-    assert any(k.startswith("gpt.") for k in ck["critic"])  # the critic is the Megatron one
+    ck = __import__("torch").load(run_dir / "ckpt" / "latest" / "trainer_rank1.pt", weights_only=False)
+    assert any(k.startswith("gpt.") for k in ck["critic"]) and ck["plan"]["tp"] == 2  # rank 1's Megatron critic
     assert "other trainer ranks pids [" in (run_dir / "log.txt").read_text()
+    train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "3"]))
+    assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [1, 2, 3]
