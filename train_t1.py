@@ -260,6 +260,13 @@ def check_args(args: Args) -> None:
     if args.backend == "hf" and max(p["tp"], p["pp"], p["cp"], p["ep"]) > 1:
         raise ValueError(f"--plan: {args.plan} asks for model parallel; the hf backend only runs full replicas "
                          "(dp); use --backend megatron")
+    if args.backend == "megatron" and args.model_path:  # a Hub checkpoint: the cluster's Qwen3.5 on GPUs
+        import mcore
+        mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
+        raise NotImplementedError("--model-path with --backend megatron: the trainer builds the embedded Megatron "
+                                  "models (local modules, the whole HF checkpoint loaded on every rank); the cluster "
+                                  "model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, Megatron's "
+                                  "distributed optimizer) is not wired into Trainer yet")
     if args.backend == "megatron" and p["world"] > 1:
         if p["pp"] > 1 or p["cp"] > 1:  # the loop runs one pipeline stage; CP is wired at the GDN layer only
             raise NotImplementedError(f"--plan: pp = {p['pp']}, cp = {p['cp']}: pipeline and context parallel are "

@@ -137,3 +137,22 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
     latest = tmp_path / "two" / "ckpt" / "latest"
     assert (latest / "config.json").exists()  # rank 0 wrote the gathered HF actor
     assert {p.name for p in latest.glob("trainer_rank*.pt")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
+
+
+@pytest.mark.parametrize("flags, error, match", [
+    (["--plan", '{"tp": 2}'], ValueError, "hf backend only runs full replicas"),
+    (["--backend", "megatron", "--plan", '{"tp": 2, "pp": 2}'], NotImplementedError, "pp = 2"),
+    (["--backend", "megatron", "--plan", '{"cp": 2}'], NotImplementedError, "cp = 2"),
+    (["--backend", "megatron", "--plan", '{"ep": 4, "dp": 2}'], ValueError, "must divide"),
+    (["--backend", "megatron", "--plan", '{"tp": 2}', "--trainer-ranks", "3"], ValueError, "--trainer-ranks"),
+    (["--backend", "megatron", "--plan", "tp=2"], ValueError, "expected JSON"),
+    (["--backend", "megatron", "--plan", '{"tp": 0}'], ValueError, ">= 1")])
+def test_bad_plans_are_refused_naming_the_flag(flags, error, match):
+    with pytest.raises(error, match=match):
+        T.check_args(T.parse_args(["--quick"] + flags))
+
+
+def test_plan_sets_the_trainer_ranks():
+    assert T.parallel_plan(T.parse_args(["--quick", "--trainer-ranks", "3"]))["world"] == 3  # replicas: dp = 3
+    p = T.parallel_plan(T.parse_args(["--quick", "--backend", "megatron", "--plan", '{"tp": 2, "ep": 2, "dp": 2}']))
+    assert (p["world"], p["etp"]) == (4, 2)
