@@ -18,8 +18,9 @@ fusion off, distributed optimizer). This module holds:
   `shard_for_ep` cut the TP = 1 result for one tensor- / expert-parallel rank (`load_hf_into_megatron` applies them);
   `unshard_tp` / `unshard_ep` join them back, `gather_full_state` collects a sharded model's TP = 1 state dict.
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
-  .logits` (B, T, V) and `r3.routing(actor, mode, experts)` with (B, T, L, k) experts), so
-  `train_t1.py` switches backend with one argument.
+  .logits` (B, T, V), `actor.token_logprobs` from the vocab-parallel logits, and `r3.routing(actor, mode,
+  experts)` with (B, T, L, k) experts, sliced per TP / SP rank and gathered back), so `train_t1.py` switches
+  backend with one argument.
 - `embedded_models` / `save_hf`: the backend `train_t1.py --backend megatron` trains with at the embedded
   scale (actor, behaviour copy and critic in one process; HF checkpoints out for the engines). `to_hf` / `save_hf`
   also take a TP / EP-sharded actor: every rank calls them (a gather), rank 0 writes.
@@ -35,6 +36,8 @@ fusion off, distributed optimizer). This module holds:
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
     python -m pytest tests/test_mcore_tp.py -q     # CPU: tiny Qwen3.5 at TP = 2 (+ SP), EP = 2, gloo; back to HF
+    python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 record + replay at TP, EP = 2
+    python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
 
 Departures from the paper:
 1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
@@ -70,9 +73,10 @@ Departures from the paper:
    sampler's experts for the actor's logprobs; it says nothing of the critic, which never ran in the
    sampler, so there is nothing to replay. Its backbone starts as a copy of the SFT actor's
    (`MegatronCritic.from_actor`, critic.py departure 1).
-5. The embedded Megatron backend (`embedded_models`) runs at world size 1 with torch's Adam on the
-   GPTModels' parameters (train_t1.py), not Megatron's DDP + distributed optimizer, which need a process
-   group per parallel dimension and shard nothing at one rank.
+5. The embedded Megatron backend (`embedded_models`) at world size 1 trains with torch's Adam on the GPTModels'
+   parameters (train_t1.py): DDP and the distributed optimizer shard nothing at one rank. Over ranks it builds
+   this rank's TP / EP shards in the layout parallel_state holds, wrapped in Megatron's DDP (`wrap_ddp`) with
+   `ShardedAdam` (below: the distributed optimizer's sharding, ours because Megatron's needs CUDA).
 6. Context parallel covers the GDN layers only (`context_parallel_gdn`), patched around megatron-core's unchanged
    GatedDeltaNet.forward (hooks on its conv1d, its module-level kernel name swapped inside the block), with
    TransformerConfig.context_parallel_size left at 1 because 0.16.1 asserts it for GDN; the CP group is
@@ -81,6 +85,16 @@ Departures from the paper:
    trainer: gated attention under CP (Megatron's TE attention with cp_comm_type) and the position ids of a
    slice are the cluster's, untested on CPU (the local DotProductAttention refuses CP). Tested at TP = 1,
    B = 2, one layer.
+7. On CPU (gloo) the distributed optimizer is ours: `ShardedAdam` over `wrap_ddp`'s Megatron DDP, the same ZeRO-1
+   sharding as Megatron's DistributedOptimizer (each data-parallel / expert-data-parallel rank owns 1/dp of every
+   DDP bucket; finalize_model_grads reduce-scatters the grads, start_param_sync all-gathers the params; grad norm
+   summed over shards as Megatron's), because Megatron's refuses CPU parameters ('torch.cuda.FloatTensor' type
+   checks, device='cuda' norm buffers). fp32 only, no weight decay, no loss scaling; the cluster keeps
+   get_megatron_optimizer (`_ddp_and_optimizer`). Measured (python -m pytest tests/test_mcore_optim.py -s: 2 gloo
+   ranks, 3 clipped steps, Adam eps 1e-4): DP = 2 / EP = 2 / TP = 2 + SP parameters within 3.0e-8 / 8.2e-7 / 1.4e-6
+   of world-size-1 torch Adam + clip_grad_norm_ (|param| up to 2.8), grad norms within 1.2e-7 relative, each rank
+   holding 0.51 / 0.51 / 0.52 of the model's Adam state; at eps 1e-8 fp32 noise dominates (the reference vs itself
+   with the batch in two halves: 4.5e-5).
 
 Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a partial last chunk, B = 2, fp32,
 gloo): output concatenated over ranks bitwise equal to one rank at kappa = 2 and 4; input grads max |diff| 1.4e-9 /
@@ -1135,7 +1149,7 @@ class ShardedAdam:
 
     @torch.no_grad()
     def grad_norm(self):
-        """Global L2 norm of the reduced grads (call after finalize_model_grads)."""
+        """Global L2 norm of the reduced grads, an fp32 0-dim tensor (call after finalize_model_grads)."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         sq = torch.zeros((), dtype=torch.float32)
@@ -1143,7 +1157,7 @@ class ShardedAdam:
             for a, b in s["norm_ranges"]:
                 sq += s["grad"][a:b].pow(2).sum()
         dist.all_reduce(sq, group=ps.get_intra_distributed_optimizer_instance_group())  # all shards, all MP ranks
-        return sq.sqrt().item()
+        return sq.sqrt()  # ||g|| = sqrt(sum over ranks of their shards' sum g^2)
 
     @torch.no_grad()
     def step(self, max_grad_norm=None):
@@ -1153,11 +1167,10 @@ class ShardedAdam:
         with cpu_shims():
             finalize_model_grads([self.ddp])
         norm = self.grad_norm()
-        if max_grad_norm is not None and max_grad_norm > 0:
-            clip_coef = max_grad_norm / (norm + 1e-6)  # torch clip_grad_norm_ / Megatron clip_grad_by_total_norm_fp32
-            if clip_coef < 1.0:
-                for s in self.shards:
-                    s["grad"].mul_(clip_coef)
+        if max_grad_norm is not None and max_grad_norm > 0:  # as torch's clip_grad_norm_ (fp32 coefficient)
+            clip_coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # min(1, max_norm / (||g|| + 1e-6))
+            for s in self.shards:
+                s["grad"].mul_(clip_coef)
         self.step_count += 1
         beta1, beta2 = self.betas
         bias_correction1 = 1 - beta1 ** self.step_count
@@ -1170,7 +1183,7 @@ class ShardedAdam:
             s["param"].addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
         with cpu_shims():
             self.ddp.start_param_sync(force_sync=True)  # all-gather every bucket's param shards
-        return norm
+        return norm.item()
 
     def state_dict(self):
         return dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps,

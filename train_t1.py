@@ -38,24 +38,37 @@ Departures from the paper (numbered; each with its reason):
   4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
      them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
-     gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) in the one Trainer
-     actor, with torch's Adam (world size 1: the distributed optimizer would shard nothing); on a CPU
-     through mcore's shims (torch GDN kernel, local modules instead of Transformer Engine). Data parallel
-     over ranks is wired (6); Megatron's model parallel (a --plan with tp/pp/cp over many GPUs) is not
-     wired into this loop yet; check_args says so before any work. The publish over a process group
-     (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher) is
-     wired and tested over gloo.
-  6. --trainer-ranks N (TrainerGroup): N Trainer Ray actors, each a full replica of actor + critic (pure
-     DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the weights are on
-     CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the same
-     minibatches and train their share; losses divide by the minibatch's global token count and gradients
-     are summed over the ranks before clipping, so a step equals the one-rank step (tests/test_trainer_group.py,
-     2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps, 1.8e-5 after one step at lr 1e-3,
-     float reassociation amplified by Adam; replicas bitwise identical). Rank 0 saves and publishes, every
-     rank keeps the published copies. Losses, clip fractions, EV and |dlogp| are over all ranks,
-     expert_set_mismatch over rank 0's samples. Each rank has its own bundle in the placement group.
-     Tested on CPU with the hf backend (and end to end with --backend megatron in tests/test_e2e.py); by
-     hand with the megatron backend, the same comparison: actor 1.7e-6, critic 1.6e-7, replicas identical.
+     gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
+     local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
+     Adam. Over ranks (--plan '{"tp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp): Megatron's
+     own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per rank,
+     Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
+     refused by check_args, after naming what the node lacks. Pipeline and context parallel are refused too
+     (mcore.py departures 3 and 6). The publish over a process group (--engine-world-sizes: the Trainer is
+     rank 0 with every SGLang rank, cluster.WeightPublisher) is wired and tested over gloo.
+  6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
+     + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
+     weights are on CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the
+     same minibatches and train their share; losses divide by the minibatch's global token count and
+     gradients are summed over the ranks before clipping, so a step equals the one-rank step
+     (tests/test_trainer_group.py, 2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps;
+     replicas bitwise identical). Rank 0 saves and publishes, every rank keeps the published copies. Losses,
+     clip fractions, EV and |dlogp| are over all ranks, expert_set_mismatch over rank 0's samples. Each rank
+     has its own bundle in the placement group.
+  7. --backend megatron over tp * dp ranks (Trainer.join_group): the ranks' default process group is carved
+     by Megatron's parallel_state per --plan (TP, EP, expert-TP, DP); each rank builds its TP / EP shards of
+     actor, behaviour copy and critic (sequence parallel with TP: Megatron's MoE refuses TP without it in
+     training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
+     sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
+     finalize_model_grads for the sequence-parallel norms) and mcore.ShardedAdam, the distributed optimizer's
+     sharding of the Adam state over DP (Megatron's own needs CUDA, mcore.py). Rows are shared out over the DP
+     ranks only, padded to equal shares with a dummy row of loss mask 0 (a forward is a collective over the
+     expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered from every rank
+     (mcore.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic, optimizer shards; the
+     plan is checked on resume). Tested against the one-rank Megatron trainer (tests/test_trainer_group.py:
+     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7) and end to end at TP = 2
+     with a resume (tests/test_e2e.py). An expert no token reached gets a zero gradient (Adam still moves it
+     by its momentum) where the one-rank torch Adam skips a grad of None: Megatron's behaviour.
 """
 from __future__ import annotations
 
