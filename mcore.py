@@ -93,7 +93,8 @@ Departures from the paper:
    get_megatron_optimizer (`_ddp_and_optimizer`). Measured (python -m pytest tests/test_mcore_optim.py -s: 2 gloo
    ranks, 3 clipped steps, Adam eps 1e-4): DP = 2 / EP = 2 / TP = 2 + SP parameters within 3.0e-8 / 8.2e-7 / 1.4e-6
    of world-size-1 torch Adam + clip_grad_norm_ (|param| up to 2.8), grad norms within 1.2e-7 relative, each rank
-   holding 0.51 / 0.51 / 0.52 of the model's Adam state; at eps 1e-8 fp32 noise dominates (the reference vs itself
+   holding 0.51 / 0.51 / 0.52 of the model's Adam state. At torch's eps 1e-8, DP = 2 is bitwise equal to the
+   reference, while EP = 2 / TP = 2 (3.2e-5 / 1.8e-4) sit at the fp32 floor Adam amplifies (the reference vs itself
    with the batch in two halves: 4.5e-5).
 
 Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a partial last chunk, B = 2, fp32,
@@ -1119,6 +1120,9 @@ class ShardedAdam:
     group (all ranks of a DP x TP x PP x CP instance, the group Megatron's dense and expert optimizers share), so
     it equals the one-rank norm of the global batch; clipped as torch's clip_grad_norm_ (max_norm / (norm + 1e-6)
     when below 1). fp32 parameters only (the shard is its own master copy; bf16 params would need an fp32 one).
+    Every element of a shard steps each call: a parameter with no gradient this step (e.g. padding, an expert no
+    token reached) steps with g = 0 as in Megatron's optimizer and in torch.optim.Adam given a zero grad (which
+    SequentialMLP's empty expert matmul produces on one rank), not skipped as torch skips grad None.
     state_dict() / load_state_dict(): this rank's shard (step, hyperparameters, exp_avg / exp_avg_sq per bucket);
     the parameters are checkpointed with the model's own (sharded) state dict."""
 

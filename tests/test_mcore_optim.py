@@ -1,0 +1,157 @@
+"""mcore.ShardedAdam over mcore.wrap_ddp: ZeRO-1 as Megatron's distributed optimizer shards it, on 2 spawned gloo
+ranks (DP = 2, EP = 2, TP = 2 with sequence parallel), against torch.optim.Adam + clip_grad_norm_ on the same tiny
+Qwen3.5 GPTModel at world size 1, the same global batch and loss (the sum of the ranks' losses, each normalised by the
+global token count): parameters after 3 clipped steps, grad norms, the share of Adam state per rank, resume.
+
+Adam's eps is 1e-4 here, not torch's 1e-8: |d update / d g| <= lr / eps, so eps sets how far fp32 reassociation
+noise in a near-zero grad element moves its parameter. At eps = 1e-8 the one-rank reference disagrees with itself
+(the global batch in one pass vs the same batch as two accumulated halves) by 4.5e-5 after these 3 steps, and
+EP = 2 / TP = 2 land 3.2e-5 / 1.8e-4 from their references, which measures fp32 noise, not the sharding; DP = 2,
+whose reduce-scatter sums exactly what the reference accumulates, is bitwise equal to it there (measured; a one-ulp
+difference in the grad norm, Megatron's sum of shard squares vs torch's norm of per-parameter norms, would end
+that)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+import infra  # noqa: E402
+import mcore  # noqa: E402
+from test_mcore_tp import V, hf_weights  # noqa: E402  (the tiny Qwen3.5 weights, norms moved off their init)
+
+B, T = 4, 12  # global batch
+STEPS, LR, EPS, MAX_NORM = 3, 1e-2, 1e-4, 0.5  # MAX_NORM below every step's norm: clipping is active
+
+
+def batch(step):
+    """The global batch of a step: (B, T) ids, right-padded mask."""
+    ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(10 + step))  # (B, T)
+    am = torch.ones(B, T, dtype=torch.long)
+    am[1, 9:] = 0
+    am[2, 7:] = 0
+    return ids, am
+
+
+def loss_fn(actor, ids, am, n_tokens):
+    """-sum log pi(next token) over this rank's real tokens / the global token count."""
+    return -(actor.token_logprobs(ids, am) * am[:, 1:]).sum() / n_tokens
+
+
+def make_actor(tp=1, ep=1):
+    hf = mcore.tiny_qwen35_hf_config(V)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                           calculate_per_token_loss=True)
+    return mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
+
+
+def train(actor, opt, dp, dp_rank, steps):
+    """`steps` ZeRO-1 steps, this DP rank's rows of each global batch -> grad norms."""
+    norms = []
+    for step in steps:
+        ids, am = batch(step)
+        n_tokens = am[:, 1:].sum()  # global
+        ids, am = ids.chunk(dp)[dp_rank], am.chunk(dp)[dp_rank]  # (B / dp, T)
+        opt.zero_grad()
+        loss_fn(actor, ids, am, n_tokens).backward()
+        norms.append(opt.step(MAX_NORM))
+    return norms
+
+
+def _rank(rank, world, tp, ep, resume):
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    mcore.init_cpu()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    actor = make_actor(tp, ep)
+    ddp = mcore.wrap_ddp(actor)
+    opt = mcore.ShardedAdam(ddp, lr=LR, eps=EPS)
+    norms = train(actor, opt, dp, dp_rank, range(STEPS - 1))
+    sizes = dict(state=sum(s["exp_avg"].numel() for s in opt.shards),
+                 dense_buf=sum(b.grad_data.numel() for b in ddp.buffers),
+                 expert_buf=sum(b.grad_data.numel() for b in ddp.expert_parallel_buffers),
+                 params=sum(p.numel() for p in actor.gpt.parameters()),
+                 dp=dp, expert_dp=ps.get_expert_data_parallel_world_size())
+    out = {}
+    if resume:  # a fresh model and optimizer from this rank's checkpoint take the last step as the original does
+        ckpt = ({k: v.clone() if torch.is_tensor(v) else v for k, v in actor.gpt.state_dict().items()}, opt.state_dict())
+        other = make_actor(tp, ep)
+        other_opt = mcore.ShardedAdam(mcore.wrap_ddp(other), lr=0.0, eps=0.0)
+        other.gpt.load_state_dict(ckpt[0])
+        other_opt.load_state_dict(ckpt[1])
+        train(other, other_opt, dp, dp_rank, [STEPS - 1])
+        out["resumed"] = {n: p.detach().numpy().copy() for n, p in other.gpt.named_parameters()}
+    norms += train(actor, opt, dp, dp_rank, [STEPS - 1])
+    out["params"] = {n: p.detach().numpy().copy() for n, p in actor.gpt.named_parameters()}
+    return np.array(norms), out, sizes
+
+
+def run_reference(dp):
+    """World size 1: torch.optim.Adam + clip_grad_norm_, each step's loss the sum of the dp ranks' losses (their
+    rows of the global batch, accumulated) -> (grad norms, {name: param}, {name: param before training})."""
+    actor = make_actor()
+    params = dict(actor.gpt.named_parameters())
+    init = {n: p.detach().clone() for n, p in params.items()}
+    opt = torch.optim.Adam(params.values(), lr=LR, eps=EPS)
+    norms = []
+    for step in range(STEPS):
+        ids, am = batch(step)
+        opt.zero_grad(set_to_none=True)
+        for r in range(dp):
+            loss_fn(actor, ids.chunk(dp)[r], am.chunk(dp)[r], am[:, 1:].sum()).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(params.values(), MAX_NORM).item())
+        opt.step()
+    return np.array(norms), {n: p.detach().clone() for n, p in params.items()}, init
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """{data-parallel size: run_reference(dp)} for the dense DP sizes of the parallel runs (1: TP = 2, 2: DP / EP)."""
+    mcore.init_cpu()
+    return {dp: run_reference(dp) for dp in (1, 2)}
+
+
+def test_wrap_ddp_needs_per_token_loss():
+    mcore.init_cpu()
+    gpt = mcore.build_tiny(mcore.tiny_qwen35_hf_config(V))
+    with pytest.raises(ValueError, match="calculate_per_token_loss"):
+        mcore.wrap_ddp(gpt)
+
+
+@pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)], ids=["dp2", "ep2", "tp2sp"])
+def test_sharded_adam_matches_one_rank_adam(reference, tp, ep):
+    """2 ranks (DP = 2 / EP = 2 with dense DP = 2 / TP = 2 + SP): after 3 clipped steps every rank's parameters are
+    the reference's, sharded the same way; the reported grad norm is the one-rank norm of the global batch; each
+    rank's Adam state is its 1/dp of every DDP bucket (dense over DP, experts over expert-DP); DP = 2 also resumes
+    from a rank's checkpoint (model state dict + optimizer state_dict) bitwise."""
+    hf = mcore.tiny_qwen35_hf_config(V)
+    world = 2
+    ref_norms, ref_params, init = reference[world // tp]  # the dense data-parallel size
+    n_params = sum(p.numel() for p in ref_params.values())  # the whole model
+    assert (ref_norms > MAX_NORM).all()  # clipping active at every step
+    results = infra.gloo_ranks(_rank, world, tp, ep, (tp, ep) == (1, 1), timeout_s=600)
+    d_norm, d_param, moved, scale = 0.0, 0.0, 0.0, 0.0
+    for rank, (norms, out, sizes) in enumerate(results):
+        d_norm = max(d_norm, np.abs(norms / ref_norms - 1).max())
+        tp_rank, ep_rank = rank % tp, rank // tp % ep  # parallel_state's order: TP fastest, then EP
+        want = mcore.shard_for_ep(mcore.shard_for_tp(ref_params, hf, tp_rank, tp), hf.num_experts, ep_rank, ep)
+        start = mcore.shard_for_ep(mcore.shard_for_tp(init, hf, tp_rank, tp), hf.num_experts, ep_rank, ep)
+        got = {n: torch.from_numpy(p) for n, p in out["params"].items()}
+        assert got.keys() == want.keys()
+        d_param = max(d_param, max((got[n] - want[n]).abs().max().item() for n in want))
+        moved = max(moved, max((want[n] - start[n]).abs().max().item() for n in want))
+        scale = max(scale, max(want[n].abs().max().item() for n in want))
+        if "resumed" in out:
+            assert all(np.array_equal(out["resumed"][n], out["params"][n]) for n in out["params"])
+        # ZeRO-1: the state holds this rank's 1/dp of each dense bucket and 1/expert_dp of each expert bucket
+        assert sizes["state"] == sizes["dense_buf"] // sizes["dp"] + sizes["expert_buf"] // sizes["expert_dp"]
+        assert sizes["dense_buf"] + sizes["expert_buf"] >= sizes["params"]  # buckets padded, never short
+        assert sizes["state"] < 0.55 * n_params  # about half the model's: sharded over DP, EP or TP (+ padding)
+        print(f"\n  rank {rank}: Adam state {sizes['state']} elements = {sizes['state'] / n_params:.3f} of the "
+              f"model's {n_params} ({sizes['params']} local; dense buckets {sizes['dense_buf']} / dp {sizes['dp']}, "
+              f"expert {sizes['expert_buf']} / expert-dp {sizes['expert_dp']})", end="")
+    print(f"\n  TP={tp} EP={ep}: grad norm rel diff {d_norm:.1e} (norms {np.round(ref_norms, 3).tolist()}, "
+          f"clip {MAX_NORM}); max |param - ref| {d_param:.1e} (|param| up to {scale:.2f}, moved up to {moved:.1e})")
+    assert d_norm < 1e-6
+    assert d_param < 1e-6 * scale
+    assert moved > 1e-3  # the steps did move the parameters
