@@ -15,7 +15,8 @@ fusion off, distributed optimizer). This module holds:
   zero-centred RMSNorm), the latter from Megatron's own GatedDeltaNet / SelfAttention / SharedExpertMLP with
   local modules in place of Transformer Engine's (`_qwen35_local_spec`).
 - `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts; `shard_for_tp` /
-  `shard_for_ep` cut the TP = 1 result for one tensor- / expert-parallel rank (`load_hf_into_megatron` applies them);
+  `shard_for_ep` cut the TP = 1 result for one tensor- (experts: expert-tensor-) / expert-parallel rank
+  (`load_hf_into_megatron` applies them);
   `unshard_tp` / `unshard_ep` join them back, `gather_full_state` collects a sharded model's TP = 1 state dict.
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V), `actor.token_logprobs` from the vocab-parallel logits, and `r3.routing(actor, mode,
@@ -50,9 +51,10 @@ Departures from the paper:
    `load_hf_into_cluster_model` loads HF weights into the cluster model with them; on CPU the renames are tested
    against names listed per layer type (tests/test_mcore_te.py), while that the built TE model has exactly those
    names and loads them is checked only on a GPU with Transformer Engine (`cluster.py gpu-check`); PP > 1 is not
-   written (a stage renumbers its layers). Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: expert TP =
-   TP only; `shard_for_ep`: contiguous expert blocks); saving goes back the same way (`gather_full_state`: all-gather
-   over the TP / expert groups, then `unshard_tp` / `unshard_ep`), one pipeline stage only, the whole model on every
+   written (a stage renumbers its layers). Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: experts by
+   expert TP, which may differ from TP (the planner's etp = 1 at tp = 2), the rest by TP; `shard_for_ep`: contiguous
+   expert blocks); saving goes back the same way (`gather_full_state`: all-gather over the TP / expert-TP / EP groups,
+   then `unshard_tp` / `unshard_ep`), one pipeline stage only, the whole model on every
    rank (at the cluster's scale a gather to rank 0 tensor by tensor would be needed; not written).
    Megatron's GatedDeltaNet ignores the attention mask (HF zeroes padded inputs): with right padding the causal
    recurrence leaves real tokens unchanged, so only padded positions differ; left padding or packed sequences
@@ -303,19 +305,37 @@ def build_tiny(hf, seed=0, **overrides):
     init_cpu()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core import parallel_state as ps
     torch.manual_seed(seed)
     cfg = megatron_config(hf, **overrides)
+    first, last = _stage_layers(cfg)
     if is_qwen35(hf):
         spec = _qwen35_local_spec(cfg)
+        spec.layer_specs = spec.layer_specs[first:last]  # this pipeline stage's layers (the block builds all it gets)
     else:
         spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                         normalization="RMSNorm")
     rotary_percent = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)  # Qwen3.5: 0.25
+    pp = cfg.pipeline_model_parallel_size > 1
     with cpu_shims():  # GatedDeltaNet allocates on torch.cuda.current_device()
         return GPTModel(config=cfg, transformer_layer_spec=spec, vocab_size=hf.vocab_size,
                         max_sequence_length=hf.max_position_embeddings, position_embedding_type="rope",
                         rotary_percent=rotary_percent, rotary_base=_rope_theta(hf),
-                        share_embeddings_and_output_weights=hf.tie_word_embeddings)
+                        share_embeddings_and_output_weights=hf.tie_word_embeddings,
+                        pre_process=ps.is_pipeline_first_stage() if pp else True,
+                        post_process=ps.is_pipeline_last_stage() if pp else True)
+
+
+def _stage_layers(cfg) -> tuple:
+    """(first, last + 1) global decoder layers of this pipeline stage (all of them without PP)."""
+    if cfg.pipeline_model_parallel_size == 1:
+        return 0, cfg.num_layers
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    rank = ps.get_pipeline_model_parallel_rank()
+    first = get_transformer_layer_offset(cfg, pp_rank=rank)
+    return first, first + get_num_layers_to_build(cfg, pp_rank=rank)
 
 
 # --- context-parallel Gated DeltaNet: Megatron's layer, infra.py's CP recurrence -----------------------------
@@ -583,10 +603,11 @@ def load_hf_into_cluster_model(gpt, hf_state_dict, hf):
     c = gpt.config
     assert c.moe_grouped_gemm, "to_te_layout writes TEGroupedMLP names (moe_grouped_gemm=True)"
     assert c.pipeline_model_parallel_size == 1, "PP > 1: a stage's layers are renumbered from 0, not written here"
-    assert c.expert_tensor_parallel_size == c.tensor_model_parallel_size, "expert TP != TP: not sharded here"
     sd = hf_to_megatron(hf_state_dict, hf)
     sd = shard_for_ep(sd, hf.num_experts, ps.get_expert_model_parallel_rank(), c.expert_model_parallel_size)
-    sd = to_te_layout(shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size), hf)
+    sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size,
+                      ps.get_expert_tensor_parallel_rank(), c.expert_tensor_parallel_size)
+    sd = to_te_layout(sd, hf)
     missing, unexpected = gpt.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -612,26 +633,32 @@ def _is_tp_cut(k, hf):
     return k.endswith(tuple(parts) + cols + rows)
 
 
-def shard_for_tp(sd, hf, tp_rank, tp_size) -> dict:
-    """TP = 1 GPTModel state dict (hf_to_megatron's) -> tensor-parallel rank `tp_rank` of `tp_size` (experts too:
-    expert TP = TP, Megatron's default). Column-parallel rows split per part so every rank holds whole heads:
-    vocab (embedding, output layer); linear_qkv (whole query groups: [q.., gate.., k, v] per group); linear_fc1
-    [gate_r; up_r] (Megatron's GLU shard); GDN in_proj [q_r k_r v_r z_r b_r a_r], conv1d [q_r k_r v_r], A_log and
-    dt_bias per value head. Row-parallel columns: linear_proj, linear_fc2, out_proj. The rest is replicated."""
-    if tp_size == 1:
-        return dict(sd)
+def shard_for_tp(sd, hf, tp_rank, tp_size, etp_rank=None, etp_size=None) -> dict:
+    """TP = 1 GPTModel state dict (hf_to_megatron's) -> tensor-parallel rank `tp_rank` of `tp_size`; expert tensors
+    (keys with ".local_experts.", Megatron's SequentialMLP, built on the expert-TP group) by expert-TP rank `etp_rank`
+    of `etp_size` (None: = tp_rank / tp_size, Megatron's default). The shared expert is dense TP (SharedExpertMLP
+    takes pg_collection.tp), the router replicated. Column-parallel rows split per part so every rank holds whole
+    heads: vocab (embedding, output layer); linear_qkv (whole query groups: [q.., gate.., k, v] per group);
+    linear_fc1 [gate_r; up_r] (Megatron's GLU shard); GDN in_proj [q_r k_r v_r z_r b_r a_r], conv1d [q_r k_r v_r],
+    A_log and dt_bias per value head. Row-parallel columns: linear_proj, linear_fc2, out_proj. The rest is
+    replicated."""
+    if etp_size is None:  # Megatron's default: expert_tensor_parallel_size unset = tensor_model_parallel_size
+        etp_rank, etp_size = tp_rank, tp_size
     parts, cols, rows = _tp_cuts(hf)
     out = {}
     for k, w in sd.items():
+        rank, size = (etp_rank, etp_size) if ".local_experts." in k else (tp_rank, tp_size)
         split = next((p for n, p in parts.items() if k.endswith(n)), None)
-        if split is not None:  # each part sharded on its own, the rank's shards concatenated in the same order
+        if size == 1:
+            pass  # not cut at this size
+        elif split is not None:  # each part sharded on its own, the rank's shards concatenated in the same order
             chunks = w.chunk(split) if isinstance(split, int) else w.split(split)
-            w = torch.cat([c.chunk(tp_size)[tp_rank] for c in chunks])
+            w = torch.cat([c.chunk(size)[rank] for c in chunks])
         elif k.endswith(cols):
-            w = w.chunk(tp_size)[tp_rank]
+            w = w.chunk(size)[rank]
         elif k.endswith(rows):
-            w = w.chunk(tp_size, dim=1)[tp_rank]
-        out[k] = w.contiguous().clone()
+            w = w.chunk(size, dim=1)[rank]
+        out[k] = w.contiguous().clone() if size > 1 else w
     return out
 
 
@@ -650,26 +677,30 @@ def shard_for_ep(sd, num_experts, ep_rank, ep_size) -> dict:
     return out
 
 
-def unshard_tp(shards, hf, tp_size) -> dict:
-    """Inverse of shard_for_tp: the `tp_size` ranks' dicts, in TP rank order -> the TP = 1 dict. A tensor cut per
-    part is split back into its parts on every rank, each part re-joined over ranks, the parts in their order
-    ([gate; up], GDN [q k v z b a] / [q k v]); column-parallel re-join on dim 0, row-parallel on dim 1;
-    replicated tensors are rank 0's."""
-    assert len(shards) == tp_size, f"unshard_tp: {len(shards)} shards for TP = {tp_size}"
-    if tp_size == 1:
-        return dict(shards[0])
+def unshard_tp(shards, hf, tp_size, etp_size=None) -> dict:
+    """Inverse of shard_for_tp: shards[i] is the dict of rank i % tp_size for the dense tensors and of expert-TP rank
+    i % etp_size for the expert ones (None: = tp_size), i < max(tp_size, etp_size) -> the TP = 1 dict (dense tensors
+    joined over shards[:tp_size], expert tensors over shards[:etp_size]). A tensor cut per part is split back into
+    its parts on every rank, each part re-joined over ranks, the parts in their order ([gate; up], GDN [q k v z b a]
+    / [q k v]); column-parallel re-join on dim 0, row-parallel on dim 1; replicated tensors are shards[0]'s."""
+    etp_size = tp_size if etp_size is None else etp_size
+    assert len(shards) == max(tp_size, etp_size), f"unshard_tp: {len(shards)} shards, TP = {tp_size}, ETP = {etp_size}"
     parts, cols, rows = _tp_cuts(hf)
     out = {}
     for k, w in shards[0].items():
+        size = etp_size if ".local_experts." in k else tp_size
+        ranks = shards[:size]
         split = next((p for n, p in parts.items() if k.endswith(n)), None)
-        if split is not None:  # rank r holds [part0_r; part1_r; ..]: parts back out of each rank, joined over ranks
-            per_rank = [s[k].chunk(split) if isinstance(split, int) else s[k].split([n // tp_size for n in split])
-                        for s in shards]
+        if size == 1:
+            pass  # not cut at this size
+        elif split is not None:  # rank r holds [part0_r; part1_r; ..]: parts back out of each rank, joined over ranks
+            per_rank = [s[k].chunk(split) if isinstance(split, int) else s[k].split([n // size for n in split])
+                        for s in ranks]
             w = torch.cat([torch.cat(part) for part in zip(*per_rank)])
         elif k.endswith(cols):
-            w = torch.cat([s[k] for s in shards])
+            w = torch.cat([s[k] for s in ranks])
         elif k.endswith(rows):
-            w = torch.cat([s[k] for s in shards], dim=1)
+            w = torch.cat([s[k] for s in ranks], dim=1)
         out[k] = w
     return out
 
@@ -690,15 +721,47 @@ def unshard_ep(shards, num_experts, ep_size) -> dict:
     return out
 
 
+def shard_for_pp(sd, first, last, pre_process, post_process) -> dict:
+    """A pipeline stage's part of a (TP / EP-sharded) state dict: decoder layers [first, last) renumbered from 0
+    (Megatron numbers a stage's modules locally), the embedding on the first stage, the final norm and the output
+    layer on the last."""
+    out = {}
+    for k, w in sd.items():
+        if k.startswith("decoder.layers."):
+            i, rest = k[len("decoder.layers."):].split(".", 1)
+            if not first <= int(i) < last:
+                continue
+            k = f"decoder.layers.{int(i) - first}.{rest}"
+        elif (k.startswith("embedding.") and not pre_process) or \
+                (k.startswith(("output_layer.", "decoder.final_layernorm.")) and not post_process):
+            continue
+        out[k] = w
+    return out
+
+
+def unshard_pp(stages) -> dict:
+    """[(first layer, stage state dict)] of every pipeline stage -> the whole state dict (inverse of shard_for_pp)."""
+    out = {}
+    for first, sd in stages:
+        for k, w in sd.items():
+            if k.startswith("decoder.layers."):
+                i, rest = k[len("decoder.layers."):].split(".", 1)
+                k = f"decoder.layers.{int(i) + first}.{rest}"
+            out[k] = w
+    return out
+
+
 def load_hf_into_megatron(gpt, hf_state_dict, hf):
     """Copy converted HF weights into `gpt`; every real parameter must be covered (only _extra_state left)."""
     c = gpt.config
     sd = hf_to_megatron(hf_state_dict, hf)
-    if c.tensor_model_parallel_size > 1 or c.expert_model_parallel_size > 1:  # this rank's shard
-        from megatron.core import parallel_state as ps
-        assert c.expert_tensor_parallel_size == c.tensor_model_parallel_size, "expert TP != TP: not sharded here"
+    if max(c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size) > 1:
+        from megatron.core import parallel_state as ps  # this rank's shard: experts cut by expert TP, the rest by TP
         sd = shard_for_ep(sd, hf.num_experts, ps.get_expert_model_parallel_rank(), c.expert_model_parallel_size)
-        sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size)
+        sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size,
+                          ps.get_expert_tensor_parallel_rank(), c.expert_tensor_parallel_size)
+    if c.pipeline_model_parallel_size > 1:  # this stage's layers
+        sd = shard_for_pp(sd, *_stage_layers(c), gpt.pre_process, gpt.post_process)
     missing, unexpected = gpt.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -729,7 +792,86 @@ def _gpt_forward(gpt, input_ids, attention_mask=None):
     mask = ~allowed[:, None]  # (B, 1, Tp, Tp): Megatron masks where True
     pos = torch.arange(Tp, device=dev)[None].expand(B, Tp)  # (B, Tp)
     with cpu_shims():
-        return gpt(input_ids.to(torch.long), pos, attention_mask=mask)[:, :T]
+        if gpt.config.pipeline_model_parallel_size == 1:
+            return gpt(input_ids.to(torch.long), pos, attention_mask=mask)[:, :T]
+        if not gpt.pre_process:  # the previous stage's hidden states (S / tp, B, H) become this stage's input
+            shape = (Tp // _seq_multiple(gpt), B, gpt.config.hidden_size)
+            link = torch.zeros((), requires_grad=torch.is_grad_enabled())  # so that backward reaches the recv
+            gpt.set_input_tensor(_PipeRecv.apply(link, shape, gpt.config.params_dtype))
+        out = gpt(input_ids.to(torch.long), pos, attention_mask=mask)
+        if not gpt.post_process:  # hidden states (S / tp, B, H) on to the next stage; the link carries their grad
+            gpt.pipe_link = _PipeSend.apply(out)
+            return None
+        return out[:, :T]
+
+
+# --- pipeline parallel: one forward through the stages as one autograd graph over the PP group -------------
+# Megatron's schedules (1F1B over microbatches) drive a training step from the outside; the training step here is
+# train_t1's, unchanged, so a forward over PP stages is written as autograd functions instead: stage s receives
+# the hidden states of stage s - 1 (_PipeRecv, whose backward sends their grad back), runs its layers and sends
+# its output to stage s + 1 (_PipeSend, whose backward receives that grad); the last stage's result (logprobs,
+# values, logits) is broadcast to every stage (_PipeBroadcast) so each rank returns the same tensor and computes
+# the same loss; backward counts the last stage's copy only. One microbatch at a time: GPipe without the overlap
+# (mcore.py departure 3). gpt.pipe_link carries the send's autograd link (a 0-d tensor) from the stage's forward to
+# the broadcast, which on a non-last stage takes it as its input so the backward of the loss reaches the send.
+class _PipeSend(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        dist.send(hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+        return grad
+
+
+class _PipeRecv(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, link, shape, dtype):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        hidden = torch.empty(shape, dtype=dtype)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        dist.send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+        return None, None, None
+
+
+class _PipeBroadcast(torch.autograd.Function):
+    """The last stage's tensor on every stage; backward: the last stage keeps its own grad (every stage computes
+    the same loss from the copy: counting theirs too would multiply the grad by PP), the others pass nothing."""
+
+    @staticmethod
+    def forward(ctx, x, shape, dtype):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        ctx.last = ps.is_pipeline_last_stage()
+        out = x.detach().clone() if ctx.last else torch.empty(shape, dtype=dtype)
+        dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.last else torch.zeros(())), None, None
+
+
+def _pipe_result(gpt, out, shape, dtype=torch.float32):
+    """`out` of the last stage (None elsewhere) -> the same tensor on every stage of the pipeline."""
+    if gpt.config.pipeline_model_parallel_size == 1:
+        return out
+    return _PipeBroadcast.apply(out if gpt.post_process else gpt.pipe_link, shape, dtype)
 
 
 class MegatronActor(torch.nn.Module):
@@ -749,20 +891,23 @@ class MegatronActor(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
         c = gpt.config
-        if layout is None and c.tensor_model_parallel_size > 1:
+        if layout is None and (c.tensor_model_parallel_size > 1 or c.pipeline_model_parallel_size > 1):
             from megatron.core import parallel_state as ps
             layout = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=c.tensor_model_parallel_size,
                           sp=c.sequence_parallel)
+            if c.pipeline_model_parallel_size > 1:  # this stage's layers (every layer is MoE in both layouts)
+                layout.update(layers=_stage_layers(c), moe_layers=[1] * c.num_layers)
         self.layout = dict(layout or {})  # kwargs of r3.slice_for_megatron (tp/cp ranks, layers, moe_layers)
         self.batch_shape = None
 
     def forward(self, input_ids, attention_mask=None):
         self.batch_shape = tuple(input_ids.shape)  # (B, T)
-        logits = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, V / tp)
-        if self.gpt.config.tensor_model_parallel_size > 1:
+        logits = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, V / tp); None before the last stage
+        if logits is not None and self.gpt.config.tensor_model_parallel_size > 1:
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
             with cpu_shims():
                 logits = gather_from_tensor_model_parallel_region(logits)  # (B, T, V)
+        logits = _pipe_result(self.gpt, None if logits is None else logits.float(), (*input_ids.shape, self.gpt.vocab_size))
         return types.SimpleNamespace(logits=logits.float())
 
     def token_logprobs(self, input_ids, attention_mask=None, temperature=1.0):
@@ -770,9 +915,12 @@ class MegatronActor(torch.nn.Module):
         log p = -CE = z_target - log sum exp z (max, sum and target logit all-reduced over TP)."""
         from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
         self.batch_shape = tuple(input_ids.shape)
-        logits = _gpt_forward(self.gpt, input_ids, attention_mask)[:, :-1].float() / temperature  # (B, T-1, V / tp)
-        with cpu_shims():
-            return -vocab_parallel_cross_entropy(logits, input_ids[:, 1:].long())  # (B, T-1); CE works in place
+        B, T = input_ids.shape
+        logits, lp = _gpt_forward(self.gpt, input_ids, attention_mask), None  # (B, T, V / tp) on the last stage
+        if logits is not None:
+            with cpu_shims():  # CE works in place on its input: the division made a fresh tensor
+                lp = -vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, input_ids[:, 1:].long())
+        return _pipe_result(self.gpt, lp, (B, T - 1))  # (B, T-1) on every pipeline stage
 
     @contextlib.contextmanager
     def routing(self, mode, experts=None):
@@ -786,8 +934,8 @@ class MegatronActor(torch.nn.Module):
             layer_experts = r3.slice_for_megatron(experts, **self.layout)
         with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
             ctx.batch_shape = self._routed_shape
-            if _seq_multiple(self.gpt) > 1:
-                ctx.gather = self._gather_sequence
+            if _seq_multiple(self.gpt) > 1 or self.gpt.config.pipeline_model_parallel_size > 1:
+                ctx.gather = self._gather_recording
             yield ctx
 
     def _routed_shape(self):
@@ -797,13 +945,20 @@ class MegatronActor(torch.nn.Module):
         B, T = self.batch_shape
         return B, T + (-T % _seq_multiple(self.gpt)), T
 
-    def _gather_sequence(self, ex):
-        """(N / tp, L, k) rows of this TP rank's sequence slice -> (N, L, k), all TP ranks' slices in order."""
+    def _gather_recording(self, ex):
+        """(N / tp, L_stage, k) rows of this TP rank's sequence slice and this stage's layers -> (N, L, k): the TP
+        ranks' slices in order (sequence parallel), then the pipeline stages' layers in order."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        parts = [torch.empty_like(ex) for _ in range(ps.get_tensor_model_parallel_world_size())]
-        dist.all_gather(parts, ex.contiguous(), group=ps.get_tensor_model_parallel_group())
-        return torch.cat(parts)
+        if _seq_multiple(self.gpt) > 1:
+            parts = [torch.empty_like(ex) for _ in range(ps.get_tensor_model_parallel_world_size())]
+            dist.all_gather(parts, ex.contiguous(), group=ps.get_tensor_model_parallel_group())
+            ex = torch.cat(parts)
+        if self.gpt.config.pipeline_model_parallel_size > 1:  # stages may hold different layer counts
+            parts = [None] * self.gpt.config.pipeline_model_parallel_size
+            dist.all_gather_object(parts, ex, group=ps.get_pipeline_model_parallel_group())
+            ex = torch.cat(parts, dim=1)
+        return ex
 
 
 # --- the critic: the actor's GPTModel with a scalar value head (paper: full-size critic) -------------------
@@ -866,8 +1021,9 @@ class MegatronCritic(torch.nn.Module):
         return cls(gpt)
 
     def forward(self, input_ids, attention_mask=None):
-        v = _gpt_forward(self.gpt, input_ids, attention_mask).squeeze(-1).float()  # (B, T): V of prefix ending at t
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # shift: V(s_j) from h_{j-1}
+        v = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, 1) on the last pipeline stage
+        v = _pipe_result(self.gpt, None if v is None else v.squeeze(-1).float(), tuple(input_ids.shape))  # (B, T):
+        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # V of prefix ending at t; shift: V(s_j)
 
 
 def critic_hf_to_megatron(sd, hf) -> dict:
@@ -900,8 +1056,10 @@ def embedded_models(hf_actor):
     init_cpu()  # shims; parallel state of one rank unless the trainer set its plan
     from megatron.core import parallel_state as ps
     tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
-    layout = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
-                  calculate_per_token_loss=True)
+    layout = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                  expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), sequence_parallel=tp > 1,
+                  pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+                  pipeline_dtype=torch.float32, calculate_per_token_loss=True)
     sd = hf_actor.state_dict()
     actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg, **layout), sd, cfg)) for _ in range(2))
     return actor, behaviour, MegatronCritic.from_actor(actor)
@@ -911,21 +1069,19 @@ def gather_full_state(gpt, hf) -> dict:
     """This rank's GPTModel -> the TP = EP = 1 state dict (no _extra_state), what megatron_to_hf /
     critic_megatron_to_hf take. Sharded (TP or EP > 1, parallel_state initialised) it is a collective: every rank
     of the model-parallel job calls it and every rank gets the whole dict. Dense tensors cut by shard_for_tp's
-    rules are all-gathered over the TP group; expert tensors over the expert-TP group (= TP: the only case
-    load_hf_into_megatron shards), then over the expert-parallel group; then unshard_tp / unshard_ep. Replicated
+    rules are all-gathered over the TP group; expert tensors over the expert-TP group (its own size, ETP, which
+    may differ from TP), then over the expert-parallel group; then unshard_tp / unshard_ep. Replicated
     tensors are this rank's, not sent (equal over ranks once grads are all-reduced). A MegatronCritic's value head
-    (_ValueHead, weight (1, H) and bias) is replicated, not vocab-parallel: taken as it is. One pipeline stage only.
-    At TP = EP = 1 it is the local state dict, no communication."""
+    (_ValueHead, weight (1, H) and bias) is replicated, not vocab-parallel: taken as it is. Pipeline stages: each
+    stage's TP / EP-gathered part is all-gathered over the PP group and renumbered (unshard_pp).
+    At TP = EP = ETP = PP = 1 it is the local state dict, no communication."""
     c = gpt.config
-    tp, ep = c.tensor_model_parallel_size, c.expert_model_parallel_size
+    tp, ep, etp = c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    if tp == 1 and ep == 1:
+    if tp == 1 and ep == 1 and etp == 1 and c.pipeline_model_parallel_size == 1:
         return sd
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    if c.pipeline_model_parallel_size > 1:
-        raise NotImplementedError("gather_full_state: pipeline parallel (one stage per rank) is not gathered here")
-    assert c.expert_tensor_parallel_size == tp, "expert TP != TP: not unsharded here"
     value_head = isinstance(getattr(gpt, "output_layer", None), _ValueHead)
     head = {k: sd.pop(k) for k in list(sd) if value_head and k.startswith("output_layer.")}
     experts = {k: sd.pop(k) for k in list(sd) if ".local_experts." in k}
@@ -941,15 +1097,21 @@ def gather_full_state(gpt, hf) -> dict:
                 ranks[r][k] = ws[r]
         return ranks
 
-    if tp > 1:
-        def cut(k):
-            return _is_tp_cut(k, hf)
+    def cut(k):
+        return _is_tp_cut(k, hf)
+    if tp > 1:  # dense tensors (the shared expert too) over the TP group
         sd = unshard_tp(all_gather(sd, ps.get_tensor_model_parallel_group(), tp, cut), hf, tp)
-        experts = unshard_tp(all_gather(experts, ps.get_expert_tensor_parallel_group(), tp, cut), hf, tp)
+    if etp > 1:  # expert tensors over the expert-TP group
+        experts = unshard_tp(all_gather(experts, ps.get_expert_tensor_parallel_group(), etp, cut), hf, etp, etp)
     if ep > 1:
         experts = unshard_ep(all_gather(experts, ps.get_expert_model_parallel_group(), ep, lambda k: True),
                              hf.num_experts, ep)
-    return {**sd, **experts, **head}
+    out = {**sd, **experts, **head}
+    if c.pipeline_model_parallel_size > 1:  # every stage's layers (the stage's first global layer numbers them)
+        stages = [None] * c.pipeline_model_parallel_size
+        dist.all_gather_object(stages, (_stage_layers(c)[0], out), group=ps.get_pipeline_model_parallel_group())
+        out = unshard_pp(stages)
+    return out
 
 
 def to_hf(actor, hf_config):

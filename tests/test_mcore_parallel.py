@@ -21,11 +21,12 @@ def batch():
     return ids, am
 
 
-def actor_checks(tp=1, ep=1, replay=None):
+def actor_checks(tp=1, ep=1, pp=1, replay=None):
     """-> (logprobs via token_logprobs (B, T-1), logprobs from gathered logits, recorded experts (B, T, L, k),
     logprobs replaying `replay` (or the recording) with their grad norm over this rank's shard)."""
     hf = mcore.tiny_qwen35_hf_config(V)
-    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                           pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
     actor = mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
     ids, am = batch()
     with torch.no_grad(), r3.routing(actor, "record") as rec:
@@ -42,11 +43,12 @@ def actor_checks(tp=1, ep=1, replay=None):
     return lp, lp_full, recorded, lp_replay.detach()
 
 
-def _rank(rank, world, tp, ep, replay):
+def _rank(rank, world, tp, ep, pp, replay):
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             pipeline_model_parallel_size=pp)
     mcore.init_cpu()
-    return [x.numpy() for x in actor_checks(tp, ep, replay)]
+    return [x.numpy() for x in actor_checks(tp, ep, pp, replay)]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def reference():
     return actor_checks()
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep):
+@pytest.mark.parametrize("tp,ep,pp", [(2, 1, 1), (1, 2, 1), (1, 1, 2)])
+def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep, pp):
     """Every rank: token_logprobs from the vocab shards = one-rank logprobs; the recording gathered over the
     sequence-parallel ranks = the one-rank recording (same routing); replaying a perturbed routing (every
     expert id shifted by one) gives the one-rank replay of that routing on every rank."""
@@ -64,7 +66,7 @@ def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep):
     shifted = (rec1 + 1) % 8  # a routing the live routers would not choose
     mcore.init_cpu()
     _, _, _, want_replay = actor_checks(replay=shifted)
-    res = infra.gloo_ranks(_rank, tp * ep, tp, ep, shifted.numpy(), timeout_s=240)
+    res = infra.gloo_ranks(_rank, tp * ep * pp, tp, ep, pp, shifted.numpy(), timeout_s=240)
     m = batch()[1][:, 1:].bool()
     d_lp = d_full = d_rep = 0.0
     for lp, lp_full, rec, rep in ([torch.from_numpy(x) for x in r] for r in res):
@@ -73,7 +75,7 @@ def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep):
         d_rep = max(d_rep, (rep - want_replay)[m].abs().max().item())
         assert rec.shape == rec1.shape
         assert torch.equal(rec[:, :T - 1][m], rec1[:, :T - 1][m])  # trained rows route the same
-    print(f"TP={tp} EP={ep}: |logprobs - one rank| {d_lp:.1e} (gathered logits {d_full:.1e}), "
+    print(f"TP={tp} EP={ep} PP={pp}: |logprobs - one rank| {d_lp:.1e} (gathered logits {d_full:.1e}), "
           f"replay of a shifted routing {d_rep:.1e}")
     assert d_lp < 1e-5 and d_full < 1e-5 and d_rep < 1e-5
     assert (want_replay - lp1)[m].abs().max() > 1e-3  # the shifted routing really changes the logprobs

@@ -81,7 +81,7 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
     assert (tmp_path / "two" / "ckpt" / "latest" / "trainer.pt").exists()  # rank 0 saved the checkpoint
 
 
-@pytest.mark.parametrize("plan", ['{"tp": 2}', '{"ep": 2, "dp": 2}'])
+@pytest.mark.parametrize("plan", ['{"tp": 2}', '{"ep": 2, "dp": 2}', '{"pp": 2}', '{"tp": 2, "etp": 1, "ep": 2}'])
 def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
     """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel, or
     EP = 2 over 2 data-parallel ranks; Megatron DDP + mcore.ShardedAdam, the distributed optimizer): critic warm-up
@@ -141,7 +141,6 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
 
 @pytest.mark.parametrize("flags, error, match", [
     (["--plan", '{"tp": 2}'], ValueError, "hf backend only runs full replicas"),
-    (["--backend", "megatron", "--plan", '{"tp": 2, "pp": 2}'], NotImplementedError, "pp = 2"),
     (["--backend", "megatron", "--plan", '{"cp": 2}'], NotImplementedError, "cp = 2"),
     (["--backend", "megatron", "--plan", '{"ep": 4, "dp": 2}'], ValueError, "must divide"),
     (["--backend", "megatron", "--plan", '{"tp": 2}', "--trainer-ranks", "3"], ValueError, "--trainer-ranks"),
