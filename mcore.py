@@ -67,10 +67,13 @@ Departures from the paper:
    falls back to nn.Conv1d). Not a shim but part of the local spec (`build_tiny` on CPU or one GPU; the
    cluster uses TENorm): `_RMSNorm`, a zero-centred RMSNorm, where Megatron's WrappedTorchNorm refuses
    `layernorm_zero_centered_gamma`.
-3. `MegatronActor` runs the model without Megatron's pipeline schedule (one stage, forward then
-   backward per call); with pipeline parallel the schedule must call `r3.megatron_routing` per micro-
-   batch (REPLAY_BACKWARD pops the replay tensors in forward order under recompute). The same holds
-   for `MegatronCritic` (one stage; under context parallel the shift by one would cross chunks).
+3. Pipeline parallel without Megatron's schedules: train_t1's training step calls the model like any torch
+   module, so a forward over the PP stages is one autograd graph across processes (`_PipeRecv` / `_PipeSend`
+   move the hidden states forward and their grads back over p2p, `_PipeBroadcast` gives every stage the last
+   stage's logprobs / values). That is GPipe with one microbatch per call: the same arithmetic as one rank
+   (tests: bitwise), none of 1F1B's overlap of stages, so at scale the bubble is (PP - 1) / PP of the
+   step. Megatron's forward_backward_func would need the loss inside the schedule, one loss function per call
+   site of train_t1. (`MegatronCritic` likewise; under context parallel the shift by one would cross chunks.)
 4. The critic routes live (built with `moe_enable_routing_replay=False`): the paper's R3 replays the
    sampler's experts for the actor's logprobs; it says nothing of the critic, which never ran in the
    sampler, so there is nothing to replay. Its backbone starts as a copy of the SFT actor's
