@@ -40,11 +40,11 @@ Departures from the paper (numbered; each with its reason):
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
      gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
      local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
-     Adam. Over ranks (--plan '{"tp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp): Megatron's
-     own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per rank,
-     Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
-     refused by check_args, after naming what the node lacks. Pipeline and context parallel are refused too
-     (mcore.py departures 3 and 6). The publish over a process group (--engine-world-sizes: the Trainer is
+     Adam. Over ranks (--plan '{"tp": 2}', '{"pp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp):
+     Megatron's own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per
+     rank, Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
+     refused by check_args, after naming what the node lacks. Context parallel is refused too (mcore.py
+     departure 6); pipeline parallel runs as one autograd graph over the stages (mcore.py departure 3). The publish over a process group (--engine-world-sizes: the Trainer is
      rank 0 with every SGLang rank, cluster.WeightPublisher) is wired and tested over gloo.
   6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
      + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
@@ -55,8 +55,8 @@ Departures from the paper (numbered; each with its reason):
      replicas bitwise identical). Rank 0 saves and publishes, every rank keeps the published copies. Losses,
      clip fractions, EV and |dlogp| are over all ranks, expert_set_mismatch over rank 0's samples. Each rank
      has its own bundle in the placement group.
-  7. --backend megatron over tp * dp ranks (Trainer.join_group): the ranks' default process group is carved
-     by Megatron's parallel_state per --plan (TP, EP, expert-TP, DP); each rank builds its TP / EP shards of
+  7. --backend megatron over tp * pp * dp ranks (Trainer.join_group): the ranks' default process group is carved
+     by Megatron's parallel_state per --plan (TP, PP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
      actor, behaviour copy and critic (sequence parallel with TP: Megatron's MoE refuses TP without it in
      training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
      sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
@@ -66,7 +66,7 @@ Departures from the paper (numbered; each with its reason):
      expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered from every rank
      (mcore.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic, optimizer shards; the
      plan is checked on resume). Tested against the one-rank Megatron trainer (tests/test_trainer_group.py:
-     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7) and end to end at TP = 2
+     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise) and end to end at TP = 2
      with a resume (tests/test_e2e.py). An expert no token reached gets a zero gradient (Adam still moves it
      by its momentum) where the one-rank torch Adam skips a grad of None: Megatron's behaviour.
 """
@@ -220,8 +220,8 @@ class Args:
     model_path: str = ""
     """start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start"""
     plan: str = ""
-    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / ep / dp
-    (etp = tp) run over tp * dp trainer ranks, on this CPU too (gloo)"""
+    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / ep /
+    etp / dp run over tp * pp * dp trainer ranks, on this CPU too (gloo); cp is refused"""
     engine_world_sizes: str = ""
     """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
     trainer_ranks: int = 1
