@@ -33,14 +33,15 @@ def batch():
     return ids, am
 
 
-def run_model(tp=1, ep=1):
+def run_model(tp=1, ep=1, etp=None):
     """This rank's model on batch(): forward, gather the vocab shards (Megatron's all-gather; its backward takes
     this rank's slice), backward of sum(logits * dout) -> (full-vocab logits (B, T, V), {param name: grad},
     names of the parameters flagged `sequence_parallel`, whose grads Megatron's finalize_model_grads all-reduces
-    over TP)."""
+    over TP). etp: expert tensor parallel size (None: = tp)."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     hf = mcore.tiny_qwen35_hf_config(V)
-    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                           expert_tensor_parallel_size=etp)
     gpt = mcore.load_hf_into_megatron(gpt, hf_weights(), hf)  # train mode: MoELayer refuses TP > 1 without SP
     with mcore.cpu_shims():  # the gather allocates on torch.cuda.current_device()
         out = mcore._gpt_forward(gpt, *batch())  # (B, T, V / tp): the vocab-parallel output layer's shard
@@ -52,17 +53,19 @@ def run_model(tp=1, ep=1):
                                                                     if getattr(p, "sequence_parallel", False)}
 
 
-def _parallel_rank(rank, world, tp, ep):
+def _parallel_rank(rank, world, tp, ep, etp=None):
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     mcore.init_cpu()  # shims only: the group and parallel state above are kept
-    out, grads, sp = run_model(tp, ep)
+    out, grads, sp = run_model(tp, ep, etp)
     return out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp
 
 
-def run_parallel(tp=1, ep=1):
-    """Spawn tp * ep ranks -> each rank's (gathered logits (B, T, V), {param name: grad}, sequence-parallel names)."""
-    res = infra.gloo_ranks(_parallel_rank, tp * ep, tp, ep, timeout_s=120)
+def run_parallel(tp=1, ep=1, etp=None, world=None):
+    """Spawn `world` (None: tp * ep) ranks -> each rank's (gathered logits (B, T, V), {param name: grad},
+    sequence-parallel names)."""
+    res = infra.gloo_ranks(_parallel_rank, world or tp * ep, tp, ep, etp, timeout_s=120)
     return [(torch.from_numpy(out), {n: torch.from_numpy(g) for n, g in grads.items()}, sp) for out, grads, sp in res]
 
 
@@ -171,14 +174,16 @@ class _Tokenizer:
         open(f"{path}/tokenizer_by_rank{dist.get_rank()}", "w").close()
 
 
-def _gather_rank(rank, world, tp, ep, path):
+def _gather_rank(rank, world, tp, ep, path, etp=None):
     """One rank: the HF weights loaded sharded; gather_full_state -> megatron_to_hf, to_hf, a MegatronCritic's
     gather -> critic_megatron_to_hf, and save_hf to `path`."""
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                             expert_tensor_parallel_size=etp)
     mcore.init_cpu()
     hf = mcore.tiny_qwen35_hf_config(V)
-    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1)
+    gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+                           expert_tensor_parallel_size=etp)
     actor = mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
     back = mcore.megatron_to_hf(mcore.gather_full_state(actor.gpt, hf), hf)
     via_to_hf = mcore.to_hf(actor, hf).state_dict()
@@ -229,4 +234,83 @@ def test_gather_full_state_gives_back_the_hf_checkpoint(tp, ep, tmp_path):
         assert_bit_equal(critic_hf, want_critic)
     assert [f for f in sorted(p.name for p in tmp_path.iterdir()) if f.startswith("tokenizer_by")] == \
         ["tokenizer_by_rank0"]
+    assert_bit_equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict(), want)
+
+
+# --- expert tensor parallel != TP (infra.py's planner: etp = 1 at tp = 2): experts cut by ETP, the rest by TP ---------
+@pytest.mark.parametrize("layout,tp,etp,ep", [("qwen35", 2, 1, 1), ("qwen35", 2, 1, 2), ("qwen35", 1, 2, 1),
+                                              ("qwen35", 1, 2, 2), ("qwen35_tp4", 4, 2, 2), ("qwen3", 2, 1, 2)])
+def test_unshard_inverts_shard_with_expert_tp(layout, tp, etp, ep):
+    """shard_for_tp with its own expert-TP rank / size (megatron-core 0.16.1 sets no bound between ETP and TP:
+    only world % (etp * ep * pp) == 0 in parallel_state): expert tensors are cut 1 / etp, dense ones (the shared
+    expert too) 1 / tp; unshard_tp over max(tp, etp) ranks (rank i: TP rank i % tp, ETP rank i % etp) per EP rank,
+    unshard_ep over those: the TP = EP = 1 dict back, bit for bit."""
+    hf = hf_config(layout)
+    E, n = hf.num_experts, max(tp, etp)
+    sd = mcore.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
+    shards = [[mcore.shard_for_tp(mcore.shard_for_ep(sd, E, e, ep), hf, i % tp, tp, i % etp, etp) for i in range(n)]
+              for e in range(ep)]
+    last = shards[-1][-1]
+    k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
+    assert last[k].shape[0] * etp == sd[k].shape[0]  # experts by ETP
+    k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    assert last[k].shape[1] * etp == sd[k].shape[1]
+    k = "decoder.layers.0.self_attention.linear_qkv.weight" if layout == "qwen3" else \
+        "decoder.layers.0.mlp.shared_experts.linear_fc1.weight"  # dense (the shared expert: Megatron's TP group)
+    assert last[k].shape[0] * tp == sd[k].shape[0]
+    k = "decoder.layers.0.mlp.router.weight"
+    assert torch.equal(last[k], sd[k])  # replicated
+    back = mcore.unshard_ep([mcore.unshard_tp(row, hf, tp, etp) for row in shards], E, ep)
+    assert back.keys() == sd.keys()
+    for n in sd:
+        assert back[n].dtype == sd[n].dtype and torch.equal(back[n], sd[n]), n
+
+
+def test_expert_tp_1_under_tp_2_matches_one_rank(reference):
+    """2 gloo ranks, TP = 2 with sequence parallel, ETP = 1, EP = 2 (dp = 1: the experts split over the two TP
+    ranks, each whole on its rank). Logits equal on both ranks. Grads: dense tensors as in the TP = 2 test (this
+    rank's TP shard, replicated ones summed over the TP ranks); expert tensors whole (ETP = 1), this rank's E / 2
+    experts, and exactly the TP = 1 grad: sequence parallel gives each rank half the tokens and the allgather
+    dispatcher gathers them over the expert-TP x EP group (both ranks), so every token reaches its experts once
+    (factor 1; the EP = 2 test has factor 2 because there both ranks ran the whole batch)."""
+    hf = mcore.tiny_qwen35_hf_config(V)
+    ref_out, ref_g, _ = reference
+    tp, etp, ep = 2, 1, 2
+    results = run_parallel(tp, ep, etp, world=2)
+    d_out = max((out - ref_out).abs().max().item() for out, _, _ in results)
+    d_dense = d_experts = 0.0
+    for rank, (_, grads, sp) in enumerate(results):
+        tp_rank, ep_rank = rank % tp, rank // etp % ep  # dense: TP fastest; experts: ETP fastest, then EP
+        want = mcore.shard_for_ep(mcore.shard_for_tp(ref_g, hf, tp_rank, tp, 0, etp), hf.num_experts, ep_rank, ep)
+        replicated = {k for k in want if want[k].shape == ref_g[k].shape and ".local_experts." not in k}
+        assert replicated <= sp  # summed over TP by finalize_model_grads (flag sequence_parallel)
+        grads = {k: sum(r[1][k] for r in results) if k in replicated else g for k, g in grads.items()}
+        assert grads.keys() == want.keys()
+        for k in want:
+            d = (grads[k] - want[k]).abs().max().item()
+            if ".local_experts." in k:
+                assert grads[k].shape == ref_g[k].shape  # whole experts at ETP = 1
+                d_experts = max(d_experts, d)
+            else:
+                d_dense = max(d_dense, d)
+    scale = max(g.abs().max().item() for g in ref_g.values())
+    print(f"TP={tp} ETP={etp} EP={ep}: max |logits - TP=EP=1| {d_out:.1e} (|logits| up to {ref_out.abs().max():.2f}), "
+          f"grads dense {d_dense:.1e}, experts {d_experts:.1e} (|grad| up to {scale:.1f})")
+    assert d_out < 1e-5
+    assert max(d_dense, d_experts) < 1e-5 * scale
+
+
+def test_gather_full_state_with_expert_tp_1_under_tp_2(tmp_path):
+    """TP = 2 (+ SP), ETP = 1, EP = 2 over 2 gloo ranks: dense tensors gathered over the TP group, experts (whole
+    per rank) not over expert TP (size 1) but over EP; every rank's gathered state converts back to the HF weights
+    bit for bit (megatron_to_hf and to_hf), the critic's to the one-rank critic's, and save_hf's checkpoint loads
+    back to them."""
+    from transformers import AutoModelForCausalLM
+    hf = mcore.tiny_qwen35_hf_config(V)
+    want, want_critic = hf_weights(), one_rank_critic(hf)
+    results = infra.gloo_ranks(_gather_rank, 2, 2, 2, str(tmp_path), 1, timeout_s=180)
+    for back, via_to_hf, critic_hf in results:
+        assert_bit_equal(back, want)
+        assert_bit_equal(via_to_hf, want)
+        assert_bit_equal(critic_hf, want_critic)
     assert_bit_equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict(), want)
