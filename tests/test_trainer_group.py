@@ -2,6 +2,7 @@
 1-rank ones (weights within 1e-5 at lr 1e-4; the replicas bitwise identical), then a step on one sample
 (rank 1 holds none and still joins every gradient sum)."""
 import dataclasses
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -81,20 +82,17 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
     assert (tmp_path / "two" / "ckpt" / "latest" / "trainer.pt").exists()  # rank 0 saved the checkpoint
 
 
-@pytest.mark.parametrize("plan", ['{"tp": 2}', '{"ep": 2, "dp": 2}', '{"pp": 2}', '{"tp": 2, "etp": 1, "ep": 2}'])
-def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
-    """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel, or
-    EP = 2 over 2 data-parallel ranks; Megatron DDP + mcore.ShardedAdam, the distributed optimizer): critic warm-up
-    and two train_steps (the second on one sample: the other DP rank trains a dummy row) give the weights of the
-    one-rank Megatron trainer (torch Adam), gathered back to TP = EP = 1; rank 0 writes the HF checkpoint and
-    every rank its shard file."""
+@pytest.fixture(scope="module")
+def megatron_one_rank(tmp_path_factory):
+    """The one-rank Megatron trainer (torch Adam) after critic warm-up and two train_steps: the reference every
+    plan is held to (computed once for the module)."""
+    tmp_path = tmp_path_factory.mktemp("megatron")
     tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
     actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
     M.save_checkpoint(actor, tok, tmp_path / "sft")
     samples = fake_samples(actor, len(tok))
     base = dataclasses.replace(T.EMBEDDED, backend="megatron", minibatch_size=3, ppo_epochs=2, actor_lr=1e-4,
                                critic_lr=1e-4, torch_threads=1)
-
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
     one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
     before = {k: v.clone() for k, v in one.state_dicts()["actor"].items()}
@@ -102,15 +100,28 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
     one.mark_published(0)
     stats1 = one.train_step(samples, 1)
     one.train_step(samples[:1], 2)
-    ref = one.state_dicts()
+    return SimpleNamespace(sft=tmp_path / "sft", samples=samples, base=base, before=before, warm1=warm1,
+                           stats1=stats1, ref=one.state_dicts())
 
+
+# {"tp": 2} alone is covered by the TP x EP plan here and end to end in tests/test_e2e.py
+@pytest.mark.parametrize("plan", ['{"tp": 2, "etp": 1, "ep": 2}', '{"ep": 2, "dp": 2}', '{"pp": 2}', '{"cp": 2}'])
+def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_rank, plan):
+    """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel and
+    EP = 2 over the same ranks with expert TP 1; EP = 2 over 2 data-parallel ranks; 2 pipeline stages; 2 context-
+    parallel ranks; Megatron DDP + mcore.ShardedAdam, the distributed optimizer): critic warm-up and two
+    train_steps (the second on one sample: another DP rank trains a dummy row) give the weights of the one-rank
+    Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1; rank 0 writes the HF checkpoint and every
+    rank its shard file."""
+    o = megatron_one_rank
+    samples, base, ref, before, warm1, stats1 = o.samples, o.base, o.ref, o.before, o.warm1, o.stats1
     ray = infra.ray_start(2, "", 1)
     try:
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
         T.check_args(two_args)
         assert T.parallel_plan(two_args)["world"] == 2
-        group = T.TrainerGroup(ray, two_args, str(tmp_path / "sft"), 0, [{"num_cpus": 1}] * 2)
+        group = T.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * 2)
         warm2 = ray.get(group.warmup.remote(samples))
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -141,7 +152,7 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, plan):
 
 @pytest.mark.parametrize("flags, error, match", [
     (["--plan", '{"tp": 2}'], ValueError, "hf backend only runs full replicas"),
-    (["--backend", "megatron", "--plan", '{"cp": 2}'], NotImplementedError, "cp = 2"),
+    (["--backend", "megatron", "--plan", '{"cp": 2, "pp": 2}'], NotImplementedError, "cp = 2 with pp = 2"),
     (["--backend", "megatron", "--plan", '{"ep": 4, "dp": 2}'], ValueError, "must divide"),
     (["--backend", "megatron", "--plan", '{"tp": 2}', "--trainer-ranks", "3"], ValueError, "--trainer-ranks"),
     (["--backend", "megatron", "--plan", "tp=2"], ValueError, "expected JSON"),
