@@ -18,6 +18,9 @@ fusion off, distributed optimizer). This module holds:
   `shard_for_ep` cut the TP = 1 result for one tensor- (experts: expert-tensor-) / expert-parallel rank
   (`load_hf_into_megatron` applies them);
   `unshard_tp` / `unshard_ep` join them back, `gather_full_state` collects a sharded model's TP = 1 state dict.
+  `load_checkpoint_into_megatron` streams the same result from an HF checkpoint's safetensors: layer by layer, a rank
+  reads only its stage's layers, its EP rank's experts and its TP blocks (tests/test_mcore_load.py: bit-identical,
+  0.46-0.72 of the file bytes per rank at EP = 2 / PP = 2 on the tiny models).
 - `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
   .logits` (B, T, V), `actor.token_logprobs` from the vocab-parallel logits, and `r3.routing(actor, mode,
   experts)` with (B, T, L, k) experts, sliced per TP / SP rank and gathered back), so `train_t1.py` switches
@@ -37,6 +40,7 @@ fusion off, distributed optimizer). This module holds:
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
     python -m pytest tests/test_mcore_tp.py -q     # CPU: tiny Qwen3.5 at TP = 2 (+ SP), EP = 2, gloo; back to HF
+    python -m pytest tests/test_mcore_load.py -s   # CPU: per-rank streaming load from safetensors vs the whole dict
     python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 record + replay at TP, EP = 2
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
 
@@ -460,42 +464,50 @@ def hf_to_megatron(sd, hf) -> dict:
     Qwen3.5: all HF RMSNorms but the GDN's gated norm are zero-centred (1 + w), as Megatron's with
     layernorm_zero_centered_gamma, so they copy; that config also makes the GDN out_norm zero-centred, while
     HF's Qwen3_5MoeRMSNormGated multiplies by w: out_norm = w - 1 (exact for w in [0.5, 2], Sterbenz)."""
-    nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
-    q35 = is_qwen35(hf)
     out = {"embedding.word_embeddings.weight": sd["model.embed_tokens.weight"],
            "decoder.final_layernorm.weight": sd["model.norm.weight"],
            "output_layer.weight": sd["lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"]}
     for i in range(hf.num_hidden_layers):
-        h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
-        out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
-        if q35 and hf.layer_types[i] == "linear_attention":  # Gated DeltaNet
-            a, g = h + "linear_attn.", m + "self_attention."
-            out[g + "in_proj.weight"] = torch.cat([sd[a + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")])
-            out[g + "conv1d.weight"] = sd[a + "conv1d.weight"]  # (conv_dim, 1, K) over [q, k, v] channels
-            out[g + "dt_bias"], out[g + "A_log"] = sd[a + "dt_bias"], sd[a + "A_log"]
-            out[g + "out_norm.weight"] = sd[a + "norm.weight"] - 1
-            out[g + "out_proj.weight"] = sd[a + "out_proj.weight"]
-        else:
-            a = h + "self_attn."
-            q, gate = (_gated_q_split(sd[a + "q_proj.weight"], nh, d) if q35 else (sd[a + "q_proj.weight"], None))
-            out[m + "self_attention.linear_qkv.weight"] = _qkv_pack(q, sd[a + "k_proj.weight"], sd[a + "v_proj.weight"],
-                                                                  nh, ng, d, gate)
-            out[m + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
-            out[m + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
-            out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
-        out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
-        gate_up, down = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.down_proj"]  # (E, 2I, H), (E, H, I)
-        for e in range(E):
-            x = f"{m}mlp.experts.local_experts.{e}."
-            out[x + "linear_fc1.weight"] = gate_up[e]  # [gate; up], Megatron's GLU chunk order
-            out[x + "linear_fc2.weight"] = down[e]
-        if q35:  # shared expert: sigmoid(x . gate_weight) * SwiGLU(x), added to the routed output
-            s, x = h + "mlp.shared_expert", m + "mlp.shared_experts."
-            out[x + "linear_fc1.weight"] = torch.cat([sd[s + ".gate_proj.weight"], sd[s + ".up_proj.weight"]])
-            out[x + "linear_fc2.weight"] = sd[s + ".down_proj.weight"]
-            out[x + "gate_weight"] = sd[s + "_gate.weight"]  # (1, H)
+        out.update(_hf_layer_to_megatron(sd, hf, i))
     return {k: v.detach().clone() for k, v in out.items()}
+
+
+def _hf_layer_to_megatron(sd, hf, i, experts=None) -> dict:
+    """hf_to_megatron for decoder layer i alone (its HF tensors in `sd`; tensors not copied). `experts`: the global
+    ids of the routed experts whose rows the fused mlp.experts tensors hold, in order (None: all E)."""
+    nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
+    q35 = is_qwen35(hf)
+    out = {}
+    h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
+    out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
+    if q35 and hf.layer_types[i] == "linear_attention":  # Gated DeltaNet
+        a, g = h + "linear_attn.", m + "self_attention."
+        out[g + "in_proj.weight"] = torch.cat([sd[a + f"in_proj_{x}.weight"] for x in ("qkv", "z", "b", "a")])
+        out[g + "conv1d.weight"] = sd[a + "conv1d.weight"]  # (conv_dim, 1, K) over [q, k, v] channels
+        out[g + "dt_bias"], out[g + "A_log"] = sd[a + "dt_bias"], sd[a + "A_log"]
+        out[g + "out_norm.weight"] = sd[a + "norm.weight"] - 1
+        out[g + "out_proj.weight"] = sd[a + "out_proj.weight"]
+    else:
+        a = h + "self_attn."
+        q, gate = (_gated_q_split(sd[a + "q_proj.weight"], nh, d) if q35 else (sd[a + "q_proj.weight"], None))
+        out[m + "self_attention.linear_qkv.weight"] = _qkv_pack(q, sd[a + "k_proj.weight"], sd[a + "v_proj.weight"],
+                                                              nh, ng, d, gate)
+        out[m + "self_attention.q_layernorm.weight"] = sd[a + "q_norm.weight"]
+        out[m + "self_attention.k_layernorm.weight"] = sd[a + "k_norm.weight"]
+        out[m + "self_attention.linear_proj.weight"] = sd[a + "o_proj.weight"]
+    out[m + "pre_mlp_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
+    out[m + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
+    gate_up, down = sd[h + "mlp.experts.gate_up_proj"], sd[h + "mlp.experts.down_proj"]  # (E, 2I, H), (E, H, I)
+    for j, e in enumerate(range(E) if experts is None else experts):
+        x = f"{m}mlp.experts.local_experts.{e}."
+        out[x + "linear_fc1.weight"] = gate_up[j]  # [gate; up], Megatron's GLU chunk order
+        out[x + "linear_fc2.weight"] = down[j]
+    if q35:  # shared expert: sigmoid(x . gate_weight) * SwiGLU(x), added to the routed output
+        s, x = h + "mlp.shared_expert", m + "mlp.shared_experts."
+        out[x + "linear_fc1.weight"] = torch.cat([sd[s + ".gate_proj.weight"], sd[s + ".up_proj.weight"]])
+        out[x + "linear_fc2.weight"] = sd[s + ".down_proj.weight"]
+        out[x + "gate_weight"] = sd[s + "_gate.weight"]  # (1, H)
+    return out
 
 
 def megatron_to_hf(sd, hf) -> dict:
@@ -769,6 +781,132 @@ def load_hf_into_megatron(gpt, hf_state_dict, hf):
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise ValueError(f"hf_to_megatron: missing {missing[:5]}, unexpected {list(unexpected)[:5]}")
+    return gpt
+
+
+class _CheckpointReader:
+    """An HF checkpoint directory's safetensors (`model.safetensors`, or the shards `model.safetensors.index.json`
+    lists) as the state dict _hf_layer_to_megatron reads: sd[key] under the in-memory names (experts fused
+    (E, 2I, H) / (E, H, I), read from fused tensors or from each expert's gate / up / down_proj as save_pretrained
+    writes them; the `model.language_model.` prefix of Qwen3.5's multimodal checkpoints accepted), as float32 (what
+    model.load_actor gives), fetched on access with safe_open + get_slice and only this rank's part: the routed
+    experts `experts` (this EP rank's contiguous range) and, for the tensors shard_for_tp cuts whole (CUT_ON_READ,
+    the 1:1 copies of hf_to_megatron; experts' down_proj by expert TP), this TP rank's block. read_bytes counts
+    what was fetched (numel * element size of every tensor or slice, in the file's dtype)."""
+    CUT_ON_READ = {"model.embed_tokens.weight": 0, "lm_head.weight": 0, "self_attn.o_proj.weight": 1,
+                   "linear_attn.out_proj.weight": 1, "linear_attn.A_log": 0, "linear_attn.dt_bias": 0,
+                   "mlp.shared_expert.down_proj.weight": 1}  # HF key suffix: dim of its TP cut
+
+    def __init__(self, path, files, experts, tp_rank, tp_size, etp_rank, etp_size):
+        import json
+        from safetensors import safe_open
+        path = str(path)
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            with open(index) as f:
+                where = json.load(f)["weight_map"]  # key -> file name
+        elif os.path.isfile(os.path.join(path, "model.safetensors")):
+            with safe_open(os.path.join(path, "model.safetensors"), framework="pt") as f:
+                where = dict.fromkeys(f.keys(), "model.safetensors")
+        else:
+            raise FileNotFoundError(f"path: no model.safetensors or model.safetensors.index.json in {path!r}")
+        self.where, self.experts, self.read_bytes = where, experts, 0
+        self.tp, self.etp = (tp_rank, tp_size), (etp_rank, etp_size)
+        names = sorted(set(where.values()))  # files: an ExitStack that closes them
+        self.files = {n: files.enter_context(safe_open(os.path.join(path, n), framework="pt")) for n in names}
+        self.file_bytes = sum(os.path.getsize(os.path.join(path, n)) for n in names)
+
+    def _name(self, key):
+        if key not in self.where and key.startswith("model."):
+            return "model.language_model." + key[len("model."):]
+        return key
+
+    def __contains__(self, key):
+        return self._name(key) in self.where
+
+    def _read(self, key, cuts=(), experts=False):
+        """cuts: ((dim, (rank, size)), ..): that rank's torch.chunk block along each dim; experts: rows self.experts."""
+        name = self._name(key)
+        if name not in self.where:
+            raise KeyError(f"checkpoint: no tensor {key!r}")
+        w = self.files[self.where[name]].get_slice(name)
+        shape = w.get_shape()
+        index = [slice(None)] * len(shape)
+        if experts:
+            index[0] = slice(self.experts.start, self.experts.stop)
+        for dim, (rank, size) in cuts:
+            per = -(-shape[dim] // size)  # torch.chunk's block size
+            index[dim] = slice(min(rank * per, shape[dim]), min((rank + 1) * per, shape[dim]))
+        w = w[tuple(index)]
+        self.read_bytes += w.numel() * w.element_size()
+        return w.to(torch.float32)
+
+    def __getitem__(self, key):
+        if key.endswith("mlp.experts.gate_up_proj"):  # (E_local, 2I, H); fc1 is cut per part ([gate; up]): whole
+            if key in self:
+                return self._read(key, experts=True)
+            h = key[:-len("gate_up_proj")]
+            return torch.stack([torch.cat([self._read(f"{h}{e}.gate_proj.weight"), self._read(f"{h}{e}.up_proj.weight")])
+                                for e in self.experts])
+        if key.endswith("mlp.experts.down_proj"):  # (E_local, H, I / etp): row-parallel, this expert-TP rank's columns
+            if key in self:
+                return self._read(key, ((2, self.etp),), experts=True)
+            h = key[:-len("down_proj")]
+            return torch.stack([self._read(f"{h}{e}.down_proj.weight", ((1, self.etp),)) for e in self.experts])
+        dim = next((d for s, d in self.CUT_ON_READ.items() if key.endswith(s)), None)
+        return self._read(key, () if dim is None else ((dim, self.tp),))
+
+
+def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
+    """load_hf_into_megatron from the HF checkpoint directory `path` without the whole model in memory: layer by
+    layer, this rank reads only its part of the safetensors (_CheckpointReader): its pipeline stage's layers (the
+    embedding on the first stage, the final norm and output layer on the last), its EP rank's experts, and its TP /
+    expert-TP block of the tensors shard_for_tp cuts whole (vocab rows of embedding and output layer, A_log /
+    dt_bias, the row-parallel columns of o_proj / out_proj / down_proj); tensors cut per part (linear_qkv's query
+    groups, GDN in_proj / conv1d, fc1 [gate; up]) are read whole for one layer and cut by shard_for_tp. The
+    conversion is hf_to_megatron's per layer (_hf_layer_to_megatron), then shard_for_ep / shard_for_tp /
+    shard_for_pp, each layer loaded into `gpt` as it is read; the result is bit-identical to load_hf_into_megatron
+    of model.load_actor(path)'s state dict (tests/test_mcore_load.py), with the same strict check. stats (a dict,
+    optional) gets read_bytes (fetched from the files) and file_bytes (the files' size)."""
+    c = gpt.config
+    tp, ep, etp = c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size
+    tp_rank = ep_rank = etp_rank = 0
+    if max(tp, ep, etp) > 1:
+        from megatron.core import parallel_state as ps
+        tp_rank, ep_rank = ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank()
+        etp_rank = ps.get_expert_tensor_parallel_rank()
+    per = hf.num_experts // ep
+    experts = range(ep_rank * per, (ep_rank + 1) * per)  # shard_for_ep's contiguous block
+    first, last = _stage_layers(c)
+    _, cols, rows = _tp_cuts(hf)
+    cut_on_read = tuple(k for k in cols + rows if k != "linear_qkv.weight")  # Megatron names of CUT_ON_READ's
+    expected = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
+    loaded, unexpected = set(), []
+
+    def load(part):  # part of hf_to_megatron's dict (global layer numbers, this rank's experts) -> this rank's, into gpt
+        part = shard_for_ep(part, hf.num_experts, ep_rank, ep)
+        done = {k: w for k, w in part.items() if k.endswith(cut_on_read)}  # cut at read
+        part = {**shard_for_tp({k: w for k, w in part.items() if k not in done}, hf, tp_rank, tp, etp_rank, etp), **done}
+        part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)
+        unexpected.extend(gpt.load_state_dict(part, strict=False).unexpected_keys)
+        loaded.update(part)
+
+    with contextlib.ExitStack() as files:
+        sd = _CheckpointReader(path, files, experts, tp_rank, tp, etp_rank, etp)
+        ends = {}
+        if gpt.pre_process:
+            ends["embedding.word_embeddings.weight"] = sd["model.embed_tokens.weight"]
+        if gpt.post_process:
+            ends["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
+            ends["output_layer.weight"] = sd["lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"]
+        load(ends)
+        for i in range(first, last):
+            load(_hf_layer_to_megatron(sd, hf, i, experts))
+    missing = sorted(expected - loaded)
+    if missing or unexpected:
+        raise ValueError(f"load_checkpoint_into_megatron: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if stats is not None:
+        stats.update(read_bytes=sd.read_bytes, file_bytes=sd.file_bytes)
     return gpt
 
 
@@ -1046,13 +1184,15 @@ def critic_megatron_to_hf(sd, hf) -> dict:
 
 
 # --- the embedded Megatron backend: world size 1 on this machine (train_t1.py --backend megatron) ---------
-def embedded_models(hf_actor):
+def embedded_models(hf_actor, path=None):
     """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE or Qwen3.5-MoE actor: two MegatronActors
     with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic
     from the actor's backbone. Local modules (CPU or GPU), in the layout parallel_state holds (the trainer rank
-    initialises it per --plan; one process otherwise): this rank's TP / EP shards, sequence parallel with TP
-    (Megatron's MoE refuses TP without it in training), calculate_per_token_loss for DDP (wrap_ddp)."""
-    cfg = hf_actor.config
+    initialises it per --plan; one process otherwise): this rank's TP / EP / PP shards, sequence parallel with TP
+    (Megatron's MoE refuses TP without it in training), calculate_per_token_loss for DDP (wrap_ddp).
+    `hf_actor`: the HF model (its state dict converted), or with `path` (its HF checkpoint directory) only its config:
+    then each rank reads just its shards from the files (load_checkpoint_into_megatron)."""
+    cfg = hf_actor if path is not None else hf_actor.config
     if getattr(cfg, "model_type", "") not in ("qwen3_moe", "qwen3_5_moe_text"):
         raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE and Qwen3.5-MoE text "
                          f"layouts, got {getattr(cfg, 'model_type', type(hf_actor).__name__)!r}")
@@ -1063,8 +1203,11 @@ def embedded_models(hf_actor):
                   expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), sequence_parallel=tp > 1,
                   pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
                   pipeline_dtype=torch.float32, calculate_per_token_loss=True)
-    sd = hf_actor.state_dict()
-    actor, behaviour = (MegatronActor(load_hf_into_megatron(build_tiny(cfg, **layout), sd, cfg)) for _ in range(2))
+    def load(gpt):
+        if path is not None:
+            return load_checkpoint_into_megatron(gpt, path, cfg)
+        return load_hf_into_megatron(gpt, hf_actor.state_dict(), cfg)
+    actor, behaviour = (MegatronActor(load(build_tiny(cfg, **layout))) for _ in range(2))
     return actor, behaviour, MegatronCritic.from_actor(actor)
 
 

@@ -165,6 +165,15 @@ def load_actor(path: str):
     return r3.install(model), AutoTokenizer.from_pretrained(path)
 
 
+def load_config(path: str):
+    """(config, tokenizer) of a save_checkpoint directory, without its weights (the Megatron backend reads each
+    rank's shards from the files: mcore.load_checkpoint_into_megatron)."""
+    from transformers import AutoConfig
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise FileNotFoundError(f"path: no config.json in {path!r}")
+    return AutoConfig.from_pretrained(path), AutoTokenizer.from_pretrained(path)
+
+
 def hub_state_dict(model) -> dict:
     """The weights under the checkpoint's (Hub) names, experts one by one, as save_pretrained writes them:
     what an SGLang server's load_weights expects from /update_weights_from_distributed."""

@@ -277,7 +277,7 @@ def check_args(args: Args) -> None:
         import mcore
         mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
         raise NotImplementedError("--model-path with --backend megatron: the trainer builds the embedded Megatron "
-                                  "models (local modules, the whole HF checkpoint loaded on every rank); the cluster "
+                                  "models (local modules, each rank reading its shards of the HF checkpoint); the cluster "
                                   "model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, Megatron's "
                                   "distributed optimizer) is not wired into Trainer yet")
     if args.backend == "megatron" and p["world"] > 1:
@@ -642,15 +642,17 @@ class Trainer:
         """Actor, behaviour copy, critic and their optimizers from the SFT (or latest) checkpoint; on resume the
         critic, optimizers and RNG of this rank's checkpoint file."""
         args, step = self.args, self.step0
-        hf_actor, self.tokenizer = M.load_actor(self.latest if step > 0 else self.sft_dir)
-        self.hf_config = hf_actor.config
+        src = self.latest if step > 0 else self.sft_dir
         if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
             import mcore
-            cfg = hf_actor.config
-            self.actor, self.behaviour, self.critic = mcore.embedded_models(hf_actor)  # this rank's shards
+            cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
+            self.hf_config = cfg
+            self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
             self.save_actor = lambda path: mcore.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
             self.hub_weights = lambda: M.hub_state_dict(mcore.to_hf(self.actor, cfg))
         else:
+            hf_actor, self.tokenizer = M.load_actor(src)
+            self.hf_config = hf_actor.config
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
