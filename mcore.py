@@ -1454,7 +1454,14 @@ class ShardedAdam:
                         norm_ranges.append((a - lo, b - lo))
                 self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=bucket.param_data[lo:hi],
                                         norm_ranges=norm_ranges, exp_avg=torch.zeros_like(bucket.grad_data[lo:hi]),
-                                        exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi])))
+                                        exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi]), n_expert=n_expert))
+
+    def state_numel(self) -> dict:
+        """Elements of each Adam moment this rank holds for routed-expert parameters and for the rest (bucket padding
+        counts as dense). Proposition 7.1 (infra.py): the expert part is P_expert / W on each of W ranks, whatever
+        the plan."""
+        expert = sum(s["n_expert"] for s in self.shards)
+        return {"expert": expert, "dense": sum(s["exp_avg"].numel() for s in self.shards) - expert}
 
     def zero_grad(self):
         self.ddp.zero_grad_buffer()
@@ -1511,3 +1518,6 @@ class ShardedAdam:
         for s, m, v in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"]):
             s["exp_avg"].copy_(m)
             s["exp_avg_sq"].copy_(v)
+        expert_ids = {id(p) for n, p in ddp.module.named_parameters() if ".local_experts." in n}
+                n_expert = 0  # elements of routed-expert parameters in this shard
+                    n_expert += max(b - a, 0) if id(p) in expert_ids else 0

@@ -737,6 +737,10 @@ class Trainer:
         self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
                                    for k, v in self.actor.state_dict().items()}
         for old in [v for v in self.published if v < version - 1]:
+    def optimizer_state_numel(self) -> dict:
+        """Adam elements per moment this rank holds for the actor ({"dense", "expert"}; sharded trainers only)."""
+        return self.actor_opt.state_numel()
+
             del self.published[old]
 
     def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:

@@ -127,6 +127,7 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
         stats2 = ray.get(group.train_step.remote(samples, 1))
         ray.get(group.train_step.remote(samples[:1], 2))
         reps = ray.get([r.state_dicts.remote() for r in group.ranks])  # gathered: a collective on both ranks
+        numel = ray.get([r.optimizer_state_numel.remote() for r in group.ranks])
         ray.get(group.close.remote())
     finally:
         ray.shutdown()
@@ -145,6 +146,10 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
         assert stats2[k] == pytest.approx(stats1[k], rel=1e-4, abs=1e-6), k
     for r1, r2 in zip(warm1, warm2):
         assert r2 == pytest.approx(r1, rel=1e-4, abs=1e-6, nan_ok=True)
+    p_expert = sum(v.numel() for k, v in ref["actor"].items() if ".local_experts." in k)
+    for n in numel:  # Proposition 7.1 on the real optimizer: expert Adam state P_expert / W on each of W = 2 ranks
+        print(f"{plan} Adam state per moment: experts {n['expert']} (P_expert / 2 = {p_expert // 2}), dense {n['dense']}")
+        assert n["expert"] == p_expert // 2
     latest = tmp_path / "two" / "ckpt" / "latest"
     assert (latest / "config.json").exists()  # rank 0 wrote the gathered HF actor
     assert {p.name for p in latest.glob("trainer_rank*.pt")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
