@@ -1439,6 +1439,7 @@ class ShardedAdam:
         from megatron.core.transformer.module import param_is_not_shared
         self.ddp, self.lr, self.betas, self.eps, self.step_count = ddp, lr, tuple(betas), eps, 0
         self.shards = []  # one per bucket: this rank's views of its grads / params and its Adam state
+        expert_ids = {id(p) for n, p in ddp.module.named_parameters() if ".local_experts." in n}
         for buf in ddp.buffers + ddp.expert_parallel_buffers:
             if buf.param_dtype != torch.float32 or buf.grad_dtype != torch.float32:
                 raise ValueError(f"ShardedAdam: fp32 params and grads only, got {buf.param_dtype} / {buf.grad_dtype}")
@@ -1447,11 +1448,13 @@ class ShardedAdam:
                 n = bucket.grad_data.numel() // dp  # DDP pads each bucket to a multiple of dp
                 lo, hi = r * n, (r + 1) * n  # this rank's shard, bucket-local
                 norm_ranges = []  # shard-local [a, b) of the parameters the grad norm counts
+                n_expert = 0  # elements of routed-expert parameters in this shard
                 for p in bucket.params_list:
                     start, end, _ = buf.param_index_map[p]  # buffer indices; the bucket starts at bucket.offset
                     a, b = max(start - bucket.offset, lo), min(end - bucket.offset, hi)
                     if a < b and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
                         norm_ranges.append((a - lo, b - lo))
+                    n_expert += max(b - a, 0) if id(p) in expert_ids else 0
                 self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=bucket.param_data[lo:hi],
                                         norm_ranges=norm_ranges, exp_avg=torch.zeros_like(bucket.grad_data[lo:hi]),
                                         exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi]), n_expert=n_expert))
@@ -1518,6 +1521,3 @@ class ShardedAdam:
         for s, m, v in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"]):
             s["exp_avg"].copy_(m)
             s["exp_avg_sq"].copy_(v)
-        expert_ids = {id(p) for n, p in ddp.module.named_parameters() if ".local_experts." in n}
-                n_expert = 0  # elements of routed-expert parameters in this shard
-                    n_expert += max(b - a, 0) if id(p) in expert_ids else 0

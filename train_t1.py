@@ -733,14 +733,14 @@ class Trainer:
                     for part, m in (("actor", self.actor), ("critic", self.critic))}
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
 
-    def mark_published(self, version: int) -> None:
-        self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                   for k, v in self.actor.state_dict().items()}
-        for old in [v for v in self.published if v < version - 1]:
     def optimizer_state_numel(self) -> dict:
         """Adam elements per moment this rank holds for the actor ({"dense", "expert"}; sharded trainers only)."""
         return self.actor_opt.state_numel()
 
+    def mark_published(self, version: int) -> None:
+        self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
+                                   for k, v in self.actor.state_dict().items()}
+        for old in [v for v in self.published if v < version - 1]:
             del self.published[old]
 
     def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
