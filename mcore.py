@@ -34,14 +34,16 @@ fusion off, distributed optimizer). This module holds:
   head), so `critic.compute_values` / `critic.critic_update` take it unchanged.
 - `context_parallel_gdn`: Megatron's own GatedDeltaNet layer with its sequence split over a context-parallel
   group (paper: native CP for the recurrent operator), which megatron-core 0.16.1 refuses: a conv1d halo
-  exchange plus infra.py's CP chunked gated delta rule (state passing, infra.py section 2).
+  exchange plus infra.py's CP chunked gated delta rule (state passing, infra.py section 2). `_gpt_forward` runs the
+  whole model that way when parallel_state has CP > 1 (contiguous chunks, K / V all-gathered for gated attention,
+  departure 6), so `MegatronActor` / `MegatronCritic` train under --plan '{"cp": 2}'.
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
     python -m pytest tests/test_mcore_tp.py -q     # CPU: tiny Qwen3.5 at TP = 2 (+ SP), EP = 2, gloo; back to HF
     python -m pytest tests/test_mcore_load.py -s   # CPU: per-rank streaming load from safetensors vs the whole dict
-    python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 record + replay at TP, EP = 2
+    python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 at TP, EP, PP, CP = 2
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
 
 Departures from the paper:
@@ -86,14 +88,31 @@ Departures from the paper:
    parameters (train_t1.py): DDP and the distributed optimizer shard nothing at one rank. Over ranks it builds
    this rank's TP / EP shards in the layout parallel_state holds, wrapped in Megatron's DDP (`wrap_ddp`) with
    `ShardedAdam` (below: the distributed optimizer's sharding, ours because Megatron's needs CUDA).
-6. Context parallel covers the GDN layers only (`context_parallel_gdn`), patched around megatron-core's unchanged
-   GatedDeltaNet.forward (hooks on its conv1d, its module-level kernel name swapped inside the block), with
-   TransformerConfig.context_parallel_size left at 1 because 0.16.1 asserts it for GDN; the CP group is
-   parallel_state's (Megatron's layer.pg_collection.cp). The recurrence is infra.py's torch kernel, also on GPU
-   (FLA's chunk_gated_delta_rule is not state-passed here). Not wired into build_tiny / MegatronActor / the
-   trainer: gated attention under CP (Megatron's TE attention with cp_comm_type) and the position ids of a
-   slice are the cluster's, untested on CPU (the local DotProductAttention refuses CP). Tested at TP = 1,
-   B = 2, one layer.
+6. Context parallel without Megatron's CP attention: TransformerConfig.context_parallel_size stays 1 (0.16.1 asserts
+   it for GDN; its local DotProductAttention asserts it too) while parallel_state holds cp > 1 (DDP reduces grads
+   over its DP x CP group, the expert-DP group spans the CP ranks). `_gpt_forward` gives CP rank r the contiguous
+   chunk [r S, (r + 1) S) of the right-padded sequence (Tp a multiple of cp * tp under sequence parallel, and with
+   GDN of cp * 64, the kernel's chunk: the same chunking as one rank), not Megatron's load-balanced zig-zag (chunks r
+   and 2cp - 1 - r), because the GDN state passing runs rank 0 -> cp - 1 in sequence order: causal attention work
+   is therefore unbalanced over the CP ranks (the last does most). Per call: the rotary table of the chunk's global
+   positions (`_cp_rope`: RotaryEmbedding.get_emb with offset r S, instead of its forward, which ignores position
+   ids and cuts the zig-zag share), GDN layers state-passed (`context_parallel_gdn`: hooks on the unchanged
+   GatedDeltaNet.forward's conv1d, its module-level kernel swapped inside the block; the recurrence is infra.py's
+   torch kernel, also on GPU, FLA's is not state-passed here), gated attention through `_cp_dot_product_attention`
+   (Megatron's DotProductAttention of the local queries against K / V all-gathered over CP, the mask's rows of this
+   chunk against all Tp keys; backward sums K / V grads to their owners) where Megatron's TE attention runs ring
+   attention (overlapped K / V exchange, O(S) memory per rank instead of the all-gather's O(Tp)). Outputs are
+   gathered over CP (`_CPGather`, backward: this rank's slice only, as `_PipeBroadcast`): token_logprobs (targets
+   shifted globally), logits, critic values and the R3 recording (rows of contiguous chunks), replay sliced with
+   `r3.slice_for_megatron(cp_contiguous=True)`; MoE routing and experts are token-local. Not written: CP with PP.
+   Measured (tests/test_mcore_parallel.py -s, tiny Qwen3.5, B = 2, T = 11 -> Tp = 128, gloo): at CP = 2 and at
+   TP = 2 (+ SP) x CP = 2 logprobs, gathered logits and the replay of a shifted routing within 4.8e-7 of one rank,
+   recordings equal, critic values within 1.4e-6 / 2.6e-6 (|V| up to 10.3); at CP = 2 parameter grads summed over
+   the CP ranks within 5.3e-7 of max |grad| 7.6; Qwen3-MoE layout (no GDN, T = 12, chunks of 6) logprobs 4.8e-7,
+   grads 1.8e-7 of 4.3, while rotary positions from 0 on every chunk put logprobs off by 1.5e-2. The trainer
+   (tests/test_trainer_group.py, --plan '{"cp": 2}', warm-up + 2 steps, lr 1e-4) within 1.7e-6 (actor) / 1.2e-7
+   (critic) of the one-rank trainer; with GDN chunk = S instead of 64 the actor was 2.6e-5 off (layer 0's A_log:
+   grads ~1e-5 off by 1.5e-8, which Adam normalises).
 7. On CPU (gloo) the distributed optimizer is ours: `ShardedAdam` over `wrap_ddp`'s Megatron DDP, the same ZeRO-1
    sharding as Megatron's DistributedOptimizer (each data-parallel / expert-data-parallel rank owns 1/dp of every
    DDP bucket; finalize_model_grads reduce-scatters the grads, start_param_sync all-gathers the params; grad norm
@@ -278,11 +297,12 @@ def megatron_config(hf, **overrides):
     return TransformerConfig(**kw)
 
 
-def _qwen35_local_spec(cfg):
+def _qwen35_local_spec(cfg, cp_attention=False):
     """The block spec get_transformer_block_with_experimental_attention_variant_spec builds, with Megatron's
     local modules in place of Transformer Engine's (which that function asserts): per layer GatedDeltaNet
     (in_proj, out_norm, out_proj) or gated SelfAttention, MoE with a shared expert, zero-centred RMSNorms.
-    Unfused: the norm TE folds into in_proj / linear_qkv (layer_norm_weight) sits in input_layernorm."""
+    Unfused: the norm TE folds into in_proj / linear_qkv (layer_norm_weight) sits in input_layernorm.
+    cp_attention: core attention = _cp_dot_product_attention() (context parallel > 1 in parallel_state)."""
     import copy
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
@@ -302,6 +322,8 @@ def _qwen35_local_spec(cfg):
             sub.self_attention = gdn
         else:
             sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = _RMSNorm
+            if cp_attention:
+                sub.self_attention.submodules.core_attention = _cp_dot_product_attention()
         layers.append(spec)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_RMSNorm)
 
@@ -316,12 +338,15 @@ def build_tiny(hf, seed=0, **overrides):
     torch.manual_seed(seed)
     cfg = megatron_config(hf, **overrides)
     first, last = _stage_layers(cfg)
+    cp_attention = _cp()[1] > 1  # context parallel: config keeps CP = 1 (GDN asserts it), parallel_state has it
     if is_qwen35(hf):
-        spec = _qwen35_local_spec(cfg)
+        spec = _qwen35_local_spec(cfg, cp_attention)
         spec.layer_specs = spec.layer_specs[first:last]  # this pipeline stage's layers (the block builds all it gets)
     else:
         spec = get_gpt_layer_local_spec(num_experts=hf.num_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                         normalization="RMSNorm")
+        if cp_attention:
+            spec.submodules.self_attention.submodules.core_attention = _cp_dot_product_attention()
     rotary_percent = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 1.0)  # Qwen3.5: 0.25
     pp = cfg.pipeline_model_parallel_size > 1
     with cpu_shims():  # GatedDeltaNet allocates on torch.cuda.current_device()
@@ -917,21 +942,60 @@ def _seq_multiple(gpt) -> int:
     return c.tensor_model_parallel_size if c.sequence_parallel else 1
 
 
+def _cp():
+    """(rank, size, group) of parallel_state's context-parallel group; (0, 1, None) without CP. The models'
+    TransformerConfig keeps context_parallel_size = 1 (0.16.1 asserts it for GDN): parallel_state holds the CP."""
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return 0, 1, None
+    return ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
+
+
+_GDN_CHUNK = 64  # the gated delta rule's chunk (torch_chunk_gated_delta_rule's default)
+
+
+def _padded_len(gpt, T) -> int:
+    """T right-padded for the sequence split: a multiple of cp * tp (sequence parallel); under CP with GDN layers
+    every CP chunk is a multiple of the kernel's chunk (_GDN_CHUNK): infra.cp_chunk_gated_delta_rule needs the
+    chunks but the last to end on one, and the same chunking as one rank keeps the decay parameters' grads (A_log,
+    dt_bias: sums of cancelling terms, |grad| ~1e-5 here) at one rank's: 3.7e-10 vs 1.5e-8 with chunk = S."""
+    import math
+    cp = _cp()[1]
+    m = cp * _seq_multiple(gpt)
+    if cp > 1 and gpt.config.experimental_attention_variant == "gated_delta_net":
+        m = cp * math.lcm(_GDN_CHUNK, _seq_multiple(gpt))
+    return T + (-T % m)
+
+
 def _gpt_forward(gpt, input_ids, attention_mask=None):
     """GPTModel on (B, T) ids with a 1/0 right-padding mask -> its output layer's (B, T, *) output (vocab-parallel
     logits: this TP rank's V / tp columns). Under sequence parallel T is right-padded to a multiple of tp (mask 0,
-    so real tokens are unchanged) and the output cut back to T."""
+    so real tokens are unchanged) and the output cut back to T. Under context parallel (mcore.py departure 6)
+    T is padded to Tp (_padded_len) and this CP rank runs the contiguous chunk [r * S, (r + 1) * S), S = Tp / cp:
+    its ids, its rows of the causal x key-padding mask against all Tp keys (_cp_dot_product_attention gathers K / V),
+    rotary embeddings of its global positions (_cp_rope), GDN layers state-passed (context_parallel_gdn); the
+    result is this chunk's (B, S, *) output (callers gather it over CP: _cp_full)."""
     B, T = input_ids.shape
     dev = input_ids.device
     key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
-    pad = -T % _seq_multiple(gpt)
-    if pad:
-        input_ids = torch.nn.functional.pad(input_ids, (0, pad))
-        key_ok = torch.nn.functional.pad(key_ok, (0, pad))
-    Tp = T + pad
+    Tp = _padded_len(gpt, T)
+    if Tp > T:
+        input_ids = torch.nn.functional.pad(input_ids, (0, Tp - T))
+        key_ok = torch.nn.functional.pad(key_ok, (0, Tp - T))
     allowed = torch.tril(torch.ones(Tp, Tp, dtype=torch.bool, device=dev))[None] & key_ok[:, None, :]  # (B, Tp, Tp)
     mask = ~allowed[:, None]  # (B, 1, Tp, Tp): Megatron masks where True
     pos = torch.arange(Tp, device=dev)[None].expand(B, Tp)  # (B, Tp)
+    r, cp, group = _cp()
+    if cp > 1:
+        if gpt.config.pipeline_model_parallel_size > 1:
+            raise NotImplementedError("context parallel with pipeline parallel: not written (train_t1 refuses it)")
+        S = Tp // cp
+        lo = r * S  # this rank's chunk [lo, lo + S) of the padded sequence
+        input_ids, mask, pos = input_ids[:, lo:lo + S], mask[:, :, lo:lo + S], pos[:, lo:lo + S]  # mask (B, 1, S, Tp)
+        gdn = any(type(m).__name__ == "GatedDeltaNet" for m in gpt.modules())
+        with cpu_shims(), _cp_rope(gpt, lo), (context_parallel_gdn(gpt, group, chunk_size=_GDN_CHUNK) if gdn
+                                             else contextlib.nullcontext()):
+            return gpt(input_ids.to(torch.long), pos, attention_mask=mask)  # (B, S, *)
     with cpu_shims():
         if gpt.config.pipeline_model_parallel_size == 1:
             return gpt(input_ids.to(torch.long), pos, attention_mask=mask)[:, :T]
@@ -944,6 +1008,81 @@ def _gpt_forward(gpt, input_ids, attention_mask=None):
             gpt.pipe_link = _PipeSend.apply(out)
             return None
         return out[:, :T]
+
+
+# --- context parallel: contiguous sequence chunks over parallel_state's CP group (mcore.py departure 6) -------
+@contextlib.contextmanager
+def _cp_rope(gpt, offset):
+    """GPTModel builds its rotary table for positions 0..S-1 of the length it sees (position_ids only feed
+    learned / multimodal embeddings) and RotaryEmbedding.forward cuts Megatron's zig-zag share for
+    parallel_state's CP group; here the chunk starts at global position `offset`: the table of positions
+    offset..offset+S-1 (RotaryEmbedding.get_emb's own offset), for this call only."""
+    rope = gpt.rotary_pos_emb
+    rope.forward = lambda max_seq_len, *unused, **unused_kw: rope.get_emb(max_seq_len, offset)  # [S, 1, 1, dim]
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's forward
+
+
+class _CPGather(torch.autograd.Function):
+    """x, this CP rank's contiguous part along `dim` -> every rank's parts concatenated in rank order. Backward,
+    sum_grads=True (K / V, read by every rank's queries): the grads of all ranks' copies summed (all-reduce), this
+    rank's part; sum_grads=False (a result every CP rank turns into the same loss): this rank's part of its own
+    grad only (summing the others' would multiply the grad by cp, as for _PipeBroadcast)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, sum_grads):
+        import torch.distributed as dist
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.dim, ctx.group, ctx.sum_grads, ctx.n = dim, group, sum_grads, x.shape[dim]
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        if ctx.sum_grads:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad.narrow(ctx.dim, r * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+def _cp_full(x, T):
+    """(B, S, *) of this CP rank's chunk -> (B, T, *) on every CP rank (_CPGather, grad counted once); x as is
+    without CP (_gpt_forward already cut it to T)."""
+    _, cp, group = _cp()
+    return x if cp == 1 else _CPGather.apply(x, 1, group, False)[:, :T]
+
+
+_CP_ATTENTION = []  # the class, built once on first use (megatron is imported lazily)
+
+
+def _cp_dot_product_attention():
+    """The CP core attention class (a DotProductAttention subclass; defined here so mcore imports without megatron)."""
+    if _CP_ATTENTION:
+        return _CP_ATTENTION[0]
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CPDotProductAttention(DotProductAttention):
+        """Megatron's local DotProductAttention (its scale 1/sqrt(d), fp32 softmax of the masked scores, GQA by
+        repeat_interleave) of this CP rank's queries [S, B, np, d] against the keys / values of all CP ranks,
+        all-gathered along the sequence (contiguous chunks in rank order: [Tp, B, ng, d]); the mask _gpt_forward
+        passes is this chunk's rows (B, 1, S, Tp), causal by global position and over padded keys. The gather's
+        backward sums K / V grads over the ranks and returns each its own. Used only with parallel_state's CP > 1
+        (the config keeps CP = 1, which the parent asserts); Megatron's TE attention runs ring attention instead."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            _, cp, group = _cp()
+            if cp > 1:
+                key, value = _CPGather.apply(key, 0, group, True), _CPGather.apply(value, 0, group, True)
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    _CP_ATTENTION.append(CPDotProductAttention)
+    return CPDotProductAttention
 
 
 # --- pipeline parallel: one forward through the stages as one autograd graph over the PP group -------------
@@ -1023,7 +1162,8 @@ class MegatronActor(torch.nn.Module):
     token straight from the vocab-parallel logits (Megatron's vocab-parallel cross entropy), never the (B, T, V)
     gather. `r3.routing(actor, mode, experts)` works as for the HF actor: it calls `self.routing`, which slices
     (B, T, L, k) experts for this rank (`r3.slice_for_megatron`, layout from parallel_state unless given) and
-    drives RouterReplay; a recording is gathered back to (B, T, L, k) over the sequence-parallel ranks.
+    drives RouterReplay; a recording is gathered back to (B, T, L, k) over the sequence-parallel ranks (and the
+    context-parallel ranks: contiguous chunks). Under CP every rank returns the whole (B, T-1) / (B, T, V).
     """
 
     r3_backend = "megatron"
@@ -1032,10 +1172,13 @@ class MegatronActor(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
         c = gpt.config
-        if layout is None and (c.tensor_model_parallel_size > 1 or c.pipeline_model_parallel_size > 1):
+        cp_rank, cp, _ = _cp()
+        if layout is None and (c.tensor_model_parallel_size > 1 or c.pipeline_model_parallel_size > 1 or cp > 1):
             from megatron.core import parallel_state as ps
             layout = dict(tp_rank=ps.get_tensor_model_parallel_rank(), tp_size=c.tensor_model_parallel_size,
                           sp=c.sequence_parallel)
+            if cp > 1:  # _gpt_forward's contiguous chunks, not Megatron's zig-zag
+                layout.update(cp_rank=cp_rank, cp_size=cp, cp_contiguous=True)
             if c.pipeline_model_parallel_size > 1:  # this stage's layers (every layer is MoE in both layouts)
                 layout.update(layers=_stage_layers(c), moe_layers=[1] * c.num_layers)
         self.layout = dict(layout or {})  # kwargs of r3.slice_for_megatron (tp/cp ranks, layers, moe_layers)
@@ -1047,7 +1190,8 @@ class MegatronActor(torch.nn.Module):
         if logits is not None and self.gpt.config.tensor_model_parallel_size > 1:
             from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
             with cpu_shims():
-                logits = gather_from_tensor_model_parallel_region(logits)  # (B, T, V)
+                logits = gather_from_tensor_model_parallel_region(logits)  # (B, T, V); CP: (B, S, V)
+        logits = None if logits is None else _cp_full(logits.float(), input_ids.shape[1])  # (B, T, V)
         logits = _pipe_result(self.gpt, None if logits is None else logits.float(), (*input_ids.shape, self.gpt.vocab_size))
         return types.SimpleNamespace(logits=logits.float())
 
@@ -1058,7 +1202,14 @@ class MegatronActor(torch.nn.Module):
         self.batch_shape = tuple(input_ids.shape)
         B, T = input_ids.shape
         logits, lp = _gpt_forward(self.gpt, input_ids, attention_mask), None  # (B, T, V / tp) on the last stage
-        if logits is not None:
+        r, cp, _ = _cp()
+        if logits is not None and cp > 1:  # this chunk's (B, S, V / tp): targets are the ids shifted globally
+            S = logits.shape[1]
+            targets = torch.nn.functional.pad(input_ids, (0, cp * S + 1 - T))[:, r * S + 1:(r + 1) * S + 1]  # (B, S)
+            with cpu_shims():
+                lp = -vocab_parallel_cross_entropy(logits.float() / temperature, targets.long())  # (B, S)
+            lp = _cp_full(lp, T - 1)  # (B, T-1) on every CP rank
+        elif logits is not None:
             with cpu_shims():  # CE works in place on its input: the division made a fresh tensor
                 lp = -vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, input_ids[:, 1:].long())
         return _pipe_result(self.gpt, lp, (B, T - 1))  # (B, T-1) on every pipeline stage
@@ -1070,12 +1221,12 @@ class MegatronActor(torch.nn.Module):
         if mode == "replay" and experts is not None:
             n_moe = sum(self.layout.get("moe_layers") or [1] * len(rs))
             experts = r3._check_replay_experts(experts, n_moe, rs[0].topk, rs[0].config.num_moe_experts)
-            pad = -experts.shape[1] % _seq_multiple(self.gpt)  # _gpt_forward's padding; -1 rows route live
+            pad = _padded_len(self.gpt, experts.shape[1]) - experts.shape[1]  # _gpt_forward's; -1 rows route live
             experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, pad), value=-1) if pad else experts
             layer_experts = r3.slice_for_megatron(experts, **self.layout)
         with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
             ctx.batch_shape = self._routed_shape
-            if _seq_multiple(self.gpt) > 1 or self.gpt.config.pipeline_model_parallel_size > 1:
+            if _seq_multiple(self.gpt) > 1 or self.gpt.config.pipeline_model_parallel_size > 1 or _cp()[1] > 1:
                 ctx.gather = self._gather_recording
             yield ctx
 
@@ -1084,16 +1235,22 @@ class MegatronActor(torch.nn.Module):
         if self.batch_shape is None:
             return None
         B, T = self.batch_shape
-        return B, T + (-T % _seq_multiple(self.gpt)), T
+        return B, _padded_len(self.gpt, T), T
 
     def _gather_recording(self, ex):
-        """(N / tp, L_stage, k) rows of this TP rank's sequence slice and this stage's layers -> (N, L, k): the TP
-        ranks' slices in order (sequence parallel), then the pipeline stages' layers in order."""
+        """(N / (tp cp), L_stage, k) rows of this TP rank's sequence slice of this CP rank's chunk and this stage's
+        layers -> (N, L, k): the TP ranks' slices in order (sequence parallel), the CP ranks' chunks in order (rows
+        s * B + b of contiguous chunks: concatenation), then the pipeline stages' layers in order."""
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         if _seq_multiple(self.gpt) > 1:
             parts = [torch.empty_like(ex) for _ in range(ps.get_tensor_model_parallel_world_size())]
             dist.all_gather(parts, ex.contiguous(), group=ps.get_tensor_model_parallel_group())
+            ex = torch.cat(parts)
+        _, cp, group = _cp()
+        if cp > 1:
+            parts = [torch.empty_like(ex) for _ in range(cp)]
+            dist.all_gather(parts, ex.contiguous(), group=group)
             ex = torch.cat(parts)
         if self.gpt.config.pipeline_model_parallel_size > 1:  # stages may hold different layer counts
             parts = [None] * self.gpt.config.pipeline_model_parallel_size
@@ -1162,7 +1319,8 @@ class MegatronCritic(torch.nn.Module):
         return cls(gpt)
 
     def forward(self, input_ids, attention_mask=None):
-        v = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, 1) on the last pipeline stage
+        v = _gpt_forward(self.gpt, input_ids, attention_mask)  # (B, T, 1) on the last pipeline stage; CP: (B, S, 1)
+        v = None if v is None else _cp_full(v, input_ids.shape[1])  # (B, T, 1) on every CP rank
         v = _pipe_result(self.gpt, None if v is None else v.squeeze(-1).float(), tuple(input_ids.shape))  # (B, T):
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # V of prefix ending at t; shift: V(s_j)
 

@@ -314,13 +314,14 @@ def mismatch(model, input_ids, attention_mask, experts, loss_mask) -> float:
 
 # --- Megatron-Core backend: drive the native RouterReplay ------------------------------------------
 def slice_for_megatron(experts, tp_rank=0, tp_size=1, sp=False, cp_rank=0, cp_size=1, layers=None,
-                       moe_layers=None) -> list:
+                       moe_layers=None, cp_contiguous=False) -> list:
     """experts (B, T, L_moe, k) -> one (N_local, k) int64 tensor per MoE layer of this rank, rows in the
     order tokens reach that rank's router.
 
     Megatron-Core's tokens are sequence-major ([s, b] flattened: row = s * B + b). Context parallel
     gives rank r the sequence chunks r and 2*cp - 1 - r of 2*cp equal chunks (load-balanced causal
-    split); sequence parallel (tp > 1) then gives TP rank t the t-th contiguous 1/tp of that local
+    split; cp_contiguous=True: the r-th of cp contiguous chunks, mcore._gpt_forward's split for the GDN
+    state passing); sequence parallel (tp > 1) then gives TP rank t the t-th contiguous 1/tp of that local
     sequence; without sequence parallel every TP rank routes all local tokens. `layers` = (first,
     last + 1) global decoder-layer range of this pipeline stage (None: all); `moe_layers` = per global
     decoder layer 1 (MoE) / 0 (dense) (None: all MoE). Recorded column l counts MoE layers only.
@@ -335,7 +336,11 @@ def slice_for_megatron(experts, tp_rank=0, tp_size=1, sp=False, cp_rank=0, cp_si
     first, last = (0, len(moe_layers)) if layers is None else layers
     if not 0 <= first <= last <= len(moe_layers):
         raise ValueError(f"layers: expected a range inside [0, {len(moe_layers)}], got {layers}")
-    if cp_size > 1:  # Megatron's causal load balancing: chunks (r, 2cp-1-r) of 2cp
+    if cp_size > 1 and cp_contiguous:  # chunk r of cp
+        if T % cp_size:
+            raise ValueError(f"experts: T = {T} not divisible by cp_size = {cp_size}")
+        experts = experts.chunk(cp_size, dim=1)[cp_rank]  # (B, T/cp, L, k)
+    elif cp_size > 1:  # Megatron's causal load balancing: chunks (r, 2cp-1-r) of 2cp
         if T % (2 * cp_size):
             raise ValueError(f"experts: T = {T} not divisible by 2 * cp_size = {2 * cp_size}")
         chunks = experts.chunk(2 * cp_size, dim=1)

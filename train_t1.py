@@ -43,9 +43,11 @@ Departures from the paper (numbered; each with its reason):
      Adam. Over ranks (--plan '{"tp": 2}', '{"pp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp):
      Megatron's own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per
      rank, Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
-     refused by check_args, after naming what the node lacks. Context parallel is refused too (mcore.py
-     departure 6); pipeline parallel runs as one autograd graph over the stages (mcore.py departure 3). The publish over a process group (--engine-world-sizes: the Trainer is
-     rank 0 with every SGLang rank, cluster.WeightPublisher) is wired and tested over gloo.
+     refused by check_args, after naming what the node lacks. Context parallel runs contiguous sequence chunks
+     (GDN state passed, attention K / V all-gathered, outputs gathered; mcore.py departure 6; not with pp);
+     pipeline parallel runs as one autograd graph over the stages (mcore.py departure 3). The publish over a
+     process group (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher)
+     is wired and tested over gloo.
   6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
      + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
      weights are on CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the
@@ -55,8 +57,8 @@ Departures from the paper (numbered; each with its reason):
      replicas bitwise identical). Rank 0 saves and publishes, every rank keeps the published copies. Losses,
      clip fractions, EV and |dlogp| are over all ranks, expert_set_mismatch over rank 0's samples. Each rank
      has its own bundle in the placement group.
-  7. --backend megatron over tp * pp * dp ranks (Trainer.join_group): the ranks' default process group is carved
-     by Megatron's parallel_state per --plan (TP, PP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
+  7. --backend megatron over tp * pp * cp * dp ranks (Trainer.join_group): the ranks' default process group is carved
+     by Megatron's parallel_state per --plan (TP, PP, CP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
      actor, behaviour copy and critic (sequence parallel with TP: Megatron's MoE refuses TP without it in
      training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
      sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
@@ -66,7 +68,8 @@ Departures from the paper (numbered; each with its reason):
      expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered from every rank
      (mcore.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic, optimizer shards; the
      plan is checked on resume). Tested against the one-rank Megatron trainer (tests/test_trainer_group.py:
-     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise) and end to end at TP = 2
+     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise; CP = 2 1.7e-6 /
+     1.2e-7, the CP ranks of a DP rank running the same rows, grads summed over DP x CP by DDP) and end to end at TP = 2
      with a resume (tests/test_e2e.py). An expert no token reached gets a zero gradient (Adam still moves it
      by its momentum) where the one-rank torch Adam skips a grad of None: Megatron's behaviour.
 """
@@ -220,8 +223,8 @@ class Args:
     model_path: str = ""
     """start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start"""
     plan: str = ""
-    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / ep /
-    etp / dp run over tp * pp * dp trainer ranks, on this CPU too (gloo); cp is refused"""
+    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / cp / ep /
+    etp / dp run over tp * pp * cp * dp trainer ranks, on this CPU too (gloo); cp not with pp"""
     engine_world_sizes: str = ""
     """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
     trainer_ranks: int = 1
@@ -281,11 +284,12 @@ def check_args(args: Args) -> None:
                                   "model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, Megatron's "
                                   "distributed optimizer) is not wired into Trainer yet")
     if args.backend == "megatron" and p["world"] > 1:
-        if p["cp"] > 1:  # CP is wired at the GDN layer only
-            raise NotImplementedError(f"--plan: cp = {p['cp']}: context parallel is not wired into the trainer loop "
-                                      "(mcore.py departure 6); use tp / pp / ep / dp")
-        if p["ep"] > 1 and (p["tp"] * p["dp"]) % (p["ep"] * p["etp"]):
-            raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * dp = {p['tp'] * p['dp']}")
+        if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
+            raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
+                                      "parallel is not written (mcore.py departure 6); use cp with tp / ep / dp")
+        if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
+            raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
+                             f"{p['tp'] * p['cp'] * p['dp']}")
 
 
 def parallel_plan(args: Args) -> dict:

@@ -305,20 +305,24 @@ def test_capture_off_samples_the_same_tokens_and_returns_no_routing(fp32_engine)
     assert "routed_experts" in on["meta_info"] and "routed_experts" not in off["meta_info"]
 
 
-def _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size):
-    """Reference: (b, t) pairs in the order Megatron's router on this rank sees them (plain loops)."""
+def _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size, contiguous=False):
+    """Reference: (b, t) pairs in the order Megatron's router on this rank sees them (plain loops); contiguous:
+    CP rank r holds the r-th of cp_size chunks (mcore._gpt_forward) instead of Megatron's zig-zag pair."""
     c = T_ // (2 * cp_size) if cp_size > 1 else T_
     ts = list(range(T_)) if cp_size == 1 else \
         list(range(cp_rank * c, (cp_rank + 1) * c)) + list(range((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c))
+    if cp_size > 1 and contiguous:
+        ts = list(range(cp_rank * 2 * c, (cp_rank + 1) * 2 * c))
     if sp and tp_size > 1:
         n = len(ts) // tp_size
         ts = ts[tp_rank * n:(tp_rank + 1) * n]
     return [(b, t) for t in ts for b in range(B_)]  # sequence-major: row = s * B + b
 
 
-@pytest.mark.parametrize("tp_size,sp,cp_size,layers", [(1, False, 1, None), (2, True, 1, None), (2, False, 1, None),
-                                                       (1, False, 2, None), (2, True, 2, (2, 4)), (4, True, 2, (0, 2))])
-def test_slice_for_megatron_matches_the_token_layout_of_each_rank(tp_size, sp, cp_size, layers):
+@pytest.mark.parametrize("tp_size,sp,cp_size,layers,contiguous", [
+    (1, False, 1, None, False), (2, True, 1, None, False), (2, False, 1, None, False), (1, False, 2, None, False),
+    (2, True, 2, (2, 4), False), (4, True, 2, (0, 2), False), (1, False, 2, None, True), (2, True, 4, (2, 4), True)])
+def test_slice_for_megatron_matches_the_token_layout_of_each_rank(tp_size, sp, cp_size, layers, contiguous):
     B_, T_, k = 2, 16, 2
     moe_layers = [1, 0, 1, 1]  # decoder layer 1 is dense: recorded columns are MoE layers 0, 2, 3
     b, t, l = torch.meshgrid(torch.arange(B_), torch.arange(T_), torch.arange(3), indexing="ij")
@@ -329,8 +333,8 @@ def test_slice_for_megatron_matches_the_token_layout_of_each_rank(tp_size, sp, c
     for cp_rank in range(cp_size):
         for tp_rank in range(tp_size):
             got = r3.slice_for_megatron(code, tp_rank=tp_rank, tp_size=tp_size, sp=sp, cp_rank=cp_rank,
-                                        cp_size=cp_size, layers=layers, moe_layers=moe_layers)
-            rows = _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size)
+                                        cp_size=cp_size, layers=layers, moe_layers=moe_layers, cp_contiguous=contiguous)
+            rows = _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size, contiguous)
             assert len(got) == len(cols)
             for g, c in zip(got, cols):
                 want = torch.tensor([[bb * 1000 + tt * 10 + c] * k for bb, tt in rows])
