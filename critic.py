@@ -66,7 +66,7 @@ def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Ten
 
 def optimizer_step(model: nn.Module, optimizer, max_grad_norm: float, group=None) -> None:
     """Sum the grads over the ranks, clip by the global norm, step (the one-rank step on the whole minibatch).
-    mcore.ShardedAdam (the Megatron backend over ranks) does all three itself: DDP's reduce-scatter over the
+    mcore_parallel.ShardedAdam (the Megatron backend over ranks) does all three itself: DDP's reduce-scatter over the
     data-parallel ranks, the norm over every model-parallel shard, Adam on this rank's shard."""
     if hasattr(optimizer, "ddp"):
         optimizer.step(max_grad_norm)

@@ -33,7 +33,7 @@ Run:
    its chunks and sends S on to rank r+1. Backward runs the state gradient the other way (rank r+1 ->
    r). The per-chunk arithmetic is copied op for op from transformers' `torch_chunk_gated_delta_rule`,
    so the forward is bitwise identical to the single-rank reference; per-rank saved activations scale
-   as 1/kappa. mcore.context_parallel_gdn runs Megatron-Core's own GatedDeltaNet layer on it (plus the conv1d
+   as 1/kappa. mcore_parallel.context_parallel_gdn runs Megatron-Core's own GatedDeltaNet layer on it (plus the conv1d
    halo: the previous rank's last K-1 pre-conv columns, and their gradient back).
 
 Departures (numbered, with why):
@@ -61,7 +61,7 @@ Measured (python infra.py cp-bench --seq-len 2048; B=1, 4 value heads, d=32, CPU
 bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
 per-rank saved activations 1.000, 0.500, 0.250, 0.125 of kappa = 1. Inside a Megatron GatedDeltaNet layer
 (tests/test_cp_megatron.py, S = 250, B = 2): layer output bitwise equal to one rank at kappa = 2, 4; input grads
-<= 1.9e-9, weight grads summed over ranks <= 1.3e-6 at |dW| <= 4.5 (mcore.py, "Measured").
+<= 1.9e-9, weight grads summed over ranks <= 1.3e-6 at |dW| <= 4.5 (mcore_parallel.py, "Measured").
 """
 import argparse
 import itertools

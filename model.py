@@ -167,7 +167,7 @@ def load_actor(path: str):
 
 def load_config(path: str):
     """(config, tokenizer) of a save_checkpoint directory, without its weights (the Megatron backend reads each
-    rank's shards from the files: mcore.load_checkpoint_into_megatron)."""
+    rank's shards from the files: mcore_weights.load_checkpoint_into_megatron)."""
     from transformers import AutoConfig
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise FileNotFoundError(f"path: no config.json in {path!r}")

@@ -44,10 +44,10 @@ Departures from the paper (numbered; each with its reason):
      Megatron's own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per
      rank, Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
      refused by check_args, after naming what the node lacks. Context parallel runs contiguous sequence chunks
-     (GDN state passed, attention K / V all-gathered, outputs gathered; mcore.py departure 6; not with pp);
-     pipeline parallel runs as one autograd graph over the stages (mcore.py departure 3). The publish over a
-     process group (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank, cluster.WeightPublisher)
-     is wired and tested over gloo.
+     (GDN state passed, attention K / V all-gathered, outputs gathered; mcore_parallel.py departure 2; not with
+     pp); pipeline parallel runs as one autograd graph over the stages (mcore_parallel.py departure 1). The
+     publish over a process group (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank,
+     cluster.WeightPublisher) is wired and tested over gloo.
   6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
      + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
      weights are on CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the
@@ -62,16 +62,17 @@ Departures from the paper (numbered; each with its reason):
      actor, behaviour copy and critic (sequence parallel with TP: Megatron's MoE refuses TP without it in
      training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
      sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
-     finalize_model_grads for the sequence-parallel norms) and mcore.ShardedAdam, the distributed optimizer's
-     sharding of the Adam state over DP (Megatron's own needs CUDA, mcore.py). Rows are shared out over the DP
-     ranks only, padded to equal shares with a dummy row of loss mask 0 (a forward is a collective over the
-     expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered from every rank
-     (mcore.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic, optimizer shards; the
-     plan is checked on resume). Tested against the one-rank Megatron trainer (tests/test_trainer_group.py:
-     TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise; CP = 2 1.7e-6 /
-     1.2e-7, the CP ranks of a DP rank running the same rows, grads summed over DP x CP by DDP) and end to end at TP = 2
-     with a resume (tests/test_e2e.py). An expert no token reached gets a zero gradient (Adam still moves it
-     by its momentum) where the one-rank torch Adam skips a grad of None: Megatron's behaviour.
+     finalize_model_grads for the sequence-parallel norms) and mcore_parallel.ShardedAdam, the distributed
+     optimizer's sharding of the Adam state over DP (Megatron's own needs CUDA, mcore_parallel.py). Rows are
+     shared out over the DP ranks only, padded to equal shares with a dummy row of loss mask 0 (a forward is a
+     collective over the expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered
+     from every rank (mcore_weights.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic,
+     optimizer shards; the plan is checked on resume). Tested against the one-rank Megatron trainer
+     (tests/test_trainer_group.py: TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7;
+     PP = 2 bitwise; CP = 2 1.7e-6 / 1.2e-7, the CP ranks of a DP rank running the same rows, grads summed over
+     DP x CP by DDP) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
+     a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
+     Megatron's behaviour.
 """
 from __future__ import annotations
 
@@ -286,7 +287,7 @@ def check_args(args: Args) -> None:
     if args.backend == "megatron" and p["world"] > 1:
         if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
             raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
-                                      "parallel is not written (mcore.py departure 6); use cp with tp / ep / dp")
+                                      "parallel is not written (mcore_parallel.py departure 2); use cp with tp / ep / dp")
         if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
             raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
                              f"{p['tp'] * p['cp'] * p['dp']}")
@@ -649,11 +650,13 @@ class Trainer:
         src = self.latest if step > 0 else self.sft_dir
         if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
             import mcore
+            import mcore_parallel
+            import mcore_weights
             cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
             self.hf_config = cfg
             self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
-            self.save_actor = lambda path: mcore.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
-            self.hub_weights = lambda: M.hub_state_dict(mcore.to_hf(self.actor, cfg))
+            self.save_actor = lambda path: mcore_weights.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
+            self.hub_weights = lambda: M.hub_state_dict(mcore_weights.to_hf(self.actor, cfg))
         else:
             hf_actor, self.tokenizer = M.load_actor(src)
             self.hf_config = hf_actor.config
@@ -661,9 +664,9 @@ class Trainer:
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
             self.hub_weights = lambda: M.hub_state_dict(self.actor)
-        if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore.py)
-            self.actor_opt = mcore.ShardedAdam(mcore.wrap_ddp(self.actor), lr=args.actor_lr)
-            self.critic_opt = mcore.ShardedAdam(mcore.wrap_ddp(self.critic), lr=args.critic_lr)
+        if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore_parallel.py)
+            self.actor_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.actor), lr=args.actor_lr)
+            self.critic_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.critic), lr=args.critic_lr)
         else:
             self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
             self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
@@ -732,8 +735,8 @@ class Trainer:
         """Actor and critic weights of this rank (tests compare ranks); megatron: the whole TP = EP = 1 GPTModel
         state dicts, gathered over the ranks when sharded (a collective: every rank calls it)."""
         if self.args.backend == "megatron":
-            import mcore
-            return {part: mcore.gather_full_state(m.gpt, self.hf_config)
+            import mcore_weights
+            return {part: mcore_weights.gather_full_state(m.gpt, self.hf_config)
                     for part, m in (("actor", self.actor), ("critic", self.critic))}
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
 

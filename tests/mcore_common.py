@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import mcore
+import mcore_weights
 import r3
 
 B, T, V = 2, 12, 96
@@ -14,7 +15,7 @@ __all__ = ["B", "T", "V", "actor", "batch", "logprobs", "routing_maps", "as_map"
 
 @pytest.fixture(scope="module")
 def actor(hf, hf_cfg):
-    gpt = mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
+    gpt = mcore_weights.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
     return mcore.MegatronActor(gpt).eval()
 
 
@@ -56,7 +57,8 @@ def check_replay_under_perturbed_routers(hf, hf_cfg, actor, batch, n_layers, n_e
         actor(input_ids=ids, attention_mask=am)
         recorded = rec.experts  # (B, T, L, k) from the native RECORD action
     assert recorded.shape == (B, T, n_layers, top_k)
-    other = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)).eval()
+    other = mcore_weights.load_hf_into_megatron(mcore.build_tiny(hf_cfg), hf.state_dict(), hf_cfg)
+    other = mcore.MegatronActor(other).eval()
     with torch.no_grad():
         for r in r3.megatron_routers(other.gpt):
             r.weight.add_(torch.randn(r.weight.shape, generator=torch.Generator().manual_seed(2)))

@@ -1,5 +1,5 @@
-"""Context-parallel Megatron GatedDeltaNet (mcore.context_parallel_gdn): one tiny Megatron-Core GDN layer with its
-sequence split over kappa gloo ranks (spawned processes, infra.cp_split boundaries; conv1d halo exchange + infra's
+"""Context-parallel Megatron GatedDeltaNet (mcore_parallel.context_parallel_gdn): one tiny Megatron-Core GDN layer with
+its sequence split over kappa gloo ranks (spawned processes, infra.cp_split boundaries; conv1d halo exchange + infra's
 CP recurrence) against the same layer on one rank."""
 import contextlib
 
@@ -9,6 +9,7 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 import mcore  # noqa: E402
+import mcore_parallel  # noqa: E402
 
 S, B = 250, 2  # 4 chunks of 64, the last one partial (only the last rank pads)
 
@@ -38,7 +39,7 @@ def run_layer(layer, x, dout, cp=False):
     """-> (out, dx, {name: grad}) of one forward + backward; cp=True runs it as a rank of Megatron's CP group."""
     x = x.clone().requires_grad_(True)
     layer.zero_grad()
-    with mcore.context_parallel_gdn(layer) if cp else contextlib.nullcontext():
+    with mcore_parallel.context_parallel_gdn(layer) if cp else contextlib.nullcontext():
         out, _ = layer(x, None)
     out.backward(dout)
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}

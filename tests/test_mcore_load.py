@@ -1,9 +1,10 @@
-"""mcore.load_checkpoint_into_megatron: a rank reads only its part of an HF checkpoint's safetensors (its pipeline
-stage's layers, its EP rank's experts, its TP / expert-TP block of the tensors cut whole) and gets the same weights,
-bit for bit, as mcore.load_hf_into_megatron of the whole state dict (AutoModelForCausalLM.from_pretrained, fp32, what
-model.load_actor gives). Checkpoints: tiny Qwen3.5-MoE and Qwen3-MoE written by save_pretrained (each expert's own
-tensors), also sharded (max_shard_size: model.safetensors.index.json), and the fused-expert layout with the
-`model.language_model.` prefix of Qwen3.5's released checkpoints (written with safetensors' save_file).
+"""mcore_weights.load_checkpoint_into_megatron: a rank reads only its part of an HF checkpoint's safetensors (its
+pipeline stage's layers, its EP rank's experts, its TP / expert-TP block of the tensors cut whole) and gets the same
+weights, bit for bit, as mcore_weights.load_hf_into_megatron of the whole state dict
+(AutoModelForCausalLM.from_pretrained, fp32, what model.load_actor gives). Checkpoints: tiny Qwen3.5-MoE and Qwen3-MoE
+written by save_pretrained (each expert's own tensors), also sharded (max_shard_size: model.safetensors.index.json), and
+the fused-expert layout with the `model.language_model.` prefix of Qwen3.5's released checkpoints (written with
+safetensors' save_file).
 
 Measured (python -m pytest tests/test_mcore_load.py -s; bytes fetched / the files' size, per rank, tiny Qwen3.5,
 vocab 96, fp32): TP = 2: 0.79 / 0.79 (fc1, in_proj, conv1d, linear_qkv read whole for a layer, then cut); EP = 2:
@@ -18,6 +19,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("safetensors")
 import infra  # noqa: E402
 import mcore  # noqa: E402
+import mcore_weights  # noqa: E402
 
 V = 96
 ARCHS = {"qwen35": mcore.tiny_qwen35_hf_config, "qwen3": mcore.tiny_hf_config}
@@ -58,9 +60,9 @@ def weights(gpt) -> dict:
 
 def compare(path, hf, **layout) -> tuple[list, dict]:
     """Both loaders into this rank's model of `layout` -> (keys whose tensors differ (empty: bit-identical), stats)."""
-    ref = weights(mcore.load_hf_into_megatron(mcore.build_tiny(hf, **layout), hf_state_dict(path, hf), hf))
+    ref = weights(mcore_weights.load_hf_into_megatron(mcore.build_tiny(hf, **layout), hf_state_dict(path, hf), hf))
     stats = {}
-    got = weights(mcore.load_checkpoint_into_megatron(mcore.build_tiny(hf, seed=1, **layout), path, hf, stats))
+    got = weights(mcore_weights.load_checkpoint_into_megatron(mcore.build_tiny(hf, seed=1, **layout), path, hf, stats))
     assert ref.keys() == got.keys()
     return [k for k in ref if not (ref[k].dtype == got[k].dtype and torch.equal(ref[k], got[k]))], stats
 
@@ -98,7 +100,7 @@ def test_missing_tensor_is_refused(checkpoints, tmp_path):
     save_file(sd, str(tmp_path / "ck" / "model.safetensors"))
     mcore.init_cpu()
     with pytest.raises(KeyError, match="k_norm"):
-        mcore.load_checkpoint_into_megatron(mcore.build_tiny(hf), tmp_path / "ck", hf)
+        mcore_weights.load_checkpoint_into_megatron(mcore.build_tiny(hf), tmp_path / "ck", hf)
 
 
 def _load_rank(rank, world, path, arch, tp, ep, etp, pp):

@@ -1,7 +1,8 @@
-"""mcore.ShardedAdam over mcore.wrap_ddp: ZeRO-1 as Megatron's distributed optimizer shards it, on 2 spawned gloo
-ranks (DP = 2, EP = 2, TP = 2 with sequence parallel), against torch.optim.Adam + clip_grad_norm_ on the same tiny
-Qwen3.5 GPTModel at world size 1, the same global batch and loss (the sum of the ranks' losses, each normalised by the
-global token count): parameters after 3 clipped steps, grad norms, the share of Adam state per rank, resume.
+"""mcore_parallel.ShardedAdam over mcore_parallel.wrap_ddp: ZeRO-1 as Megatron's distributed optimizer shards it, on 2
+spawned gloo ranks (DP = 2, EP = 2, TP = 2 with sequence parallel), against torch.optim.Adam + clip_grad_norm_ on the
+same tiny Qwen3.5 GPTModel at world size 1, the same global batch and loss (the sum of the ranks' losses, each
+normalised by the global token count): parameters after 3 clipped steps, grad norms, the share of Adam state per rank,
+resume.
 
 Adam's eps is 1e-4 here, not torch's 1e-8: |d update / d g| <= lr / eps, so eps sets how far fp32 reassociation
 noise in a near-zero grad element moves its parameter. At eps = 1e-8 the one-rank reference disagrees with itself
@@ -18,6 +19,8 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 import mcore  # noqa: E402
+import mcore_parallel  # noqa: E402
+import mcore_weights  # noqa: E402
 from test_mcore_tp import V, hf_weights  # noqa: E402  (the tiny Qwen3.5 weights, norms moved off their init)
 
 B, T = 4, 12  # global batch
@@ -42,7 +45,7 @@ def make_actor(tp=1, ep=1):
     hf = mcore.tiny_qwen35_hf_config(V)
     gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
                            calculate_per_token_loss=True)
-    return mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
+    return mcore.MegatronActor(mcore_weights.load_hf_into_megatron(gpt, hf_weights(), hf))
 
 
 def train(actor, opt, dp, dp_rank, steps):
@@ -64,8 +67,8 @@ def _rank(rank, world, tp, ep, resume):
     mcore.init_cpu()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     actor = make_actor(tp, ep)
-    ddp = mcore.wrap_ddp(actor)
-    opt = mcore.ShardedAdam(ddp, lr=LR, eps=EPS)
+    ddp = mcore_parallel.wrap_ddp(actor)
+    opt = mcore_parallel.ShardedAdam(ddp, lr=LR, eps=EPS)
     norms = train(actor, opt, dp, dp_rank, range(STEPS - 1))
     sizes = dict(state=sum(s["exp_avg"].numel() for s in opt.shards),
                  dense_buf=sum(b.grad_data.numel() for b in ddp.buffers),
@@ -76,7 +79,7 @@ def _rank(rank, world, tp, ep, resume):
     if resume:  # a fresh model and optimizer from this rank's checkpoint take the last step as the original does
         ckpt = ({k: v.clone() if torch.is_tensor(v) else v for k, v in actor.gpt.state_dict().items()}, opt.state_dict())
         other = make_actor(tp, ep)
-        other_opt = mcore.ShardedAdam(mcore.wrap_ddp(other), lr=0.0, eps=0.0)
+        other_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(other), lr=0.0, eps=0.0)
         other.gpt.load_state_dict(ckpt[0])
         other_opt.load_state_dict(ckpt[1])
         train(other, other_opt, dp, dp_rank, [STEPS - 1])
@@ -115,7 +118,7 @@ def test_wrap_ddp_needs_per_token_loss():
     mcore.init_cpu()
     gpt = mcore.build_tiny(mcore.tiny_qwen35_hf_config(V))
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
-        mcore.wrap_ddp(gpt)
+        mcore_parallel.wrap_ddp(gpt)
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)], ids=["dp2", "ep2", "tp2sp"])
@@ -134,8 +137,10 @@ def test_sharded_adam_matches_one_rank_adam(reference, tp, ep):
     for rank, (norms, out, sizes) in enumerate(results):
         d_norm = max(d_norm, np.abs(norms / ref_norms - 1).max())
         tp_rank, ep_rank = rank % tp, rank // tp % ep  # parallel_state's order: TP fastest, then EP
-        want = mcore.shard_for_ep(mcore.shard_for_tp(ref_params, hf, tp_rank, tp), hf.num_experts, ep_rank, ep)
-        start = mcore.shard_for_ep(mcore.shard_for_tp(init, hf, tp_rank, tp), hf.num_experts, ep_rank, ep)
+        want = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(ref_params, hf, tp_rank, tp), hf.num_experts,
+                                          ep_rank, ep)
+        start = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(init, hf, tp_rank, tp), hf.num_experts,
+                                           ep_rank, ep)
         got = {n: torch.from_numpy(p) for n, p in out["params"].items()}
         assert got.keys() == want.keys()
         d_param = max(d_param, max((got[n] - want[n]).abs().max().item() for n in want))

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 import mcore  # noqa: E402
+import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from test_mcore_tp import hf_weights  # noqa: E402
 
@@ -30,7 +31,7 @@ def actor_checks(tp=1, ep=1, pp=1, replay=None):
     hf = mcore.tiny_qwen35_hf_config(V)
     gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
                            pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32)
-    actor = mcore.MegatronActor(mcore.load_hf_into_megatron(gpt, hf_weights(), hf))
+    actor = mcore.MegatronActor(mcore_weights.load_hf_into_megatron(gpt, hf_weights(), hf))
     ids, am = batch()
     with torch.no_grad(), r3.routing(actor, "record") as rec:
         lp = actor.token_logprobs(ids, am)  # (B, T-1)
@@ -114,7 +115,7 @@ def qwen3_moe_checks():
     hf = mcore.tiny_hf_config(V)
     torch.manual_seed(0)
     weights = Qwen3MoeForCausalLM(hf).state_dict()
-    actor = mcore.MegatronActor(mcore.load_hf_into_megatron(mcore.build_tiny(hf), weights, hf))
+    actor = mcore.MegatronActor(mcore_weights.load_hf_into_megatron(mcore.build_tiny(hf), weights, hf))
     ids, am = batch()
     lp = actor.token_logprobs(ids, am)  # (B, T-1)
     (lp * am[:, 1:]).sum().backward()

@@ -6,6 +6,7 @@ import torch
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
 import mcore  # noqa: E402
+import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
 
@@ -51,14 +52,14 @@ def test_qwen35_hf_and_megatron_logits_agree(hf, actor, batch):
 
 def test_qwen35_hf_megatron_hf_round_trip_is_bit_equal(hf, hf_cfg, actor):
     sd = hf.state_dict()
-    back = mcore.megatron_to_hf(actor.gpt.state_dict(), hf_cfg)
+    back = mcore_weights.megatron_to_hf(actor.gpt.state_dict(), hf_cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 def test_qwen35_megatron_hf_megatron_round_trip_is_bit_equal(hf_cfg):
     gpt = mcore.build_tiny(hf_cfg, seed=3)  # Megatron's own init: out_norm 0, A_log from its range
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    again = mcore.hf_to_megatron(mcore.megatron_to_hf(sd, hf_cfg), hf_cfg)
+    again = mcore_weights.hf_to_megatron(mcore_weights.megatron_to_hf(sd, hf_cfg), hf_cfg)
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
 
 
@@ -101,5 +102,5 @@ def test_embedded_models_take_the_qwen35_embedded_preset(batch):
     d = (a - b)[am.bool()].abs().max().item()
     print(f"max |dlogit| HF vs Megatron, embedded Qwen3.5 preset: {d:.2e}")
     assert d < 1e-5
-    back = mcore.to_hf(actor, cfg).state_dict()
+    back = mcore_weights.to_hf(actor, cfg).state_dict()
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())

@@ -1,7 +1,8 @@
-"""Tests for mcore.py's Transformer-Engine layout (to_te_layout / from_te_layout / load_hf_into_cluster_model): the
-cluster model's parameter names. On CPU: the renames against names listed here per layer type from megatron-core
-0.16.1's TE spec (mcore.py, the comment above _fused_input_norm), round trips, expert numbering after shard_for_ep.
-On a GPU with Transformer Engine: the real `_qwen35_gpt` has exactly those names and loads HF weights round trip."""
+"""Tests for mcore_weights.py's Transformer-Engine layout (to_te_layout / from_te_layout /
+load_hf_into_cluster_model): the cluster model's parameter names. On CPU: the renames against names listed here per
+layer type from megatron-core 0.16.1's TE spec (mcore_weights.py, the comment above _fused_input_norm), round trips,
+expert numbering after shard_for_ep. On a GPU with Transformer Engine: the real `mcore._qwen35_gpt` has exactly those
+names and loads HF weights round trip."""
 import importlib.util
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 import mcore  # noqa: E402
+import mcore_weights  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 V = 96
@@ -29,7 +31,7 @@ def hf_state_dict(hf_cfg, seed=0):
 def layout(request):
     """(hf config, local-layout Megatron state dict from hf_to_megatron) for each of mcore's two layouts."""
     hf_cfg = mcore.tiny_qwen35_hf_config(V) if request.param == "qwen3_5_moe" else mcore.tiny_hf_config(V)
-    return hf_cfg, mcore.hf_to_megatron(hf_state_dict(hf_cfg), hf_cfg)
+    return hf_cfg, mcore_weights.hf_to_megatron(hf_state_dict(hf_cfg), hf_cfg)
 
 
 def expected_te_keys(hf_cfg, n_local_experts):
@@ -58,7 +60,7 @@ def expected_te_keys(hf_cfg, n_local_experts):
 
 def test_te_layout_has_exactly_the_te_spec_names(layout):
     hf_cfg, local = layout
-    te = mcore.to_te_layout(local, hf_cfg)
+    te = mcore_weights.to_te_layout(local, hf_cfg)
     assert set(te) == expected_te_keys(hf_cfg, hf_cfg.num_experts)
     assert len(te) == len(local)  # a rename: nothing merged or dropped
     for i in range(hf_cfg.num_hidden_layers):  # the input norm moved into the TE linear that follows it
@@ -68,10 +70,10 @@ def test_te_layout_has_exactly_the_te_spec_names(layout):
 
 def test_local_te_local_round_trip_is_bit_exact(layout):
     hf_cfg, local = layout
-    te = mcore.to_te_layout(local, hf_cfg)
-    back = mcore.from_te_layout(te, hf_cfg)
+    te = mcore_weights.to_te_layout(local, hf_cfg)
+    back = mcore_weights.from_te_layout(te, hf_cfg)
     assert back.keys() == local.keys() and all(torch.equal(back[k], local[k]) for k in local)
-    again = mcore.to_te_layout(back, hf_cfg)
+    again = mcore_weights.to_te_layout(back, hf_cfg)
     assert again.keys() == te.keys() and all(torch.equal(again[k], te[k]) for k in te)
 
 
@@ -81,34 +83,34 @@ def test_grouped_experts_are_numbered_by_local_index_after_shard_for_ep(layout, 
     E = hf_cfg.num_experts  # 4 (Qwen3-MoE) or 8 (Qwen3.5)
     per = E // ep_size
     for rank in range(ep_size):
-        shard = mcore.shard_for_ep(local, E, rank, ep_size)
-        te = mcore.to_te_layout(shard, hf_cfg)
+        shard = mcore_weights.shard_for_ep(local, E, rank, ep_size)
+        te = mcore_weights.to_te_layout(shard, hf_cfg)
         assert set(te) == expected_te_keys(hf_cfg, per)
         for i in range(hf_cfg.num_hidden_layers):
             for j in range(per):  # GroupedLinear weight{j} on rank r = global expert r * per + j
                 for fc in ("linear_fc1", "linear_fc2"):
                     glob = local[f"decoder.layers.{i}.mlp.experts.local_experts.{rank * per + j}.{fc}.weight"]
                     assert torch.equal(te[f"decoder.layers.{i}.mlp.experts.{fc}.weight{j}"], glob)
-        back = mcore.from_te_layout(te, hf_cfg)
+        back = mcore_weights.from_te_layout(te, hf_cfg)
         assert back.keys() == shard.keys() and all(torch.equal(back[k], shard[k]) for k in shard)
 
 
 def test_te_layout_after_shard_for_tp_keeps_the_norm_whole(layout):
     hf_cfg, local = layout
-    shard = mcore.shard_for_tp(mcore.shard_for_ep(local, hf_cfg.num_experts, 1, 2), hf_cfg, 1, 2)
-    te = mcore.to_te_layout(shard, hf_cfg)
+    shard = mcore_weights.shard_for_tp(mcore_weights.shard_for_ep(local, hf_cfg.num_experts, 1, 2), hf_cfg, 1, 2)
+    te = mcore_weights.to_te_layout(shard, hf_cfg)
     assert set(te) == expected_te_keys(hf_cfg, hf_cfg.num_experts // 2)
     H = hf_cfg.hidden_size
     norms = [k for k in te if k.endswith("layer_norm_weight")]  # LayerNormLinear's norm: replicated, (H,)
     assert len(norms) == hf_cfg.num_hidden_layers and all(te[k].shape == (H,) for k in norms)
-    back = mcore.from_te_layout(te, hf_cfg)
+    back = mcore_weights.from_te_layout(te, hf_cfg)
     assert back.keys() == shard.keys() and all(torch.equal(back[k], shard[k]) for k in shard)
 
 
 def test_to_te_layout_refuses_a_dict_without_the_input_norms(layout):
     hf_cfg, local = layout
     with pytest.raises(KeyError, match="input_layernorm"):
-        mcore.to_te_layout({k: v for k, v in local.items() if "input_layernorm" not in k}, hf_cfg)
+        mcore_weights.to_te_layout({k: v for k, v in local.items() if "input_layernorm" not in k}, hf_cfg)
 
 
 # --- GPU + Transformer Engine: the cluster model itself --------------------------------------------------------
@@ -141,8 +143,8 @@ def test_cluster_model_has_the_te_layout_names_and_loads_hf_round_trip(monkeypat
     names = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
     sd = hf_state_dict(hf_cfg)
     assert names == expected_te_keys(hf_cfg, 8)
-    assert names == set(mcore.to_te_layout(mcore.hf_to_megatron(sd, hf_cfg), hf_cfg))
-    mcore.load_hf_into_cluster_model(gpt, sd, hf_cfg)
+    assert names == set(mcore_weights.to_te_layout(mcore_weights.hf_to_megatron(sd, hf_cfg), hf_cfg))
+    mcore_weights.load_hf_into_cluster_model(gpt, sd, hf_cfg)
     te = {k: v.cpu() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    back = mcore.megatron_to_hf(mcore.from_te_layout(te, hf_cfg), hf_cfg)
+    back = mcore_weights.megatron_to_hf(mcore_weights.from_te_layout(te, hf_cfg), hf_cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)

@@ -109,7 +109,7 @@ def megatron_one_rank(tmp_path_factory):
 def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_rank, plan):
     """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel and
     EP = 2 over the same ranks with expert TP 1; EP = 2 over 2 data-parallel ranks; 2 pipeline stages; 2 context-
-    parallel ranks; Megatron DDP + mcore.ShardedAdam, the distributed optimizer): critic warm-up and two
+    parallel ranks; Megatron DDP + mcore_parallel.ShardedAdam, the distributed optimizer): critic warm-up and two
     train_steps (the second on one sample: another DP rank trains a dummy row) give the weights of the one-rank
     Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1; rank 0 writes the HF checkpoint and every
     rank its shard file."""

@@ -1,0 +1,459 @@
+"""The parallelism this repo adds around Megatron-Core (paper: infrastructure: native context parallelism for the
+recurrent operator, the distributed optimizer), for mcore.py's models and training-step interface.
+
+- Context parallel: `context_parallel_gdn`: Megatron's own GatedDeltaNet layer with its sequence split over a
+  context-parallel group, which megatron-core 0.16.1 refuses: a conv1d halo exchange plus infra.py's CP chunked
+  gated delta rule (state passing, infra.py section 2). `mcore._gpt_forward` runs the whole model that way when
+  parallel_state has CP > 1 (`cp_rank_size_group`): contiguous chunks with the rotary table of their global positions
+  (`cp_rope`), K / V all-gathered for gated attention (`cp_dot_product_attention`), outputs gathered over CP
+  (`cp_full`) (departure 2).
+- Pipeline parallel: `PipeSend` / `PipeRecv` / `pipe_result`, a forward over the stages as one autograd graph
+  (departure 1).
+- The distributed optimizer on CPU: `wrap_ddp` (Megatron's DDP) + `ShardedAdam` (ZeRO-1 as Megatron shards it,
+  departure 3).
+
+    python -m pytest tests/test_cp_megatron.py -q  # CPU: one Megatron GDN layer over kappa = 2, 4 gloo ranks
+    python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 at TP, EP, PP, CP = 2
+    python -m pytest tests/test_mcore_optim.py -s  # CPU: ShardedAdam at DP / EP / TP = 2 vs one-rank torch Adam
+    python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
+
+Departures from the paper:
+1. Pipeline parallel without Megatron's schedules: train_t1's training step calls the model like any torch
+   module, so a forward over the PP stages is one autograd graph across processes (`PipeRecv` / `PipeSend`
+   move the hidden states forward and their grads back over p2p, `_PipeBroadcast` gives every stage the last
+   stage's logprobs / values). That is GPipe with one microbatch per call: the same arithmetic as one rank
+   (tests: bitwise), none of 1F1B's overlap of stages, so at scale the bubble is (PP - 1) / PP of the
+   step. Megatron's forward_backward_func would need the loss inside the schedule, one loss function per call
+   site of train_t1. (`mcore.MegatronCritic` likewise; under context parallel the shift by one would cross chunks.)
+2. Context parallel without Megatron's CP attention: TransformerConfig.context_parallel_size stays 1 (0.16.1 asserts
+   it for GDN; its local DotProductAttention asserts it too) while parallel_state holds cp > 1 (DDP reduces grads
+   over its DP x CP group, the expert-DP group spans the CP ranks). `mcore._gpt_forward` gives CP rank r the
+   contiguous chunk [r S, (r + 1) S) of the right-padded sequence (Tp a multiple of cp * tp under sequence parallel,
+   and with GDN of cp * 64, the kernel's chunk: the same chunking as one rank), not Megatron's load-balanced zig-zag
+   (chunks r and 2cp - 1 - r), because the GDN state passing runs rank 0 -> cp - 1 in sequence order: causal
+   attention work is therefore unbalanced over the CP ranks (the last does most). Per call: the rotary table of the
+   chunk's global positions (`cp_rope`: RotaryEmbedding.get_emb with offset r S, instead of its forward, which
+   ignores position ids and cuts the zig-zag share), GDN layers state-passed (`context_parallel_gdn`: hooks on the
+   unchanged GatedDeltaNet.forward's conv1d, its module-level kernel swapped inside the block; the recurrence is
+   infra.py's torch kernel, also on GPU, FLA's is not state-passed here), gated attention through
+   `cp_dot_product_attention` (Megatron's DotProductAttention of the local queries against K / V all-gathered over
+   CP, the mask's rows of this chunk against all Tp keys; backward sums K / V grads to their owners) where
+   Megatron's TE attention runs ring attention (overlapped K / V exchange, O(S) memory per rank instead of the
+   all-gather's O(Tp)). Outputs are gathered over CP (`_CPGather`, backward: this rank's slice only, as
+   `_PipeBroadcast`): token_logprobs (targets shifted globally), logits, critic values and the R3 recording (rows of
+   contiguous chunks), replay sliced with `r3.slice_for_megatron(cp_contiguous=True)`; MoE routing and experts are
+   token-local. Not written: CP with PP.
+   Measured (tests/test_mcore_parallel.py -s, tiny Qwen3.5, B = 2, T = 11 -> Tp = 128, gloo): at CP = 2 and at
+   TP = 2 (+ SP) x CP = 2 logprobs, gathered logits and the replay of a shifted routing within 4.8e-7 of one rank,
+   recordings equal, critic values within 1.4e-6 / 2.6e-6 (|V| up to 10.3); at CP = 2 parameter grads summed over
+   the CP ranks within 5.3e-7 of max |grad| 7.6; Qwen3-MoE layout (no GDN, T = 12, chunks of 6) logprobs 4.8e-7,
+   grads 1.8e-7 of 4.3, while rotary positions from 0 on every chunk put logprobs off by 1.5e-2. The trainer
+   (tests/test_trainer_group.py, --plan '{"cp": 2}', warm-up + 2 steps, lr 1e-4) within 1.7e-6 (actor) / 1.2e-7
+   (critic) of the one-rank trainer; with GDN chunk = S instead of 64 the actor was 2.6e-5 off (layer 0's A_log:
+   grads ~1e-5 off by 1.5e-8, which Adam normalises).
+3. On CPU (gloo) the distributed optimizer is ours: `ShardedAdam` over `wrap_ddp`'s Megatron DDP, the same ZeRO-1
+   sharding as Megatron's DistributedOptimizer (each data-parallel / expert-data-parallel rank owns 1/dp of every
+   DDP bucket; finalize_model_grads reduce-scatters the grads, start_param_sync all-gathers the params; grad norm
+   summed over shards as Megatron's), because Megatron's refuses CPU parameters ('torch.cuda.FloatTensor' type
+   checks, device='cuda' norm buffers). fp32 only, no weight decay, no loss scaling; the cluster keeps
+   get_megatron_optimizer (`mcore._ddp_and_optimizer`). Measured (python -m pytest tests/test_mcore_optim.py -s: 2
+   gloo ranks, 3 clipped steps, Adam eps 1e-4): DP = 2 / EP = 2 / TP = 2 + SP parameters within 3.0e-8 / 8.2e-7 /
+   1.4e-6 of world-size-1 torch Adam + clip_grad_norm_ (|param| up to 2.8), grad norms within 1.2e-7 relative, each
+   rank holding 0.51 / 0.51 / 0.52 of the model's Adam state. At torch's eps 1e-8, DP = 2 is bitwise equal to the
+   reference, while EP = 2 / TP = 2 (3.2e-5 / 1.8e-4) sit at the fp32 floor Adam amplifies (the reference vs itself
+   with the batch in two halves: 4.5e-5).
+
+Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a partial last chunk, B = 2, fp32,
+gloo): output concatenated over ranks bitwise equal to one rank at kappa = 2 and 4; input grads max |diff| 1.4e-9 /
+1.9e-9; weight grads summed over ranks 8.3e-7 / 1.3e-6 at |dW| up to 4.5 (fp32 reassociation). Without the halo,
+rank 1's output differs from its first token on (6e-3).
+"""
+
+import contextlib
+
+import torch
+
+import mcore
+
+# --- context parallel: contiguous sequence chunks over parallel_state's CP group (departure 2) -----------------
+def cp_rank_size_group():
+    """(rank, size, group) of parallel_state's context-parallel group; (0, 1, None) without CP. The models'
+    TransformerConfig keeps context_parallel_size = 1 (0.16.1 asserts it for GDN): parallel_state holds the CP."""
+    from megatron.core import parallel_state as ps
+    if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
+        return 0, 1, None
+    return ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
+
+
+
+@contextlib.contextmanager
+def cp_rope(gpt, offset):
+    """GPTModel builds its rotary table for positions 0..S-1 of the length it sees (position_ids only feed
+    learned / multimodal embeddings) and RotaryEmbedding.forward cuts Megatron's zig-zag share for
+    parallel_state's CP group; here the chunk starts at global position `offset`: the table of positions
+    offset..offset+S-1 (RotaryEmbedding.get_emb's own offset), for this call only."""
+    rope = gpt.rotary_pos_emb
+    rope.forward = lambda max_seq_len, *unused, **unused_kw: rope.get_emb(max_seq_len, offset)  # [S, 1, 1, dim]
+    try:
+        yield
+    finally:
+        del rope.forward  # back to the class's forward
+
+
+class _CPGather(torch.autograd.Function):
+    """x, this CP rank's contiguous part along `dim` -> every rank's parts concatenated in rank order. Backward,
+    sum_grads=True (K / V, read by every rank's queries): the grads of all ranks' copies summed (all-reduce), this
+    rank's part; sum_grads=False (a result every CP rank turns into the same loss): this rank's part of its own
+    grad only (summing the others' would multiply the grad by cp, as for _PipeBroadcast)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group, sum_grads):
+        import torch.distributed as dist
+        parts = [torch.empty_like(x, memory_format=torch.contiguous_format) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.dim, ctx.group, ctx.sum_grads, ctx.n = dim, group, sum_grads, x.shape[dim]
+        return torch.cat(parts, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        if ctx.sum_grads:
+            grad = grad.contiguous().clone()
+            dist.all_reduce(grad, group=ctx.group)
+        r = dist.get_rank(ctx.group)
+        return grad.narrow(ctx.dim, r * ctx.n, ctx.n).contiguous(), None, None, None
+
+
+def cp_full(x, T):
+    """(B, S, *) of this CP rank's chunk -> (B, T, *) on every CP rank (_CPGather, grad counted once); x as is
+    without CP (mcore._gpt_forward already cut it to T)."""
+    _, cp, group = cp_rank_size_group()
+    return x if cp == 1 else _CPGather.apply(x, 1, group, False)[:, :T]
+
+
+_CP_ATTENTION = []  # the class, built once on first use (megatron is imported lazily)
+
+
+def cp_dot_product_attention():
+    """The CP core attention class (a DotProductAttention subclass; defined here so this module imports without
+    megatron). mcore's local specs plug it in as core_attention when parallel_state has CP > 1."""
+    if _CP_ATTENTION:
+        return _CP_ATTENTION[0]
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class CPDotProductAttention(DotProductAttention):
+        """Megatron's local DotProductAttention (its scale 1/sqrt(d), fp32 softmax of the masked scores, GQA by
+        repeat_interleave) of this CP rank's queries [S, B, np, d] against the keys / values of all CP ranks,
+        all-gathered along the sequence (contiguous chunks in rank order: [Tp, B, ng, d]); the mask mcore._gpt_forward
+        passes is this chunk's rows (B, 1, S, Tp), causal by global position and over padded keys. The gather's
+        backward sums K / V grads over the ranks and returns each its own. Used only with parallel_state's CP > 1
+        (the config keeps CP = 1, which the parent asserts); Megatron's TE attention runs ring attention instead."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            _, cp, group = cp_rank_size_group()
+            if cp > 1:
+                key, value = _CPGather.apply(key, 0, group, True), _CPGather.apply(value, 0, group, True)
+            return super().forward(query, key, value, attention_mask, attn_mask_type=attn_mask_type,
+                                   attention_bias=attention_bias, packed_seq_params=packed_seq_params)
+
+    _CP_ATTENTION.append(CPDotProductAttention)
+    return CPDotProductAttention
+
+
+# --- context-parallel Gated DeltaNet: Megatron's layer, infra.py's CP recurrence -----------------------------
+# Paper: "native context parallelism for the recurrent operator". megatron-core 0.16.1 refuses it
+# (TransformerConfig.__post_init__: "Gated delta net does not support context parallel for now"; gated_delta_net.py
+# keeps `# TODO: support CP`). Inside GatedDeltaNet.forward only two things cross tokens: the causal depthwise
+# conv1d (kernel K reads K-1 earlier tokens) and the recurrence; in_proj, l2norm, g/beta, gated norm and out_proj
+# are token-local. `context_parallel_gdn` patches exactly those two and leaves the forward's code as it is.
+class _ConvHalo(torch.autograd.Function):
+    """(B, D, S_r) -> (B, D, K-1 + S_r): prepend the previous CP rank's last K-1 pre-conv columns (zeros on rank 0,
+    i.e. the conv's own causal padding). Backward returns the halo's gradient to its owner, which adds it."""
+
+    @staticmethod
+    def forward(ctx, x, width, group):
+        import torch.distributed as dist
+        rank, world = dist.get_rank(group), dist.get_world_size(group)
+        peer = lambda r: dist.get_global_rank(group, r) if group is not None else r  # noqa: E731
+        halo = torch.zeros(*x.shape[:-1], width, dtype=x.dtype)
+        send = dist.isend(x[..., -width:].contiguous(), peer(rank + 1), group=group) if rank < world - 1 else None
+        if rank > 0:
+            dist.recv(halo, peer(rank - 1), group=group)
+        if send is not None:
+            send.wait()
+        ctx.width, ctx.group, ctx.rank, ctx.world, ctx.peer = width, group, rank, world, peer
+        return torch.cat([halo, x], dim=-1)
+
+    @staticmethod
+    def backward(ctx, dy):
+        import torch.distributed as dist
+        w, rank, world, peer = ctx.width, ctx.rank, ctx.world, ctx.peer
+        dx = dy[..., w:].clone()  # (B, D, S_r)
+        send = dist.isend(dy[..., :w].contiguous(), peer(rank - 1), group=ctx.group) if rank > 0 else None
+        if rank < world - 1:  # my last K-1 columns were rank+1's halo: their gradient comes back from there
+            d_tail = torch.zeros_like(dx[..., -w:])
+            dist.recv(d_tail, peer(rank + 1), group=ctx.group)
+            dx[..., -w:] += d_tail
+        if send is not None:
+            send.wait()
+        return dx, None, None
+
+
+@contextlib.contextmanager
+def context_parallel_gdn(model, group=None, chunk_size=64):
+    """Inside the block every Megatron GatedDeltaNet in `model` runs as one rank of the context-parallel `group`
+    (default: the layer's own pg_collection.cp, Megatron's CP group) on this rank's slice of the sequence,
+    hidden_states [S_r, B, H] with the slices cut by infra.cp_split (chunk boundaries). Outputs and input
+    gradients are this rank's slices; parameter gradients are partial sums (Megatron's DDP reduces them over
+    DP x CP). How (departure 2):
+      1. conv1d: a forward pre-hook prepends the K-1 halo columns (_ConvHalo), a forward hook drops the K-1
+         extra leading outputs, so the forward's own `[..., :seq_len]` slice is exact.
+      2. recurrence: the module-level `chunk_gated_delta_rule` / `torch_chunk_gated_delta_rule` the forward
+         calls -> infra.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
+         `causal_conv1d_fn` -> None for the block so the (hooked) nn.Conv1d path runs on GPU too.
+      3. TransformerConfig keeps context_parallel_size = 1 (it asserts that for GDN); the CP group is passed here.
+    """
+    import infra
+    from megatron.core.ssm import gated_delta_net as gdn
+    layers = [m for m in model.modules() if isinstance(m, gdn.GatedDeltaNet)]
+    group = group if group is not None else layers[0].pg_collection.cp
+
+    def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
+                   **unused):  # as GatedDeltaNet.forward calls either kernel
+        assert initial_state is None and not output_final_state  # training forward: the sequence starts on rank 0
+        return infra.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
+
+    hooks = []
+    for m in layers:
+        w = m.conv1d.kernel_size[0] - 1  # K - 1 = 3 for Qwen3.5
+        hooks += [m.conv1d.register_forward_pre_hook(lambda mod, args, w=w: (_ConvHalo.apply(args[0], w, group),)),
+                  m.conv1d.register_forward_hook(lambda mod, args, out, w=w: out[..., w:])]  # (B, D, S_r + K-1)
+    saved = gdn.chunk_gated_delta_rule, gdn.torch_chunk_gated_delta_rule, gdn.causal_conv1d_fn
+    gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule = recurrence
+    gdn.causal_conv1d_fn = None
+    try:
+        yield
+    finally:
+        gdn.chunk_gated_delta_rule, gdn.torch_chunk_gated_delta_rule, gdn.causal_conv1d_fn = saved
+        for h in hooks:
+            h.remove()
+
+
+# --- pipeline parallel: one forward through the stages as one autograd graph over the PP group -------------
+# Megatron's schedules (1F1B over microbatches) drive a training step from the outside; the training step here is
+# train_t1's, unchanged, so a forward over PP stages is written as autograd functions instead: stage s receives
+# the hidden states of stage s - 1 (PipeRecv, whose backward sends their grad back), runs its layers and sends
+# its output to stage s + 1 (PipeSend, whose backward receives that grad); the last stage's result (logprobs,
+# values, logits) is broadcast to every stage (_PipeBroadcast) so each rank returns the same tensor and computes
+# the same loss; backward counts the last stage's copy only. One microbatch at a time: GPipe without the overlap
+# (departure 1). gpt.pipe_link carries the send's autograd link (a 0-d tensor) from the stage's forward to
+# the broadcast, which on a non-last stage takes it as its input so the backward of the loss reaches the send.
+class PipeSend(torch.autograd.Function):
+    """This stage's output hidden states -> the next stage (p2p); returns a 0-d link whose backward receives their
+    grad from there (mcore._gpt_forward keeps it in gpt.pipe_link for pipe_result)."""
+
+    @staticmethod
+    def forward(ctx, hidden):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        dist.send(hidden.contiguous(), ps.get_pipeline_model_parallel_next_rank())
+        ctx.shape, ctx.dtype = hidden.shape, hidden.dtype
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
+        return grad
+
+
+class PipeRecv(torch.autograd.Function):
+    """The previous stage's hidden states of `shape` (p2p; `link`, a 0-d tensor, only puts the recv on the autograd
+    graph); backward sends their grad back to that stage."""
+
+    @staticmethod
+    def forward(ctx, link, shape, dtype):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        hidden = torch.empty(shape, dtype=dtype)
+        dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        dist.send(grad.contiguous(), ps.get_pipeline_model_parallel_prev_rank())
+        return None, None, None
+
+
+class _PipeBroadcast(torch.autograd.Function):
+    """The last stage's tensor on every stage; backward: the last stage keeps its own grad (every stage computes
+    the same loss from the copy: counting theirs too would multiply the grad by PP), the others pass nothing."""
+
+    @staticmethod
+    def forward(ctx, x, shape, dtype):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        ctx.last = ps.is_pipeline_last_stage()
+        out = x.detach().clone() if ctx.last else torch.empty(shape, dtype=dtype)
+        dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.last else torch.zeros(())), None, None
+
+
+def pipe_result(gpt, out, shape, dtype=torch.float32):
+    """`out` of the last stage (None elsewhere) -> the same tensor on every stage of the pipeline."""
+    if gpt.config.pipeline_model_parallel_size == 1:
+        return out
+    return _PipeBroadcast.apply(out if gpt.post_process else gpt.pipe_link, shape, dtype)
+
+
+# --- the distributed optimizer on CPU: ZeRO-1 as Megatron shards it (DDP grad buffers, gloo) ----------------
+# Megatron's DistributedOptimizer (get_megatron_optimizer(use_distributed_optimizer=True), what mcore.build_qwen35 /
+# mcore._ddp_and_optimizer use on the cluster) is ZeRO-1 over DDP's contiguous grad buffers: each bucket is cut into dp
+# equal shards (DDP pads it to a multiple of lcm(dp, 128)); finalize_model_grads reduce-scatters the grads so the
+# rank r of the bucket's data-parallel group holds the summed grads of shard r; the optimizer keeps fp32 state for
+# that shard only, updates that shard of the params, and DDP all-gathers the params (start_param_sync). Expert
+# buckets shard the same way over the expert-data-parallel group. It cannot run on CPU in megatron-core 0.16.1:
+# DistributedOptimizer._build_model_and_main_param_groups accepts only params of type 'torch.cuda.FloatTensor' /
+# 'torch.cuda.HalfTensor' / 'torch.cuda.BFloat16Tensor' (a CPU param raises TypeError); the grad norm
+# (clip_grads.get_grad_norm_fp32) and the mixed-precision optimizer make their buffers with device='cuda'
+# (overflow buffer, norm, found_inf, loss scale); its FusedAdam and multi-tensor l2norm / scale come from
+# Transformer Engine or apex (without them it falls back to torch's Adam and local loops, but the two CUDA-only
+# points above remain). ShardedAdam is the same sharding, step for step, over the same DDP buffers, in plain
+# torch (gloo); Adam as torch.optim.Adam, without weight decay. The cluster keeps get_megatron_optimizer.
+def wrap_ddp(model):
+    """Megatron DistributedDataParallel (use_distributed_optimizer=True, overlap_grad_reduce=False, fp32 grad
+    buffers) around a GPTModel, or around the `.gpt` of a MegatronActor / MegatronCritic, which then keeps calling
+    its GPTModel directly: DDP's grad hooks sit on the parameters' grad accumulators, so any backward through them
+    fills `param.main_grad` (param.grad stays None), and the parameters become views of DDP's param buffer.
+
+    Needs the model built with calculate_per_token_loss=True (ValueError otherwise): DDP then leaves the reduced
+    grads summed over the data-parallel ranks instead of dividing them by dp, as the trainer's losses are already
+    normalised by the global token count (sum of per-rank losses = the one-rank loss of the global batch)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    gpt = getattr(model, "gpt", model)
+    if not gpt.config.calculate_per_token_loss:
+        raise ValueError("wrap_ddp: build the model with calculate_per_token_loss=True (build_tiny(hf, "
+                         "calculate_per_token_loss=True)); otherwise DDP divides the grads of a globally "
+                         "normalised loss by the data-parallel size")
+    cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
+                                        grad_reduce_in_fp32=True)
+    with mcore.cpu_shims():  # the buffers are allocated on torch.cuda.current_device()
+        return DistributedDataParallel(gpt.config, cfg, gpt)
+
+
+class ShardedAdam:
+    """ZeRO-1 Adam over a `wrap_ddp` model, sharded as Megatron's distributed optimizer: this rank owns shard r of
+    every DDP bucket (r, dp: its rank and size in the bucket's data-parallel group: dense buckets over DP x CP,
+    expert buckets over expert-DP) and keeps exp_avg / exp_avg_sq for that shard only.
+
+        opt.zero_grad()                # DDP grad buffers to 0, before the backward passes of a step
+        grad_norm = opt.step(max_norm) # finalize_model_grads, global-norm clip, Adam on the shard, param all-gather
+
+    Grad norm as Megatron's (MegatronOptimizer.get_main_grads_for_grad_norm + get_grad_norm_fp32): the squares of
+    this rank's reduced grad shards, counting a parameter only if it is not a TP duplicate (the
+    `tensor_model_parallel` attribute, else TP rank 0) and not shared, summed over the intra-distributed-optimizer
+    group (all ranks of a DP x TP x PP x CP instance, the group Megatron's dense and expert optimizers share), so
+    it equals the one-rank norm of the global batch; clipped as torch's clip_grad_norm_ (max_norm / (norm + 1e-6)
+    when below 1). fp32 parameters only (the shard is its own master copy; bf16 params would need an fp32 one).
+    Every element of a shard steps each call: a parameter with no gradient this step (e.g. padding, an expert no
+    token reached) steps with g = 0 as in Megatron's optimizer and in torch.optim.Adam given a zero grad (which
+    SequentialMLP's empty expert matmul produces on one rank), not skipped as torch skips grad None.
+    state_dict() / load_state_dict(): this rank's shard (step, hyperparameters, exp_avg / exp_avg_sq per bucket);
+    the parameters are checkpointed with the model's own (sharded) state dict."""
+
+    def __init__(self, ddp, lr, betas=(0.9, 0.999), eps=1e-8):
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+        self.ddp, self.lr, self.betas, self.eps, self.step_count = ddp, lr, tuple(betas), eps, 0
+        self.shards = []  # one per bucket: this rank's views of its grads / params and its Adam state
+        expert_ids = {id(p) for n, p in ddp.module.named_parameters() if ".local_experts." in n}
+        for buf in ddp.buffers + ddp.expert_parallel_buffers:
+            if buf.param_dtype != torch.float32 or buf.grad_dtype != torch.float32:
+                raise ValueError(f"ShardedAdam: fp32 params and grads only, got {buf.param_dtype} / {buf.grad_dtype}")
+            dp, r = buf.data_parallel_group.size(), buf.data_parallel_group.rank()
+            for bucket in buf.buckets:
+                n = bucket.grad_data.numel() // dp  # DDP pads each bucket to a multiple of dp
+                lo, hi = r * n, (r + 1) * n  # this rank's shard, bucket-local
+                norm_ranges = []  # shard-local [a, b) of the parameters the grad norm counts
+                n_expert = 0  # elements of routed-expert parameters in this shard
+                for p in bucket.params_list:
+                    start, end, _ = buf.param_index_map[p]  # buffer indices; the bucket starts at bucket.offset
+                    a, b = max(start - bucket.offset, lo), min(end - bucket.offset, hi)
+                    if a < b and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
+                        norm_ranges.append((a - lo, b - lo))
+                    n_expert += max(b - a, 0) if id(p) in expert_ids else 0
+                self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=bucket.param_data[lo:hi],
+                                        norm_ranges=norm_ranges, exp_avg=torch.zeros_like(bucket.grad_data[lo:hi]),
+                                        exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi]), n_expert=n_expert))
+
+    def state_numel(self) -> dict:
+        """Elements of each Adam moment this rank holds for routed-expert parameters and for the rest (bucket padding
+        counts as dense). Proposition 7.1 (infra.py): the expert part is P_expert / W on each of W ranks, whatever
+        the plan."""
+        expert = sum(s["n_expert"] for s in self.shards)
+        return {"expert": expert, "dense": sum(s["exp_avg"].numel() for s in self.shards) - expert}
+
+    def zero_grad(self):
+        self.ddp.zero_grad_buffer()
+
+    @torch.no_grad()
+    def grad_norm(self):
+        """Global L2 norm of the reduced grads, an fp32 0-dim tensor (call after finalize_model_grads)."""
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        sq = torch.zeros((), dtype=torch.float32)
+        for s in self.shards:
+            for a, b in s["norm_ranges"]:
+                sq += s["grad"][a:b].pow(2).sum()
+        dist.all_reduce(sq, group=ps.get_intra_distributed_optimizer_instance_group())  # all shards, all MP ranks
+        return sq.sqrt()  # ||g|| = sqrt(sum over ranks of their shards' sum g^2)
+
+    @torch.no_grad()
+    def step(self, max_grad_norm=None):
+        """finalize_model_grads (reduce-scatter over DP / expert-DP, sequence-parallel grads all-reduced over TP),
+        clip by the global norm, Adam on this rank's shards, all-gather the params. -> grad norm before clipping."""
+        from megatron.core.distributed import finalize_model_grads
+        with mcore.cpu_shims():
+            finalize_model_grads([self.ddp])
+        norm = self.grad_norm()
+        if max_grad_norm is not None and max_grad_norm > 0:  # as torch's clip_grad_norm_ (fp32 coefficient)
+            clip_coef = torch.clamp(max_grad_norm / (norm + 1e-6), max=1.0)  # min(1, max_norm / (||g|| + 1e-6))
+            for s in self.shards:
+                s["grad"].mul_(clip_coef)
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1 ** self.step_count
+        bias_correction2_sqrt = (1 - beta2 ** self.step_count) ** 0.5
+        for s in self.shards:  # torch.optim.Adam's single-tensor update, elementwise on the flat shard
+            g, m, v = s["grad"], s["exp_avg"], s["exp_avg_sq"]
+            m.lerp_(g, 1 - beta1)  # m = b1 m + (1 - b1) g
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = b2 v + (1 - b2) g^2
+            denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)  # sqrt(v_hat) + eps
+            s["param"].addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
+        with mcore.cpu_shims():
+            self.ddp.start_param_sync(force_sync=True)  # all-gather every bucket's param shards
+        return norm.item()
+
+    def state_dict(self):
+        return dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps,
+                    exp_avg=[s["exp_avg"].clone() for s in self.shards],
+                    exp_avg_sq=[s["exp_avg_sq"].clone() for s in self.shards])
+
+    def load_state_dict(self, sd):
+        shapes = [tuple(s["exp_avg"].shape) for s in self.shards]
+        if [tuple(t.shape) for t in sd["exp_avg"]] != shapes:
+            raise ValueError(f"ShardedAdam.load_state_dict: shard shapes {[tuple(t.shape) for t in sd['exp_avg']]} "
+                             f"!= {shapes} (another parallel layout or model?)")
+        self.step_count, self.lr, self.betas, self.eps = sd["step"], sd["lr"], tuple(sd["betas"]), sd["eps"]
+        for s, m, v in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"]):
+            s["exp_avg"].copy_(m)
+            s["exp_avg_sq"].copy_(v)
