@@ -59,7 +59,8 @@ Departures from the paper (numbered; each with its reason):
      has its own bundle in the placement group.
   7. --backend megatron over tp * pp * cp * dp ranks (Trainer.join_group): the ranks' default process group is carved
      by Megatron's parallel_state per --plan (TP, PP, CP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
-     actor, behaviour copy and critic (sequence parallel with TP: Megatron's MoE refuses TP without it in
+     actor, behaviour copy and critic, read from the checkpoint's safetensors by slices (mcore_weights.
+     load_checkpoint_into_megatron: no rank holds the whole model) (sequence parallel with TP: Megatron's MoE refuses TP without it in
      training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
      sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
      finalize_model_grads for the sequence-parallel norms) and mcore_parallel.ShardedAdam, the distributed
@@ -68,9 +69,10 @@ Departures from the paper (numbered; each with its reason):
      collective over the expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered
      from every rank (mcore_weights.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic,
      optimizer shards; the plan is checked on resume). Tested against the one-rank Megatron trainer
-     (tests/test_trainer_group.py: TP = 2 actor within 1.8e-6, critic 1.3e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7;
-     PP = 2 bitwise; CP = 2 1.7e-6 / 1.2e-7, the CP ranks of a DP rank running the same rows, grads summed over
-     DP x CP by DDP) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
+     (tests/test_trainer_group.py, weights after warm-up + 2 steps: TP = 2 x EP = 2 with expert TP 1 actor within
+     1.7e-6, critic 1.2e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise; CP = 2 1.7e-6 / 1.2e-7, the CP ranks
+     of a DP rank running the same rows, grads summed over DP x CP by DDP; each rank's expert Adam state exactly
+     P_expert / 2, Proposition 7.1) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
      a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
      Megatron's behaviour.
 """
