@@ -54,6 +54,14 @@ def make_task(root, name="sort-lines", script=SCRIPT, solve="sort in.txt > out.t
     return d
 
 
+def cmdline(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
 def uid_procs(uid):
     """Host pids of processes running as uid."""
     out = []
@@ -181,13 +189,26 @@ def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
     box.read(0.5)
     box.send_keys("sleep 100\n")
     box.read(0.3)
+    deadline = time.time() + 15  # C-c only once sleep runs: sent while bash is still starting it, it is lost
+    while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
+        time.sleep(0.05)
     box.send_keys("C-c")
     box.read(0.3)
     box.send_keys("echo $((X+1)) $PWD\n")
     out, deadline = "", time.time() + 15  # a loaded machine can take more than a second to answer
     while "42 /tmp" not in out and time.time() < deadline:
         out += box.read(1)
-    assert "42 /tmp" in out, out  # state kept (cd, export) and the shell back after ctrl-c interrupted sleep 100
+    assert "42 /tmp" in out, (out, [(p, cmdline(p), sig_fields(p)) for p in uid_procs(box.uid)])  # state kept
+    # (cd, export) and the shell back after ctrl-c interrupted sleep 100; on failure: the jail's processes and
+    # their ignored / blocked signal masks
+
+
+def sig_fields(pid) -> str:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return " ".join(ln.strip() for ln in f if ln.startswith(("SigIgn", "SigBlk", "State")))
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
 
 
 # --- agents ---------------------------------------------------------------------------------------
