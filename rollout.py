@@ -274,8 +274,11 @@ class Sandbox:
     def _open_terminal(self):
         self.master, slave = os.openpty()
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
-        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works)
-            self.term = subprocess.Popen(self._enter(["setsid", "-c", "bash", "--norc", "--noprofile", "-i"]),
+        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); env
+            # --default-signal: a run started in the background (`nohup bash run.sh &`) ignores SIGINT / SIGQUIT
+            # / SIGHUP, which every child would inherit, and C-c would no longer interrupt the agent's commands
+            shell = ["env", "--default-signal=HUP,INT,QUIT", "setsid", "-c", "bash", "--norc", "--noprofile", "-i"]
+            self.term = subprocess.Popen(self._enter(shell),
                                          stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                                          env=self._env())
         finally:
