@@ -189,7 +189,7 @@ def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
     box.read(0.5)
     box.send_keys("sleep 100\n")
     box.read(0.3)
-    deadline = time.time() + 15  # C-c only once sleep runs: sent while bash is still starting it, it is lost
+    deadline = time.time() + 15  # C-c once sleep runs (launched as `nohup ... &`, sleep ignored SIGINT: rollout.py)
     while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
         time.sleep(0.05)
     box.send_keys("C-c")
