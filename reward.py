@@ -11,103 +11,212 @@ CTRF JSON file. The reward is
 passing 10 assertions (0.5) and an easy task passing 2 (0.1) get the distinction they deserve",
 harder tasks naturally carry more signal, and the critic's regression target stays on the same
 scale from step to step (no in-batch scale drift). S = 20 was chosen at about the 90th
-percentile of the assertion counts of T1-15k (median 4, max ~35). When the per-assertion
-report is missing the paper falls back to the binary outcome. The reward is placed on the last
-token of the trajectory; the critic (GAE, gamma = lambda = 1) carries the credit back.
+percentile of the assertion counts of T1-15k (median 4, max ~35), so a task may legitimately have
+more than S assertions and earn r > 1. When the per-assertion report is missing the paper falls
+back to the binary outcome ("报告缺失则回退二值结果"; a write-up of the paper gives the reason:
+"逐斷言報告缺失時回退到二值結果（真正解掉的任務永不會得零分）", a really solved task never scores 0).
+The reward is placed on the last token of the trajectory; the critic (GAE, gamma = lambda = 1)
+carries the credit back.
 
 Run:
-    python reward.py VERIFIER_DIR [--scale 20]     # prints one JSON line
+    python reward.py VERIFIER_DIR [--scale 20] [--n-assertions N] [--owner-uid UID]  # one JSON line
+In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None) -> dict(reward,
+passed, total, source, reason); source is "ctrf", "binary" or "none"; reason says why a report was
+not used (None when the CTRF report was used as is).
 
 `VERIFIER_DIR` is the host folder behind the sandbox's /logs/verifier: `ctrf.json` (as written by
-`pytest --ctrf`) and `reward.txt` (the 1/0 written by the task's tests/test.sh).
+`pytest --ctrf`) and `reward.txt` (the 1/0 written by the task's tests/test.sh). `n_assertions` is
+the task's own assertion count, recorded when the task is audited (data.py: the reference run's
+test count); `owner_uid` is the host uid the verifier ran as.
+
+What is refused (a refused report is never used, and `reason` names the file and what is wrong):
+- a report that is not a regular file opened without following links (a symlink, a FIFO, a device,
+  a directory), that has more than one hard link, that is not owned by `owner_uid` (when given), or
+  that is larger than CTRF_MAX_BYTES / REWARD_TXT_MAX_BYTES; files are opened with O_NOFOLLOW and
+  O_NONBLOCK relative to the verifier folder's descriptor and read from that descriptor only;
+- a CTRF report that is not strict JSON (NaN / Infinity, invalid UTF-8), nested deeper than the
+  parser allows, without an object `results` and a list `results.tests`, with a test whose status is
+  not one of CTRF's (passed, failed, skipped, pending, other), with a `results.summary` whose counts
+  are not non-negative integers (bools, floats, strings refused) or do not add up (passed + failed +
+  skipped + pending + other == tests) or disagree with the per-test list, or with more tests than
+  the task's n_assertions (P can never exceed the task's own assertion count);
+- a reward.txt that is not one plain decimal number (ASCII digits, optional fraction and exponent)
+  in [0, 1]: 1e30, -0.5, nan, inf and text are refused.
 
 Departures from the paper:
-1. Integrity check on the report: a CTRF file whose `results.summary` disagrees with its
-   `results.tests` list (counts of tests or passed) is treated as malformed and we fall back to
-   the binary outcome. The paper relies on the audit only; this is a cheap guard, not tamper
-   proofing (the sandbox clears /logs/verifier before the verifier runs).
-2. The binary fallback is reported as passed/total = 1/1 or 0/1 so that "resolved" keeps one
-   meaning (passed == total > 0) for both sources. A non-0/1 float in reward.txt (Harbor allows
-   float rewards) is used as-is.
-3. r is not clipped: a task with more than S assertions can earn r > 1, as in the paper
-   (max ~35 assertions -> 1.75).
+1. The report checks above: the paper relies on its audit only; here a hostile agent's forged report
+   is bounded (never above the task's full score) and a broken one is named, never a silent 0.
+2. Binary fallback value: reward.txt's value v in [0, 1] pays v * n_assertions / S (a full pass of a
+   4-assertion task pays 0.2, the same as its full CTRF report), and v when n_assertions is unknown
+   (the paper's literal binary outcome; paper silent on its scale). Paying 1.0 for a full pass that
+   the dense reward scores 0.2 would reward losing the report and move the critic's target off the
+   P/S scale. passed/total are 1/1 or 0/1 so that "resolved" (passed == total > 0) keeps one meaning.
+3. r is not clipped: a task with more than S assertions can earn r > 1, as in the paper (max ~35
+   assertions -> 1.75). A CTRF report with fewer tests than n_assertions keeps P but reports
+   total = n_assertions, so a task whose assertions did not all run is not "resolved".
 """
 import argparse
+import errno
 import json
 import math
 import os
+import re
+import stat
 
 import torch
 
 SCALE = 20  # S: paper, fixed for the whole run (~90th percentile of T1-15k assertion counts)
+CTRF_MAX_BYTES = 1 << 20  # paper silent: a real report of ~35 tests with tracebacks is a few tens of KiB
+REWARD_TXT_MAX_BYTES = 1024  # paper silent: one number
+CTRF_STATUSES = ("passed", "failed", "skipped", "pending", "other")  # the CTRF specification's statuses
+_DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 
 
-def _read_ctrf(path):
-    """Return (passed, total) from a CTRF report; raise ValueError naming what is wrong."""
+def _read_report(dir_fd, name, max_bytes, owner_uid):
+    """Bytes of the regular file `name` in the folder `dir_fd`, opened without following a link and read from
+    its descriptor; raise ValueError naming the file and what is wrong, FileNotFoundError when absent."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC
     try:
-        with open(path) as f:
-            doc = json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # ELOOP: a symlink (O_NOFOLLOW); ENXIO: a socket
+        what = "a symlink" if e.errno == errno.ELOOP else "cannot be opened"
+        raise ValueError(f"{name}: {what} ({e.strerror}); reports are read only as regular files") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{name}: not a regular file (mode {stat.filemode(st.st_mode)})")
+        if st.st_nlink != 1:
+            raise ValueError(f"{name}: has {st.st_nlink} hard links (a report has exactly one)")
+        if owner_uid is not None and st.st_uid != owner_uid:
+            raise ValueError(f"{name}: owned by uid {st.st_uid}, not by the verifier's uid {owner_uid}")
+        if st.st_size > max_bytes:
+            raise ValueError(f"{name}: {st.st_size} bytes, over the cap of {max_bytes} bytes")
+        chunks, n = [], 0
+        while n <= max_bytes:  # the size may change after fstat: never read more than the cap + 1
+            b = os.read(fd, max_bytes + 1 - n)
+            if not b:
+                break
+            chunks.append(b)
+            n += len(b)
+        if n > max_bytes:
+            raise ValueError(f"{name}: grew past the cap of {max_bytes} bytes while read")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _count(summary, key, where):
+    """A summary count: a non-negative int (not a bool); absent counts are 0."""
+    v = summary.get(key, 0)
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"{where}.{key} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _no_constant(name):
+    raise ValueError(f"{name} is not strict JSON")
+
+
+def _parse_ctrf(raw, n_assertions):
+    """Return (passed, total) from the bytes of a CTRF report; raise ValueError naming what is wrong."""
+    try:
+        doc = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("nested deeper than the JSON parser allows (a CTRF report is a few levels deep)") from None
+    except ValueError as e:  # JSONDecodeError, invalid UTF-8, NaN / Infinity, a 5000-digit integer
+        raise ValueError(f"not valid JSON ({e})") from None
     results = doc.get("results") if isinstance(doc, dict) else None
     if not isinstance(results, dict):
-        raise ValueError(f"{path}: missing object 'results'")
+        raise ValueError("missing object 'results'")
     tests = results.get("tests")
     if not isinstance(tests, list):
-        raise ValueError(f"{path}: missing list 'results.tests'")
+        raise ValueError("missing list 'results.tests'")
+    counts = dict.fromkeys(CTRF_STATUSES, 0)
     for i, t in enumerate(tests):
-        if not isinstance(t, dict) or not isinstance(t.get("status"), str):
-            raise ValueError(f"{path}: results.tests[{i}] has no string 'status'")
-    passed = sum(t["status"] == "passed" for t in tests)
+        status = t.get("status") if isinstance(t, dict) else None
+        if not isinstance(status, str):
+            raise ValueError(f"results.tests[{i}] has no string 'status'")
+        if status not in counts:
+            raise ValueError(f"results.tests[{i}].status {status[:40]!r} is not one of {', '.join(CTRF_STATUSES)}")
+        counts[status] += 1
     summary = results.get("summary")
-    if isinstance(summary, dict):  # integrity: summary must agree with the per-test list
-        if summary.get("tests", len(tests)) != len(tests) or summary.get("passed", passed) != passed:
-            raise ValueError(f"{path}: results.summary ({summary.get('passed')}/{summary.get('tests')}) "
-                             f"disagrees with results.tests ({passed}/{len(tests)})")
-    return passed, len(tests)
+    if summary is not None:  # integrity: the summary adds up and agrees with the per-test list
+        if not isinstance(summary, dict):
+            raise ValueError(f"results.summary must be an object, got {type(summary).__name__}")
+        n_tests = _count(summary, "tests", "results.summary")
+        got = {k: _count(summary, k, "results.summary") for k in CTRF_STATUSES}
+        if sum(got.values()) != n_tests:
+            raise ValueError(f"results.summary counts do not add up: {' + '.join(str(got[k]) for k in CTRF_STATUSES)}"
+                             f" != tests {n_tests}")
+        if n_tests != len(tests) or got != counts:
+            raise ValueError(f"results.summary ({n_tests} tests: {got}) disagrees with results.tests "
+                             f"({len(tests)} tests: {counts})")
+    if n_assertions is not None and len(tests) > n_assertions:  # P never above the task's own count
+        raise ValueError(f"{len(tests)} tests, more than the task's {n_assertions} assertions (recorded at audit)")
+    return counts["passed"], len(tests)
 
 
-def _read_binary(path):
-    """Return the float outcome in reward.txt; raise ValueError naming what is wrong."""
-    with open(path) as f:
-        text = f.read().strip()
+def _parse_binary(raw):
+    """Return the outcome in reward.txt: one plain decimal number in [0, 1]; raise ValueError naming what is wrong."""
     try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"{path}: expected a number, got {text[:40]!r}") from None
-    if not math.isfinite(value):
-        raise ValueError(f"{path}: value {text!r} is not finite")
+        text = raw.decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"not ASCII text: {raw[:40]!r}") from None
+    if not _DECIMAL.fullmatch(text):
+        raise ValueError(f"expected one number in [0, 1], got {text[:40]!r}")
+    value = float(text)
+    if not (math.isfinite(value) and 0.0 <= value <= 1.0):
+        raise ValueError(f"value {text[:40]!r} is outside [0, 1]")
     return value
 
 
-def compute(verifier_dir, scale=SCALE):
-    """Reward of one trial from its verifier folder.
+def compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None):
+    """Reward of one trial from its verifier folder (see the module docstring for what is refused).
 
-    Returns dict(reward, passed, total, source, reason) with source in {"ctrf", "binary", "none"};
-    reason is None when the CTRF report was used, else why it was not.
+    scale: S of r = P / S. n_assertions: the task's assertion count recorded at audit; a CTRF report with
+    more tests is refused, and the binary fallback pays v * n_assertions / S. owner_uid: the uid the
+    verifier ran as; a report owned by anyone else is refused. r may exceed 1 (a task with more than S
+    assertions, as in the paper). Returns dict(reward, passed, total, source, reason) with source in
+    {"ctrf", "binary", "none"}; reason is None when the CTRF report was used as is, else why not.
     """
-    if scale <= 0:
-        raise ValueError(f"scale must be > 0, got {scale}")
-    ctrf_path = os.path.join(verifier_dir, "ctrf.json")
-    txt_path = os.path.join(verifier_dir, "reward.txt")
-    if os.path.isfile(ctrf_path):
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    if n_assertions is not None and (isinstance(n_assertions, bool) or not isinstance(n_assertions, int)
+                                     or n_assertions <= 0):
+        raise ValueError(f"n_assertions must be a positive integer or None, got {n_assertions!r}")
+    if owner_uid is not None and (isinstance(owner_uid, bool) or not isinstance(owner_uid, int) or owner_uid < 0):
+        raise ValueError(f"owner_uid must be a non-negative integer or None, got {owner_uid!r}")
+    try:
+        dir_fd = os.open(verifier_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        return dict(reward=0.0, passed=0, total=0, source="none",
+                    reason=f"verifier dir {verifier_dir}: cannot be opened as a directory without following a "
+                           f"link ({e.strerror})")
+    try:
         try:
-            passed, total = _read_ctrf(ctrf_path)
-            # r = P / S (S fixed for the run)
-            return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=None)
+            passed, total = _parse_ctrf(_read_report(dir_fd, "ctrf.json", CTRF_MAX_BYTES, owner_uid), n_assertions)
+            reason = None
+            if n_assertions is not None and total < n_assertions:  # departure 3: not resolved unless all ran
+                reason = f"CTRF lists {total} tests of the task's {n_assertions} assertions: total = {n_assertions}"
+                total = n_assertions
+            return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=reason)  # r = P / S
+        except FileNotFoundError:
+            reason = f"missing CTRF: {os.path.join(verifier_dir, 'ctrf.json')}"
         except (ValueError, OSError) as e:
-            reason = f"malformed CTRF: {e}"
-    else:
-        reason = f"missing CTRF: {ctrf_path}"
-    if os.path.isfile(txt_path):  # paper: binary outcome when the per-assertion report is missing
-        try:
-            value = _read_binary(txt_path)
-            return dict(reward=value, passed=int(value >= 1.0), total=1, source="binary", reason=reason)
+            reason = f"malformed CTRF: {os.path.join(verifier_dir, 'ctrf.json')}: {e}"
+        try:  # paper: the binary outcome when the per-assertion report is missing
+            value = _parse_binary(_read_report(dir_fd, "reward.txt", REWARD_TXT_MAX_BYTES, owner_uid))
+            r = value * n_assertions / scale if n_assertions is not None else value  # departure 2
+            return dict(reward=r, passed=int(value >= 1.0), total=1, source="binary", reason=reason)
+        except FileNotFoundError:
+            reason += f"; missing {os.path.join(verifier_dir, 'reward.txt')}"
         except (ValueError, OSError) as e:
-            reason += f"; malformed reward.txt: {e}"
-    else:
-        reason += f"; missing {txt_path}"
-    return dict(reward=0.0, passed=0, total=0, source="none", reason=reason)
+            reason += f"; malformed reward.txt: {os.path.join(verifier_dir, 'reward.txt')}: {e}"
+        return dict(reward=0.0, passed=0, total=0, source="none", reason=reason)
+    finally:
+        os.close(dir_fd)
 
 
 def is_resolved(result):
@@ -127,8 +236,13 @@ def place_on_last_token(reward, length):
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="CTRF report -> r = P/S")
     p.add_argument("verifier_dir")
-    p.add_argument("--scale", type=float, default=SCALE)
+    p.add_argument("--scale", type=float, default=SCALE, help="S of r = P/S (paper: 20)")
+    p.add_argument("--n-assertions", type=int, default=None, help="the task's assertion count (recorded at audit)")
+    p.add_argument("--owner-uid", type=int, default=None, help="refuse reports not owned by this uid")
     a = p.parse_args()
-    if not os.path.isdir(a.verifier_dir):
-        raise SystemExit(f"reward.py: {a.verifier_dir} is not a directory")
-    print(json.dumps(compute(a.verifier_dir, a.scale)))
+    if not os.path.isdir(a.verifier_dir) or os.path.islink(a.verifier_dir):
+        raise SystemExit(f"reward.py: {a.verifier_dir} is not a directory (or is a symlink)")
+    try:
+        print(json.dumps(compute(a.verifier_dir, a.scale, n_assertions=a.n_assertions, owner_uid=a.owner_uid)))
+    except ValueError as e:
+        raise SystemExit(f"reward.py: {e}")
