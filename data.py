@@ -14,24 +14,37 @@ Run:
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints one JSON line
     data.load_task(dir)  # also loads a Terminal-Bench 2 task dir unchanged
 
-A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality; [verifier]
+A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, n_assertions; [verifier]
 timeout_sec; [agent] timeout_sec; [environment]), instruction.md, environment/Dockerfile
 (cluster only: FROM ... WORKDIR /app COPY app/ /app/), environment/app/ (the initial /app, which
 the local sandbox copies), tests/test.sh + tests/test_outputs.py (3-6 pytest assertions),
 solution/solve.sh (reference, run in /app) and solution/terminus2.json (the expert's Terminus-2
 replies for SFT; the last two set task_complete, the second one confirming).
 
+n_assertions (Task.n_assertions) is the task's own assertion count: reward.compute refuses a report
+with more tests, so a forged report never pays more than the task's full score. Generated tasks carry
+it in task.toml [metadata]; validate() checks the oracle's report count against it, and for a task
+without one (a Terminal-Bench task) records the oracle's count in t1_audit.json in the task dir
+(task.toml of a task this project did not write is never rewritten); load_task reads it back and
+refuses a t1_audit.json that disagrees with task.toml.
+
+load_task refuses (ValueError naming the file and field): [verifier] / [agent] timeout_sec and
+[environment] build_timeout_sec that are not positive finite numbers of at most MAX_TIMEOUT_S (inf,
+nan, 0, negatives, booleans, strings); [environment] cpus / memory_mb / storage_mb that are not
+positive finite numbers; a non-finite [metadata] quality; an n_assertions that is not a positive int.
+
 Departures from the paper:
 1. No LLM: tasks come from 6 templated families of real shell work (files/dirs, text processing,
    permissions, archives, CSV/JSON munging, find-then-act where the second command depends on
    reading the first one's output), each with a few variants and randomised parameters (file
    names, words, numbers). RST's recursive rewriting is left to a later issue.
-2. The audit is mechanical: the oracle (solve.sh) must resolve in a fresh sandbox with
-   reward == total/20; the nop agent must score below full (weak-verifier reject; our tests are
-   built so that nop passes none); the scripted expert trajectory (terminus2.json through the
-   real token path) must resolve when a tokenizer is available; static checks: every output the
-   tests read is named in the instruction (hidden requirement), no test or solution file and no
-   output already sits in /app (test leakage / solution shortcut), >= 3 assertions.
+2. The audit is mechanical: the oracle (solve.sh) must resolve in a fresh sandbox with its CTRF
+   report, reward == total/20 and total == n_assertions; the nop agent must score below full
+   (weak-verifier reject; our tests are built so that nop passes none); the scripted expert
+   trajectory (terminus2.json through the real token path) must resolve when a tokenizer is
+   available; static checks: every output the tests read is named in the instruction (hidden
+   requirement), no test or solution file and no output already sits in /app (test leakage /
+   solution shortcut), >= 3 assertions.
 3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit
    score; `ordered_pool` sorts by it and `epoch_order` reshuffles per epoch as in the paper.
 4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M
@@ -46,14 +59,19 @@ import dataclasses
 import gzip
 import io
 import json
+import math
 import os
 import random
 import shutil
+import stat
 import tarfile
 import time
 import tomllib
 
 SCALE = 20  # S of r = P/S (reward.py); a resolved oracle must score total/S
+MAX_TIMEOUT_S = 7 * 24 * 3600.0  # paper silent: a task.toml timeout above a week is refused (threading caps waits)
+AUDIT_FILE = "t1_audit.json"  # validate() records n_assertions here for a task whose task.toml has none
+AUDIT_MAX_BYTES = 4096
 
 WORDS = ["alpha", "bravo", "cedar", "delta", "ember", "falcon", "garnet", "harbor", "indigo",
          "juniper", "kestrel", "lumen", "maple", "nectar", "onyx", "pepper", "quartz", "raven",
@@ -407,10 +425,69 @@ class Task:
     tests_dir: str
     solution_dir: str | None
     env_dir: str
+    n_assertions: int | None = None  # the task's assertion count recorded at audit (reward.compute's bound on P)
+
+
+def _positive_finite(value, where, maximum=None):
+    """A positive finite number (int or float, not a bool) at most `maximum`; raise ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{where} must be a positive finite number, got {value!r}")
+    if maximum is not None and value > maximum:
+        raise ValueError(f"{where} = {value!r} is over the maximum of {maximum}")
+    return value
+
+
+def _n_assertions(value, where):
+    """A recorded assertion count: a positive int (not a bool); raise ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+    return value
+
+
+def _read_audit(task_dir):
+    """n_assertions recorded by validate() in AUDIT_FILE (None when there is none); ValueError when it is bad."""
+    path = os.path.join(task_dir, AUDIT_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be opened without following a link ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file")
+        raw = f.read(AUDIT_MAX_BYTES + 1)
+    try:
+        doc = json.loads(raw) if len(raw) <= AUDIT_MAX_BYTES else None
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({str(e)[:80]})") from None
+    if not isinstance(doc, dict) or "n_assertions" not in doc:
+        raise ValueError(f"{path}: expected a JSON object with n_assertions (at most {AUDIT_MAX_BYTES} bytes)")
+    return _n_assertions(doc["n_assertions"], f"{path}: n_assertions")
+
+
+def _check_config(config, toml_path):
+    """Refuse the task.toml fields this project reads when they are the wrong type or out of range."""
+    for table in ("metadata", "verifier", "agent", "environment"):
+        if not isinstance(config.get(table, {}), dict):
+            raise ValueError(f"{toml_path}: [{table}] must be a table")
+    for table, key in (("verifier", "timeout_sec"), ("agent", "timeout_sec"), ("environment", "build_timeout_sec")):
+        if key in config.get(table, {}):  # every timeout is finite: inf / nan / <= 0 / bool / str refused
+            _positive_finite(config[table][key], f"{toml_path}: [{table}] {key} (seconds)", MAX_TIMEOUT_S)
+    for key in ("cpus", "memory_mb", "storage_mb"):  # read by daytona_sandbox
+        if key in config.get("environment", {}):
+            _positive_finite(config["environment"][key], f"{toml_path}: [environment] {key}")
+    meta = config.get("metadata", {})
+    if "quality" in meta:  # ordered_pool sorts by it
+        q = meta["quality"]
+        if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q):
+            raise ValueError(f"{toml_path}: [metadata] quality must be a finite number, got {q!r}")
+    if "n_assertions" in meta:
+        _n_assertions(meta["n_assertions"], f"{toml_path}: [metadata] n_assertions")
 
 
 def load_task(task_dir):
-    """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file."""
+    """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file and field."""
     task_dir = os.path.abspath(task_dir)
     if not os.path.isdir(task_dir):
         raise ValueError(f"task dir {task_dir} does not exist")
@@ -422,10 +499,11 @@ def load_task(task_dir):
         raise ValueError(f"{toml_path}: missing task.toml") from None
     except tomllib.TOMLDecodeError as e:
         raise ValueError(f"{toml_path}: invalid TOML ({e})") from None
-    for table in ("verifier", "agent"):
-        t = config.get(table, {})
-        if not isinstance(t, dict) or not isinstance(t.get("timeout_sec", 1.0), (int, float)):
-            raise ValueError(f"{toml_path}: [{table}] timeout_sec must be a number")
+    _check_config(config, toml_path)
+    n_assertions = config.get("metadata", {}).get("n_assertions")
+    audited = _read_audit(task_dir)
+    if n_assertions is not None and audited is not None and audited != n_assertions:
+        raise ValueError(f"{toml_path}: [metadata] n_assertions = {n_assertions} but {AUDIT_FILE} records {audited}")
     ins_path = os.path.join(task_dir, "instruction.md")
     if not os.path.isfile(ins_path):
         raise ValueError(f"{ins_path}: missing instruction.md")
@@ -439,7 +517,8 @@ def load_task(task_dir):
     sol = os.path.join(task_dir, "solution")
     return Task(name=os.path.basename(task_dir), path=task_dir, instruction=instruction, config=config,
                 tests_dir=os.path.join(task_dir, "tests"), solution_dir=sol if os.path.isdir(sol) else None,
-                env_dir=os.path.join(task_dir, "environment"))
+                env_dir=os.path.join(task_dir, "environment"),
+                n_assertions=n_assertions if n_assertions is not None else audited)
 
 
 def expert_replies(spec):
@@ -506,14 +585,24 @@ def static_audit(spec):
     return None
 
 
-def validate(task_dir, tokenizer=None, work_root=None):
-    """Audit in fresh sandboxes: the oracle must resolve with reward == total/S, nop must score
-    below full, the scripted expert trajectory must resolve (when a tokenizer is given).
+def validate(task_dir, tokenizer=None, work_root=None, record=True):
+    """Audit in fresh sandboxes: the oracle must resolve with its CTRF report, reward == total/S, and as many
+    tests as the task's recorded n_assertions (when it has none and record is True, the oracle's count is
+    written to AUDIT_FILE in the task dir once the audit passes: reward.compute bounds P by it); nop must score
+    below full; the scripted expert trajectory must resolve (when a tokenizer is given).
     Returns None when the task passes, else the reason."""
     import rollout  # lazy: rollout may import data
+    task = load_task(task_dir)
     res = rollout.run_trial(task_dir, "oracle", work_root=work_root)
+    why = res.get("reward_reason") or res.get("error") or ""
+    if res.get("reward_source") != "ctrf":
+        return f"oracle has no usable CTRF report ({res.get('reward_source')}): {why}".strip()
     if not (res["resolved"] and res["total"] > 0 and abs(res["reward"] - res["total"] / SCALE) < 1e-9):
-        return f"oracle not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+        return f"oracle not resolved: {res['passed']}/{res['total']} {why}".strip()
+    if task.n_assertions is not None and res["total"] != task.n_assertions:
+        return (f"assertion count: the oracle's report has {res['total']} tests, the task records "
+                f"n_assertions = {task.n_assertions}")
+    n_oracle = res["total"]
     res = rollout.run_trial(task_dir, "nop", work_root=work_root)
     if res["passed"] >= res["total"]:
         return "weak verifier: nop scores full"
@@ -521,7 +610,19 @@ def validate(task_dir, tokenizer=None, work_root=None):
         res = rollout.run_trial(task_dir, "scripted", tokenizer=tokenizer, work_root=work_root)
         if not res["resolved"]:
             return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+    if task.n_assertions is None and record:
+        _write_audit(task_dir, dict(n_assertions=n_oracle, audited_by="data.validate (oracle run)"))
     return None
+
+
+def _write_audit(task_dir, doc):
+    """Write AUDIT_FILE atomically (a temp file renamed over it), never through a link."""
+    path, tmp = os.path.join(task_dir, AUDIT_FILE), os.path.join(task_dir, f".{AUDIT_FILE}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    with os.fdopen(fd, "w") as f:
+        json.dump(doc, f)
+        f.write("\n")
+    os.replace(tmp, path)
 
 
 # --- pools ----------------------------------------------------------------------------------------

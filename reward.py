@@ -107,11 +107,17 @@ def _read_report(dir_fd, name, max_bytes, owner_uid):
         os.close(fd)
 
 
+def _short(v):
+    """repr of a value from a report, cut to 40 characters (a report may hold a 4000-digit number)."""
+    r = repr(v) if not isinstance(v, int) or abs(v) < 10 ** 30 else f"<{len(str(abs(v)))}-digit integer>"
+    return r if len(r) <= 40 else r[:37] + "..."
+
+
 def _count(summary, key, where):
     """A summary count: a non-negative int (not a bool); absent counts are 0."""
     v = summary.get(key, 0)
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"{where}.{key} must be a non-negative integer, got {v!r}")
+        raise ValueError(f"{where}.{key} must be a non-negative integer, got {_short(v)}")
     return v
 
 
@@ -148,10 +154,11 @@ def _parse_ctrf(raw, n_assertions):
         n_tests = _count(summary, "tests", "results.summary")
         got = {k: _count(summary, k, "results.summary") for k in CTRF_STATUSES}
         if sum(got.values()) != n_tests:
-            raise ValueError(f"results.summary counts do not add up: {' + '.join(str(got[k]) for k in CTRF_STATUSES)}"
-                             f" != tests {n_tests}")
+            terms = " + ".join(_short(got[k]) for k in CTRF_STATUSES)
+            raise ValueError(f"results.summary counts do not add up: {terms} != tests {_short(n_tests)}")
         if n_tests != len(tests) or got != counts:
-            raise ValueError(f"results.summary ({n_tests} tests: {got}) disagrees with results.tests "
+            said = ", ".join(f"{k} {_short(v)}" for k, v in got.items())
+            raise ValueError(f"results.summary ({_short(n_tests)} tests: {said}) disagrees with results.tests "
                              f"({len(tests)} tests: {counts})")
     if n_assertions is not None and len(tests) > n_assertions:  # P never above the task's own count
         raise ValueError(f"{len(tests)} tests, more than the task's {n_assertions} assertions (recorded at audit)")

@@ -239,7 +239,98 @@ def test_audit_rejects_broken_oracle_and_weak_verifier(pool, tmp_path):
     shutil.copytree(src, broken)
     shutil.copytree(src, weak)
     (broken / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
-    (weak / "tests" / "test_outputs.py").write_text("".join(f"def test_{i}():\n    assert True\n" for i in range(3)))
+    n = data.load_task(src).n_assertions  # as many trivial tests as the task records: the count check passes
+    (weak / "tests" / "test_outputs.py").write_text("".join(f"def test_{i}():\n    assert True\n" for i in range(n)))
     assert data.validate(src, work_root=str(tmp_path)) is None
     assert data.validate(str(broken), work_root=str(tmp_path)).startswith("oracle not resolved: 0/")
     assert data.validate(str(weak), work_root=str(tmp_path)) == "weak verifier: nop scores full"
+
+
+# --- task.toml numbers (issue 11: every timeout is finite) and n_assertions (rewards are bounded) --------
+def _with_toml(root, text):
+    d = _tb2_task(root)
+    (d / "task.toml").write_text(text)
+    return d
+
+
+@pytest.mark.parametrize("table, key", [("verifier", "timeout_sec"), ("agent", "timeout_sec"),
+                                        ("environment", "build_timeout_sec")])
+@pytest.mark.parametrize("value", ["inf", "nan", "-inf", "-1", "0", "0.0", "true", '"10"', "1e9", "[1]"])
+def test_task_toml_timeouts_must_be_positive_finite_seconds(tmp_path, table, key, value):
+    d = _with_toml(tmp_path / "t", f"[{table}]\n{key} = {value}\n")
+    with pytest.raises(ValueError) as e:
+        data.load_task(str(d))
+    msg = str(e.value)
+    assert str(d / "task.toml") in msg and f"[{table}] {key}" in msg, msg
+
+
+def test_task_toml_finite_timeouts_load(tmp_path):
+    d = _with_toml(tmp_path / "t", "[verifier]\ntimeout_sec = 900\n[agent]\ntimeout_sec = 0.5\n"
+                                   "[environment]\nbuild_timeout_sec = 600.0\n")
+    t = data.load_task(str(d))
+    assert t.config["verifier"]["timeout_sec"] == 900 and t.config["agent"]["timeout_sec"] == 0.5
+
+
+@pytest.mark.parametrize("text, needle", [
+    ("[environment]\ncpus = 0\n", "[environment] cpus"),
+    ("[environment]\ncpus = true\n", "[environment] cpus"),
+    ("[environment]\nmemory_mb = nan\n", "[environment] memory_mb"),
+    ("[environment]\nstorage_mb = -5\n", "[environment] storage_mb"),
+    ("[metadata]\nquality = inf\n", "[metadata] quality"),
+    ("[metadata]\nquality = \"high\"\n", "[metadata] quality"),
+    ("verifier = 5\n", "[verifier] must be a table"),
+    ("[metadata]\nn_assertions = 0\n", "[metadata] n_assertions"),
+    ("[metadata]\nn_assertions = -3\n", "[metadata] n_assertions"),
+    ("[metadata]\nn_assertions = true\n", "[metadata] n_assertions"),
+    ("[metadata]\nn_assertions = 4.0\n", "[metadata] n_assertions"),
+    ("[metadata]\nn_assertions = \"4\"\n", "[metadata] n_assertions"),
+])
+def test_task_toml_numeric_fields_refused_by_name(tmp_path, text, needle):
+    d = _with_toml(tmp_path / "t", text)
+    with pytest.raises(ValueError) as e:
+        data.load_task(str(d))
+    assert str(d / "task.toml") in str(e.value) and needle in str(e.value), str(e.value)
+
+
+def test_n_assertions_parsed_from_metadata_or_audit_file(tmp_path, pool):
+    gen = pool[1][0]
+    assert data.load_task(gen).n_assertions == data.load_task(gen).config["metadata"]["n_assertions"] >= 3
+    d = _tb2_task(tmp_path / "tb2")
+    assert data.load_task(str(d)).n_assertions is None  # a Terminal-Bench task: not audited yet
+    (d / data.AUDIT_FILE).write_text('{"n_assertions": 7}')
+    assert data.load_task(str(d)).n_assertions == 7
+    (d / "task.toml").write_text(TB2_TOML.replace('[metadata]\n', '[metadata]\nn_assertions = 6\n'))
+    with pytest.raises(ValueError, match="n_assertions = 6 but t1_audit.json records 7"):
+        data.load_task(str(d))
+    for bad in ('{"n_assertions": 0}', '{"n_assertions": true}', '{"tests": 7}', "[" * 100000, "x" * 5000):
+        (d / data.AUDIT_FILE).write_text(bad)
+        with pytest.raises(ValueError, match="t1_audit.json"):
+            data.load_task(str(d))
+    (d / data.AUDIT_FILE).unlink()
+    (tmp_path / "forged.json").write_text('{"n_assertions": 6}')
+    (d / data.AUDIT_FILE).symlink_to(tmp_path / "forged.json")
+    with pytest.raises(ValueError, match="without following a link"):
+        data.load_task(str(d))
+
+
+def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
+    pytest.importorskip("rollout")
+    import re
+    import shutil
+    src = _one_per_family(pool[1])[1]
+    n = data.load_task(src).n_assertions
+    fewer, unrecorded = tmp_path / "fewer", tmp_path / "unrecorded"
+    shutil.copytree(src, fewer)
+    shutil.copytree(src, unrecorded)
+    toml = (fewer / "task.toml").read_text()
+    (fewer / "task.toml").write_text(re.sub(r"n_assertions = \d+", f"n_assertions = {n - 1}", toml))
+    (unrecorded / "task.toml").write_text(re.sub(r"n_assertions = \d+\n", "", toml))
+    assert data.load_task(str(unrecorded)).n_assertions is None
+    # the oracle's report has n tests, one more than recorded: the audit rejects it (whether the jail's
+    # reward.compute already refused the report or the count check here catches it)
+    why = data.validate(str(fewer), work_root=str(tmp_path / "w"))
+    assert why is not None and why.startswith(("assertion count", "oracle has no usable CTRF")), why
+    assert not (fewer / data.AUDIT_FILE).exists()
+    assert data.validate(str(unrecorded), work_root=str(tmp_path / "w")) is None
+    assert json.loads((unrecorded / data.AUDIT_FILE).read_text())["n_assertions"] == n
+    assert data.load_task(str(unrecorded)).n_assertions == n

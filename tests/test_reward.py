@@ -310,3 +310,9 @@ def test_cli_exits_nonzero_on_a_bad_dir(tmp_path):
     out = subprocess.run([sys.executable, os.path.join(HERE, "reward.py"), str(tmp_path / "real"),
                           "--n-assertions", "5"], capture_output=True, text=True, check=True).stdout
     assert json.loads(out)["source"] == "none" and "more than the task's 5 assertions" in json.loads(out)["reason"]
+
+
+def test_reason_stays_short_for_a_huge_number_in_the_report(tmp_path):
+    (tmp_path / "ctrf.json").write_text('{"results": {"tests": [], "summary": {"tests": ' + "1" * 4000 + "}}}")
+    res = reward.compute(str(tmp_path))
+    assert res["source"] == "none" and "<4000-digit integer>" in res["reason"] and len(res["reason"]) < 400
