@@ -592,7 +592,10 @@ def validate(task_dir, tokenizer=None, work_root=None, record=True):
     below full; the scripted expert trajectory must resolve (when a tokenizer is given).
     Returns None when the task passes, else the reason."""
     import rollout  # lazy: rollout may import data
-    task = load_task(task_dir)
+    try:
+        task = load_task(task_dir)
+    except ValueError as e:
+        return f"task dir: {e}"
     res = rollout.run_trial(task_dir, "oracle", work_root=work_root)
     why = res.get("reward_reason") or res.get("error") or ""
     if res.get("reward_source") != "ctrf":
