@@ -13,7 +13,7 @@ harder tasks naturally carry more signal, and the critic's regression target sta
 scale from step to step (no in-batch scale drift). S = 20 was chosen at about the 90th
 percentile of the assertion counts of T1-15k (median 4, max ~35), so a task may legitimately have
 more than S assertions and earn r > 1. When the per-assertion report is missing the paper falls
-back to the binary outcome ("报告缺失则回退二值结果"; a write-up of the paper gives the reason:
+back to the binary outcome (seed summary: "报告缺失则回退二值结果"; another seed gives the reason:
 "逐斷言報告缺失時回退到二值結果（真正解掉的任務永不會得零分）", a really solved task never scores 0).
 The reward is placed on the last token of the trajectory; the critic (GAE, gamma = lambda = 1)
 carries the credit back.
