@@ -45,7 +45,7 @@ Sample record (one per segment; one per trajectory unless a boundary split; `sav
     segment, plus the split that opened it), segment, n_segments, spans [(start, end)] of each
     completion, sampled [[ids]] (the engine's output ids), harness_drift_tokens (sampled ids the harness's
     own copy got wrong: what naive retokenization would have trained on), and the auditor's reference:
-    turn_ids [[prompt_ids, output_ids]] of every turn of the trial, boundaries [[case, h]] per boundary.
+    turn_ids (every turn's prompt and output ids, `pack_turns`), boundaries [[case, h]] per boundary.
 The trajectory's reward goes on the last token of every segment.
 
 CLI:
@@ -61,7 +61,7 @@ Departures from the paper:
      only strict is repaired and any other boundary is a split. The native harness (rollout.py) is
      token-first, so every boundary there is strict by construction (the paper's future-work fix for
      its residual 2.6% retokenized tokens).
-  3. Each sample carries its trial's turn ids (delta-encoded on disk) so that the auditor can run on
+  3. Each sample carries its trial's turn ids (delta-encoded, O(T)) so that the auditor can run on
      saved samples; the paper does not say where its auditor reads the records from.
 
 The auditor (`audit`, paper: "relocates every completion in the next prompt"): from the turn records the
@@ -255,9 +255,9 @@ def assemble_segments(trial: dict, tok=None, replay: bool = False) -> list[dict]
     return samples
 
 
-def _turn_ids(records) -> list[list[list[int]]]:
-    """[[prompt_ids, output_ids]] of every turn, as the sampler saw them (the auditor's reference)."""
-    return [[[int(t) for t in r["prompt_ids"]], [int(t) for t in r["output_ids"]]] for r in records]
+def _turn_ids(records) -> list:
+    """Every turn's prompt and output ids as the sampler saw them (the auditor's reference), packed."""
+    return pack_turns([[[int(t) for t in r["prompt_ids"]], [int(t) for t in r["output_ids"]]] for r in records])
 
 
 def assemble(trial: dict, tok=None, replay: bool = False) -> dict:
@@ -321,16 +321,17 @@ def _placements(s: dict) -> tuple[list, list, dict]:
     boundaries the assembler declared: a segment starts at the prompt of its first turn (position 0); a strict
     boundary keeps the offset between stream and prompt; a repaired one (normalized / retokenized) resumes the
     next prompt at h right after completion i. -> ([(stream start, ids)], [relocation failure], cases)."""
-    name, turns = s.get("task", "?"), s.get("turn_ids")
-    if not turns:
+    name = s.get("task", "?")
+    if not s.get("turn_ids"):
         raise ValueError(f"sample {name!r}: no turn_ids (written before the auditor needed its trial's records); "
                          f"cannot audit it")
+    turns = unpack_turns(s["turn_ids"])
     if s.get("layout") == "naive":  # assemble_naive: the harness's last prompt, each completion where its copy sits
         return [(len(p), o) for p, o in turns], [], dict.fromkeys(CASES, 0)
     bounds = s.get("boundaries")
-    if bounds is None or len(bounds) != len(turns) - 1:
-        raise ValueError(f"sample {name!r}: {len(turns)} turns need {len(turns) - 1} boundaries, got "
-                         f"{None if bounds is None else len(bounds)}")
+    if bounds is None or len(bounds) != len(turns) - 1 or any(len(b) != 2 for b in bounds):
+        raise ValueError(f"sample {name!r}: {len(turns)} turns need {len(turns) - 1} boundaries [case, h], got "
+                         f"{None if bounds is None else str(bounds)[:80]}")
     want_seg, seg, off = int(s.get("segment", 0)), 0, 0
     placed, failures, cases = [], [], dict.fromkeys(CASES, 0)
     for i, (p, o) in enumerate(turns):
@@ -367,6 +368,8 @@ def audit_sample(s: dict) -> dict:
     there), or when a sampled id sits at m = 0 or beyond the stream. -> counts and the drifted positions."""
     placed, failures, cases = _placements(s)
     tokens, mask = np.asarray(s["tokens"]), np.asarray(s["loss_mask"]) != 0  # (T,), (T,)
+    if tokens.ndim != 1 or mask.shape != tokens.shape:
+        raise ValueError(f"sample {s.get('task', '?')!r}: tokens {tokens.shape} and loss_mask {mask.shape} differ")
     want = np.full(len(tokens), -1, dtype=np.int64)  # (T,): the sampled id expected at j, -1 where none
     missing = 0
     for start, o in placed:
@@ -420,8 +423,9 @@ def _unb64(s: str, dtype, shape=None) -> np.ndarray:
     return a.reshape(shape) if shape is not None else a
 
 
-def _pack_turns(turns: list) -> list:
-    """turn_ids -> [[k, prompt_ids[k:], output_ids]]: k = ids shared with the previous prompt + output (lossless)."""
+def pack_turns(turns: list) -> list:
+    """[[prompt_ids, output_ids]] -> [[k, prompt_ids[k:], output_ids]], k = ids the prompt shares with the previous
+    prompt + output: lossless, O(T) instead of O(turns x T) for an append-only history (a sample's `turn_ids`)."""
     out, prev = [], []
     for p, o in turns:
         k = next((k for k, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
@@ -430,11 +434,15 @@ def _pack_turns(turns: list) -> list:
     return out
 
 
-def _unpack_turns(packed: list) -> list:
+def unpack_turns(packed: list) -> list:
+    """A sample's `turn_ids` -> [[prompt_ids, output_ids]] of every turn of its trial."""
     out, prev = [], []
-    for k, rest, o in packed:
-        if not 0 <= k <= len(prev):
-            raise ValueError(f"turn_ids: shared prefix {k} longer than the previous turn ({len(prev)})")
+    for turn in packed:
+        if not isinstance(turn, (list, tuple)) or len(turn) != 3:
+            raise ValueError(f"turn_ids: expected [k, prompt tail, output ids] per turn, got {str(turn)[:80]}")
+        k, rest, o = turn
+        if not isinstance(k, int) or not 0 <= k <= len(prev):
+            raise ValueError(f"turn_ids: shared prefix {k!r} is not in [0, {len(prev)}] (the previous turn)")
         p = prev[:k] + list(rest)
         out.append([p, list(o)])
         prev = p + list(o)
@@ -455,7 +463,7 @@ def save_samples(path: str | Path, samples: list[dict]) -> None:
             re = s.get("routed_experts")
             rec["routed_experts"] = None if re is None else {"shape": list(re.shape), "data": _b64(re, np.int32)}
             if s.get("turn_ids") is not None:
-                rec["turn_ids"] = _pack_turns(s["turn_ids"])
+                rec["turn_ids"] = s["turn_ids"]
             f.write(json.dumps(rec) + "\n")
     tmp.replace(path)  # atomic: a crash never leaves half a file behind
 
@@ -473,7 +481,7 @@ def load_samples(path: str | Path) -> list[dict]:
                 rec["routed_experts"] = None if re is None else _unb64(re["data"], np.int32, re["shape"])
                 rec["spans"] = [tuple(x) for x in rec["spans"]]
                 if rec.get("turn_ids") is not None:
-                    rec["turn_ids"] = _unpack_turns(rec["turn_ids"])
+                    unpack_turns(rec["turn_ids"])  # refuse a malformed record here, naming its line
             except (KeyError, ValueError, TypeError) as e:
                 raise ValueError(f"{path}: line {n} is not a sample record ({e})") from e
             out.append(rec)

@@ -124,7 +124,9 @@ def test_audit_reports_a_completion_not_relocated_in_the_next_prompt():
                                   "found": 99}]
     assert rep["loss_region_drift_pct"] == 0.0  # each segment still trains on the sampled ids
     s = tito.assemble(make_trial())
-    s["turn_ids"][2][0][len(s["turn_ids"][1][0]) + 1] = 98  # the records' copy of turn 1's reply corrupted
+    turns = tito.unpack_turns(s["turn_ids"])
+    turns[2][0][len(turns[1][0]) + 1] = 98  # the records' copy of turn 1's reply corrupted
+    s["turn_ids"] = tito.pack_turns(turns)
     rep = tito.audit([s])
     assert rep["relocation_failures"] == 1 and rep["relocation"][0]["turn"] == 1
 
@@ -133,6 +135,22 @@ def test_audit_refuses_samples_without_their_trial_records():
     s = tito.assemble(make_trial())
     del s["turn_ids"]
     with pytest.raises(ValueError, match="no turn_ids"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["boundaries"] = s["boundaries"][:1]
+    with pytest.raises(ValueError, match=r"3 turns need 2 boundaries"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["boundaries"][0] = ["retokenized", 10**6]  # a repaired boundary the records do not support
+    with pytest.raises(ValueError, match=r"turn 0: boundary declared retokenized"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["loss_mask"] = s["loss_mask"][:-1]
+    with pytest.raises(ValueError, match=r"tokens \(\d+,\) and loss_mask"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["turn_ids"][1][0] = 10**6  # a shared prefix longer than the previous turn
+    with pytest.raises(ValueError, match=r"shared prefix 1000000 is not in"):
         tito.audit([s])
 
 
@@ -152,6 +170,9 @@ def test_samples_round_trip_exactly_and_cli_audits_them(tmp_path):
     rep = json.loads(out.stdout)
     assert rep["samples"] == 2 and rep["loss_region_drift_pct"] == 0.0 and rep["cases"]["strict"] == 4
     assert back[0]["turn_ids"] == samples[0]["turn_ids"] and back[0]["boundaries"] == samples[0]["boundaries"]
+    recs = make_trial()["records"]
+    assert tito.unpack_turns(back[0]["turn_ids"]) == [[r["prompt_ids"], r["output_ids"]] for r in recs]
+    assert sum(len(t[1]) for t in back[0]["turn_ids"]) < sum(len(r["prompt_ids"]) for r in recs)  # packed
 
 
 def test_cli_audit_fails_on_a_corrupted_sample_and_names_the_position(tmp_path):
