@@ -10,6 +10,14 @@ trained on).
 
     w[j, l, :] = softmax(router_l(h_j))[R[j, l, :]] / sum_k softmax(router_l(h_j))[R[j, l, k]]
 
+Policy (what aborts), with replay on (train_t1 --r3-mode replay): a trial with one turn's capture missing
+(an SGLang server started without --enable-return-routed-experts returns no routed_experts; the embedded
+engine, model.EngineServer, captures whenever the request sets return_routed_experts, as rollout.EngineClient
+does) -> tito.CaptureError naming the trial, the turn and the flag; a placeholder row where m[j+1] = 1 ->
+ValueError naming the trial and the row; a sample or batch without routing reaching the trainer ->
+ValueError (train_t1.pad_batch / batch_routing). None of them is dropped or trained with live routing.
+With replay off, routing is optional (only the expert_set_mismatch figure uses it).
+
 Use:
 
     r3.install(model)                                    # once, after building/loading the model
@@ -43,9 +51,10 @@ Departures from the paper:
    state-dict key), and a forward pre-hook on the MoE block tells the router the (B, T) of the
    batch so that flattened token rows can be matched to recorded rows.
 2. A replay row of all -1 (a placeholder or padding) falls back to live top-k for that row. The
-   replay itself does not know the loss mask; the sample assembler calls `check_capture(experts,
-   loss_mask)`, which aborts on a missing capture and on placeholders where m[j+1] = 1. `routing`
-   refuses malformed tensors (wrong shape, ids out of range, partly -1 rows).
+   replay itself does not know the loss mask; train_t1.to_samples calls `check_capture(experts,
+   loss_mask)` on every assembled sample, which aborts on a missing capture and on placeholders where
+   m[j+1] = 1, and counts the placeholder rows (logged per step as r3_placeholder_frac; paper: 0.003%).
+   `routing` refuses malformed tensors (wrong shape, ids out of range, partly -1 rows).
 3. Activation recompute (gradient checkpointing): the recomputed forward reads the routers' replay
    state when backward runs, so backward must run inside the `routing(..., "replay")` context.
    Record mode is meant for forward-only use (no_grad); a recompute inside a record context would
@@ -237,26 +246,32 @@ def routing(model, mode: str, experts=None):
         ctx._collect()
 
 
-def check_capture(experts, loss_mask):
-    """Refuse a sample whose routing capture cannot be replayed (paper: missing capture aborts).
+def check_capture(experts, loss_mask) -> int:
+    """Refuse a sample whose routing capture cannot be replayed (paper: missing capture aborts); -> placeholder rows.
 
-    experts: (T, L, k) int (or None when the sampler returned no capture); loss_mask: (T,) 0/1.
-    Row j routes the forward that predicts token j+1, so a placeholder row (all -1) is allowed only
-    where m[j+1] = 0; the last row (j = T-1) predicts nothing and may be a placeholder.
+    experts: (T, L, k) or (T-1, L, k) int (tito's layout: the last token is never forwarded, its row is omitted),
+    or None when the sampler returned no capture; loss_mask: (T,) 0/1. Row j routes the forward that predicts
+    token j+1, so a placeholder row (-1 at any layer) is allowed only where m[j+1] = 0; the last row (j = T-1)
+    predicts nothing and may be a placeholder. Returns the number of placeholder rows (the per-step figure
+    r3_placeholder_frac = placeholder rows / rows; paper: 0.003%).
     """
     if experts is None:
-        raise ValueError("experts: routing capture is missing (R3 never silently drops it)")
+        raise ValueError("experts: routing capture is missing (R3 never silently drops it; SGLang returns it only "
+                         "when started with --enable-return-routed-experts)")
     experts = torch.as_tensor(np.asarray(experts))
     mask = torch.as_tensor(np.asarray(loss_mask))
-    if experts.ndim != 3 or experts.shape[0] != mask.shape[0]:
-        raise ValueError(f"experts: expected (T, L, k) with T = len(loss_mask) = {mask.shape[0]}, "
+    T = mask.shape[0]
+    if experts.ndim != 3 or experts.shape[0] not in (T, T - 1):
+        raise ValueError(f"experts: expected (T, L, k) or (T-1, L, k) with T = len(loss_mask) = {T}, "
                          f"got {tuple(experts.shape)}")
-    placeholder = (experts < 0).all(dim=-1).any(dim=-1)  # (T,) any layer missing for row j
-    bad = placeholder[:-1] & (mask[1:] != 0)  # row j feeds a trained token j+1
+    placeholder = (experts < 0).all(dim=-1).any(dim=-1)  # (T or T-1,) any layer missing for row j
+    n = min(placeholder.shape[0], T - 1)
+    bad = placeholder[:n] & (mask[1:n + 1] != 0)  # row j feeds a trained token j+1
     if bad.any():
         j = int(bad.nonzero()[0])
         raise ValueError(f"experts: placeholder routing at row {j} but m[{j + 1}] = 1 "
                          f"({int(bad.sum())} such rows); placeholders are allowed only where m[j+1] = 0")
+    return int(placeholder.sum())
 
 
 def encode_routed_experts(arr: np.ndarray) -> str:

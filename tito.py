@@ -43,13 +43,14 @@ Sample record (one per segment; one per trajectory unless a boundary split; `sav
     routed_experts (T-1, L, k) int32 or None, reward, passed, total, reward_source, exit_reason,
     turns, weight_version, cases {strict, normalized, retokenized, split} (boundaries inside the
     segment, plus the split that opened it), segment, n_segments, spans [(start, end)] of each
-    completion, sampled [[ids]] (the engine's output ids), relocated [[ids]] (the ids the training
-    stream holds at each completion's span: what the next turn is conditioned on), harness_drift_tokens
-    (sampled ids the harness's own copy got wrong: what naive retokenization would have trained on).
+    completion, sampled [[ids]] (the engine's output ids), harness_drift_tokens (sampled ids the harness's
+    own copy got wrong: what naive retokenization would have trained on), and the auditor's reference:
+    turn_ids (every turn's prompt and output ids, `pack_turns`), boundaries [[case, h]] per boundary.
 The trajectory's reward goes on the last token of every segment.
 
 CLI:
-    python tito.py audit SAMPLES_PATH [--json]   # case counts + loss-region drift (4 decimals)
+    python tito.py audit SAMPLES_PATH [--json]   # cases, loss-region drift (4 decimals), relocation failures;
+                                                 # exit 1 when a loss-region token drifted
     python tito.py measure --quick               # naive vs TITO through the token gateway (gateway.py)
 
 Departures from the paper:
@@ -60,9 +61,23 @@ Departures from the paper:
      only strict is repaired and any other boundary is a split. The native harness (rollout.py) is
      token-first, so every boundary there is strict by construction (the paper's future-work fix for
      its residual 2.6% retokenized tokens).
-  3. The auditor checks the training stream against the sampler's ids stored in the sample (`sampled`);
-     the paper's auditor relocates completions in the next prompt. `harness_drift_pct` reports the
-     drift the naive stream (the harness's own ids) would have had.
+  3. Each sample carries its trial's turn ids (delta-encoded, O(T)) so that the auditor can run on
+     saved samples; the paper does not say where its auditor reads the records from.
+
+The auditor (`audit`, paper: "relocates every completion in the next prompt"): from the turn records the
+sample carries, completion i must appear in turn i+1's prompt where turn i's prompt ended (else a
+relocation failure is reported: the next turn saw other ids, e.g. a retokenized history), and the sampled
+ids are placed in the stream by the declared boundaries (the last completion inside the sample's tokens);
+drift = loss-region positions (m = 1) whose trained id is not the sampled id, plus sampled ids left at
+m = 0, over the loss-region tokens. `harness_drift_pct` reports what the naive stream would have drifted.
+
+Policy (what aborts):
+  - R3 replay on (`replay=True`): a turn without its routing capture, or with a capture that does not cover
+    prompt + output - 1 rows, raises CaptureError naming the trial, the turn and the engine flag
+    (SGLang's --enable-return-routed-experts); the trainer lets it abort the step, never drops the trial.
+    Replay off: an incomplete capture only leaves routed_experts None.
+  - The auditor refuses a sample without its turn records or with boundaries inconsistent with them;
+    `python tito.py audit` exits 1 on any loss-region drift; train_t1.py aborts the step on one.
 """
 from __future__ import annotations
 
@@ -163,40 +178,57 @@ class _Segment:
         self.rows += [(i_next, h + t) for t in range(len(glue))]
 
 
-def _routing(seg: _Segment, records, name) -> np.ndarray | None:
-    """Routing (T-1, L, k) of a segment, each row from the forward that computed it (see the docstring)."""
-    have = [r.get("routed_experts") is not None for r in records]
-    if not any(have):
-        return None
+class CaptureError(ValueError):
+    """R3 replay is on and a turn of a trial has no usable routing capture: the step aborts (never dropped)."""
+
+
+ENGINE_CAPTURE_HINT = ("the engine returned no routed experts: start SGLang with --enable-return-routed-experts "
+                       "(cluster.sglang_command passes it); the embedded engine (model.EngineServer) captures "
+                       "when the request sets return_routed_experts, as rollout.EngineClient always does")
+
+
+def _routing(seg: _Segment, records, name, replay: bool) -> np.ndarray | None:
+    """Routing (T-1, L, k) of a segment, each row from the forward that computed it (see the docstring).
+
+    replay: every turn must carry its capture, else CaptureError naming the trial, the turn and the engine flag.
+    Not replay: the routing is kept when every turn has a well-shaped capture, else None (R3 off needs none).
+    """
     shape = None
-    for i, rec in enumerate(records):  # a missing capture aborts (R3), never silently drops
+    for i, rec in enumerate(records):
         need = len(rec["prompt_ids"]) + len(rec["output_ids"]) - 1
         re = rec.get("routed_experts")
+        re = None if re is None else np.asarray(re)
         if re is None or re.ndim != 3 or re.shape[0] != need or (shape is not None and re.shape[1:] != shape):
+            if not replay:
+                return None
             got = None if re is None else tuple(re.shape)
             want = (need,) + (tuple(shape) if shape is not None else ("L", "k"))
-            raise ValueError(f"trial {name!r} turn {i}: routed experts missing or wrongly shaped: "
-                             f"expected {want}, got {got} (R3: a missing capture aborts)")
+            hint = ENGINE_CAPTURE_HINT if re is None else "the capture does not cover prompt + output - 1 rows"
+            raise CaptureError(f"trial {name!r} turn {i}: routed experts missing or wrongly shaped: expected {want}, "
+                               f"got {got}; R3 replay never trains without the capture ({hint})")
         shape = shape or re.shape[1:]
     out = np.empty((len(seg.tokens) - 1,) + tuple(shape), dtype=np.int32)  # (T-1, L, k)
     for j, (i, r) in enumerate(seg.rows[:-1]):
-        out[j] = records[i]["routed_experts"][r]
+        out[j] = np.asarray(records[i]["routed_experts"])[r]
     return out
 
 
-def assemble_segments(trial: dict, tok=None) -> list[dict]:
-    """Training samples of a trial from its per-turn records: one per segment (four-case repair)."""
+def assemble_segments(trial: dict, tok=None, replay: bool = False) -> list[dict]:
+    """Training samples of a trial from its per-turn records: one per segment (four-case repair).
+
+    replay (R3 on): a turn without its routing capture raises CaptureError; off: routing is kept when complete."""
     records = trial.get("records") or []
     name = trial.get("task", "?")
     if not records:
         raise ValueError(f"trial {name!r}: no model turns recorded, nothing to train on")
-    segs, splits = [_Segment(records, 0, False)], []
+    segs, splits, boundaries = [_Segment(records, 0, False)], [], []
     for i, rec in enumerate(records):
         segs[-1].add_output(rec, i, name)
         if i + 1 == len(records):
             break
         prompt, out, nxt = (list(r) for r in (rec["prompt_ids"], rec["output_ids"], records[i + 1]["prompt_ids"]))
         case, h = classify_boundary(prompt, out, nxt, tok)
+        boundaries.append([case, h])
         if case == "split":
             splits.append(i)
             segs.append(_Segment(records, i + 1, True))
@@ -204,28 +236,33 @@ def assemble_segments(trial: dict, tok=None) -> list[dict]:
         segs[-1].cases[case] += 1
         segs[-1].harness_drift += 0 if case == "strict" else _harness_drift(nxt[len(prompt):h], out)
         segs[-1].add_glue(nxt, i + 1, h)
+    turn_ids = _turn_ids(records)
     samples = []
     for k, seg in enumerate(segs):
         tokens = np.asarray(seg.tokens, dtype=np.int64)  # (T,)
         samples.append({
             "task": name, "tokens": tokens, "loss_mask": np.asarray(seg.mask, dtype=np.int8),
             "rollout_logprobs": np.asarray(seg.logprobs, dtype=np.float64),
-            "routed_experts": _routing(seg, records, name),
+            "routed_experts": _routing(seg, records, name, replay),
             "reward": float(trial.get("reward", 0.0)), "passed": int(trial.get("passed", 0)),
             "total": int(trial.get("total", 0)), "reward_source": trial.get("reward_source"),
             "exit_reason": trial.get("exit_reason"), "turns": len(seg.turns),
             "weight_version": trial.get("weight_version", records[seg.turns[-1]].get("weight_version")),
             "cases": seg.cases, "segment": k, "n_segments": len(segs), "split_after_turns": splits,
-            "spans": seg.spans, "sampled": seg.sampled,
-            "relocated": [[int(t) for t in tokens[a:b]] for a, b in seg.spans],
-            "harness_drift_tokens": seg.harness_drift,
+            "spans": seg.spans, "sampled": seg.sampled, "harness_drift_tokens": seg.harness_drift,
+            "turn_ids": turn_ids, "boundaries": boundaries,  # what the auditor checks the stream against
         })
     return samples
 
 
-def assemble(trial: dict, tok=None) -> dict:
+def _turn_ids(records) -> list:
+    """Every turn's prompt and output ids as the sampler saw them (the auditor's reference), packed."""
+    return pack_turns([[[int(t) for t in r["prompt_ids"]], [int(t) for t in r["output_ids"]]] for r in records])
+
+
+def assemble(trial: dict, tok=None, replay: bool = False) -> dict:
     """The one training sample of a trial; a split boundary raises (use assemble_segments for those)."""
-    samples = assemble_segments(trial, tok)
+    samples = assemble_segments(trial, tok, replay)
     if len(samples) > 1:
         i = samples[0]["split_after_turns"][0]
         hint = "" if tok is not None else " (no tokenizer given: only strict boundaries are repaired)"
@@ -242,7 +279,7 @@ def assemble_naive(trial: dict, tok=None) -> dict:
     final = [int(t) for t in last["prompt_ids"]]
     tokens = final + [int(t) for t in last["output_ids"]]
     eot = end_of_turn_ids(tok) if tok is not None else set()
-    mask, spans, sampled, relocated = [0] * len(tokens), [], [], []
+    mask, spans, sampled = [0] * len(tokens), [], []
     for i, rec in enumerate(records):
         p, out = [int(t) for t in rec["prompt_ids"]], [int(t) for t in rec["output_ids"]]
         if i + 1 == len(records):
@@ -256,10 +293,10 @@ def assemble_naive(trial: dict, tok=None) -> dict:
         mask[a:b] = [1] * (b - a)
         spans.append((a, b))
         sampled.append(out)
-        relocated.append(tokens[a:b])
     return {"task": trial.get("task", "?"), "tokens": np.asarray(tokens, dtype=np.int64),
             "loss_mask": np.asarray(mask, dtype=np.int8), "cases": dict.fromkeys(CASES, 0),
-            "spans": spans, "sampled": sampled, "relocated": relocated, "harness_drift_tokens": 0}
+            "spans": spans, "sampled": sampled, "harness_drift_tokens": 0, "segment": 0, "n_segments": 1,
+            "turn_ids": _turn_ids(records), "layout": "naive"}
 
 
 def case_counts(trial: dict, tok=None) -> dict:
@@ -273,23 +310,106 @@ def case_counts(trial: dict, tok=None) -> dict:
 
 # --- audit -------------------------------------------------------------------------------------------
 
+MAX_REPORTED = 20  # positions listed per kind in an audit report (the counts cover them all)
+
+
+def _placements(s: dict) -> tuple[list, list, dict]:
+    """Where the sampler's completions must sit in the sample's stream, from its trial's turn records.
+
+    Relocation (the paper's auditor): completion i (record i's output ids) must appear in record i+1's prompt
+    at the position where record i's prompt ended. The stream position of completion i follows from the
+    boundaries the assembler declared: a segment starts at the prompt of its first turn (position 0); a strict
+    boundary keeps the offset between stream and prompt; a repaired one (normalized / retokenized) resumes the
+    next prompt at h right after completion i. -> ([(stream start, ids)], [relocation failure], cases)."""
+    name = s.get("task", "?")
+    if not s.get("turn_ids"):
+        raise ValueError(f"sample {name!r}: no turn_ids (written before the auditor needed its trial's records); "
+                         f"cannot audit it")
+    turns = unpack_turns(s["turn_ids"])
+    if s.get("layout") == "naive":  # assemble_naive: the harness's last prompt, each completion where its copy sits
+        return [(len(p), o) for p, o in turns], [], dict.fromkeys(CASES, 0)
+    bounds = s.get("boundaries")
+    if bounds is None or len(bounds) != len(turns) - 1 or any(len(b) != 2 for b in bounds):
+        raise ValueError(f"sample {name!r}: {len(turns)} turns need {len(turns) - 1} boundaries [case, h], got "
+                         f"{None if bounds is None else str(bounds)[:80]}")
+    want_seg, seg, off = int(s.get("segment", 0)), 0, 0
+    placed, failures, cases = [], [], dict.fromkeys(CASES, 0)
+    for i, (p, o) in enumerate(turns):
+        start = len(p) + off  # stream position of completion i
+        if seg == want_seg:
+            placed.append((start, o))
+        if i + 1 == len(turns):
+            break
+        nxt, (case, h) = turns[i + 1][0], bounds[i]
+        if case not in CASES:
+            raise ValueError(f"sample {name!r} turn {i}: unknown boundary case {case!r}")
+        n, found = len(p), turns[i + 1][0][len(p):len(p) + len(o)]
+        if seg == want_seg and found != o:  # relocation fails: the next turn was not conditioned on these ids
+            k = next((k for k, (a, b) in enumerate(zip(o, found)) if a != b), min(len(o), len(found)))
+            failures.append({"task": name, "turn": i, "case": case, "position": n + k,
+                             "sampled": o[k] if k < len(o) else None, "found": found[k] if k < len(found) else None})
+        if case == "split":
+            seg, off = seg + 1, 0  # a new segment: the stream restarts at the next prompt
+            cases["split"] += int(seg == want_seg)
+            continue
+        cases[case] += int(seg == want_seg)
+        if case != "strict":
+            if nxt[:n] != p or h is None or not n <= h <= len(nxt):
+                raise ValueError(f"sample {name!r} turn {i}: boundary declared {case} at h = {h}, but the next prompt "
+                                 f"does not extend this turn's prompt there")
+            off = start + len(o) - h  # the stream holds P_{i+1}[h:] right after completion i
+    return placed, failures, cases
+
+
+def audit_sample(s: dict) -> dict:
+    """Loss-region drift of one sample: trained `tokens` at every m = 1 position vs the sampled ids placed there.
+
+    A position is drifted when m = 1 and the trained id differs from the sampled one (or nothing was sampled
+    there), or when a sampled id sits at m = 0 or beyond the stream. -> counts and the drifted positions."""
+    placed, failures, cases = _placements(s)
+    tokens, mask = np.asarray(s["tokens"]), np.asarray(s["loss_mask"]) != 0  # (T,), (T,)
+    if tokens.ndim != 1 or mask.shape != tokens.shape:
+        raise ValueError(f"sample {s.get('task', '?')!r}: tokens {tokens.shape} and loss_mask {mask.shape} differ")
+    want = np.full(len(tokens), -1, dtype=np.int64)  # (T,): the sampled id expected at j, -1 where none
+    missing = 0
+    for start, o in placed:
+        inside = max(min(len(o), len(tokens) - start), 0)
+        want[start:start + inside] = o[:inside]
+        missing += len(o) - inside  # the last completion must lie inside the sample's tokens
+    sampled_at = want >= 0
+    bad = (mask & (tokens != want)) | (sampled_at & ~mask)  # (T,)
+    pos = np.flatnonzero(bad)
+    drift = [{"task": s.get("task", "?"), "segment": int(s.get("segment", 0)), "position": int(j),
+              "trained": int(tokens[j]), "sampled": int(want[j]) if want[j] >= 0 else None, "mask": int(mask[j])}
+             for j in pos[:MAX_REPORTED]]
+    return {"loss_tokens": int((mask | sampled_at).sum()) + missing, "drifted_tokens": len(pos) + missing,
+            "missing_tokens": missing, "drift": drift, "relocation": failures, "cases": cases}
+
+
 def audit(samples: list[dict]) -> dict:
-    """Relocate every completion in the training stream; count ids that differ from the sampled ones."""
+    """The paper's TITO auditor over samples that carry their trial's turn records (`turn_ids`, `boundaries`).
+
+    loss_region_drift_pct = drifted loss-region tokens / loss-region tokens (percent, unrounded); relocation
+    failures = completions not found in the next turn's prompt where their turn's prompt ended (a boundary the
+    harness re-encoded or rewrote: the next turn saw other ids than the sampled ones)."""
     cases = dict.fromkeys(CASES, 0)
-    loss_tokens = drifted = harness = 0
+    loss_tokens = drifted = missing = harness = 0
+    drift, relocation, n_reloc = [], [], 0
     for s in samples:
+        r = audit_sample(s)
         for c in CASES:
-            cases[c] += int(s["cases"].get(c, 0))
-        sampled = s.get("sampled") or [list(s["tokens"][a:b]) for a, b in s["spans"]]  # old records: the stream
-        for want, found in zip(sampled, s["relocated"]):
-            loss_tokens += len(want)
-            drifted += _harness_drift(list(found), list(want))
+            cases[c] += r["cases"][c]
+        loss_tokens += r["loss_tokens"]
+        drifted += r["drifted_tokens"]
+        missing += r["missing_tokens"]
+        n_reloc += len(r["relocation"])
+        drift += r["drift"][:MAX_REPORTED - len(drift)]
+        relocation += r["relocation"][:MAX_REPORTED - len(relocation)]
         harness += int(s.get("harness_drift_tokens", 0))
-        if int(s["loss_mask"].sum()) != sum(e - b for b, e in s["spans"]):
-            raise ValueError(f"sample {s['task']!r}: loss mask does not cover exactly the sampled spans")
-    pct = lambda k: round(100.0 * k / loss_tokens, 4) if loss_tokens else 0.0  # noqa: E731
+    pct = lambda k: 100.0 * k / loss_tokens if loss_tokens else 0.0  # noqa: E731
     return {"samples": len(samples), "cases": cases, "loss_tokens": loss_tokens, "drifted_tokens": drifted,
-            "loss_region_drift_pct": pct(drifted), "harness_drift_pct": pct(harness)}
+            "missing_tokens": missing, "loss_region_drift_pct": pct(drifted), "harness_drift_pct": pct(harness),
+            "relocation_failures": n_reloc, "drift": drift, "relocation": relocation}
 
 
 # --- samples on disk ---------------------------------------------------------------------------------
@@ -301,6 +421,32 @@ def _b64(a: np.ndarray, dtype) -> str:
 def _unb64(s: str, dtype, shape=None) -> np.ndarray:
     a = np.frombuffer(base64.b64decode(s), dtype=np.dtype(dtype).newbyteorder("<")).astype(dtype)
     return a.reshape(shape) if shape is not None else a
+
+
+def pack_turns(turns: list) -> list:
+    """[[prompt_ids, output_ids]] -> [[k, prompt_ids[k:], output_ids]], k = ids the prompt shares with the previous
+    prompt + output: lossless, O(T) instead of O(turns x T) for an append-only history (a sample's `turn_ids`)."""
+    out, prev = [], []
+    for p, o in turns:
+        k = next((k for k, (a, b) in enumerate(zip(p, prev)) if a != b), min(len(p), len(prev)))
+        out.append([k, p[k:], o])
+        prev = p + o
+    return out
+
+
+def unpack_turns(packed: list) -> list:
+    """A sample's `turn_ids` -> [[prompt_ids, output_ids]] of every turn of its trial."""
+    out, prev = [], []
+    for turn in packed:
+        if not isinstance(turn, (list, tuple)) or len(turn) != 3:
+            raise ValueError(f"turn_ids: expected [k, prompt tail, output ids] per turn, got {str(turn)[:80]}")
+        k, rest, o = turn
+        if not isinstance(k, int) or not 0 <= k <= len(prev):
+            raise ValueError(f"turn_ids: shared prefix {k!r} is not in [0, {len(prev)}] (the previous turn)")
+        p = prev[:k] + list(rest)
+        out.append([p, list(o)])
+        prev = p + list(o)
+    return out
 
 
 def save_samples(path: str | Path, samples: list[dict]) -> None:
@@ -316,6 +462,8 @@ def save_samples(path: str | Path, samples: list[dict]) -> None:
             rec["rollout_logprobs"] = _b64(s["rollout_logprobs"], np.float64)
             re = s.get("routed_experts")
             rec["routed_experts"] = None if re is None else {"shape": list(re.shape), "data": _b64(re, np.int32)}
+            if s.get("turn_ids") is not None:
+                rec["turn_ids"] = s["turn_ids"]
             f.write(json.dumps(rec) + "\n")
     tmp.replace(path)  # atomic: a crash never leaves half a file behind
 
@@ -332,6 +480,8 @@ def load_samples(path: str | Path) -> list[dict]:
                 re = rec.get("routed_experts")
                 rec["routed_experts"] = None if re is None else _unb64(re["data"], np.int32, re["shape"])
                 rec["spans"] = [tuple(x) for x in rec["spans"]]
+                if rec.get("turn_ids") is not None:
+                    unpack_turns(rec["turn_ids"])  # refuse a malformed record here, naming its line
             except (KeyError, ValueError, TypeError) as e:
                 raise ValueError(f"{path}: line {n} is not a sample record ({e})") from e
             out.append(rec)
@@ -358,7 +508,10 @@ def main(argv=None):
     files = sorted(path.glob("**/*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):
         sys.exit(f"tito audit: no sample files at {path}")
-    report = audit([s for f in files for s in load_samples(f)])
+    try:
+        report = audit([s for f in files for s in load_samples(f)])
+    except ValueError as e:
+        sys.exit(f"tito audit: {e}")
     if args.json:
         print(json.dumps(report))
     else:
@@ -366,7 +519,13 @@ def main(argv=None):
         print(f"loss-region drift {report['loss_region_drift_pct']:.4f}% "
               f"({report['drifted_tokens']} of {report['loss_tokens']} loss tokens); "
               f"the harness's own copies would drift {report['harness_drift_pct']:.4f}%")
-
+        print(f"completions not relocated in the next prompt: {report['relocation_failures']}")
+        for d in report["drift"]:
+            print(f"  drift: {d}")
+        for r in report["relocation"]:
+            print(f"  relocation: {r}")
+    if report["drifted_tokens"]:
+        sys.exit(1)  # a wrong token in the loss region: the audit fails
 
 if __name__ == "__main__":
     main()

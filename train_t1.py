@@ -337,8 +337,14 @@ class Metrics:
         self.tb.flush()
 
 
-def pad_batch(samples: list[dict], scale: float) -> dict:
-    """Right-pad samples into (B, T) tensors; rewards r = P / S placed on the last sampled token."""
+def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
+    """Right-pad samples into (B, T) tensors; rewards r = P / S placed on the last sampled token.
+
+    replay (R3 on): every sample must carry its routing; one without is refused, never trained with live routing."""
+    lacking = [s.get("task", "?") for s in samples if s.get("routed_experts") is None]
+    if replay and lacking:
+        raise ValueError(f"R3 replay: {len(lacking)} of {len(samples)} samples carry no routing (trials "
+                         f"{lacking[:5]}): {tito.ENGINE_CAPTURE_HINT}; or run with --r3-mode off")
     B, T = len(samples), max(len(s["tokens"]) for s in samples)
     out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "attention_mask": torch.zeros(B, T, dtype=torch.long),
            "mask": torch.zeros(B, T), "rollout_logprobs": torch.zeros(B, T), "rewards": torch.zeros(B, T)}
@@ -371,8 +377,10 @@ def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None
 
 
 def batch_routing(actor, batch, mode, rows=slice(None)):
-    """The R3 context for rows of a batch: replay its recorded experts, or live routing when it has none."""
-    mode = mode if (mode != "replay" or batch["experts"] is not None) else "off"
+    """The R3 context for rows of a batch: replay its recorded experts (a batch without them is refused), or off."""
+    if mode == "replay" and batch["experts"] is None:
+        raise ValueError(f"R3 replay: the batch carries no routing: {tito.ENGINE_CAPTURE_HINT}; "
+                         f"or run with --r3-mode off")
     return r3.routing(actor, mode, experts=batch["experts"][rows] if mode == "replay" else None)
 
 
@@ -476,17 +484,43 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
     return kept, dropped, n_tok / max(time.time() - t0, 1e-9)
 
 
-def to_samples(trials: list[dict], run_dir: Path, tag: str) -> list[dict]:
-    """TITO assembly; a trial that cannot be assembled is recorded with its reason, never kills the step."""
+def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False) -> list[dict]:
+    """TITO assembly; a trial that cannot be assembled is recorded with its reason and skipped, except under R3
+    replay, where a turn without its routing capture (tito.CaptureError) or a placeholder routing row that feeds
+    a trained token (r3.check_capture) aborts the step: never silently dropped (paper, R3)."""
     samples = []
     for t in trials:
+        if not t.get("records"):
+            continue
         try:
-            if t.get("records"):
-                samples.append(tito.assemble(t))
+            s = tito.assemble(t, replay=replay)
+        except tito.CaptureError:
+            raise
         except ValueError as e:
             with open(run_dir / "failed_trials.jsonl", "a") as f:
                 f.write(json.dumps({"tag": tag, "task": t.get("task"), "reason": str(e)}) + "\n")
+            continue
+        if s["routed_experts"] is not None:
+            try:
+                s["placeholder_rows"] = r3.check_capture(s["routed_experts"], s["loss_mask"])
+            except ValueError as e:
+                if replay:
+                    raise ValueError(f"trial {s['task']!r}: {e}") from None
+                s["routed_experts"] = None  # R3 off: routing only feeds the expert_set_mismatch figure
+        samples.append(s)
     return samples
+
+
+def audit_samples(samples: list[dict], step: int) -> dict:
+    """The step's TITO audit (a drifted loss-region token aborts the step) and R3 placeholder fraction."""
+    rep = tito.audit(samples)
+    if rep["drifted_tokens"]:
+        raise RuntimeError(f"step {step}: TITO audit: {rep['drifted_tokens']} of {rep['loss_tokens']} loss-region "
+                           f"tokens are not the sampled ids (first {rep['drift'][:3]}); `python tito.py audit` on "
+                           f"samples/step_{step:06d}.jsonl lists them")
+    rows = sum(len(s["tokens"]) - 1 for s in samples if s.get("routed_experts") is not None)
+    return {"tito_drift_pct": rep["loss_region_drift_pct"], "tito_relocation_failures": rep["relocation_failures"],
+            "r3_placeholder_frac": sum(s.get("placeholder_rows", 0) for s in samples) / rows if rows else float("nan")}
 
 
 def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
@@ -585,7 +619,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
     With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
     only, and trains its share of every minibatch.
     """
-    full = pad_batch(samples, args.reward_scale)  # every rank pads the whole batch: the same (B, T) as one rank
+    full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
     # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
@@ -978,11 +1012,12 @@ def train(args: Args) -> dict:
             t_wait = time.time() - t_step
             trials, dropped, n_launched, tok_s, t_rollout = (ro[k] for k in ("trials", "dropped", "n_launched", "tok_s", "t_rollout"))
             # 4. TITO assembly -> samples on disk
-            samples = to_samples(trials, run_dir, f"step{step}")
+            samples = to_samples(trials, run_dir, f"step{step}", replay=args.r3_mode == "replay")
             with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
                 for d in dropped:
                     f.write(json.dumps({"step": step, **d}) + "\n")
             tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
+            audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
             versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
             staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
             want = 1 if overlapped(step) else 0
@@ -1002,7 +1037,7 @@ def train(args: Args) -> dict:
                    "rollout_beside_update": ro is not None,
                    "reward_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
                    "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
-                   **stats, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
+                   **stats, **audit, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
                    "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
                    "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
                    "rollout_tokens_per_s": tok_s, "time_rollout": t_rollout, "time_rollout_wait": t_wait,

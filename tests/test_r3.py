@@ -232,14 +232,15 @@ def test_check_capture_allows_placeholders_only_where_the_next_token_is_not_trai
     experts = np.zeros((6, 4, 2), np.int32)
     mask = np.array([0, 0, 0, 1, 1, 0])  # prompt, then two sampled tokens, then glue
     experts[[0, 4, 5]] = -1  # rows 0 (predicts prompt token), 4 (predicts glue), 5 (last) are free
-    r3.check_capture(experts, mask)
+    assert r3.check_capture(experts, mask) == 3  # placeholder rows, counted for r3_placeholder_frac
+    assert r3.check_capture(experts[:5], mask) == 2  # tito's (T-1, L, k) layout: the last row omitted
     experts[2] = -1  # row 2 predicts token 3, which is trained on
     with pytest.raises(ValueError, match=r"row 2 but m\[3\] = 1"):
         r3.check_capture(experts, mask)
-    with pytest.raises(ValueError, match="missing"):
+    with pytest.raises(ValueError, match="missing.*--enable-return-routed-experts"):
         r3.check_capture(None, mask)
     with pytest.raises(ValueError, match="T = len"):
-        r3.check_capture(experts[:5], mask)
+        r3.check_capture(experts[:4], mask)
 
 
 # --- R3 figures, fp32 engine equivalence, Megatron slicing ------------------------------------------
@@ -352,3 +353,71 @@ def test_slice_for_megatron_rejects_bad_layouts():
         r3.slice_for_megatron(ex, moe_layers=[1, 1, 1])
     with pytest.raises(ValueError, match="tp_size"):
         r3.slice_for_megatron(ex[:, :5], tp_size=2, sp=True)
+
+
+# --- the trainer never falls back quietly (train_t1: samples, batches, the step's figures) -----------------
+def _trial(actor, name="task-a", turns=2, seed=0):
+    """A token-first trial whose records carry the routing an engine would capture: (n_in + n_out - 1, L, k)."""
+    L, k = len(r3.routers(actor)), actor.config.num_experts_per_tok
+    g = np.random.default_rng(seed)
+    prompt, recs = [5, 6, 7, 8], []
+    for i in range(turns):
+        out = [int(x) for x in g.integers(10, 300, 3)]
+        recs.append({"prompt_ids": list(prompt), "output_ids": out, "output_logprobs": [-0.5] * len(out),
+                     "routed_experts": g.integers(0, actor.config.num_experts, (len(prompt) + 2, L, k)).astype(np.int32),
+                     "finish_reason": "stop", "weight_version": 0})
+        prompt = prompt + out + [11, 12]
+    return {"task": name, "reward": 0.1, "passed": 2, "total": 4, "reward_source": "ctrf", "records": recs}
+
+
+def test_replay_refuses_a_trial_with_one_turn_capture_missing(actor, tmp_path):
+    import tito
+    import train_t1
+    trial = _trial(actor)
+    trial["records"][1]["routed_experts"] = None  # this turn's engine ran without capture
+    with pytest.raises(tito.CaptureError, match=r"trial 'task-a' turn 1.*--enable-return-routed-experts"):
+        train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+    assert not (tmp_path / "failed_trials.jsonl").exists()  # never silently dropped
+    (s,) = train_t1.to_samples([trial], tmp_path, "step1")  # R3 off: the trial trains, without routing
+    assert s["routed_experts"] is None
+
+
+def test_replay_refuses_a_placeholder_row_that_feeds_a_trained_token(actor, tmp_path):
+    import train_t1
+    trial = _trial(actor)
+    n0 = len(trial["records"][0]["prompt_ids"])
+    trial["records"][0]["routed_experts"][n0 - 1] = -1  # the row that predicts the first sampled token
+    with pytest.raises(ValueError, match=r"trial 'task-a'.*placeholder routing at row 3 but m\[4\] = 1"):
+        train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+    trial = _trial(actor)
+    trial["records"][0]["routed_experts"][0] = -1  # row 0 predicts a prompt token: allowed, counted
+    (s,) = train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+    assert s["placeholder_rows"] == 1
+    assert train_t1.audit_samples([s], 1)["r3_placeholder_frac"] == 1 / (len(s["tokens"]) - 1)
+
+
+def test_replay_refuses_a_batch_or_sample_without_routing(actor, tmp_path):
+    import train_t1
+    with_routing = train_t1.to_samples([_trial(actor, "task-a")], tmp_path, "s", replay=True)
+    without = train_t1.to_samples([_trial(actor, "task-b", seed=1)], tmp_path, "s")
+    without[0]["routed_experts"] = None
+    batch = train_t1.pad_batch(without, 20.0)
+    with pytest.raises(ValueError, match=r"R3 replay: the batch carries no routing.*--enable-return-routed-experts"):
+        train_t1.forward_logprobs(actor, batch, "replay", 1.0)  # before: live routing, silently
+    with pytest.raises(ValueError, match=r"1 of 2 samples carry no routing \(trials \['task-b'\]\).*"
+                                         r"--enable-return-routed-experts"):
+        train_t1.pad_batch(with_routing + without, 20.0, replay=True)  # before: -1 rows, replayed live
+    lp = train_t1.forward_logprobs(actor, train_t1.pad_batch(with_routing, 20.0, replay=True), "replay", 1.0)
+    assert lp.shape == (1, len(with_routing[0]["tokens"]))
+    assert train_t1.forward_logprobs(actor, batch, "off", 1.0).shape == (1, len(without[0]["tokens"]))  # R3 off
+
+
+def test_step_audit_aborts_on_a_drifted_loss_region_token(actor, tmp_path):
+    import train_t1
+    samples = train_t1.to_samples([_trial(actor)], tmp_path, "s", replay=True)
+    figs = train_t1.audit_samples(samples, 3)
+    assert figs == {"tito_drift_pct": 0.0, "tito_relocation_failures": 0, "r3_placeholder_frac": 0.0}
+    j = int(np.flatnonzero(samples[0]["loss_mask"])[0])
+    samples[0]["tokens"][j] += 1
+    with pytest.raises(RuntimeError, match=rf"step 3: TITO audit: 1 of 6 loss-region tokens.*'position': {j}"):
+        train_t1.audit_samples(samples, 3)

@@ -58,15 +58,25 @@ def test_routing_rows_come_from_the_forward_that_first_computed_them():
     assert (re[n1:] == r2[n1:]).all()
 
 
-def test_missing_or_misshaped_capture_raises_with_trial_and_turn():
+def test_replay_refuses_a_trial_with_one_turn_capture_missing_naming_trial_and_engine_flag():
     trial = make_trial()
-    trial["records"][1]["routed_experts"] = None
-    with pytest.raises(ValueError, match=r"trial 't' turn 1: routed experts missing"):
-        tito.assemble(trial)
+    trial["records"][1]["routed_experts"] = None  # an engine started without routed-expert capture
+    with pytest.raises(tito.CaptureError, match=r"trial 't' turn 1: routed experts missing.*"
+                                                r"--enable-return-routed-experts"):
+        tito.assemble(trial, replay=True)
     trial = make_trial()
     trial["records"][2]["routed_experts"] = trial["records"][2]["routed_experts"][:-1]
-    with pytest.raises(ValueError, match=r"turn 2.*expected \(\d+, 3, 2\)"):
-        tito.assemble(trial)
+    with pytest.raises(tito.CaptureError, match=r"turn 2.*expected \(\d+, 3, 2\)"):
+        tito.assemble(trial, replay=True)
+    with pytest.raises(tito.CaptureError, match=r"trial 't' turn 0"):
+        tito.assemble(make_trial(with_routing=False), replay=True)
+
+
+def test_without_replay_a_missing_capture_only_drops_the_routing():
+    trial = make_trial()
+    trial["records"][1]["routed_experts"] = None
+    s = tito.assemble(trial)  # R3 off: routing is not needed to train
+    assert s["routed_experts"] is None and s["loss_mask"].sum() == 9
 
 
 def test_non_strict_boundary_is_refused():
@@ -76,13 +86,72 @@ def test_non_strict_boundary_is_refused():
         tito.assemble(trial)
 
 
-def test_audit_reports_zero_drift_and_detects_drift():
+def test_audit_reports_zero_drift_on_an_intact_sample():
     s = tito.assemble(make_trial())
     rep = tito.audit([s])
-    assert rep["loss_region_drift_pct"] == 0.0 and rep["loss_tokens"] == int(s["loss_mask"].sum())
-    s["relocated"][0][1] += 1  # one completion token not found where it was sampled
+    assert rep["loss_region_drift_pct"] == 0.0 and rep["drifted_tokens"] == 0
+    assert rep["loss_tokens"] == int(s["loss_mask"].sum()) == 9 and rep["relocation_failures"] == 0
+    assert rep["cases"] == {"strict": 2, "normalized": 0, "retokenized": 0, "split": 0}
+
+
+def test_audit_detects_one_corrupted_loss_region_token_and_reports_its_position():
+    s = tito.assemble(make_trial())
+    j = int(np.flatnonzero(s["loss_mask"])[4])  # a sampled token of turn 1
+    s["tokens"][j] += 1
     rep = tito.audit([s])
-    assert rep["drifted_tokens"] == 1 and rep["loss_region_drift_pct"] > 0
+    assert rep["drifted_tokens"] == 1 and rep["loss_region_drift_pct"] == pytest.approx(100 / 9)
+    assert rep["drift"] == [{"task": "t", "segment": 0, "position": j, "trained": int(s["tokens"][j]),
+                             "sampled": int(s["tokens"][j]) - 1, "mask": 1}]
+
+
+def test_audit_detects_a_loss_mask_moved_off_the_sampled_tokens():
+    s = tito.assemble(make_trial())
+    j = int(np.flatnonzero(s["loss_mask"])[0])
+    s["loss_mask"][j], s["loss_mask"][j - 1] = 0, 1  # the loss region slid one token left
+    rep = tito.audit([s])
+    assert rep["drifted_tokens"] == 2 and {d["position"] for d in rep["drift"]} == {j - 1, j}
+
+
+def test_audit_reports_a_completion_not_relocated_in_the_next_prompt():
+    trial = make_trial()
+    n0 = len(trial["records"][0]["prompt_ids"])
+    trial["records"][1]["prompt_ids"][n0 + 1] = 99  # the harness re-encoded turn 0's reply with another id
+    trial["records"][2]["prompt_ids"][n0 + 1] = 99
+    segs = tito.assemble_segments(trial)  # no tokenizer: the boundary is a split
+    rep = tito.audit(segs)
+    assert rep["relocation_failures"] == 1
+    assert rep["relocation"] == [{"task": "t", "turn": 0, "case": "split", "position": n0 + 1, "sampled": 21,
+                                  "found": 99}]
+    assert rep["loss_region_drift_pct"] == 0.0  # each segment still trains on the sampled ids
+    s = tito.assemble(make_trial())
+    turns = tito.unpack_turns(s["turn_ids"])
+    turns[2][0][len(turns[1][0]) + 1] = 98  # the records' copy of turn 1's reply corrupted
+    s["turn_ids"] = tito.pack_turns(turns)
+    rep = tito.audit([s])
+    assert rep["relocation_failures"] == 1 and rep["relocation"][0]["turn"] == 1
+
+
+def test_audit_refuses_samples_without_their_trial_records():
+    s = tito.assemble(make_trial())
+    del s["turn_ids"]
+    with pytest.raises(ValueError, match="no turn_ids"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["boundaries"] = s["boundaries"][:1]
+    with pytest.raises(ValueError, match=r"3 turns need 2 boundaries"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["boundaries"][0] = ["retokenized", 10**6]  # a repaired boundary the records do not support
+    with pytest.raises(ValueError, match=r"turn 0: boundary declared retokenized"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["loss_mask"] = s["loss_mask"][:-1]
+    with pytest.raises(ValueError, match=r"tokens \(\d+,\) and loss_mask"):
+        tito.audit([s])
+    s = tito.assemble(make_trial())
+    s["turn_ids"][1][0] = 10**6  # a shared prefix longer than the previous turn
+    with pytest.raises(ValueError, match=r"shared prefix 1000000 is not in"):
+        tito.audit([s])
 
 
 def test_samples_round_trip_exactly_and_cli_audits_them(tmp_path):
@@ -100,6 +169,22 @@ def test_samples_round_trip_exactly_and_cli_audits_them(tmp_path):
                          text=True, check=True, cwd=tito.__file__.rsplit("/", 1)[0])
     rep = json.loads(out.stdout)
     assert rep["samples"] == 2 and rep["loss_region_drift_pct"] == 0.0 and rep["cases"]["strict"] == 4
+    assert back[0]["turn_ids"] == samples[0]["turn_ids"] and back[0]["boundaries"] == samples[0]["boundaries"]
+    recs = make_trial()["records"]
+    assert tito.unpack_turns(back[0]["turn_ids"]) == [[r["prompt_ids"], r["output_ids"]] for r in recs]
+    assert sum(len(t[1]) for t in back[0]["turn_ids"]) < sum(len(r["prompt_ids"]) for r in recs)  # packed
+
+
+def test_cli_audit_fails_on_a_corrupted_sample_and_names_the_position(tmp_path):
+    s = tito.assemble(make_trial())
+    j = int(np.flatnonzero(s["loss_mask"])[-1])
+    s["tokens"][j] = 77
+    tito.save_samples(tmp_path / "step_000001.jsonl", [s])
+    out = subprocess.run([sys.executable, "tito.py", "audit", str(tmp_path)], capture_output=True, text=True,
+                         cwd=tito.__file__.rsplit("/", 1)[0])
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "loss-region drift 11.1111% (1 of 9 loss tokens)" in out.stdout
+    assert f"'position': {j}, 'trained': 77" in out.stdout
 
 
 def test_load_samples_names_the_bad_line(tmp_path):
@@ -231,6 +316,7 @@ def test_all_four_cases_in_one_trajectory_audit_clean(tok, tmp_path):
     segs = tito.assemble_segments(trial, tok)
     rep = tito.audit(segs)
     assert rep["cases"] == {"strict": 1, "normalized": 1, "retokenized": 1, "split": 1}
+    assert [(r["turn"], r["case"]) for r in rep["relocation"]] == [(1, "normalized"), (2, "retokenized"), (3, "split")]
     assert rep["loss_region_drift_pct"] == 0.0 and rep["loss_tokens"] == sum(len(o) for o in outs)
     tito.save_samples(tmp_path / "s.jsonl", segs)
     out = subprocess.run([sys.executable, "tito.py", "audit", str(tmp_path / "s.jsonl"), "--json"], capture_output=True,
