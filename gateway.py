@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -249,7 +250,7 @@ def chat_completion(url, messages, session_id=None, timeout=600, **params) -> di
 
 # --- a text harness: Terminus-2's protocol over an OpenAI client (history re-sent as text) -------------
 def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
-                   stop_event=None) -> dict:
+                   stop_event=None, reward_scale=None) -> dict:
     """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway."""
     import data
     import rollout
@@ -299,7 +300,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
             messages.append({"role": "user", "content": obs})
         result["exit_reason"] = exit_reason
         if exit_reason != "cancelled":
-            rollout.score(box, result)
+            rollout.score(box, result, reward_scale)
     except Exception as e:  # a crash inside a trial never propagates
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
     finally:
@@ -569,7 +570,7 @@ def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, samp
     if harness == "text":
         sid = uuid.uuid4().hex
         res = run_text_trial(task_dir, gw.url, sid, sampling=sampling, limits=limits, work_root=work_root,
-                             stop_event=stop_event)
+                             stop_event=stop_event, reward_scale=reward_scale)
         res["records"] = gw.pop(sid)["records"]
         res["turns"] = len(res["records"])
         return res
@@ -663,6 +664,8 @@ def evaluate_trials(task_dirs, run_attempt, attempts: int) -> dict:
         for name in names:
             t = got.get(name, {"task": name, "exit_reason": None, "error": "no result came back"})
             failed = trial_failed(t)
+            if not failed and not math.isfinite(float(t["reward"])):
+                raise ValueError(f"evaluation attempt {k}: task {name!r} has a non-finite reward {t['reward']!r}")
             trials.append({"task": name, "attempt": k, "reward": 0.0 if failed else float(t["reward"]),
                            "resolved": False if failed else bool(t["resolved"]),
                            "turns": int(t.get("turns", 0)), "exit_reason": t.get("exit_reason"),

@@ -35,8 +35,9 @@ Departures from the paper (numbered; each with its reason):
      --sync-steps N makes the first N steps sequential to measure both modes in one run.
   3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
      paper's SFT data is not public).
-  4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
-     them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
+  4. Advantage normalisation, entropy bonus, KL and length shaping are off: the paper uses none of them ("no lr
+     schedule, no entropy bonus, no length shaping", KL terms off, MoE balancing 0). --kl-coef (k3 to a frozen SFT
+     copy, replayed with the batch's experts), --entropy-coef and --aux-loss-coef exist for ablations (hf backend).
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
      gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
      local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
@@ -75,6 +76,13 @@ Departures from the paper (numbered; each with its reason):
      P_expert / 2, Proposition 7.1) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
      a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
      Megatron's behaviour.
+  8. Loss aggregation (paper silent): PPO and value losses are a per-token mean over the minibatch by default;
+     --loss-agg sample averages within each trajectory first (slime's default, without --calculate-per-token-loss).
+  9. Task draw: steps take consecutive n_launch tasks of a stream of per-epoch shuffles (launch_tasks), so each
+     epoch launches the whole pool once and no step is short; a step may straddle two epochs.
+ 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness (not Terminus-2 via
+     Harbor: that is `gateway.py eval`); both count every trial (gateway.evaluate_trials). The embedded preset
+     runs 1 attempt, 8 turns, 120 s (EMBEDDED's comment).
 """
 from __future__ import annotations
 
@@ -500,8 +508,9 @@ def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
     epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
     once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
     launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
-    if not pool or n_launch < 1:
-        raise ValueError(f"launch_tasks: need a non-empty pool and n_launch >= 1, got {len(pool)} tasks, {n_launch}")
+    if not pool or n_launch < 1 or step < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
+                         f"n_launch {n_launch}, step {step}")
     orders = {}
     out = []
     for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
@@ -676,6 +685,8 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
 
     batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
     all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
+    if args.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
     actor.train()
     stats = {"pg_loss": [], "approx_kl": [], "clipfrac": [], "losses/kl": [], "losses/entropy": [], "losses/aux": []}
     for _ in range(args.ppo_epochs):
