@@ -48,6 +48,20 @@ def test_loss_aggregation_token_vs_sample_by_hand():
         C.aggregate(x, m, "seq")
 
 
+@pytest.mark.parametrize("agg", ["token", "sample"])
+def test_aggregation_over_ranks_sums_to_the_one_rank_value(agg):
+    """Data parallel: each rank's rows divided by the minibatch's global count (tokens or samples) sum to the
+    one-rank value, as critic.agg_count gives it over a group (a row without loss tokens counts nowhere)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    m = (torch.rand(5, 7, generator=g) < 0.5).float()
+    m[2] = 0
+    whole = C.aggregate(x, m, agg)
+    n = m.sum() if agg == "token" else (m.sum(-1) > 0).sum().float()
+    parts = [C.aggregate(x[r::2], m[r::2], agg, n) for r in range(2)]  # rank r holds rows r, r + 2, ...
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-6)
+
+
 def test_value_loss_sample_aggregation_by_hand():
     """0.5 * max(unclipped, clipped) squared errors, per sample then over samples."""
     old = torch.zeros(2, 3)
