@@ -652,7 +652,8 @@ def evaluate_trials(task_dirs, run_attempt, attempts: int) -> dict:
         raise ValueError(f"evaluation attempts: must be >= 1, got {attempts}")
     names = [os.path.basename(os.path.abspath(str(td))) for td in task_dirs]
     if len(set(names)) != len(names):
-        raise ValueError(f"evaluation tasks: two task dirs share a name ({sorted(n for n in names if names.count(n) > 1)})")
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"evaluation tasks: two task dirs share a name ({dup})")
     trials = []
     for k in range(attempts):
         got = {}
@@ -691,8 +692,8 @@ def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["atte
         return [run_harbor_trial(td, gw, trials_dir=trials_dir, trial_name=f"{os.path.basename(td)}__a{k}",
                                  sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
                                            "max_new_tokens": max_new_tokens},
-                                 limits={"max_total_tokens": max_total_tokens, "trial_timeout_s": EVAL["agent_timeout_s"],
-                                         "max_turns": EVAL["max_turns"]},
+                                 limits={"max_total_tokens": max_total_tokens, "max_turns": EVAL["max_turns"],
+                                         "trial_timeout_s": EVAL["agent_timeout_s"]},
                                  agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"],
                                  reward_scale=reward_scale) for td in task_dirs]
     try:

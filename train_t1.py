@@ -801,6 +801,7 @@ class Trainer:
         self.sharded = args.backend == "megatron" and world > 1  # each rank holds shards (Megatron's layout)
         self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
         self.published = {}  # weight version -> the actor's state dict the engines were given
+        self.ref = None  # the frozen SFT actor (kl_coef > 0, hf backend)
         self.publisher = None
         if not self.sharded:
             self._build()
@@ -824,8 +825,7 @@ class Trainer:
             self.hf_config = hf_actor.config
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
-            self.ref = None  # the frozen SFT actor: the KL reference, built only when it is used
-            if args.kl_coef > 0:
+            if args.kl_coef > 0:  # the frozen SFT actor: the KL reference, built only when it is used
                 self.ref = M.load_actor(self.sft_dir)[0].eval().requires_grad_(False)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
             self.hub_weights = lambda: M.hub_state_dict(self.actor)
@@ -963,7 +963,7 @@ class Trainer:
         if versions:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
         stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
-                            self.args, self.rng, self.run_dir, step, self.group, getattr(self, "ref", None))
+                            self.args, self.rng, self.run_dir, step, self.group, self.ref)
                  if samples else {})
         if self.rank == 0 or self.sharded:  # replicas are identical: one checkpoint; shards: every rank
             save_trainer(self.latest, self.save_actor, self._state(step), self.ckpt_name, self.rank, self._barrier)
