@@ -25,6 +25,10 @@ divided by the minibatch's GLOBAL token count and the gradients are summed over 
 (`allreduce_grads`) before clipping, so the step equals one rank's step on the whole minibatch.
 group=None (one rank) runs no collective.
 
+Loss aggregation (paper silent): `aggregate` reduces a per-token loss either per token (the mean over every
+masked token of the minibatch, the default) or per sample (the mean within each trajectory, then over the
+trajectories: slime's default). train_t1's --loss-agg picks it for the value loss and the PPO loss alike.
+
 Departures from the paper:
   1. The critic backbone is initialised from the SFT actor (the paper does not say how its critic is
      initialised; initialising from the policy is the common choice and keeps the warm-up short).
@@ -55,6 +59,33 @@ def dp_sum(x: torch.Tensor, group=None) -> torch.Tensor:
         x = x.detach().clone()
         dist.all_reduce(x, group=group)
     return x
+
+
+AGGS = ("token", "sample")
+
+
+def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token", n: torch.Tensor | None = None) -> torch.Tensor:
+    """A per-token loss x (B, T) reduced to a scalar over the masked positions (paper silent on which).
+
+    agg "token": sum over every masked token of the minibatch / its token count (one weight per token: a
+    long trajectory weighs more). agg "sample": mean over the tokens of each sample, then mean over the samples
+    with at least one masked token (one weight per trajectory; slime's default, without
+    --calculate-per-token-loss). n: the denominator (tokens, or samples) when these rows are one rank's share."""
+    if agg == "token":
+        return masked_mean(x, mask, n)
+    if agg != "sample":
+        raise ValueError(f"loss aggregation: expected one of {'|'.join(AGGS)}, got {agg!r}")
+    mask = mask.to(x.dtype)
+    per_sample = (x * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)  # (B,): mean over each sample's tokens
+    return per_sample.sum() / ((mask.sum(-1) > 0).sum().to(x.dtype).clamp(min=1.0) if n is None else n)
+
+
+def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tensor | None:
+    """The denominator of `aggregate` over every rank (the minibatch's tokens or samples); None on one rank."""
+    if group is None:
+        return None
+    local = mask.sum() if agg == "token" else (mask.sum(-1) > 0).sum()
+    return dp_sum(local.to(torch.float32), group).clamp(min=1.0)
 
 
 def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
@@ -149,13 +180,18 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
 # --- losses and diagnostics ---------------------------------------------------------------------------
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               clip_eps_v: float, n: torch.Tensor | None = None):
-    """Clipped value loss around V_old (paper: eps_v = 0.2). Returns (loss, clipfrac); n as in masked_mean."""
+               clip_eps_v: float, n: torch.Tensor | None = None, agg: str = "token",
+               n_tok: torch.Tensor | None = None):
+    """Clipped value loss around V_old (paper: eps_v = 0.2). Returns (loss, clipfrac).
+
+    agg: how the per-token losses are reduced (`aggregate`; the paper is silent; "token" was the only choice
+    before --loss-agg); n as in `aggregate`. clipfrac is a per-token fraction (n_tok: the minibatch's tokens over
+    every rank; with agg "token" n is that count)."""
     v_clipped = old_values + (values - old_values).clamp(-clip_eps_v, clip_eps_v)
     v_loss_unclipped = (values - returns) ** 2
     v_loss_clipped = (v_clipped - returns) ** 2
-    v_loss = 0.5 * masked_mean(torch.max(v_loss_unclipped, v_loss_clipped), mask, n)
-    clipfrac = masked_mean(((values - old_values).abs() > clip_eps_v).float(), mask, n)
+    v_loss = 0.5 * aggregate(torch.max(v_loss_unclipped, v_loss_clipped), mask, agg, n)
+    clipfrac = masked_mean(((values - old_values).abs() > clip_eps_v).float(), mask, n if agg == "token" else n_tok)
     return v_loss, clipfrac
 
 
@@ -187,22 +223,24 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, attention_mask: torc
 
 
 def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, clip_eps_v: float,
-                  epochs: int = 1, max_grad_norm: float = 1.0, group=None) -> dict:
+                  epochs: int = 1, max_grad_norm: float = 1.0, group=None, agg: str = "token") -> dict:
     """One critic update over minibatches of dicts with input_ids, attention_mask, mask, returns, old_values.
 
     With a group, each dict holds this rank's rows of the minibatch (possibly none) and every rank passes
     as many. Returns mean value loss, clip fraction and the explained variance of the *pre-update* values.
+    agg: the value loss's reduction over tokens ("token" | "sample", `aggregate`).
     """
     critic.train()
     losses, clipfracs = [], []
     for _ in range(epochs):
         for b in batches:
-            n = None if group is None else dp_sum(b["mask"].sum(), group).clamp(min=1.0)  # minibatch tokens
+            n_tok = agg_count(b["mask"], "token", group)  # minibatch tokens over every rank (None: one rank)
+            n = n_tok if agg == "token" else agg_count(b["mask"], agg, group)  # the loss's denominator
             optimizer.zero_grad()
             loss = clipfrac = torch.zeros(())
             if b["input_ids"].shape[0]:  # a rank without rows still joins the gradient sum
                 values = critic(b["input_ids"], b["attention_mask"])
-                loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n)
+                loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n, agg, n_tok)
                 loss.backward()
             optimizer_step(critic, optimizer, max_grad_norm, group)
             loss, clipfrac = dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)

@@ -193,15 +193,16 @@ class DaytonaSandbox:
         return out.text()
 
     # -- verifier --
-    def run_verifier(self) -> dict:
-        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, download the report, score."""
+    def run_verifier(self, reward_scale=None) -> dict:
+        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, download the report, score with
+        S = reward_scale (None: reward.SCALE)."""
         import reward
         vdir = os.path.join(self.root, "logs", "verifier")
         shutil.rmtree(vdir, ignore_errors=True)
         os.makedirs(vdir)
         self._run("rm -rf /logs/verifier && mkdir -p /logs/verifier /tests", 60)
         self._upload_dir(self.task.tests_dir, "/tests")
-        timeout = float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
+        timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
         rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"})
         with open(os.path.join(self.root, "logs", "verifier_output.txt"), "w") as f:
             f.write(f"[exit {rc}]\n{out}")
@@ -213,7 +214,7 @@ class DaytonaSandbox:
             if data is not None:
                 with open(os.path.join(vdir, name), "wb") as f:
                     f.write(data if isinstance(data, bytes) else str(data).encode())
-        return reward.compute(vdir)
+        return reward.compute(vdir, reward.SCALE if reward_scale is None else reward_scale)
 
     def close(self):
         """Delete the sandbox (idempotent; errors are printed, never raised: close runs in finally blocks)."""

@@ -30,8 +30,8 @@ Run:
     python gateway.py serve --engine-url URL --model-path DIR [--mode tito|naive] [--port 8000]
     python gateway.py harbor-trial --task DIR --engine-url URL --model-path DIR   # one Harbor trial
     python gateway.py eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
-        # paper protocol: Terminus-2, 3600 s agent / 900 s verifier, temperature 0.1, top-p 0.95, 3 attempts;
-        # prints resolved rate and mean partial reward (r = P/S)
+        # paper protocol (EVAL): Terminus-2, 60 turns, 3600 s agent / 900 s verifier, T 0.1, top-p 0.95, 3 attempts;
+        # prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts (a failed trial counts 0), errors
     python tito.py measure --quick [--harness client|harbor]   # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
 run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (rollout.py's hook).
@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -69,8 +70,11 @@ from pathlib import Path
 REPO = os.path.dirname(os.path.abspath(__file__))
 HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
 IM_END = "<|im_end|>"
-# paper's evaluation protocol (Terminal-Bench 2 with Terminus-2)
-EVAL = {"agent_timeout_s": 3600.0, "verifier_timeout_s": 900.0, "temperature": 0.1, "top_p": 0.95, "attempts": 3}
+# The paper's evaluation protocol, the one source of it (train_t1.Args' eval_* defaults read it). Seeds (000):
+# "评测协议（Terminus-2，60 轮/3600s agent/900s verifier，温度 0.1、top-p 0.95、3 次尝试）" = Terminus-2, 60 turns,
+# 3600 s agent / 900 s verifier (overriding the tasks' own timeouts), temperature 0.1, top-p 0.95, 3 attempts.
+EVAL = {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0, "verifier_timeout_s": 900.0,
+        "temperature": 0.1, "top_p": 0.95, "attempts": 3}
 
 
 # --- the gateway -------------------------------------------------------------------------------------
@@ -246,7 +250,7 @@ def chat_completion(url, messages, session_id=None, timeout=600, **params) -> di
 
 # --- a text harness: Terminus-2's protocol over an OpenAI client (history re-sent as text) -------------
 def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
-                   stop_event=None) -> dict:
+                   stop_event=None, reward_scale=None) -> dict:
     """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway."""
     import data
     import rollout
@@ -296,7 +300,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
             messages.append({"role": "user", "content": obs})
         result["exit_reason"] = exit_reason
         if exit_reason != "cancelled":
-            rollout.score(box, result)
+            rollout.score(box, result, reward_scale)
     except Exception as e:  # a crash inside a trial never propagates
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
     finally:
@@ -487,7 +491,7 @@ def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperatu
 
 
 def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, limits=None, stop_event=None,
-                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None) -> dict:
+                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None) -> dict:
     """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway)."""
     import reward
     import rollout
@@ -525,9 +529,10 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         if not os.path.isdir(tdir):
             raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
         res = json.load(open(os.path.join(tdir, "result.json"))) if os.path.isfile(os.path.join(tdir, "result.json")) else {}
-        v = reward.compute(os.path.join(tdir, "verifier"))
+        scale = reward.SCALE if reward_scale is None else reward_scale
+        v = reward.compute(os.path.join(tdir, "verifier"), scale)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
-                      resolved=reward.is_resolved(v), exit_reason="harbor",
+                      resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
                       error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)
     except Exception as e:
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
@@ -552,8 +557,9 @@ def gateway_for(engine_url, tokenizer, mode="tito", max_total_tokens=8192) -> Ga
 
 
 def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, gateway_mode="tito") -> dict:
-    """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2)."""
+              work_root=None, stop_event=None, gateway_mode="tito", reward_scale=None) -> dict:
+    """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2).
+    reward_scale: S in r = P / S of the harbor harness (None: reward.SCALE)."""
     import rollout
     if agent != "model" or engine_url is None or tokenizer is None:
         return {"task": os.path.basename(str(task_dir)), "exit_reason": "error", "records": [], "turns": 0,
@@ -564,13 +570,13 @@ def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, samp
     if harness == "text":
         sid = uuid.uuid4().hex
         res = run_text_trial(task_dir, gw.url, sid, sampling=sampling, limits=limits, work_root=work_root,
-                             stop_event=stop_event)
+                             stop_event=stop_event, reward_scale=reward_scale)
         res["records"] = gw.pop(sid)["records"]
         res["turns"] = len(res["records"])
         return res
     if harness == "harbor":
         return run_harbor_trial(task_dir, gw, trials_dir=os.path.join(work_root, "harbor"), sampling=sampling,
-                                limits=limits, stop_event=stop_event)
+                                limits=limits, stop_event=stop_event, reward_scale=reward_scale)
     raise ValueError(f"harness: expected native|text|harbor, got {harness!r}")
 
 
@@ -628,30 +634,72 @@ def measure(quick=True, harness="client", work_dir=None, seed=0) -> dict:
     return out
 
 
-# --- evaluation with the paper's protocol on a Harbor dataset dir --------------------------------------
+# --- evaluation with the paper's protocol (EVAL): shared by train_t1 and `gateway.py eval` ----------------
+def trial_failed(t: dict) -> bool:
+    """A trial that never reached a verdict: it crashed, was cancelled, or never started."""
+    return t.get("exit_reason") in ("error", "cancelled", None)
+
+
+def evaluate_trials(task_dirs, run_attempt, attempts: int) -> dict:
+    """Every (task, attempt) is one trial in the denominator, n_trials = tasks x attempts: a trial that errored,
+    was cancelled or never came back counts as reward 0, unresolved, and is listed in `errors` with its reason.
+
+    run_attempt(task_dirs, k) -> the trial results of attempt k (dicts with task, reward, resolved, turns,
+    exit_reason, error, as rollout.run_trial returns them), at most one per task dir, in any order; a task is
+    matched by its directory's name. Returns solve_rate (resolved: passed == total > 0), reward_mean (r = P/S),
+    turns_mean over all n_trials, n_errors, errors [{task, attempt, error}] and trials (one line each)."""
+    if attempts < 1:
+        raise ValueError(f"evaluation attempts: must be >= 1, got {attempts}")
+    names = [os.path.basename(os.path.abspath(str(td))) for td in task_dirs]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"evaluation tasks: two task dirs share a name ({dup})")
+    trials = []
+    for k in range(attempts):
+        got = {}
+        for t in run_attempt(list(task_dirs), k):
+            if t.get("task") not in names or t["task"] in got:
+                raise ValueError(f"evaluation attempt {k}: result for task {t.get('task')!r} is "
+                                 f"{'a duplicate' if t.get('task') in got else 'not one of the tasks'}")
+            got[t["task"]] = t
+        for name in names:
+            t = got.get(name, {"task": name, "exit_reason": None, "error": "no result came back"})
+            failed = trial_failed(t)
+            if not failed and not math.isfinite(float(t["reward"])):
+                raise ValueError(f"evaluation attempt {k}: task {name!r} has a non-finite reward {t['reward']!r}")
+            trials.append({"task": name, "attempt": k, "reward": 0.0 if failed else float(t["reward"]),
+                           "resolved": False if failed else bool(t["resolved"]),
+                           "turns": int(t.get("turns", 0)), "exit_reason": t.get("exit_reason"),
+                           "error": (t.get("error") or t.get("exit_reason")) if failed else t.get("error")})
+    n = len(trials)
+    assert n == len(names) * attempts, f"evaluation: {n} trials for {len(names)} tasks x {attempts} attempts"
+    errors = [{"task": t["task"], "attempt": t["attempt"], "error": t["error"]} for t in trials
+              if trial_failed(t)]
+    return {"n_tasks": len(names), "attempts": attempts, "n_trials": n, "n_errors": len(errors),
+            "solve_rate": sum(t["resolved"] for t in trials) / n if n else 0.0,
+            "reward_mean": sum(t["reward"] for t in trials) / n if n else 0.0,
+            "turns_mean": sum(t["turns"] for t in trials) / n if n else 0.0, "errors": errors, "trials": trials}
+
+
 def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["attempts"], max_total_tokens=8192,
-             max_new_tokens=2048) -> dict:
-    """Terminus-2 via Harbor, 3600 s agent / 900 s verifier, temperature 0.1, top-p 0.95, `attempts` per task:
-    resolved rate (passed == total > 0) and mean partial reward r = P/S over all attempts."""
+             max_new_tokens=2048, reward_scale=None) -> dict:
+    """Terminus-2 via Harbor with the paper's protocol (EVAL) on every task dir of a Harbor dataset dir, `attempts`
+    per task, through evaluate_trials (every trial counts)."""
     tasks = sorted(str(p) for p in Path(dataset_dir).iterdir() if (p / "task.toml").is_file())
     gw = Gateway(engine_url, tokenizer, "tito", max_total_tokens=max_total_tokens).start()
-    results = []
+
+    def run_attempt(task_dirs, k):
+        return [run_harbor_trial(td, gw, trials_dir=trials_dir, trial_name=f"{os.path.basename(td)}__a{k}",
+                                 sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
+                                           "max_new_tokens": max_new_tokens},
+                                 limits={"max_total_tokens": max_total_tokens, "max_turns": EVAL["max_turns"],
+                                         "trial_timeout_s": EVAL["agent_timeout_s"]},
+                                 agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"],
+                                 reward_scale=reward_scale) for td in task_dirs]
     try:
-        for td in tasks:
-            for k in range(attempts):
-                r = run_harbor_trial(td, gw, trials_dir=trials_dir, trial_name=f"{os.path.basename(td)}__a{k}",
-                                     sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
-                                               "max_new_tokens": max_new_tokens},
-                                     limits={"max_total_tokens": max_total_tokens, "trial_timeout_s": EVAL["agent_timeout_s"],
-                                             "max_turns": 1000000},
-                                     agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"])
-                results.append({k2: r[k2] for k2 in ("task", "reward", "resolved", "passed", "total", "exit_reason", "error")})
+        return {**evaluate_trials(tasks, run_attempt, attempts), "protocol": {**EVAL, "attempts": attempts}}
     finally:
         gw.stop()
-    n = max(len(results), 1)
-    return {"n_tasks": len(tasks), "attempts": attempts, "n_trials": len(results),
-            "resolved_rate": sum(r["resolved"] for r in results) / n,
-            "mean_partial_reward": sum(r["reward"] for r in results) / n, "trials": results}
 
 
 def main(argv=None):

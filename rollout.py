@@ -80,6 +80,10 @@ class Limits:
     """prompt + output tokens of the whole trajectory (the tiny model's context)"""
     trial_timeout_s: float = 900.0
     """wall time of the agent phase (capped further by the task's [agent] timeout_sec)"""
+    agent_timeout_s: float = 0.0
+    """> 0: replaces the task's [agent] timeout_sec (the evaluation protocol's override, 3600 s in the paper)"""
+    verifier_timeout_s: float = 0.0
+    """> 0: replaces the task's [verifier] timeout_sec (the evaluation protocol's override, 900 s in the paper)"""
     max_duration_s: float = 60.0
     """cap on one keystroke's `duration` (Terminus-2 caps waits at 60 s)"""
     cmd_timeout_s: float = 600.0
@@ -317,20 +321,21 @@ class Sandbox:
         return out.text()
 
     # -- verifier --
-    def run_verifier(self) -> dict:
-        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, return reward.compute()."""
+    def run_verifier(self, reward_scale=None) -> dict:
+        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, return reward.compute() with
+        S = reward_scale (None: reward.SCALE, the paper's 20)."""
         import reward
         vdir = os.path.join(self.root, "logs", "verifier")
         shutil.rmtree(vdir, ignore_errors=True)
         os.makedirs(vdir)
         os.chown(vdir, self.uid, self.uid)
         shutil.copytree(self.task.tests_dir, os.path.join(self.root, "tests"), dirs_exist_ok=True)
-        timeout = float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
+        timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
         rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"},
                             as_root=True)  # like Harbor's root verifier; the agent's uid cannot signal it
         with open(os.path.join(self.root, "logs", "verifier_output.txt"), "w") as f:
             f.write(f"[exit {rc}]\n{out}")
-        return reward.compute(vdir)
+        return reward.compute(vdir, reward.SCALE if reward_scale is None else reward_scale)
 
     def close(self):
         """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed)."""
@@ -559,16 +564,17 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
         prompt = prompt + out + glue + render_ids(tok, "user", obs) + gen_prefix  # token-first: strict
 
 
-def score(box, result: dict) -> None:
-    """Copy the tests in (only now), run the verifier, and put r = P/S and its report into `result`."""
+def score(box, result: dict, reward_scale=None) -> None:
+    """Copy the tests in (only now), run the verifier, and put r = P/S (S = reward_scale, None: reward.SCALE) and
+    its report into `result` (with the S it used)."""
     import reward
-    v = box.run_verifier()
+    v = box.run_verifier(reward_scale)
     result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
-                  resolved=reward.is_resolved(v))
+                  resolved=reward.is_resolved(v), reward_scale=reward.SCALE if reward_scale is None else reward_scale)
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, harness="native", sandbox="bwrap") -> dict:
+              work_root=None, stop_event=None, harness="native", sandbox="bwrap", reward_scale=None) -> dict:
     """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
 
     harness: "native" (this token-first loop) | "text" (a client re-sending the history as text, like
@@ -578,12 +584,14 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
     there; None -> a temp dir that is deleted. sandbox: "bwrap" (the local jail, Sandbox) | "daytona"
-    (daytona_sandbox.DaytonaSandbox, the cluster's; same interface).
+    (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S in r = P / S (train_t1's
+    --reward-scale; None: reward.SCALE, the paper's 20).
     """
     if harness != "native":
         import gateway
         return gateway.run_trial(task_dir, agent, harness=harness, engine_url=engine_url, tokenizer=tokenizer,
-                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event)
+                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event,
+                                 reward_scale=reward_scale)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None,
@@ -600,7 +608,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         if agent in ("model", "scripted") and tokenizer is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
         limits = make_limits(limits)
-        agent_timeout = float(task.config.get("agent", {}).get("timeout_sec", limits.trial_timeout_s))
+        agent_timeout = limits.agent_timeout_s or float(task.config.get("agent", {}).get("timeout_sec",
+                                                                                       limits.trial_timeout_s))
         t_end = t0 + min(limits.trial_timeout_s, agent_timeout)
         if work_root is not None:
             os.makedirs(work_root, exist_ok=True)
@@ -623,7 +632,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             exit_reason = _agent_loop(box, task, policy, tokenizer, limits, stop_event, t_end, result)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
-            score(box, result)
+            score(box, result, reward_scale)
             if stop_event.is_set():  # cancelled while verifying: the report may be partial
                 result["exit_reason"] = "cancelled"
     except Exception as e:  # a crash inside a trial never propagates

@@ -35,8 +35,9 @@ Departures from the paper (numbered; each with its reason):
      --sync-steps N makes the first N steps sequential to measure both modes in one run.
   3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
      paper's SFT data is not public).
-  4. Advantage normalisation, entropy bonus, KL and length shaping are all off: the paper uses none of
-     them ("no lr schedule, no entropy bonus, no length shaping", KL terms off).
+  4. Advantage normalisation, entropy bonus, KL and length shaping are off: the paper uses none of them ("no lr
+     schedule, no entropy bonus, no length shaping", KL terms off, MoE balancing 0). --kl-coef (k3 to a frozen SFT
+     copy, replayed with the batch's experts), --entropy-coef and --aux-loss-coef exist for ablations (hf backend).
   5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
      gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
      local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
@@ -75,6 +76,13 @@ Departures from the paper (numbered; each with its reason):
      P_expert / 2, Proposition 7.1) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
      a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
      Megatron's behaviour.
+  8. Loss aggregation (paper silent): PPO and value losses are a per-token mean over the minibatch by default;
+     --loss-agg sample averages within each trajectory first (slime's default, without --calculate-per-token-loss).
+  9. Task draw: steps take consecutive n_launch tasks of a stream of per-epoch shuffles (launch_tasks), so each
+     epoch launches the whole pool once and no step is short; a step may straddle two epochs.
+ 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness (not Terminus-2 via
+     Harbor: that is `gateway.py eval`); both count every trial (gateway.evaluate_trials). The embedded preset
+     runs 1 attempt, 8 turns, 120 s (EMBEDDED's comment).
 """
 from __future__ import annotations
 
@@ -100,6 +108,7 @@ from transformers import AutoTokenizer
 
 import critic as C
 import data
+import gateway
 import infra
 import model as M
 import r3
@@ -147,13 +156,19 @@ class Args:
     """agent wall-clock limit (paper evaluation protocol: 3600 s agent)"""
     rollout_workers: int = 64
     """concurrent trials"""
-    # --- evaluation (paper protocol: Terminus-2, temperature 0.1, top-p 0.95, 3 attempts)
-    eval_temperature: float = 0.1
+    # --- evaluation (paper protocol, one source: gateway.EVAL; every trial counts, gateway.evaluate_trials)
+    eval_temperature: float = gateway.EVAL["temperature"]
     """evaluation temperature (paper: 0.1)"""
-    eval_top_p: float = 0.95
+    eval_top_p: float = gateway.EVAL["top_p"]
     """evaluation top-p (paper: 0.95)"""
-    eval_attempts: int = 3
-    """attempts per held-out task (paper: 3)"""
+    eval_attempts: int = gateway.EVAL["attempts"]
+    """attempts per held-out task (paper: 3); n_trials = tasks x attempts, a failed trial counts 0"""
+    eval_max_turns: int = gateway.EVAL["max_turns"]
+    """turn limit of an evaluation trial (paper: 60)"""
+    eval_agent_timeout_s: float = gateway.EVAL["agent_timeout_s"]
+    """agent wall-clock limit of an evaluation trial, replacing the task's own (paper: 3600 s)"""
+    eval_verifier_timeout_s: float = gateway.EVAL["verifier_timeout_s"]
+    """verifier limit of an evaluation trial, replacing the task's own (paper: 900 s)"""
     eval_train_tasks: int = 0
     """also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)"""
     # --- reward
@@ -187,11 +202,16 @@ class Args:
     lam: float = 1.0
     """GAE lambda (paper: 1)"""
     kl_coef: float = 0.0
-    """KL penalty (paper: both KL terms off)"""
+    """KL to the frozen SFT reference, k3 estimator on the m = 1 tokens, added to the actor loss (paper: both KL
+    terms off: the reference routes with its own experts); > 0 builds the reference copy (hf backend)"""
     aux_loss_coef: float = 0.0
-    """MoE load-balancing loss coefficient (paper: 0)"""
+    """MoE load-balancing (Switch / Qwen-MoE aux) loss of the actor's routers, added to the actor loss (paper: 0,
+    balancing would move the routing R3 replays; hf backend)"""
     entropy_coef: float = 0.0
-    """entropy bonus (paper: none)"""
+    """entropy bonus: the actor loss minus coef x the mean entropy of pi on the m = 1 tokens (paper: none; hf)"""
+    loss_agg: str = "token"
+    """PPO and value loss reduction: token (mean over every m = 1 token of a minibatch) | sample (mean within each
+    trajectory, then over trajectories: slime's default) (paper silent; token was the only one before this flag)"""
     ppo_epochs: int = 1
     """passes over each step's batch (not stated in the paper)"""
     minibatch_size: int = 64
@@ -241,7 +261,10 @@ EMBEDDED = dataclasses.replace(
     max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
     n_sft_tasks=0, eval_attempts=1, eval_train_tasks=30, sft_epochs=30, sft_lr=2e-3, sft_batch_size=8,
     critic_warmup_trials=64, critic_lr=1.5e-3, rl_steps=8, actor_lr=5e-5, minibatch_size=8, ppo_epochs=2,
-    rollout_actors=2)
+    rollout_actors=2,
+    # evaluation protocol overrides (paper: 3 attempts, 60 turns, 3600 s agent): one attempt, the training turn and
+    # time limits, so that an evaluation takes minutes on 2 cores (the 3072-token context fills in ~8 turns anyway)
+    eval_max_turns=8, eval_agent_timeout_s=120.0)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
     eval_train_tasks=6, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
@@ -293,6 +316,25 @@ def check_args(args: Args) -> None:
         if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
             raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
                              f"{p['tp'] * p['cp'] * p['dp']}")
+    check_loss_args(args)
+
+
+def check_loss_args(args: Args) -> None:
+    """The loss flags: --loss-agg a known reduction, the extra loss terms finite, >= 0, and on a backend that has
+    them (the Megatron actor returns only the sampled token's logprob from vocab-parallel logits: no entropy, no
+    router logits, and no reference copy is built; refused by name rather than silently ignored)."""
+    if args.loss_agg not in C.AGGS:
+        raise ValueError(f"--loss-agg: expected one of {'|'.join(C.AGGS)}, got {args.loss_agg!r}")
+    for k in ("kl_coef", "entropy_coef", "aux_loss_coef"):
+        v = getattr(args, k)
+        if not (isinstance(v, (int, float)) and math.isfinite(v) and v >= 0):
+            raise ValueError(f"--{k.replace('_', '-')}: must be a finite number >= 0, got {v!r}")
+        if v and args.backend == "megatron":
+            raise NotImplementedError(
+                f"--{k.replace('_', '-')} {v} with --backend megatron: not wired (mcore.MegatronActor.token_logprobs "
+                "gives only the sampled token's logprob: no entropy over the vocab-parallel logits, no router logits "
+                "for the load-balancing loss (Megatron's own moe_aux_loss_coeff is 0 in mcore.py), no reference "
+                "copy for KL); use --backend hf or 0 (the paper's value)")
 
 
 def parallel_plan(args: Args) -> dict:
@@ -338,8 +380,10 @@ class Metrics:
 
 
 def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
-    """Right-pad samples into (B, T) tensors; rewards r = P / S placed on the last sampled token.
+    """Right-pad samples into (B, T) tensors; the trial's reward r = P / S placed on the last sampled token.
 
+    One reward: r is the one reward.compute gave the trial (rollout.run_trial's reward_scale = --reward-scale);
+    a CTRF sample whose r is not P / scale was scored with another S and is refused.
     replay (R3 on): every sample must carry its routing; one without is refused, never trained with live routing."""
     lacking = [s.get("task", "?") for s in samples if s.get("routed_experts") is None]
     if replay and lacking:
@@ -357,7 +401,10 @@ def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
         out["mask"][b, :n] = torch.tensor(np.asarray(s["loss_mask"]), dtype=torch.float32)
         out["rollout_logprobs"][b, :n] = torch.tensor(np.asarray(s["rollout_logprobs"]), dtype=torch.float32)
         last = int(np.flatnonzero(s["loss_mask"])[-1])
-        out["rewards"][b, last] = s["passed"] / scale if s.get("reward_source") == "ctrf" else s["reward"]  # r = P / S
+        if s.get("reward_source") == "ctrf" and abs(s["reward"] - s["passed"] / scale) > 1e-9:
+            raise ValueError(f"sample of task {s.get('task')!r}: reward {s['reward']} is not P / S = {s['passed']} / "
+                             f"{scale} (--reward-scale): the trial was scored with another S")
+        out["rewards"][b, last] = s["reward"]  # r = P / S, as reward.compute gave it
         if out["experts"] is not None and s.get("routed_experts") is not None:
             out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))  # row n-1 stays -1 (no next token)
     return out
@@ -463,23 +510,47 @@ def local_rows(batch: dict, group, even: bool = False) -> dict:
     return out
 
 
+def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
+    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
+    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
+    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
+    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
+    if not pool or n_launch < 1 or step < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
+                         f"n_launch {n_launch}, step {step}")
+    orders = {}
+    out = []
+    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
+        epoch, pos = divmod(i, len(pool))
+        if epoch not in orders:
+            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
+        out.append(orders[epoch][pos])
+    return out
+
+
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
-                 temperature=None, top_p=None, desc="rollout"):
+                 temperature=None, top_p=None, desc="rollout", limits=None):
     """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
-    (the SFT data, before any engine); returns (kept trials, dropped, tokens/s)."""
+    (the SFT data, before any engine); returns (kept trials, dropped, tokens/s). limits: overrides of the
+    training limits (the evaluation protocol's). Every trial is scored with S = --reward-scale."""
     sampling = {"temperature": args.temperature if temperature is None else temperature,
                 "top_p": args.top_p if top_p is None else top_p,
                 "max_new_tokens": args.max_new_tokens,
                 "stop_token_ids": [tokenizer.convert_tokens_to_ids(M.IM_END)]}
     limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
-              "trial_timeout_s": args.trial_timeout_s}
-    kw = dict(sampling=sampling, limits=limits, work_root=str(run_dir / "trials"), sandbox=args.sandbox)
+              "trial_timeout_s": args.trial_timeout_s, **(limits or {})}
+    kw = dict(sampling=sampling, limits=limits, work_root=str(run_dir / "trials"), sandbox=args.sandbox,
+              reward_scale=args.reward_scale)
     t0 = time.time()
     if workers is None:
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
                                            max_workers=args.rollout_workers, desc=desc, **kw)
     else:
         kept, dropped = infra.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc, **kw)
+    for t in kept:  # one reward: every trial scored with this run's S
+        if t.get("reward_scale", args.reward_scale) != args.reward_scale:
+            raise ValueError(f"trial of task {t.get('task')!r}: scored with S = {t['reward_scale']}, "
+                             f"--reward-scale is {args.reward_scale}")
     n_tok = sum(len(r["output_ids"]) for t in kept for r in t.get("records", []))
     return kept, dropped, n_tok / max(time.time() - t0, 1e-9)
 
@@ -524,16 +595,23 @@ def audit_samples(samples: list[dict], step: int) -> dict:
 
 
 def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
-    """Held-out evaluation with the paper's protocol (temperature 0.1, top-p 0.95, attempts)."""
-    trials = []
-    for a in range(args.eval_attempts):
-        kept, _, _ = run_rollouts(task_dirs, "model", args, run_dir, tokenizer, workers, urls,
-                                  temperature=args.eval_temperature, top_p=args.eval_top_p, desc=f"eval {tag} #{a + 1}")
-        trials += kept
-    return {"solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
-            "reward_mean": float(np.mean([t["reward"] for t in trials])) if trials else 0.0,
-            "turns_mean": float(np.mean([t["turns"] for t in trials])) if trials else 0.0,
-            "n_trials": len(trials)}
+    """Evaluation with the paper's protocol (gateway.EVAL, through Args.eval_*): temperature 0.1, top-p 0.95,
+    eval_attempts per task, the eval turn and agent / verifier limits replacing the tasks' own. Every trial counts
+    (gateway.evaluate_trials): n_trials = tasks x attempts, a trial that errored or was dropped scores 0 and is
+    listed in `errors`. The native token-first harness stands in for Terminus-2 (rollout.py)."""
+    limits = {"max_turns": args.eval_max_turns, "trial_timeout_s": args.eval_agent_timeout_s,
+              "agent_timeout_s": args.eval_agent_timeout_s, "verifier_timeout_s": args.eval_verifier_timeout_s}
+
+    def run_attempt(dirs, k):
+        kept, dropped, _ = run_rollouts(dirs, "model", args, run_dir, tokenizer, workers, urls,
+                                        temperature=args.eval_temperature, top_p=args.eval_top_p,
+                                        desc=f"eval {tag} #{k + 1}", limits=limits)
+        return kept + [{"task": d["task"], "exit_reason": "error", "error": d["reason"]} for d in dropped]
+    rep = gateway.evaluate_trials(task_dirs, run_attempt, args.eval_attempts)
+    if rep["n_errors"]:
+        log(Path(run_dir), f"eval {tag}: {rep['n_errors']} of {rep['n_trials']} trials failed and count 0: "
+                           f"{rep['errors'][:5]}")
+    return {k: v for k, v in rep.items() if k != "trials"}
 
 
 # --- phases -----------------------------------------------------------------------------------------
@@ -570,39 +648,113 @@ def critic_warmup(critic, opt, samples, args: Args, group=None) -> list[dict]:
                    else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
             batch.update(old_values=old, returns=returns)
-            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group)
+            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
             recs.append({"explained_variance": stats["charts/explained_variance"],
                          "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
     return recs
 
 
-def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_samples: int, group=None) -> dict:
-    """PPO clipped surrogate on the m = 1 tokens, with R3 replay in every forward (and its recompute).
+def ppo_loss(logp, old_logp, adv, mask, clip_eps: float, agg: str = "token", n=None) -> torch.Tensor:
+    """The paper's clipped surrogate over the m = 1 tokens (all (B, T)); agg / n as in critic.aggregate.
+
+    old_logp are the behaviour policy's (the weights that sampled the batch), logp the actor's being trained."""
+    ratio = (logp - old_logp).exp()  # r_j = pi_theta(a_j | s_j) / pi_old(a_j | s_j)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    # L = -E_j[min(r_j A_j, clip(r_j, 1 - eps, 1 + eps) A_j)]
+    return C.aggregate(torch.max(pg_loss1, pg_loss2), mask, agg, n)
+
+
+def kl_k3(logp, ref_logp) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) from the sampled tokens (B, T): unbiased, >= 0."""
+    log_r = ref_logp - logp  # log pi_ref / pi_theta at the sampled token
+    return log_r.exp() - log_r - 1  # k3 = r - log r - 1
+
+
+def load_balancing_loss(router_logits: list, experts: list, token_mask: torch.Tensor) -> torch.Tensor:
+    """The Switch / Qwen-MoE auxiliary loss of the routers, mean over layers (what HF adds with
+    router_aux_loss_coef): aux_l = E * sum_e f_e * P_e over the tokens of token_mask (N,) where f_e is the fraction
+    of tokens dispatched to expert e (over the k choices; the replayed experts under R3) and P_e the mean router
+    probability of e. router_logits[l] (N, E), experts[l] (N, k)."""
+    m = token_mask.reshape(-1).float()  # (N,)
+    out = []
+    for logits, idx in zip(router_logits, experts):
+        E = logits.shape[-1]
+        probs = F.softmax(logits.float(), dim=-1)  # (N, E)
+        counts = F.one_hot(idx.long(), E).float().sum(1)  # (N, E): how many of the token's k slots chose e
+        f = (counts * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,), sums to k
+        P = (probs * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,)
+        out.append(E * (f * P).sum())  # aux_l = E * sum_e f_e P_e (k with a uniform router)
+    return torch.stack(out).mean()
+
+
+def policy_forward(actor, batch: dict, temperature: float, rows, entropy: bool = False, aux: bool = False):
+    """(logprobs (B, T), entropy (B, T) or None, load-balancing loss or None) of the rows, in the caller's R3 context.
+
+    entropy[:, j] is the entropy of pi(. | tokens[:j]) (aligned with logprobs[:, j]); aux from the routers' logits
+    of this forward (hf actor: r3.routers' outputs). Neither asked: token_logprobs unchanged."""
+    if not (entropy or aux):
+        return token_logprobs(actor, batch, temperature, rows), None, None
+    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
+    seen = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append((out[0], out[2]))) for r in r3.routers(actor)]
+    try:
+        logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+    finally:
+        for h in hooks:
+            h.remove()
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V)
+    lp = F.pad(logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))  # (B, T)
+    ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) if entropy else None  # H = -sum_v p log p
+    lb = load_balancing_loss([l for l, _ in seen], [i for _, i in seen], am) if aux else None
+    return lp, ent, lb
+
+
+def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_samples: int, group=None,
+               ref_logprobs=None) -> dict:
+    """PPO clipped surrogate on the m = 1 tokens (ppo_loss), with R3 replay in every forward (and its recompute),
+    plus the optional terms, all off in the paper: kl_coef x k3 KL to the SFT reference (ref_logprobs),
+    - entropy_coef x entropy, aux_loss_coef x the routers' load-balancing loss.
 
     batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
     all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
+    if args.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
     actor.train()
-    stats = {"pg_loss": [], "approx_kl": [], "clipfrac": []}
+    stats = {"pg_loss": [], "approx_kl": [], "clipfrac": [], "losses/kl": [], "losses/entropy": [], "losses/aux": []}
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
             mb = share(mb, group, even(args, group))
             m = batch["mask"][mb]
-            n = None if group is None else C.dp_sum(m.sum(), group).clamp(min=1.0)  # tokens of the whole minibatch
+            n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
+            n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
-            st = torch.zeros(3)  # pg_loss, approx_kl, clipfrac (this rank's part)
+            st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
             if mb:  # a rank without rows still joins the gradient sum
                 with batch_routing(actor, batch, args.r3_mode, mb):
-                    newlogprob = token_logprobs(actor, batch, args.temperature, rows=mb)
-                    adv = advantages[mb]
+                    newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
+                                                              args.entropy_coef > 0, args.aux_loss_coef > 0)
                     logratio = newlogprob - old_logprobs[mb]
                     ratio = logratio.exp()
-                    pg_loss1 = -adv * ratio
-                    pg_loss2 = -adv * torch.clamp(ratio, 1 - args.clip_eps, 1 + args.clip_eps)
-                    pg_loss = C.masked_mean(torch.max(pg_loss1, pg_loss2), m, n)  # no KL, no entropy (paper)
-                    pg_loss.backward()  # inside the routing context: recompute replays the same experts
+                    pg_loss = ppo_loss(newlogprob, old_logprobs[mb], advantages[mb], m, args.clip_eps, args.loss_agg, n)
+                    loss, extra = pg_loss, torch.zeros(3)
+                    if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
+                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb]), m, args.loss_agg, n)
+                        loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
+                    if args.entropy_coef > 0:  # entropy bonus
+                        ent = C.aggregate(entropy, m, args.loss_agg, n)
+                        loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
+                    if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
+                        am = batch["attention_mask"][mb].sum().float()
+                        aux = aux if group is None else aux * am / C.dp_sum(am, group)
+                        loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
+                    loss.backward()  # inside the routing context: recompute replays the same experts
                 with torch.no_grad():
-                    st = torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n),
-                                      C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n)])
+                    st = torch.cat([torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n_tok),
+                                                 C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]),
+                                    extra])
+            elif args.aux_loss_coef > 0 and group is not None:  # the same collectives as the ranks with rows
+                C.dp_sum(torch.zeros(()), group)
             C.optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
             for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
                 stats[k].append(v)
@@ -610,14 +762,15 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
 
 
 def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path,
-               step: int, group=None) -> dict:
+               step: int, group=None, ref=None) -> dict:
     """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
 
     `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
     one-step async): the trainer's old logprobs pi^t_{t-1} come from it, so the PPO ratio compares two
     versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
     With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
-    only, and trains its share of every minibatch.
+    only, and trains its share of every minibatch. ref: the frozen SFT actor (kl_coef > 0 only).
+    Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
     """
     full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
@@ -630,19 +783,25 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
             {**batch, "old_values": old_values, "returns": returns}.items()}
            for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
-    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group)
+    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
     # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
         old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
             forward_logprobs(behaviour, batch, args.r3_mode, args.temperature),  # pi^t_{t-1}, R3 replay
             forward_logprobs(behaviour, batch, "off", args.temperature))
+        if args.kl_coef > 0 and ref is None:
+            raise ValueError("--kl-coef > 0: train_step needs the SFT reference actor (ref)")
+        ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None  # pi_SFT, under the same
+                        else forward_logprobs(ref, batch, args.r3_mode, args.temperature))  # R3 replay as pi_old
     mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
                 if batch["experts"] is not None and no_rows is None else float("nan"))  # sets live routing would change
     log(run_dir, f"step {step}: actor update")
     t0 = time.time()
-    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group)
-    return {"explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
+    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,
+                        ref_logprobs)
+    return {"reward_mean": float(full["rewards"].sum(1).mean()),  # the rewards trained on: one per sample
+            "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
             "value_clipfrac": cstats["losses/value_clipfrac"],
             "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
             "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
@@ -675,6 +834,7 @@ class Trainer:
         self.sharded = args.backend == "megatron" and world > 1  # each rank holds shards (Megatron's layout)
         self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
         self.published = {}  # weight version -> the actor's state dict the engines were given
+        self.ref = None  # the frozen SFT actor (kl_coef > 0, hf backend)
         self.publisher = None
         if not self.sharded:
             self._build()
@@ -698,6 +858,8 @@ class Trainer:
             self.hf_config = hf_actor.config
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
             self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
+            if args.kl_coef > 0:  # the frozen SFT actor: the KL reference, built only when it is used
+                self.ref = M.load_actor(self.sft_dir)[0].eval().requires_grad_(False)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
             self.hub_weights = lambda: M.hub_state_dict(self.actor)
         if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore_parallel.py)
@@ -834,7 +996,8 @@ class Trainer:
         if versions:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
         stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
-                            self.args, self.rng, self.run_dir, step, self.group) if samples else {})
+                            self.args, self.rng, self.run_dir, step, self.group, self.ref)
+                 if samples else {})
         if self.rank == 0 or self.sharded:  # replicas are identical: one checkpoint; shards: every rank
             save_trainer(self.latest, self.save_actor, self._state(step), self.ckpt_name, self.rank, self._barrier)
         return {**stats, "time_train": time.time() - t0}
@@ -988,10 +1151,7 @@ def train(args: Args) -> dict:
 
         # --- RL: PPO steps ---------------------------------------------------------------------------
         def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-            per_epoch = max(1, len(train_pool) // args.n_launch)
-            order = data.epoch_order(train_pool, (step - 1) // per_epoch, args.seed)  # reshuffled per epoch
-            off = ((step - 1) % per_epoch) * args.n_launch
-            launch = [order[(off + i) % len(order)] for i in range(args.n_launch)]
+            launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
             t0 = time.time()
             trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, workers, urls,
                                                   n_keep=args.n_keep, desc=f"rollout step {step}")
@@ -1035,7 +1195,7 @@ def train(args: Args) -> dict:
             t_publish = time.time() - t0
             rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
                    "rollout_beside_update": ro is not None,
-                   "reward_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
+                   "reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
                    "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
                    **stats, **audit, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
                    "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,

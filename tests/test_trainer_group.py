@@ -29,7 +29,7 @@ def fake_samples(actor, vocab: int) -> list[dict]:
             actor(input_ids=tokens[None])
         samples.append({"tokens": tokens.numpy(), "loss_mask": mask,
                         "rollout_logprobs": (-torch.rand(n, generator=g) * torch.from_numpy(mask)).double().numpy(),
-                        "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": 0.0, "passed": i % 4,
+                        "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": (i % 4) / 20, "passed": i % 4,
                         "total": 4, "reward_source": "ctrf", "weight_version": 0, "turns": 2})
     return samples
 

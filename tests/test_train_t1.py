@@ -1,0 +1,332 @@
+"""train_t1.py's algorithm pieces: the PPO loss and its optional terms, loss aggregation, the epoch's task draw,
+one reward, and the evaluation that counts every trial (gateway.evaluate_trials)."""
+import dataclasses
+import math
+import os
+import random
+import shutil
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+import critic as C
+import gateway
+import model as M
+import rollout
+import train_t1 as T
+
+
+# --- ppo_loss and its aggregation ------------------------------------------------------------------------
+
+def test_ppo_loss_matches_hand_computation_with_behaviour_not_actor():
+    """Three tokens of one sample, old (behaviour) != new (actor): ratio 1.5 clipped at 1.2 for A > 0, ratio 0.5
+    clipped at 0.8 for A < 0 (the pessimistic branch is the clipped one there), one unclipped; a 4th token m = 0."""
+    logp = torch.tensor([[math.log(0.3), math.log(0.1), math.log(0.5), 0.0]])
+    old = torch.tensor([[math.log(0.2), math.log(0.2), math.log(0.5), -3.0]])
+    adv = torch.tensor([[2.0, -1.0, 0.5, 100.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    # token 0: r = 1.5, A = 2: min(3.0, 1.2 * 2 = 2.4) = 2.4 -> loss -2.4
+    # token 1: r = 0.5, A = -1: min(-0.5, 0.8 * -1 = -0.8) = -0.8 -> loss 0.8
+    # token 2: r = 1, A = 0.5 -> loss -0.5
+    want = (-2.4 + 0.8 - 0.5) / 3
+    got = T.ppo_loss(logp, old, adv, mask, 0.2, "token")
+    assert got.item() == pytest.approx(want, abs=1e-6)
+    assert T.ppo_loss(logp, old, adv, mask, 0.2, "sample").item() == pytest.approx(want, abs=1e-6)  # one sample
+
+
+def test_loss_aggregation_token_vs_sample_by_hand():
+    """Sample 0 has 3 loss tokens of loss 1, sample 1 one token of loss 5: per token (3 + 5) / 4 = 2, per sample
+    (1 + 5) / 2 = 3; a sample without loss tokens counts in neither; n overrides the denominator."""
+    x = torch.tensor([[1.0, 1.0, 1.0, 9.0], [5.0, 9.0, 9.0, 9.0], [7.0, 7.0, 7.0, 7.0]])
+    m = torch.tensor([[1.0, 1.0, 1.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+    assert C.aggregate(x, m, "token").item() == pytest.approx(2.0)
+    assert C.aggregate(x, m, "sample").item() == pytest.approx(3.0)
+    assert C.aggregate(x, m, "sample", torch.tensor(4.0)).item() == pytest.approx(1.5)  # (1 + 5) / 4 samples
+    with pytest.raises(ValueError, match="token|sample"):
+        C.aggregate(x, m, "seq")
+
+
+@pytest.mark.parametrize("agg", ["token", "sample"])
+def test_aggregation_over_ranks_sums_to_the_one_rank_value(agg):
+    """Data parallel: each rank's rows divided by the minibatch's global count (tokens or samples) sum to the
+    one-rank value, as critic.agg_count gives it over a group (a row without loss tokens counts nowhere)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 7, generator=g)
+    m = (torch.rand(5, 7, generator=g) < 0.5).float()
+    m[2] = 0
+    whole = C.aggregate(x, m, agg)
+    n = m.sum() if agg == "token" else (m.sum(-1) > 0).sum().float()
+    parts = [C.aggregate(x[r::2], m[r::2], agg, n) for r in range(2)]  # rank r holds rows r, r + 2, ...
+    assert (parts[0] + parts[1]).item() == pytest.approx(whole.item(), abs=1e-6)
+
+
+def test_value_loss_sample_aggregation_by_hand():
+    """0.5 * max(unclipped, clipped) squared errors, per sample then over samples."""
+    old = torch.zeros(2, 3)
+    values = torch.tensor([[0.1, 0.5, 0.0], [0.3, 0.0, 0.0]])  # 0.5 is clipped to 0.2 around V_old = 0
+    returns = torch.tensor([[1.0, 1.0, 0.0], [0.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0]])
+    e00 = max(0.9 ** 2, 0.9 ** 2)  # v = 0.1: inside the clip
+    e01 = max(0.5 ** 2, 0.8 ** 2)  # v = 0.5 -> clipped 0.2: (0.2 - 1)^2 = 0.64 is larger
+    e10 = max(0.3 ** 2, 0.2 ** 2)
+    token, _ = C.value_loss(values, old, returns, mask, 0.2, agg="token")
+    sample, clipfrac = C.value_loss(values, old, returns, mask, 0.2, agg="sample")
+    assert token.item() == pytest.approx(0.5 * (e00 + e01 + e10) / 3)
+    assert sample.item() == pytest.approx(0.5 * ((e00 + e01) / 2 + e10) / 2)
+    assert clipfrac.item() == pytest.approx(2 / 3)  # 0.5 and 0.3 moved more than 0.2: a per-token fraction
+
+
+# --- the optional loss terms (all off in the paper) --------------------------------------------------------
+
+def test_kl_k3_by_hand():
+    logp = torch.tensor([math.log(0.5), math.log(0.2)])
+    ref = torch.tensor([math.log(0.25), math.log(0.2)])
+    # k3 = r - log r - 1 with r = pi_ref / pi: r = 0.5 -> 0.5 + log 2 - 1; r = 1 -> 0
+    assert torch.allclose(T.kl_k3(logp, ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
+
+
+def test_load_balancing_loss_matches_transformers():
+    """Our aux loss on one layer equals HF's load_balancing_loss_func (what router_aux_loss_coef scales)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    torch.manual_seed(0)
+    B, S, E, k = 2, 5, 8, 2
+    logits = torch.randn(B * S, E)
+    idx = torch.topk(torch.softmax(logits, -1), k, -1).indices
+    am = torch.ones(B, S)
+    am[1, 3:] = 0
+    ours = T.load_balancing_loss([logits], [idx], am)
+    theirs = load_balancing_loss_func((logits,), E, k, am)
+    assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
+    uniform = T.load_balancing_loss([torch.zeros(4, E)], [torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])],
+                                    torch.ones(4))
+    assert uniform.item() == pytest.approx(k)  # a balanced router: aux = k
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = M.tiny_config(64)
+    actor = M.build_actor(cfg, seed=0)
+    g = torch.Generator().manual_seed(0)
+    B, Tn = 4, 10
+    ids = torch.randint(0, 64, (B, Tn), generator=g)
+    am = torch.ones(B, Tn, dtype=torch.long)
+    am[3, 7:] = 0
+    mask = torch.zeros(B, Tn)
+    mask[:, 3:7] = 1
+    mask[0, 8:] = 1
+    batch = {"input_ids": ids, "attention_mask": am, "mask": mask, "experts": None}
+    with torch.no_grad():
+        old = T.token_logprobs(actor, batch) + 0.05 * torch.randn(B, Tn, generator=g)  # behaviour != actor
+        ref = T.token_logprobs(actor, batch) - 0.1 * torch.rand(B, Tn, generator=g)
+    adv = torch.randn(B, Tn, generator=g) * mask
+    return actor, batch, old, ref, adv
+
+
+def _update(tiny, **over):
+    actor0, batch, old, ref, adv = tiny
+    actor = M.build_actor(actor0.config, seed=0)
+    actor.load_state_dict(actor0.state_dict())
+    args = dataclasses.replace(T.Args(), minibatch_size=2, ppo_epochs=1, r3_mode="off", actor_lr=1e-3, **over)
+    opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
+    stats = T.ppo_update(actor, opt, batch, adv, old, args, random.Random(0), 4, None, ref)
+    return actor.state_dict(), stats
+
+
+def _reference_update(tiny):
+    """The PPO update as it was before the optional terms (plain per-token clipped surrogate, nothing else)."""
+    actor0, batch, old, _, adv = tiny
+    actor = M.build_actor(actor0.config, seed=0)
+    actor.load_state_dict(actor0.state_dict())
+    opt = torch.optim.Adam(actor.parameters(), lr=1e-3)
+    actor.train()
+    for mb in T.minibatches(4, 2, random.Random(0)):
+        m = batch["mask"][mb]
+        opt.zero_grad()
+        lp = T.token_logprobs(actor, batch, 1.0, rows=mb)
+        ratio = (lp - old[mb]).exp()
+        loss = C.masked_mean(torch.max(-adv[mb] * ratio, -adv[mb] * torch.clamp(ratio, 0.8, 1.2)), m)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(actor.parameters(), 1.0)
+        opt.step()
+    return actor.state_dict()
+
+
+def test_zero_coefficients_leave_the_update_bit_identical(tiny):
+    got, stats = _update(tiny)
+    want = _reference_update(tiny)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert stats["losses/kl"] == stats["losses/entropy"] == stats["losses/aux"] == 0.0
+
+
+@pytest.mark.parametrize("flag,metric", [("kl_coef", "losses/kl"), ("entropy_coef", "losses/entropy"),
+                                         ("aux_loss_coef", "losses/aux")])
+def test_nonzero_coefficient_changes_the_update(tiny, flag, metric):
+    base, _ = _update(tiny)
+    got, stats = _update(tiny, **{flag: 0.5})
+    assert stats[metric] > 0  # k3 >= 0 (ref != actor), entropy > 0, aux ~ k
+    assert any(not torch.equal(got[k], base[k]) for k in base)
+    if flag == "aux_loss_coef":  # the routers get the balancing gradient
+        gates = [k for k in base if k.endswith("mlp.gate.weight")]
+        assert gates and any(not torch.equal(got[k], base[k]) for k in gates)
+
+
+def test_sample_aggregation_changes_the_update(tiny):
+    base, _ = _update(tiny)
+    got, _ = _update(tiny, loss_agg="sample")  # row 0 has 6 loss tokens, the others 4: weights differ
+    assert any(not torch.equal(got[k], base[k]) for k in base)
+
+
+def test_check_args_refuses_bad_loss_flags():
+    a = T.EMBEDDED
+    with pytest.raises(ValueError, match="--loss-agg"):
+        T.check_args(dataclasses.replace(a, loss_agg="seq"))
+    for flag in ("kl_coef", "entropy_coef", "aux_loss_coef"):
+        for bad in (-0.1, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
+                T.check_args(dataclasses.replace(a, **{flag: bad}))
+        with pytest.raises(NotImplementedError, match="--" + flag.replace("_", "-") + ".*megatron"):
+            T.check_args(dataclasses.replace(a, backend="megatron", **{flag: 0.1}))
+    T.check_args(dataclasses.replace(a, loss_agg="sample", kl_coef=0.1))
+
+
+def test_parse_args_takes_the_new_flags():
+    a = T.parse_args(["--loss-agg", "sample", "--kl-coef", "0.05", "--eval-verifier-timeout-s", "30"])
+    assert (a.loss_agg, a.kl_coef, a.eval_verifier_timeout_s) == ("sample", 0.05, 30.0)
+
+
+# --- an epoch launches the whole pool --------------------------------------------------------------------
+
+@pytest.mark.parametrize("n_pool,n_launch", [(10, 4), (7, 7), (5, 12), (120, 36)])
+def test_every_task_is_launched_once_per_epoch(n_pool, n_launch):
+    pool = [f"task{i}" for i in range(n_pool)]
+    steps = 3 * n_pool  # covers n_launch * steps / n_pool >= 3 epochs
+    stream = [t for s in range(1, steps + 1) for t in T.launch_tasks(pool, s, n_launch, seed=1)]
+    assert all(len(T.launch_tasks(pool, s, n_launch, 1)) == n_launch for s in (1, 2, steps))  # no short step
+    for e in range(len(stream) // n_pool):
+        assert Counter(stream[e * n_pool:(e + 1) * n_pool]) == Counter(pool), f"epoch {e}"
+    orders = [stream[e * n_pool:(e + 1) * n_pool] for e in range(2)]
+    assert n_pool < 5 or orders[0] != orders[1]  # reshuffled per epoch
+
+
+# --- one reward ----------------------------------------------------------------------------------------------
+
+def _sample(P, scale, n=8, reward=None):
+    mask = np.zeros(n, dtype=np.int8)
+    mask[3:6] = 1
+    return {"task": f"t{P}", "tokens": np.arange(n), "loss_mask": mask, "rollout_logprobs": np.zeros(n),
+            "routed_experts": None, "passed": P, "total": 10, "reward_source": "ctrf",
+            "reward": P / scale if reward is None else reward, "weight_version": 0, "turns": 1}
+
+
+def test_train_step_logs_the_reward_it_trains_on(tmp_path, tiny):
+    actor0 = tiny[0]
+    actor, behaviour = (M.build_actor(actor0.config, seed=0) for _ in range(2))
+    critic = C.Critic.from_actor(actor)
+    args = dataclasses.replace(T.Args(), reward_scale=10.0, minibatch_size=2, r3_mode="off")
+    samples = [_sample(P, 10.0) for P in (0, 3, 7)]
+    stats = T.train_step(actor, behaviour, critic, torch.optim.Adam(actor.parameters()),
+                         torch.optim.Adam(critic.parameters()), samples, args, random.Random(0), tmp_path, 1)
+    assert stats["reward_mean"] == pytest.approx((0 + 0.3 + 0.7) / 3)
+    batch = T.pad_batch(samples, 10.0)
+    assert stats["reward_mean"] == pytest.approx(float(batch["rewards"].sum(1).mean()))
+
+
+def test_pad_batch_refuses_a_reward_scored_with_another_scale():
+    with pytest.raises(ValueError, match="another S"):
+        T.pad_batch([_sample(4, 20.0)], 10.0)  # r = 4 / 20 computed with S = 20, the run's S is 10
+    assert T.pad_batch([_sample(4, 10.0)], 10.0)["rewards"].sum().item() == pytest.approx(0.4)
+
+
+needs_jail = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
+                                reason="the bubblewrap sandbox needs root and bwrap")
+
+
+def _task(root, verify_sleep=0):
+    d = root / "three-asserts"
+    for sub in ("environment/app", "tests", "solution"):
+        (d / sub).mkdir(parents=True)
+    (d / "task.toml").write_text("[verifier]\ntimeout_sec = 60\n\n[agent]\ntimeout_sec = 60\n")
+    (d / "instruction.md").write_text("Write ok to /app/out.txt.\n")
+    (d / "tests/test_outputs.py").write_text("def test_a():\n    pass\n\n\ndef test_b():\n    pass\n\n\n"
+                                             "def test_c():\n    assert open('/app/out.txt').read() == 'ok\\n'\n")
+    (d / "tests/test.sh").write_text(f"#!/bin/bash\nsleep {verify_sleep}\nmkdir -p /logs/verifier\n"
+                                     "pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py\n")
+    (d / "solution/solve.sh").write_text("#!/bin/bash\necho ok > /app/out.txt\n")
+    return d
+
+
+@needs_jail
+def test_reward_scale_reaches_the_verifier_reward(tmp_path):
+    task = _task(tmp_path)
+    res = rollout.run_trial(task, "oracle", reward_scale=10.0)
+    assert res["exit_reason"] == "oracle", res["error"]
+    assert (res["passed"], res["reward"], res["reward_scale"]) == (3, 3 / 10, 10.0)  # r = P / S with S = 10
+    assert rollout.run_trial(task, "oracle")["reward"] == 3 / 20  # the paper's S by default
+
+
+@needs_jail
+def test_evaluation_verifier_timeout_replaces_the_tasks(tmp_path):
+    task = _task(tmp_path, verify_sleep=4)
+    res = rollout.run_trial(task, "oracle", limits={"verifier_timeout_s": 1.0})
+    assert (res["reward"], res["reward_source"]) == (0.0, "none")  # killed at 1 s, before its report
+    assert rollout.run_trial(task, "oracle")["reward"] == 3 / 20  # the task's 60 s
+
+
+# --- evaluation counts every trial ------------------------------------------------------------------------------
+
+def _result(task, reward=0.5, resolved=False, exit_reason="task_complete", error=None, turns=2):
+    return {"task": task, "reward": reward, "resolved": resolved, "exit_reason": exit_reason, "error": error,
+            "turns": turns}
+
+
+def test_evaluate_trials_counts_failed_and_missing_trials_as_zero():
+    tasks = ["/x/a", "/x/b", "/x/c"]
+
+    def run_attempt(dirs, k):
+        out = [_result("a", 1.0, True), _result("b", 0.9, True, "error", "RuntimeError: sandbox died")]
+        return out if k == 0 else out[:1]  # attempt 1: b and c never came back
+    rep = gateway.evaluate_trials(tasks, run_attempt, 2)
+    assert rep["n_trials"] == 6 and rep["n_tasks"] == 3 and rep["attempts"] == 2
+    assert rep["solve_rate"] == pytest.approx(2 / 6) and rep["reward_mean"] == pytest.approx(2.0 / 6)
+    assert rep["n_errors"] == 4
+    assert {(e["task"], e["attempt"]) for e in rep["errors"]} == {("b", 0), ("c", 0), ("b", 1), ("c", 1)}
+    assert "sandbox died" in [e for e in rep["errors"] if e["task"] == "b"][0]["error"]
+
+
+def test_evaluate_trials_refuses_foreign_or_duplicate_results():
+    with pytest.raises(ValueError, match="not one of the tasks"):
+        gateway.evaluate_trials(["/x/a"], lambda d, k: [_result("zzz")], 1)
+    with pytest.raises(ValueError, match="duplicate"):
+        gateway.evaluate_trials(["/x/a"], lambda d, k: [_result("a"), _result("a")], 1)
+    with pytest.raises(ValueError, match="attempts"):
+        gateway.evaluate_trials(["/x/a"], lambda d, k: [], 0)
+
+
+def test_train_t1_evaluate_counts_dropped_trials(monkeypatch, tmp_path):
+    """train_t1.evaluate: a trial that errored (run_rollouts' dropped) is a 0 in the denominator, with the
+    protocol's sampling and limits."""
+    seen = []
+
+    def fake_run_rollouts(dirs, agent, args, run_dir, tok, workers, urls, **kw):
+        seen.append(kw)
+        kept = [_result("a", 0.6, True)]
+        return kept, [{"task": "b", "seconds": 1.0, "reason": "OSError: no space left"}], 1.0
+    monkeypatch.setattr(T, "run_rollouts", fake_run_rollouts)
+    args = dataclasses.replace(T.Args(), eval_attempts=3)
+    rep = T.evaluate(["/x/a", "/x/b"], args, tmp_path, None, None, None, "test")
+    assert rep["n_trials"] == 6 and rep["n_errors"] == 3
+    assert rep["solve_rate"] == pytest.approx(0.5) and rep["reward_mean"] == pytest.approx(0.3)
+    assert seen[0]["temperature"] == 0.1 and seen[0]["top_p"] == 0.95
+    assert seen[0]["limits"] == {"max_turns": 60, "trial_timeout_s": 3600.0, "agent_timeout_s": 3600.0,
+                                 "verifier_timeout_s": 900.0}
+
+
+def test_one_source_for_the_evaluation_protocol():
+    a = T.Args()
+    assert (a.eval_temperature, a.eval_top_p, a.eval_attempts, a.eval_max_turns, a.eval_agent_timeout_s,
+            a.eval_verifier_timeout_s) == tuple(gateway.EVAL[k] for k in (
+                "temperature", "top_p", "attempts", "max_turns", "agent_timeout_s", "verifier_timeout_s"))
+    assert gateway.EVAL == {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0,
+                            "verifier_timeout_s": 900.0, "temperature": 0.1, "top_p": 0.95, "attempts": 3}
