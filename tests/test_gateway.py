@@ -256,3 +256,28 @@ def test_health_reports_the_engine_and_a_dead_engine_is_503(gw, tok):
     finally:
         g.stop()
     assert call(gw.url, method="GET", path="/health") == (200, {"ok": True, "engine": "ok"})
+
+
+def test_a_client_that_hangs_up_has_its_engine_request_aborted_and_nothing_recorded(gw, engine):
+    import socket
+    body = json.dumps({"model": "t1", "messages": MSGS, "max_tokens": 8}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Session-ID: gone\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    rollout.EngineClient(engine.url).pause()  # the request waits in the engine's queue
+    try:
+        s = socket.create_connection(gw.httpd.server_address[:2], timeout=30)
+        s.sendall(head + body)
+        deadline = time.time() + 30
+        while not engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        (queued,) = engine.queue
+        s.close()
+        deadline = time.time() + 30
+        while engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.queue and list(gw.disconnects) == [queued.rid]  # aborted in the engine
+        assert queued.finish == {"type": "abort"}
+    finally:
+        rollout.EngineClient(engine.url).resume()
+    time.sleep(0.5)
+    assert gw.trial("gone")["records"] == []  # the client never saw a reply: no turn recorded

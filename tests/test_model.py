@@ -486,3 +486,39 @@ def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
         handler.timeout = model_lib.READ_TIMEOUT_S
     assert status == 408 and res["error"].startswith("body:"), res
     assert get(engine.url + "/health")[0] == 200 and not engine.queue
+
+
+def test_a_rid_already_in_flight_is_refused(engine, tok):
+    body = {"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 2}, "rid": "dup"}
+    first = {}
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    t = threading.Thread(target=lambda: first.update(res=post(engine.url + "/generate", body)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith("rid:"), res
+    finally:
+        post(engine.url + "/continue_generation", {})
+    t.join(timeout=60)
+    assert first["res"][0] == 200 and first["res"][1]["meta_info"]["id"] == "dup"
+
+
+def test_health_is_503_when_the_scheduler_is_not_running(ckpt):
+    eng = model_lib.EngineServer(ckpt, port=0, max_batch=2).start()
+    try:
+        assert get(eng.url + "/health") == (200, {"status": "ok"})
+        dead = threading.Thread(target=lambda: None)
+        dead.start()
+        dead.join()
+        eng.threads[1], live = dead, eng.threads[1]  # as if the scheduler thread had died
+        try:
+            urllib.request.urlopen(eng.url + "/health", timeout=30)
+            raise AssertionError("/health answered 200 without a scheduler")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "scheduler" in json.loads(e.read())["error"]
+        eng.threads[1] = live
+    finally:
+        eng.stop()
