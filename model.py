@@ -296,6 +296,11 @@ class JSONHandler(BaseHTTPRequestHandler):
         except OSError:  # the client hung up: nobody to answer
             self.close_connection = True
 
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (malformed request line, oversized headers, unknown method) as JSON too."""
+        self.close_connection = True
+        self.send_error_json(HTTPError(code, f"request: {message or 'refused'}"))
+
     def send_error_json(self, err: HTTPError):
         """Engine error shape {"error": "field: message"}; gateway.py answers in OpenAI's shape instead."""
         self._send(err.status, {"error": str(err)})

@@ -471,6 +471,9 @@ def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
         (http_post("/generate", b"1" * 5000, ["Content-Length: 5000"]), 400, "body:"),  # int of 5000 digits
         (http_post("/generate", b"[" * 100000, ["Content-Length: 100000"]), 400, "body:"),  # nesting
         (http_post("/generate", b"\xff\xfe{", ["Content-Length: 3"]), 400, "body:"),  # not UTF-8
+        (http_post("/generate", b"", [f"X-{i}: y" for i in range(101)]), 431, "request:"),  # http.server's own
+        # refusals (here: over 100 headers) answer JSON too
+        (b"PUT /generate HTTP/1.1\r\nHost: x\r\n\r\n", 501, "request:"),
     ]
     for data, want, field in cases:
         status, res = raw_http(engine, data)
