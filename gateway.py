@@ -335,8 +335,9 @@ class Gateway:
         pos, s = min((text.find(s), s) for s in stops if s in text)
         return out[:lo], text[:pos], s
 
-    def chat(self, body: dict, headers, rid=None) -> dict:
-        """One /v1/chat/completions request -> the OpenAI response dict (APIError on a bad request)."""
+    def chat(self, body: dict, headers, rid=None, gone=lambda: False) -> dict:
+        """One /v1/chat/completions request -> the OpenAI response dict (APIError on a bad request).
+        gone(): True when the client hung up (then nothing is recorded)."""
         req = parse_chat(body, headers)
         text = self.render(req["messages"])
         sid, turns = self._session(req["session_id"], text)
@@ -349,7 +350,7 @@ class Gateway:
         params = {"temperature": req["temperature"], "top_p": req["top_p"], "max_new_tokens": int(min(want, room)),
                   "stop_token_ids": [self.im_end], **({"seed": req["seed"]} if req["seed"] is not None else {})}
         gen = self.client.generate(ids, params, rid=rid or uuid.uuid4().hex)
-        if gen["finish_reason"] == "abort":  # the client hung up, or the engine is stopping: nothing to record
+        if gen["finish_reason"] == "abort" or gone():  # the client hung up, or the engine stopped: no record
             raise APIError(503, "engine: the request was aborted", None, "aborted")
         out, lps, routed = [int(t) for t in gen["output_ids"]], gen["logprobs"], gen["routed_experts"]
         out, reply, matched = self._cut_at_stop(out, req["stop"])
@@ -437,7 +438,7 @@ def _make_handler(gw: Gateway):
                     gw.client.abort(rid)
                 try:
                     with self.on_disconnect(hung_up):
-                        resp = gw.chat(body, self.headers, rid=rid)
+                        resp = gw.chat(body, self.headers, rid=rid, gone=lambda: bool(gone))
                 except APIError:
                     if gone:
                         self.close_connection = True

@@ -547,6 +547,9 @@ class EngineServer:
                 return req
             if req.rid in self.running or any(r.rid == req.rid for r in self.queue):
                 raise BadRequest(f"rid: {req.rid!r} is already queued or running")
+            if req.aborted:  # its client hung up before it was queued
+                req.finish = {"type": "abort"}
+                return req
             self.queue.append(req)
             self.cv.notify_all()
         req.done.wait()
@@ -739,6 +742,7 @@ def _make_handler(engine):
             gone = []
 
             def hung_up():  # the client closed its connection: stop generating for it
+                req.aborted = True  # (if it has not reached the queue yet, submit() ends it)
                 gone.append(engine.abort(req.rid))
             with self.on_disconnect(hung_up):
                 engine.submit(req)

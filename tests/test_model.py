@@ -453,6 +453,16 @@ def test_a_client_that_hangs_up_has_its_generation_aborted(engine, tok):
         time.sleep(0.05)
     (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up"]
     assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
+    # a client that hangs up right after sending (possibly before its request is queued)
+    early = body.replace(b'"hangs-up"', b'"hangs-up-early"')
+    s = socket.create_connection(engine.httpd.server_address[:2], timeout=30)
+    s.sendall(http_post("/generate", early, [f"Content-Length: {len(early)}"]))
+    s.close()
+    deadline = time.time() + 120
+    while not any(d["rid"] == "hangs-up-early" for d in engine.disconnects) and time.time() < deadline:
+        time.sleep(0.05)
+    (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up-early"]
+    assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
     out = generate(engine, prompt(tok, "y"), temperature=0, max_new_tokens=3, ignore_eos=True)
     assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine is free again
     assert not engine.running and not engine.queue
