@@ -51,8 +51,10 @@ Departures from the paper:
 6. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends
    a queued or running request with finish_reason "abort".
 7. HTTP: the standard library's ThreadingHTTPServer (a backlog of LISTEN_BACKLOG, explicit validation, disconnect
-   detection by polling the socket), not SGLang's FastAPI + uvicorn: FastAPI is not installed here, and the
-   engine's blocking thread-per-request design, its Ray actor and every caller stay unchanged.
+   detection by polling the socket), not SGLang's FastAPI + uvicorn: those are not in the environment (installing
+   them moves opentelemetry-api off the version Ray's pinned SDK needs), they would still need the same checks to
+   answer 400 instead of pydantic's 422, and this way the engine's thread-per-request design, its Ray actor and
+   every caller stay unchanged (the least code and the least risk to the existing tests).
 """
 
 import argparse
