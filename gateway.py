@@ -179,7 +179,7 @@ def parse_chat(body, headers) -> dict:
                        "model_not_found")
     for name, unused in UNSUPPORTED.items():
         v = body.get(name)
-        if v is not None and not any(v == u and type(v) is type(u) for u in unused):
+        if v is not None and not any(v == u and isinstance(v, bool) == isinstance(u, bool) for u in unused):
             raise APIError(400, f"{name}: not supported by this gateway (got {json.dumps(v)[:80]})", name,
                            "unsupported_parameter")
     msgs = body.get("messages")

@@ -190,7 +190,8 @@ def test_n_tools_and_response_format_get_400_not_supported(gw):
         assert_openai_error(status, res, 400, field, "unsupported_parameter")
         assert "not supported" in res["error"]["message"], res
     # their neutral values are served
-    for field, value in [("n", 1), ("tools", []), ("response_format", {"type": "text"}), ("stream", False)]:
+    for field, value in [("n", 1), ("tools", []), ("response_format", {"type": "text"}), ("stream", False),
+                         ("presence_penalty", 0.0), ("frequency_penalty", 0)]:
         assert call(gw.url, {**ok, field: value})[0] == 200, field
 
 
