@@ -14,6 +14,25 @@ boundary cases (tito.py) happen here in practice.
 Sessions: keyed by the client's session id (header X-Session-ID, body `session_id` (Harbor's LiteLLM
 sends both), `user`, or `metadata.session_id`), else by the longest recorded history that prefixes
 the incoming text, else a new session.
+Sessions are bounded: one idle past SESSION_IDLE_S (7200 s, longer than the paper's 3600 s agent + 900 s
+verifier timeouts) or the least recently used past MAX_SESSIONS (2048, > 2 steps of the paper's 560 trials)
+is evicted with a line on stderr; trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
+
+Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is model.JSONHandler):
+400 for any invalid field (body not an object, model missing, messages not a non-empty list of
+{role: system|user|assistant, content: str | null | text parts}, temperature outside OpenAI's [0, 2], top_p outside
+(0, 1], max_tokens / max_completion_tokens not an int >= 1, stop not 1-4 non-empty strings, seed outside
+[0, 2**64), wrong types of logprobs / user / session_id / metadata); 400 "not supported" (code
+unsupported_parameter) for n > 1, stream, tools / tool_choice / functions, response_format other than text,
+logit_bias, penalties, top_logprobs, audio, image parts, tool messages; 404 model_not_found for a model other than
+MODEL_ID ("t1"); body framing errors as the engine's (411 / 400 / 413 / 408); 503 when the engine cannot be reached
+or aborted the request, 502 when it answered with an error. Unknown fields are ignored (LiteLLM adds vendor extras).
+GET /health is 200 only when the engine's /health is; a client that hangs up has its engine request aborted
+(Gateway.disconnects) and nothing is recorded for it.
+`stop`: the reply ends before the first stop string, finish_reason "stop"; the turn's record keeps the sampled ids
+up to and including the token that completes the stop string (with their logprobs and routing rows, as vLLM /
+SGLang return token ids), so the next turn's spliced prompt holds exactly what the model generated.
+
 Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprobs.content[].logprob`; with
 `return_token_ids: true` (what Harbor's LiteLLM client sends under collect_rollout_details) also
 `choices[0].token_ids` (LiteLLM exposes it as provider_specific_fields["token_ids"]) and top-level
@@ -38,7 +57,8 @@ run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
-     needs none of them. `max_tokens` is clipped to the context left (max_total_tokens).
+     needs none of them (each is refused with 400). `max_tokens` is clipped to the context left (max_total_tokens).
+     `stop` strings are found after generation (the engine stops at <|im_end|> or max_tokens), not per step.
   2. Harbor runs its agent with the bubblewrap jail of rollout.py (BwrapEnvironment) instead of Docker:
      the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
      tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
@@ -52,6 +72,7 @@ Departures:
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -62,9 +83,9 @@ import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -78,20 +99,156 @@ EVAL = {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0, "ve
 
 
 # --- the gateway -------------------------------------------------------------------------------------
+MODEL_ID = "t1"  # the one model served (Harbor's config names it openai/t1; LiteLLM sends "t1")
+MAX_SESSIONS = 2048  # recorded trials kept at once: > the paper's 560 trials per step x 2 steps in flight (one-step
+# async) + an evaluation's; past it the least recently used session is evicted
+SESSION_IDLE_S = 7200.0  # a session idle this long is evicted: > the paper's 3600 s agent + 900 s verifier timeouts,
+# so only sessions nobody popped (a crashed harness, a plain OpenAI client) are dropped
+MAX_STOP = 4  # OpenAI's limit on `stop` strings
+ROLES = ("system", "user", "assistant")
+# OpenAI fields this gateway does not implement -> the values that mean "unused"; any other value is a 400
+UNSUPPORTED = {"n": (1,), "stream": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
+               "function_call": ("none",), "response_format": ({"type": "text"},), "logit_bias": ({},),
+               "presence_penalty": (0,), "frequency_penalty": (0,), "top_logprobs": (0,), "audio": (),
+               "prediction": (), "modalities": (["text"],), "web_search_options": ()}
+
+
+class APIError(ValueError):
+    """A request error answered in OpenAI's shape {"error": {message, type, param, code}} with `status`."""
+
+    def __init__(self, status, message, param=None, code=None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class ContextLengthExceeded(APIError):
+    def __init__(self, message):
+        super().__init__(400, message, "messages", "context_length_exceeded")
+
+
+class SessionEvicted(LookupError):
+    """trial() / pop() of a session the gateway evicted (its records are gone): never an empty trial."""
+
+
+def _invalid(param, message, code=None):
+    return APIError(400, f"{param}: {message}", param, code)
+
+
+def _get(body, name, types, where=""):
+    v = body.get(name)
+    if v is not None and (isinstance(v, bool) and bool not in types or not isinstance(v, types)):
+        raise _invalid(where + name, f"expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
+    return v
+
+
+def _number(body, name, lo, hi, default, lo_open=False):
+    v = _get(body, name, (int, float))
+    if v is None:
+        return default
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not (math.isfinite(f) and lo <= f <= hi) or lo_open and f == lo:
+        raise _invalid(name, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {str(v)[:40]}")
+    return f
+
+
+def _content(content, where) -> str:
+    """OpenAI message content (None, a str, or a list of text parts) -> text; other parts are refused."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    if not isinstance(content, list):
+        raise _invalid(where, f"expected a string or a list of text parts, got {type(content).__name__}")
+    parts = []
+    for i, p in enumerate(content):
+        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+            raise APIError(400, f"{where}[{i}]: not supported (only {{type: text, text: str}} parts)", f"{where}[{i}]",
+                           "unsupported_parameter")
+        parts.append(p["text"])
+    return "".join(parts)
+
+
+def parse_chat(body, headers) -> dict:
+    """Validate a /v1/chat/completions body before anything else happens -> the fields the gateway uses.
+    APIError (OpenAI's shape) names the field: 400 for an invalid or unsupported one, 404 for an unknown model."""
+    if not isinstance(body, dict):
+        raise _invalid("body", f"expected a JSON object, got {'nothing' if body is None else type(body).__name__}")
+    model_id = _get(body, "model", (str,))
+    if model_id is None:
+        raise _invalid("model", "required")
+    if model_id != MODEL_ID:
+        raise APIError(404, f"model: the model {model_id[:100]!r} does not exist (served: {MODEL_ID!r})", "model",
+                       "model_not_found")
+    for name, unused in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and not any(v == u and isinstance(v, bool) == isinstance(u, bool) for u in unused):
+            raise APIError(400, f"{name}: not supported by this gateway (got {json.dumps(v)[:80]})", name,
+                           "unsupported_parameter")
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise _invalid("messages", "expected a non-empty list of {role, content}")
+    messages = []
+    for i, m in enumerate(msgs):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise _invalid(where, f"expected an object {{role, content}}, got {type(m).__name__}")
+        if m.get("role") not in ROLES:
+            raise _invalid(where + ".role", f"expected one of {'|'.join(ROLES)}, got {str(m.get('role'))[:40]!r}")
+        for k in ("tool_calls", "function_call", "tool_call_id"):
+            if m.get(k):
+                raise APIError(400, f"{where}.{k}: not supported by this gateway", f"{where}.{k}",
+                               "unsupported_parameter")
+        messages.append({"role": m["role"], "content": _content(m.get("content"), where + ".content")})
+    out = {"messages": messages, "model": model_id,
+           "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's range
+           "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True), "max_tokens": None}
+    for name in ("max_tokens", "max_completion_tokens"):
+        v = _get(body, name, (int,))
+        if v is not None and v < 1:
+            raise _invalid(name, f"must be >= 1, got {v}")
+        out["max_tokens"] = v if v is not None else out["max_tokens"]
+    out["seed"] = _get(body, "seed", (int,))
+    if out["seed"] is not None and not 0 <= out["seed"] < 2**64:
+        raise _invalid("seed", f"must be in [0, 2**64 - 1], got {out['seed']}")
+    stop = _get(body, "stop", (str, list))
+    stop = [stop] if isinstance(stop, str) else stop or []
+    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
+        raise _invalid("stop", f"expected a non-empty string or a list of at most {MAX_STOP} of them")
+    out["stop"] = stop
+    for name in ("logprobs", "return_token_ids"):
+        out[name] = bool(_get(body, name, (bool,)))
+    meta = _get(body, "metadata", (dict,)) or {}
+    sid = headers.get("X-Session-ID")
+    for src, name, d in (("session_id", "session_id", body), ("user", "user", body), ("metadata", "session_id", meta)):
+        v = _get(d, name, (str,), where="metadata." if src == "metadata" else "")
+        sid = sid if sid is not None else v
+    out["session_id"] = sid
+    return out
+
+
 class Gateway:
     """OpenAI-compatible chat completions over an SGLang-style /generate engine, recording token ids."""
 
     def __init__(self, engine_url, tokenizer, mode="tito", max_total_tokens=8192, max_new_tokens=512,
-                 host="127.0.0.1", port=0):
+                 host="127.0.0.1", port=0, max_sessions=MAX_SESSIONS, session_idle_s=SESSION_IDLE_S):
         if mode not in ("tito", "naive"):
             raise ValueError(f"mode: expected tito|naive, got {mode!r}")
+        if max_sessions < 1 or not session_idle_s > 0:
+            raise ValueError(f"max_sessions / session_idle_s: must be >= 1 / > 0, got {max_sessions} / "
+                             f"{session_idle_s}")
+        import model  # lazily: Harbor's own Python imports this module without torch
         import rollout
         self.client, self.tok, self.mode = rollout.EngineClient(engine_url), tokenizer, mode
         self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
+        self.max_sessions, self.session_idle_s = max_sessions, session_idle_s
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
-        self.sessions: dict[str, list[dict]] = {}  # session id -> turns
+        self.sessions: dict[str, list[dict]] = collections.OrderedDict()  # session id -> turns, least recent first
+        self.last_used: dict[str, float] = {}  # session id -> time.monotonic() of its last request
+        self.evicted: dict[str, str] = collections.OrderedDict()  # session id -> why (the last max_sessions)
+        self.disconnects = collections.deque(maxlen=1024)  # rids aborted because the client hung up
         self.lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), _make_handler(self))
+        self.httpd = model.JSONServer((host, port), _make_handler(self))
         self.thread = None
 
     @property
@@ -111,7 +268,7 @@ class Gateway:
     # -- token history --
     def render(self, messages) -> str:
         """Messages -> prompt text with the pinned chat template (+ the assistant header)."""
-        msgs = [{"role": m["role"], "content": _text(m.get("content"))} for m in messages]
+        msgs = [{"role": m["role"], "content": _content(m.get("content"), "content")} for m in messages]
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
     def _encode(self, text):
@@ -132,59 +289,103 @@ class Gateway:
                     return t["record"]["prompt_ids"] + self._encode(text[len(t["prompt_text"]):]), "prefix"
         return self._encode(text), "fresh"
 
-    def _session(self, body, headers, text):
-        meta = body.get("metadata") if isinstance(body.get("metadata"), dict) else {}
-        sid = (headers.get("X-Session-ID") or body.get("session_id") or body.get("user") or meta.get("session_id"))
+    def _session(self, sid, text):
         with self.lock:
             if sid is None:  # longest recorded history that prefixes the text
                 best = max(((len(t[-1]["prompt_text"] + t[-1]["reply_text"]), s) for s, t in self.sessions.items()
                             if t and text.startswith(t[-1]["prompt_text"] + t[-1]["reply_text"])), default=None)
                 sid = best[1] if best else uuid.uuid4().hex
-            return str(sid), self.sessions.setdefault(str(sid), [])
+            sid = str(sid)
+            turns = self.sessions.setdefault(sid, [])
+            self.sessions.move_to_end(sid)
+            self.last_used[sid] = time.monotonic()
+            self._evict()
+            return sid, turns
 
-    def chat(self, body: dict, headers) -> dict:
-        """One /v1/chat/completions request -> the OpenAI response dict (raises ValueError on a bad request)."""
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise ValueError("messages: expected a non-empty list of {role, content}")
-        if body.get("stream"):
-            raise ValueError("stream: not supported by this gateway")
-        text = self.render(messages)
-        sid, turns = self._session(body, headers, text)
+    def _evict(self):
+        """Drop sessions idle past session_idle_s, then the least recently used past max_sessions (lock held)."""
+        now = time.monotonic()
+        for sid in list(self.sessions):  # least recently used first
+            idle = now - self.last_used[sid]
+            if idle > self.session_idle_s:
+                why = f"idle {idle:.0f} s > session_idle_s = {self.session_idle_s:g} s"
+            elif len(self.sessions) > self.max_sessions:
+                why = f"more than max_sessions = {self.max_sessions} sessions (least recently used)"
+            else:
+                break
+            del self.sessions[sid], self.last_used[sid]
+            self.evicted[sid] = why
+            while len(self.evicted) > self.max_sessions:
+                self.evicted.popitem(last=False)
+            print(f"gateway: session {sid} evicted: {why}", file=sys.stderr, flush=True)
+
+    def _cut_at_stop(self, out, stops):
+        """-> (kept ids, reply text, matched stop string or None). The reply ends before the first stop string;
+        the kept ids end with the token that completes it (the model sampled through it, as vLLM / SGLang return
+        token ids), so the next turn's spliced prompt holds exactly what the model generated."""
+        body = out[:-1] if out and out[-1] == self.im_end else out
+        full = self.tok.decode(body, skip_special_tokens=True)
+        if not any(s in full for s in stops):
+            return out, full, None
+        lo, hi = 1, len(body)  # smallest k whose decoded prefix holds a stop string
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(s in self.tok.decode(body[:mid], skip_special_tokens=True) for s in stops):
+                hi = mid
+            else:
+                lo = mid + 1
+        text = self.tok.decode(body[:lo], skip_special_tokens=True)
+        pos, s = min((text.find(s), s) for s in stops if s in text)
+        return out[:lo], text[:pos], s
+
+    def chat(self, body: dict, headers, rid=None, gone=lambda: False) -> dict:
+        """One /v1/chat/completions request -> the OpenAI response dict (APIError on a bad request).
+        gone(): True when the client hung up (then nothing is recorded)."""
+        req = parse_chat(body, headers)
+        text = self.render(req["messages"])
+        sid, turns = self._session(req["session_id"], text)
         ids, how = self.encode_prompt(turns, text)
         room = self.max_total_tokens - len(ids)
         if room < 1:
-            raise ContextLengthExceeded(f"context length exceeded: prompt has {len(ids)} tokens, "
+            raise ContextLengthExceeded(f"messages: context length exceeded: the prompt has {len(ids)} tokens, "
                                         f"the limit is {self.max_total_tokens}")
-        want = body.get("max_completion_tokens") or body.get("max_tokens") or self.max_new_tokens
-        params = {"temperature": float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-                  "top_p": float(body.get("top_p") if body.get("top_p") is not None else 1.0),
-                  "max_new_tokens": int(min(want, room)), "stop_token_ids": [self.im_end]}
-        gen = self.client.generate(ids, params, rid=uuid.uuid4().hex)
-        out = [int(t) for t in gen["output_ids"]]
-        reply = self.tok.decode([t for t in out if t != self.im_end] if out and out[-1] == self.im_end else out,
-                                skip_special_tokens=True)
-        record = {"prompt_ids": list(ids), "output_ids": out, "output_logprobs": gen["logprobs"],
-                  "routed_experts": gen["routed_experts"], "finish_reason": gen["finish_reason"],
-                  "weight_version": gen["weight_version"], "prompt_source": how}
+        want = req["max_tokens"] or self.max_new_tokens
+        params = {"temperature": req["temperature"], "top_p": req["top_p"], "max_new_tokens": int(min(want, room)),
+                  "stop_token_ids": [self.im_end], **({"seed": req["seed"]} if req["seed"] is not None else {})}
+        gen = self.client.generate(ids, params, rid=rid or uuid.uuid4().hex)
+        if gen["finish_reason"] == "abort" or gone():  # the client hung up, or the engine stopped: no record
+            raise APIError(503, "engine: the request was aborted", None, "aborted")
+        out, lps, routed = [int(t) for t in gen["output_ids"]], gen["logprobs"], gen["routed_experts"]
+        out, reply, matched = self._cut_at_stop(out, req["stop"])
+        if matched is not None:
+            lps = lps[:len(out)] if lps is not None else None
+            routed = routed[:len(ids) + len(out) - 1] if routed is not None else None
+        finish = "stop" if matched is not None else gen["finish_reason"]
+        record = {"prompt_ids": list(ids), "output_ids": out, "output_logprobs": lps, "routed_experts": routed,
+                  "finish_reason": finish, "weight_version": gen["weight_version"], "prompt_source": how}
         with self.lock:
             turns.append({"prompt_text": text, "reply_text": reply, "record": record})
-        finish = "length" if gen["finish_reason"] == "length" else "stop"
-        choice = {"index": 0, "message": {"role": "assistant", "content": reply}, "finish_reason": finish}
-        if body.get("logprobs"):
+        choice = {"index": 0, "message": {"role": "assistant", "content": reply},
+                  "finish_reason": "length" if finish == "length" else "stop"}
+        if req["logprobs"]:
             choice["logprobs"] = {"content": [{"token": self.tok.decode([t]), "logprob": lp, "bytes": None,
-                                               "top_logprobs": []} for t, lp in zip(out, gen["logprobs"] or [])]}
+                                               "top_logprobs": []} for t, lp in zip(out, lps or [])]}
         resp = {"id": f"chatcmpl-{uuid.uuid4().hex[:12]}", "object": "chat.completion", "created": int(time.time()),
-                "model": body.get("model", "t1"), "choices": [choice], "session_id": sid,
-                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out), "total_tokens": len(ids) + len(out)}}
-        if body.get("return_token_ids"):
+                "model": req["model"], "choices": [choice], "session_id": sid,
+                "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out),
+                          "total_tokens": len(ids) + len(out)}}
+        if req["return_token_ids"]:
             choice["token_ids"], resp["prompt_token_ids"] = out, list(ids)
         return resp
 
     # -- export --
     def trial(self, session_id) -> dict:
-        """The session's turns in rollout.run_trial's record format: {"task", "records": [...]}."""
+        """The session's turns in rollout.run_trial's record format: {"task", "records": [...]}.
+        SessionEvicted if the gateway evicted the session (its records are lost: never an empty trial)."""
         with self.lock:
+            if session_id in self.evicted:
+                raise SessionEvicted(f"session {session_id!r}: evicted by the gateway ({self.evicted[session_id]}); "
+                                     f"its token records are lost")
             turns = list(self.sessions.get(session_id, []))
         return {"task": session_id, "records": [t["record"] for t in turns]}
 
@@ -192,46 +393,69 @@ class Gateway:
         trial = self.trial(session_id)
         with self.lock:
             self.sessions.pop(session_id, None)
+            self.last_used.pop(session_id, None)
         return trial
 
 
-class ContextLengthExceeded(ValueError):
-    pass
-
-
-def _text(content) -> str:
-    """OpenAI message content (a str or a list of parts) -> text."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+def _model_object():
+    return {"id": MODEL_ID, "object": "model", "created": 0, "owned_by": "t1"}
 
 
 def _make_handler(gw: Gateway):
     import model  # lazily: Harbor's own Python imports this module without torch
 
     class Handler(model.JSONHandler):
+        def send_error_json(self, e):
+            kind = "invalid_request_error" if e.status < 500 else "server_error"
+            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": getattr(e, "param", None),
+                                            "code": getattr(e, "code", None)}})
+
         def do_GET(self):
-            if self.path.rstrip("/") in ("/health", "/v1/health"):
-                return self._send(200, {"ok": True})
-            if self.path.rstrip("/") == "/v1/models":
-                return self._send(200, {"object": "list", "data": [{"id": "t1", "object": "model", "owned_by": "t1"}]})
-            self._send(404, {"error": {"message": f"no route {self.path}"}})
+            path = urllib.parse.unquote(self.path.split("?")[0].rstrip("/"))
+            if path in ("/health", "/v1/health"):
+                if gw.client.health():
+                    return self._send(200, {"ok": True, "engine": "ok"})
+                return self.send_error_json(APIError(503, f"engine: {gw.client.url} is not healthy", None,
+                                                     "engine_unavailable"))
+            if path == "/v1/models":
+                return self._send(200, {"object": "list", "data": [_model_object()]})
+            if path.startswith("/v1/models/"):
+                mid = path[len("/v1/models/"):]
+                if mid == MODEL_ID:
+                    return self._send(200, _model_object())
+                return self.send_error_json(APIError(404, f"model: the model {mid[:100]!r} does not exist", "model",
+                                                     "model_not_found"))
+            self.send_error_json(APIError(404, f"Invalid URL (GET {path[:200]})", None, "not_found"))
 
         def do_POST(self):
-            if self.path.rstrip("/") not in ("/v1/chat/completions", "/chat/completions"):
-                return self._send(404, {"error": {"message": f"no route {self.path}"}})
+            path = self.path.split("?")[0].rstrip("/")
             try:
-                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
-                self._send(200, gw.chat(body, self.headers))
-            except ContextLengthExceeded as e:
-                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error",
-                                           "code": "context_length_exceeded"}})
-            except (ValueError, json.JSONDecodeError) as e:
-                self._send(400, {"error": {"message": str(e), "type": "invalid_request_error"}})
-            except Exception as e:  # engine errors
-                self._send(500, {"error": {"message": f"{type(e).__name__}: {e}", "type": "server_error"}})
+                body = self.read_json()
+                if path not in ("/v1/chat/completions", "/chat/completions"):
+                    raise APIError(404, f"Invalid URL (POST {path[:200]})", None, "not_found")
+                rid, gone = uuid.uuid4().hex, []
+
+                def hung_up():  # the client closed its connection: stop generating for it
+                    gone.append(rid)
+                    gw.disconnects.append(rid)
+                    gw.client.abort(rid)
+                try:
+                    with self.on_disconnect(hung_up):
+                        resp = gw.chat(body, self.headers, rid=rid, gone=lambda: bool(gone))
+                except APIError:
+                    if gone:
+                        self.close_connection = True
+                        return
+                    raise
+                self._send(200, resp)
+            except (APIError, model.HTTPError) as e:
+                self.send_error_json(e)
+            except OSError as e:  # the engine cannot be reached
+                self.send_error_json(APIError(503, f"engine: unreachable ({e})", None, "engine_unavailable"))
+            except RuntimeError as e:  # the engine answered with an error (rollout.EngineClient)
+                self.send_error_json(APIError(502, str(e)[:500], None, "engine_error"))
+            except Exception as e:  # a fault of the gateway itself: named, never a dropped connection
+                self.send_error_json(APIError(500, f"gateway: {type(e).__name__}: {e}", None, None))
     return Handler
 
 

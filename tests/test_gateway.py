@@ -2,6 +2,7 @@
 import json
 import os
 import shutil
+import time
 
 import pytest
 
@@ -103,3 +104,181 @@ def test_harbor_terminus2_trial_through_the_gateway(gw, tok, tmp_path):
     assert tito.case_counts(res, tok)["strict"] == len(res["records"]) - 1
     s = tito.assemble(res, tok)
     assert tito.audit([s])["loss_region_drift_pct"] == 0.0
+
+
+# --- hardening: OpenAI-shaped 4xx for every bad request, stop strings, bounded sessions, engine health -------
+def call(url, body=None, raw=None, method="POST", path="/v1/chat/completions"):
+    import urllib.error
+    import urllib.request
+    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    req = urllib.request.Request(url + path, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+MSGS = [{"role": "user", "content": "sort the lines"}]
+
+
+def assert_openai_error(status, res, want_status, param, code=None):
+    assert status == want_status, (status, res)
+    err = res["error"]
+    assert set(err) == {"message", "type", "param", "code"}, err
+    assert err["type"] == ("invalid_request_error" if want_status < 500 else "server_error"), err
+    assert err["param"] == param and (code is None or err["code"] == code), err
+
+
+def test_every_invalid_field_gets_400_in_openai_error_shape(gw):
+    ok = {"model": "t1", "messages": MSGS}
+    cases = [
+        ({"messages": MSGS}, "model"),
+        ({"model": "t1"}, "messages"),
+        ({**ok, "messages": []}, "messages"),
+        ({**ok, "messages": [5]}, "messages[0]"),
+        ({**ok, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+        ({**ok, "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({**ok, "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+         "messages[0].content[0]"),
+        ({**ok, "temperature": "hot"}, "temperature"),
+        ({**ok, "temperature": [1]}, "temperature"),
+        ({**ok, "temperature": -1}, "temperature"),
+        ({**ok, "temperature": 3}, "temperature"),
+        ({**ok, "top_p": 0}, "top_p"),
+        ({**ok, "top_p": 1.5}, "top_p"),
+        ({**ok, "max_tokens": 0}, "max_tokens"),
+        ({**ok, "max_tokens": -5}, "max_tokens"),
+        ({**ok, "max_tokens": "12"}, "max_tokens"),
+        ({**ok, "max_tokens": 1.5}, "max_tokens"),
+        ({**ok, "max_completion_tokens": 0}, "max_completion_tokens"),
+        ({**ok, "stop": 5}, "stop"),
+        ({**ok, "stop": ["a"] * 5}, "stop"),
+        ({**ok, "stop": [""]}, "stop"),
+        ({**ok, "logprobs": "yes"}, "logprobs"),
+        ({**ok, "seed": -1}, "seed"),
+        ({**ok, "user": 5}, "user"),
+        ({**ok, "metadata": "x"}, "metadata"),
+        ([1, 2], "body"),
+    ]
+    for body, param in cases:
+        status, res = call(gw.url, body)
+        assert_openai_error(status, res, 400, param)
+        assert res["error"]["message"].startswith(param + ":"), res
+    for raw in (b'{"model": "t1", "messages": [{"role": "user", "content": "x"}], "temperature": NaN}',):
+        assert_openai_error(*call(gw.url, raw=raw), 400, "temperature")
+    for raw in (b"{not json", b"[" * 100000, b"1" * 5000):
+        assert_openai_error(*call(gw.url, raw=raw), 400, None)
+    assert not gw.sessions  # nothing was recorded for a refused request
+
+
+def test_unknown_model_gets_404_and_the_model_can_be_retrieved(gw):
+    status, res = call(gw.url, {"model": "gpt-4o", "messages": MSGS})
+    assert_openai_error(status, res, 404, "model", "model_not_found")
+    assert call(gw.url, method="GET", path="/v1/models/t1") == (200, {"id": "t1", "object": "model", "created": 0,
+                                                                    "owned_by": "t1"})
+    assert_openai_error(*call(gw.url, method="GET", path="/v1/models/gpt-4o"), 404, "model", "model_not_found")
+    assert call(gw.url, method="GET", path="/v1/models")[1]["data"][0]["id"] == "t1"
+
+
+def test_n_tools_and_response_format_get_400_not_supported(gw):
+    ok = {"model": "t1", "messages": MSGS, "max_tokens": 2}
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    for field, value in [("n", 2), ("tools", [tool]), ("tool_choice", "auto"),
+                         ("response_format", {"type": "json_object"}), ("stream", True), ("logit_bias", {"5": 1}), ("top_logprobs", 3), ("presence_penalty", 0.5)]:
+        status, res = call(gw.url, {**ok, field: value})
+        assert_openai_error(status, res, 400, field, "unsupported_parameter")
+        assert "not supported" in res["error"]["message"], res
+    # their neutral values are served
+    for field, value in [("n", 1), ("tools", []), ("response_format", {"type": "text"}), ("stream", False),
+                         ("presence_penalty", 0.0), ("frequency_penalty", 0)]:
+        assert call(gw.url, {**ok, field: value})[0] == 200, field
+
+
+def test_stop_string_cuts_the_reply_and_the_records_keep_the_sampled_ids(gw, tok):
+    first = None
+    for text in ("sort the lines", "hello world", "ls -la", "plan"):  # a greedy reply long enough to cut
+        msgs = [{"role": "user", "content": text}]
+        r = gateway.chat_completion(gw.url, msgs, f"full-{text}", temperature=0.0, max_tokens=24)
+        reply = r["choices"][0]["message"]["content"]
+        if len(reply) >= 8:
+            first = gw.trial(f"full-{text}")["records"][0]
+            break
+    assert first is not None, "the tiny model gave no reply long enough to cut"
+    stop = reply[len(reply) // 2:len(reply) // 2 + 2]
+    r = gateway.chat_completion(gw.url, msgs, "cut", temperature=0.0, max_tokens=24, stop=[stop, "\x00never"],
+                                logprobs=True, return_token_ids=True)
+    ch = r["choices"][0]
+    assert ch["message"]["content"] == reply[:reply.find(stop)] and ch["finish_reason"] == "stop"
+    rec = gw.trial("cut")["records"][0]
+    n = len(rec["output_ids"])
+    assert rec["output_ids"] == first["output_ids"][:n] and rec["finish_reason"] == "stop"  # the sampled ids, cut
+    assert stop in tok.decode(rec["output_ids"]) and stop not in tok.decode(rec["output_ids"][:-1])
+    assert len(rec["output_logprobs"]) == n and rec["output_logprobs"] == first["output_logprobs"][:n]
+    assert rec["routed_experts"].shape[0] == len(rec["prompt_ids"]) + n - 1 and ch["token_ids"] == rec["output_ids"]
+    # the client re-sends the cut reply: TITO splices the kept ids, the audit holds
+    msgs2 = msgs + [{"role": "assistant", "content": ch["message"]["content"]}, {"role": "user", "content": "next"}]
+    gateway.chat_completion(gw.url, msgs2, "cut", temperature=0.0, max_tokens=4)
+    trial = gw.pop("cut")
+    second = trial["records"][1]
+    assert second["prompt_source"] == "spliced" and second["prompt_ids"][:len(rec["prompt_ids"]) + n] == \
+        rec["prompt_ids"] + rec["output_ids"]
+    assert tito.audit([tito.assemble(trial, tok)])["loss_region_drift_pct"] == 0.0
+
+
+def test_sessions_are_evicted_after_an_idle_time_and_past_a_count(engine, tok):
+    g = gateway.Gateway(engine.url, tok, max_new_tokens=2, max_sessions=2, session_idle_s=1.0).start()
+    try:
+        for sid in ("a", "b", "c"):
+            gateway.chat_completion(g.url, MSGS, sid, max_tokens=2)
+        assert list(g.sessions) == ["b", "c"]
+        with pytest.raises(gateway.SessionEvicted, match="max_sessions"):
+            g.pop("a")
+        time.sleep(1.2)
+        gateway.chat_completion(g.url, MSGS, "d", max_tokens=2)
+        assert list(g.sessions) == ["d"]
+        with pytest.raises(gateway.SessionEvicted, match="idle"):
+            g.trial("b")
+        assert len(g.pop("d")["records"]) == 1
+    finally:
+        g.stop()
+    assert gateway.MAX_SESSIONS >= 2 * 560 and gateway.SESSION_IDLE_S > 3600 + 900  # paper: 560 trials/step
+
+
+def test_health_reports_the_engine_and_a_dead_engine_is_503(gw, tok):
+    import socket
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    g = gateway.Gateway(dead, tok).start()
+    try:
+        assert_openai_error(*call(g.url, method="GET", path="/health"), 503, None, "engine_unavailable")
+        assert_openai_error(*call(g.url, {"model": "t1", "messages": MSGS}), 503, None, "engine_unavailable")
+    finally:
+        g.stop()
+    assert call(gw.url, method="GET", path="/health") == (200, {"ok": True, "engine": "ok"})
+
+
+def test_a_client_that_hangs_up_has_its_engine_request_aborted_and_nothing_recorded(gw, engine):
+    import socket
+    body = json.dumps({"model": "t1", "messages": MSGS, "max_tokens": 8}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"X-Session-ID: gone\r\nContent-Length: {len(body)}\r\n\r\n").encode()
+    rollout.EngineClient(engine.url).pause()  # the request waits in the engine's queue
+    try:
+        s = socket.create_connection(gw.httpd.server_address[:2], timeout=30)
+        s.sendall(head + body)
+        deadline = time.time() + 30
+        while not engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        (queued,) = engine.queue
+        s.close()
+        deadline = time.time() + 30
+        while engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        assert not engine.queue and list(gw.disconnects) == [queued.rid]  # aborted in the engine
+        assert queued.finish == {"type": "abort"}
+    finally:
+        rollout.EngineClient(engine.url).resume()
+    time.sleep(0.5)
+    assert gw.trial("gone")["records"] == []  # the client never saw a reply: no turn recorded

@@ -262,3 +262,276 @@ def test_serve_command_line_starts_a_server(ckpt):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+# --- hardening: bad requests are refused before they join a batch; the HTTP layer never hangs ----------------
+def raw_http(engine, data: bytes, shut=False, timeout=20):
+    """Send raw bytes to the engine, read one HTTP response -> (status, parsed JSON body or raw text)."""
+    import socket
+    host, port = engine.httpd.server_address[:2]
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise AssertionError(f"connection closed without a response (got {buf[:200]!r})")
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        n = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(rest) < n:
+            rest += s.recv(65536)
+    return int(head.split()[1]), json.loads(rest[:n])
+
+
+def http_post(path, body: bytes, headers=()):
+    lines = [f"POST {path} HTTP/1.1", "Host: x", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_non_finite_denormal_and_out_of_range_sampling_fields_get_400(engine, tok):
+    ids = prompt(tok, "x")
+    cases = [
+        ({"temperature": 1e-310}, "sampling_params.temperature"),
+        ({"seed": 2**70}, "sampling_params.seed"),
+        ({"seed": -1}, "sampling_params.seed"),
+        ({"top_p": 1.5}, "sampling_params.top_p"),
+        ({"top_k": 0}, "sampling_params.top_k"),
+        ({"top_k": "5"}, "sampling_params.top_k"),
+        ({"max_new_tokens": True}, "sampling_params.max_new_tokens"),
+        ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
+        ({"stop_token_ids": 2}, "sampling_params.stop_token_ids"),
+        ({"frequency_penalty": 0.5}, "sampling_params.frequency_penalty"),
+    ]
+    for sp, field in cases:
+        status, res = post(engine.url + "/generate", {"input_ids": ids, "sampling_params": sp})
+        assert status == 400 and res["error"].startswith(field + ":"), (sp, status, res)
+    raw_cases = [  # JSON that json.dumps would not write: NaN / Infinity / a 400-digit integer
+        (b'{"input_ids": %s, "sampling_params": {"temperature": NaN}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"temperature": Infinity}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"temperature": 1' + b"0" * 400 + b'}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"top_p": NaN}}', "sampling_params.top_p"),
+    ]
+    for raw, field in raw_cases:
+        status, res = post(engine.url + "/generate", None, raw=raw % json.dumps(ids).encode())
+        assert status == 400 and res["error"].startswith(field + ":"), (raw[-60:], status, res)
+    for body, field in [({"input_ids": [True, 3]}, "input_ids"), ({"input_ids": [-1]}, "input_ids"),
+                        ({"input_ids": ids, "text": "hi"}, "text"), ({"input_ids": ids, "stream": True}, "stream"),
+                        ([1, 2], "body")]:
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith(field + ":"), (body, status, res)
+    # a tiny but normal temperature is greedy (SGLang's 1e-6 rule), not an overflow
+    greedy = generate(engine, ids, temperature=0, max_new_tokens=4, ignore_eos=True)["output_ids"]
+    assert generate(engine, ids, temperature=1e-30, max_new_tokens=4, ignore_eos=True)["output_ids"] == greedy
+
+
+def _paused_batch(engine, tok, n_good, extra):
+    """Queue n_good valid requests while paused, run extra() (which adds bad ones), continue; -> good results."""
+    results = [None] * n_good
+    body = {"input_ids": prompt(tok, "list the files"), "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}}
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(engine.url + "/generate", body)))
+               for i in range(n_good)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.time() + 30
+        while len(engine.queue) < n_good and time.time() < deadline:
+            time.sleep(0.01)
+        extra()
+    finally:
+        assert post(engine.url + "/continue_generation", {})[0] == 200
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def test_a_bad_request_is_refused_before_it_joins_a_batch(engine, tok):
+    ids, bad = prompt(tok, "x"), {}
+
+    def send_bad():  # while the good ones wait in the queue: NaN temperature, a seed torch cannot take
+        raws = {"nan": b'{"input_ids": %s, "sampling_params": {"temperature": NaN}}' % json.dumps(ids).encode(),
+                "seed": json.dumps({"input_ids": ids, "sampling_params": {"seed": 2**70}}).encode()}
+        threads = [threading.Thread(target=lambda k=k, r=r: bad.__setitem__(k, post(engine.url + "/generate", None, r)))
+                   for k, r in raws.items()]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(bad) < 2 and len(engine.queue) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return threads
+    good = _paused_batch(engine, tok, 3, send_bad)
+    deadline = time.time() + 60
+    while len(bad) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert bad["nan"][0] == 400 and bad["seed"][0] == 400, bad
+    for status, res in good:
+        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length", res
+        assert len(res["output_ids"]) == 6
+
+
+def test_a_request_that_fails_inside_a_batch_fails_alone(engine, tok):
+    """Second line of defence: requests that bypass parse_generate. A row whose sampling fails (a denormal
+    temperature overflows to inf) and a request that breaks the whole wave (a seed torch refuses) each get
+    their own error; the valid requests of the same batch finish normally."""
+    ids, bad, threads = prompt(tok, "x"), [], []
+
+    def submit_bad():
+        for rid, temperature, seed in (("row-fails", 1e-310, None), ("wave-fails", 1.0, 2**70)):
+            r = model_lib.Request(rid, ids, temperature, 1.0, 6, {2}, seed)
+            bad.append(r)
+            threads.append(threading.Thread(target=engine.submit, args=(r,)))
+            threads[-1].start()
+        deadline = time.time() + 10
+        while len(engine.queue) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+    good = _paused_batch(engine, tok, 3, submit_bad)
+    for t in threads:
+        t.join(timeout=120)
+    for status, res in good:
+        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length", res
+        assert len(res["output_ids"]) == 6
+    assert all(r.done.is_set() and r.finish["type"] == "abort" for r in bad), [r.finish for r in bad]
+    assert "non-finite" in bad[0].error and "Overflow" in bad[1].error, [r.error for r in bad]
+
+
+def test_64_concurrent_generate_requests_are_held_in_the_backlog_and_all_served(engine, tok):
+    """The oversampling fan-out: 64 clients connect while the server is not accepting (its accept loop
+    stopped); every connection must be held by the listen backlog (socketserver's default of 5 drops the
+    SYNs of the rest), then every request is answered."""
+    import select
+    import socket
+    addr = engine.httpd.server_address[:2]
+    body = json.dumps({"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 2}}).encode()
+    engine.httpd.shutdown()  # the accept loop stops; the listening socket stays open
+    socks = []
+    try:
+        for _ in range(64):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(addr)
+            socks.append(s)
+        pending, deadline = set(socks), time.time() + 2.5
+        while pending and time.time() < deadline:  # a SYN dropped for a full backlog is retried after 1 s, 3 s
+            _, writable, _ = select.select([], list(pending), [], 0.1)
+            pending -= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        assert not pending, f"{len(pending)} of 64 connections not held while the server was busy"
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(120)
+            s.sendall(http_post("/generate", body, [f"Content-Length: {len(body)}", "Connection: close"]))
+    finally:
+        engine.threads[0] = threading.Thread(target=engine.httpd.serve_forever, daemon=True)
+        engine.threads[0].start()
+    statuses = []
+    for s in socks:
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+        s.close()
+        statuses.append(int(buf.split()[1]))
+    assert statuses == [200] * 64
+
+
+def test_a_client_that_hangs_up_has_its_generation_aborted(engine, tok):
+    import socket
+    body = json.dumps({"input_ids": prompt(tok, "x"), "rid": "hangs-up",
+                       "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+    s = socket.create_connection(engine.httpd.server_address[:2], timeout=30)
+    s.sendall(http_post("/generate", body, [f"Content-Length: {len(body)}"]))
+    deadline = time.time() + 60
+    while "hangs-up" not in engine.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert "hangs-up" in engine.running
+    s.close()
+    deadline = time.time() + 120
+    while not any(d["rid"] == "hangs-up" for d in engine.disconnects) and time.time() < deadline:
+        time.sleep(0.05)
+    (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up"]
+    assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
+    # a client that hangs up right after sending (possibly before its request is queued)
+    early = body.replace(b'"hangs-up"', b'"hangs-up-early"')
+    s = socket.create_connection(engine.httpd.server_address[:2], timeout=30)
+    s.sendall(http_post("/generate", early, [f"Content-Length: {len(early)}"]))
+    s.close()
+    deadline = time.time() + 120
+    while not any(d["rid"] == "hangs-up-early" for d in engine.disconnects) and time.time() < deadline:
+        time.sleep(0.05)
+    (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up-early"]
+    assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
+    out = generate(engine, prompt(tok, "y"), temperature=0, max_new_tokens=3, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine is free again
+    assert not engine.running and not engine.queue
+
+
+def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
+    good = json.dumps({"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 1}}).encode()
+    cases = [
+        (http_post("/generate", good, ["Content-Length: -5"]), 400, "Content-Length:"),
+        (http_post("/generate", good, ["Content-Length: abc"]), 400, "Content-Length:"),
+        (http_post("/generate", good, [f"Content-Length: {len(good)}", "Content-Length: 3"]), 400, "Content-Length:"),
+        (http_post("/generate", good, ["Content-Length: 99999999999999999999999"]), 413, "Content-Length:"),
+        (http_post("/generate", good, [f"Content-Length: {model_lib.MAX_BODY_BYTES + 1}"]), 413, "Content-Length:"),
+        (http_post("/generate", b"5\r\nabcde\r\n0\r\n\r\n", ["Transfer-Encoding: chunked"]), 411, "Content-Length:"),
+        (http_post("/generate", b""), 400, "body:"),  # no Content-Length: an empty body
+        (http_post("/generate", b"1" * 5000, ["Content-Length: 5000"]), 400, "body:"),  # int of 5000 digits
+        (http_post("/generate", b"[" * 100000, ["Content-Length: 100000"]), 400, "body:"),  # nesting
+        (http_post("/generate", b"\xff\xfe{", ["Content-Length: 3"]), 400, "body:"),  # not UTF-8
+        (http_post("/generate", b"", [f"X-{i}: y" for i in range(101)]), 431, "request:"),  # http.server's own
+        # refusals (here: over 100 headers) answer JSON too
+        (b"PUT /generate HTTP/1.1\r\nHost: x\r\n\r\n", 501, "request:"),
+    ]
+    for data, want, field in cases:
+        status, res = raw_http(engine, data)
+        assert status == want and res["error"].startswith(field), (data[:80], status, res)
+    # fewer bytes than announced: the client closed (400) or stalls (408 after the read timeout)
+    status, res = raw_http(engine, http_post("/generate", good[:10], [f"Content-Length: {len(good)}"]), shut=True)
+    assert status == 400 and res["error"].startswith("body:"), res
+    handler = engine.httpd.RequestHandlerClass
+    handler.timeout = 1.0
+    try:
+        status, res = raw_http(engine, http_post("/generate", good[:10], [f"Content-Length: {len(good)}"]))
+    finally:
+        handler.timeout = model_lib.READ_TIMEOUT_S
+    assert status == 408 and res["error"].startswith("body:"), res
+    assert get(engine.url + "/health")[0] == 200 and not engine.queue
+
+
+def test_a_rid_already_in_flight_is_refused(engine, tok):
+    body = {"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 2}, "rid": "dup"}
+    first = {}
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    t = threading.Thread(target=lambda: first.update(res=post(engine.url + "/generate", body)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith("rid:"), res
+    finally:
+        post(engine.url + "/continue_generation", {})
+    t.join(timeout=60)
+    assert first["res"][0] == 200 and first["res"][1]["meta_info"]["id"] == "dup"
+
+
+def test_health_is_503_when_the_scheduler_is_not_running(ckpt):
+    eng = model_lib.EngineServer(ckpt, port=0, max_batch=2).start()
+    try:
+        assert get(eng.url + "/health") == (200, {"status": "ok"})
+        dead = threading.Thread(target=lambda: None)
+        dead.start()
+        dead.join()
+        eng.threads[1], live = dead, eng.threads[1]  # as if the scheduler thread had died
+        try:
+            urllib.request.urlopen(eng.url + "/health", timeout=30)
+            raise AssertionError("/health answered 200 without a scheduler")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "scheduler" in json.loads(e.read())["error"]
+        eng.threads[1] = live
+    finally:
+        eng.stop()
