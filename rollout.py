@@ -29,6 +29,9 @@ its leftover processes do not count against the verifier; root is not under RLIM
 close() SIGKILLs bwrap: pid 1 of the jail dies and the kernel kills everything in its pid namespace.
 Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty, so
 C-c reaches the foreground job; read() returns the new output since the last read, ANSI stripped.
+Keystrokes never block: the pty master is non-blocking; send_keys writes in chunks while draining the output,
+and drops what the terminal has not taken at the trial's deadline, on cancellation or after max_duration_s
+without progress (a paste into `sleep 100`), saying so in the next read().
 
 Departures from the paper / Terminus-2:
 1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model
@@ -169,7 +172,9 @@ class Sandbox:
         self.stop_event, self.solution = stop_event or threading.Event(), solution
         self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid
         self.jail = self.term = self.pid = None  # pid: host pid of the jail's pid 1
-        self.master = -1  # pty master of the terminal
+        self.master = -1  # pty master of the terminal (non-blocking)
+        self._pending = None  # terminal output drained by send_keys, returned by the next read()
+        self.keys_dropped = 0  # bytes of keystrokes the terminal never took (send_keys)
 
     def __enter__(self):
         self.start()
@@ -273,6 +278,7 @@ class Sandbox:
     # -- terminal (pty) --
     def _open_terminal(self):
         self.master, slave = os.openpty()
+        os.set_blocking(self.master, False)  # send_keys gives up at the deadline instead of blocking forever
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
         try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); env
             # --default-signal: a run started in the background (`nohup bash run.sh &`) ignores SIGINT / SIGQUIT
@@ -284,24 +290,85 @@ class Sandbox:
         finally:
             os.close(slave)
 
-    def send_keys(self, keystrokes: str):
-        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal."""
+    def send_keys(self, keystrokes: str, deadline=None) -> int:
+        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal -> bytes dropped.
+
+        Never blocks past `deadline` (time.time() seconds; the trial's end) or stop_event: the pty master is
+        non-blocking and written in chunks while the terminal's output is drained (kept for the next read(), so
+        the pty cannot deadlock on a full output queue). A command that is not reading (`sleep 100` in the
+        foreground) stops taking input once the tty's queue is full: the rest is dropped at the deadline, on
+        cancellation, or after limits.max_duration_s without progress, and the next read() says how many bytes
+        were not delivered (also counted in self.keys_dropped).
+        """
         if self.term is None or self.term.poll() is not None:
             if self.master >= 0:
                 os.close(self.master)
             self._open_terminal()  # first use, or the agent's shell exited: a fresh one
         k = keystrokes.strip()
         data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else KEYS.get(k, keystrokes)  # C-c -> \x03
+        buf, sent, why = data.encode(), 0, None
+        stall, last_progress = self.limits.max_duration_s, time.time()
+        while sent < len(buf):  # one write attempt at least, then the limits
+            now = time.time()
+            left = 0.05 if deadline is None else max(deadline - now, 0)
+            wait = min(0.05, max(stall - (now - last_progress), 0), left)
+            readable, writable, _ = select.select([self.master], [self.master], [], wait)
+            if readable and not self._drain():
+                why = "the shell exited"  # the next send_keys restarts it
+                break
+            n = 0
+            if writable:
+                try:
+                    n = os.write(self.master, buf[sent:sent + 4096])
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    why = "the shell exited"
+                    break
+            if n:
+                sent, last_progress = sent + n, time.time()
+            now = time.time()
+            if sent == len(buf):
+                break
+            if self.stop_event.is_set():
+                why = "the trial was cancelled"
+            elif deadline is not None and now >= deadline:
+                why = "the trial's time ran out"
+            elif now - last_progress >= stall:
+                why = f"the terminal took none of them for {stall:g} s"
+            if why:
+                break
+            if writable and not n:
+                time.sleep(0.01)  # writable but full: do not spin
+        dropped = len(buf) - sent
+        if dropped:
+            self.keys_dropped += dropped
+            self._pending_out().add(f"\n[{dropped} of {len(buf)} bytes of keystrokes not delivered: "
+                                    f"{why}]\n".encode())
+        return dropped
+
+    def _pending_out(self):
+        if self._pending is None:
+            self._pending = _Capped(self.limits.output_bytes)
+        return self._pending
+
+    def _drain(self) -> bool:
+        """Move the terminal's waiting output into the buffer the next read() returns; False once the shell exited."""
         try:
-            os.write(self.master, data.encode())
+            data = os.read(self.master, 65536)
+        except (BlockingIOError, InterruptedError):
+            return True
         except OSError:
-            pass  # shell gone; the next send_keys restarts it
+            return False  # EIO: the shell exited
+        self._pending_out().add(data)
+        return bool(data)
 
     def read(self, wait_s=0.5) -> str:
         """Output since the last read, collected for up to wait_s (earlier once the prompt is back), capped."""
         if self.term is None:
             self._open_terminal()
-        out, end, last = _Capped(self.limits.output_bytes), time.time() + wait_s, b""
+        out, self._pending = self._pending or _Capped(self.limits.output_bytes), None
+        end, last = time.time() + wait_s, bytes((out.head + out.tail)[-64:])
         while time.time() < end and not self.stop_event.is_set():
             ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
             if not ready:
@@ -310,6 +377,8 @@ class Sandbox:
                 continue
             try:
                 data = os.read(self.master, 65536)
+            except BlockingIOError:
+                continue
             except OSError:
                 break  # shell exited
             out.add(data)
@@ -547,7 +616,7 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
             for c in reply["commands"]:
                 if stop_event.is_set() or time.time() > t_end:
                     break
-                box.send_keys(c["keystrokes"])
+                box.send_keys(c["keystrokes"], deadline=t_end)
                 wait = min(c["duration"], limits.max_duration_s, max(t_end - time.time(), 0))
                 chunks.append(box.read(max(wait, 0.05)))
             terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)

@@ -299,3 +299,77 @@ def test_model_agent_against_embedded_engine(task, tok, tmp_path):
         n = len(r["prompt_ids"]) + len(r["output_ids"])
         assert r["routed_experts"].shape == (n - 1, L, model.TINY_TOP_K)
         assert len(r["output_logprobs"]) == len(r["output_ids"]) and r["finish_reason"] in ("stop", "length")
+
+
+# --- keystrokes never block (issue 11) ------------------------------------------------------------
+
+def _send_in_thread(box, keys, **kw):
+    """send_keys in a daemon thread -> (thread, result dict): a send that hangs fails the test instead of hanging it."""
+    import threading
+    res = {}
+
+    def run():
+        res["dropped"] = box.send_keys(keys, **kw)
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, res
+
+
+def _start_sleep(box):
+    box.send_keys("sleep 100\n")
+    deadline = time.time() + 15
+    while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid))
+
+
+@pytest.mark.parametrize("mb", [1, 4])
+def test_large_paste_into_busy_terminal_returns_by_deadline(box, mb):
+    """`sleep 100` in the foreground reads nothing: mb MB of keystrokes fill the tty's queue; send_keys gives up at
+    its deadline (before: a blocking write on the pty master hung the trial thread forever) and says what it dropped."""
+    _start_sleep(box)
+    th, res = _send_in_thread(box, ("x" * 99 + "\n") * ((mb << 20) // 100), deadline=time.time() + 3)
+    th.join(60)
+    assert not th.is_alive(), "send_keys blocked past its deadline"
+    assert 0 < res["dropped"] <= mb << 20 and box.keys_dropped == res["dropped"]
+    assert f"{res['dropped']} of {100 * ((mb << 20) // 100)} bytes of keystrokes not delivered" in box.read(0.2)
+    box.close()  # and the jail still closes
+    assert box.pid is None
+
+
+def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
+    """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
+    import threading
+    stop = threading.Event()
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", rollout.Limits(max_procs=32), stop_event=stop) as b:
+        _start_sleep(b)
+        th, res = _send_in_thread(b, "y\n" * (1 << 20))
+        time.sleep(1)
+        assert th.is_alive()  # still trying: the terminal takes nothing while sleep runs
+        stop.set()
+        th.join(30)
+        assert not th.is_alive(), "send_keys ignored stop_event"
+        assert res["dropped"] > 0
+
+
+def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
+    """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
+    limits = rollout.Limits(max_procs=32, max_duration_s=2.0)
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+        _start_sleep(b)
+        th, res = _send_in_thread(b, "z\n" * (1 << 19))
+        th.join(60)
+        assert not th.is_alive(), "send_keys blocked forever"
+        assert res["dropped"] > 0 and "took none of them for 2 s" in b.read(0.2)
+
+
+def test_large_paste_into_reading_command_is_delivered_whole(box):
+    """A command that reads (cat > file) gets all 1 MB of a paste: output is drained while writing, no deadlock."""
+    box.send_keys("stty -icanon; cat > /tmp/big; stty icanon\n")
+    time.sleep(0.5)
+    line = ("w" * 1023 + "\n")
+    assert box.send_keys(line * 1024, deadline=time.time() + 60) == 0
+    box.send_keys("C-d")
+    box.read(1)
+    rc, out = box.exec("wc -c < /tmp/big")
+    assert out.strip() == str(1 << 20), out
