@@ -12,7 +12,9 @@ is strict by construction and the loss tokens are exactly the sampled ones.
 
 Run:
     python rollout.py --task DIR --agent oracle|nop|model|scripted [--engine-url URL] [--model-path DIR]
-    # prints one JSON line: reward, resolved, passed, total, turns, exit_reason (no records)
+                      [--sandbox bwrap|daytona] [--keep DIR]
+    # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
+    # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
 
 Sandbox (bubblewrap, run as root): one long-lived jail per trial (`bwrap ... sleep infinity`) with
@@ -49,6 +51,10 @@ Departures from the paper / Terminus-2:
 6. The agent is an unprivileged uid (Terminal-Bench agents are root) and has no network, so tasks
    that need apt/pip or root-only operations cannot be solved here. The sandbox needs root on the
    host (bwrap namespaces without a user namespace, nsenter, setpriv); uids 200000+ must be unused.
+7. A task that needs its image built (data.image_needs: task.toml docker_image, a Dockerfile that builds
+   more than this host and venv provide, a test.sh that fetches tools) is refused at the start of run_trial
+   with sandbox "bwrap": exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker
+   environment" and the reasons; run here it would fail for want of a tool and score 0 silently.
 """
 import argparse
 import concurrent.futures as cf
@@ -634,6 +640,7 @@ def score(box, result: dict) -> None:
     v = box.run_verifier()
     result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                   resolved=reward.is_resolved(v))
+    result["reward_reason"] = v.get("reason")  # why the CTRF report was not used (None when it was)
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
@@ -655,8 +662,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
                                  sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
-              "passed": 0, "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None,
-              "wall_s": 0.0, "weight_versions": [], "records": []}
+              "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
+              "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [], "records": []}
     root, box, done = None, None, threading.Event()
     try:
         import data
@@ -668,12 +675,18 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             raise ValueError(f"sandbox: expected bwrap|daytona, got {sandbox!r}")
         if agent in ("model", "scripted") and tokenizer is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
+        needs = data.image_needs(task) if sandbox == "bwrap" else []
+        if needs:  # refused up front: in the local jail it would fail for want of a tool and score 0 silently
+            raise ValueError(f"{task.path}: needs its image: use --sandbox daytona or Harbor's docker environment "
+                             f"({'; '.join(needs)})")
         limits = make_limits(limits)
         agent_timeout = float(task.config.get("agent", {}).get("timeout_sec", limits.trial_timeout_s))
         t_end = t0 + min(limits.trial_timeout_s, agent_timeout)
         if work_root is not None:
             os.makedirs(work_root, exist_ok=True)
         root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
+        if work_root is not None:
+            result["trial_dir"] = root  # kept: app/, logs/ (agent, verifier), verifier_output.txt
         if sandbox == "daytona":
             from daytona_sandbox import DaytonaSandbox as box_cls
         else:
@@ -764,21 +777,40 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
     return kept, dropped
 
 
-def main():
+CLI_FIELDS = ("task", "reward", "resolved", "passed", "total", "reward_source", "reward_reason", "turns",
+              "exit_reason", "error", "wall_s", "trial_dir")
+
+
+def main(argv=None) -> int:
+    """One trial from the command line; prints one JSON line -> exit status 0 (the trial ran and was scored,
+    whatever its reward), 1 (exit_reason "error": the JSON's "error" says why, also on stderr), 2 (bad flags)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--task", required=True)
+    p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
-    p.add_argument("--engine-url", default=None)
+    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. model.py's")
     p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
-    a = p.parse_args()
+    p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "daytona"],
+                   help="bwrap: the local jail (root); daytona: the task's image on Daytona (DAYTONA_API_KEY)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep the trial directory (app/, logs/ with the agent's and the verifier's output) under DIR")
+    a = p.parse_args(argv)
+    if a.agent in ("model", "scripted") and not a.model_path:
+        p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
+    if a.agent == "model" and not a.engine_url:
+        p.error("--agent model needs --engine-url")
     tok = None
     if a.model_path:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(a.model_path)
-    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok)
-    print(json.dumps({k: res[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
-                                          "error", "wall_s")}))
+    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok, sandbox=a.sandbox, work_root=a.keep)
+    print(json.dumps({k: res.get(k) for k in CLI_FIELDS}), flush=True)
+    if res.get("trial_dir"):
+        print(f"trial directory kept: {res['trial_dir']}", file=sys.stderr)
+    if res["exit_reason"] == "error":
+        print(f"error: {res['error']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -373,3 +373,128 @@ def test_large_paste_into_reading_command_is_delivered_whole(box):
     box.read(1)
     rc, out = box.exec("wc -c < /tmp/big")
     assert out.strip() == str(1 << 20), out
+
+
+# --- tasks that need their image; the CLI (issue 11) ----------------------------------------------
+TB2_TEST_SH = """#!/bin/bash
+set -e
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  -p 3.13 \\
+  -w pytest==8.4.1 \\
+  -w pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+"""
+PYTEST_ONLY_TEST_SH = """#!/bin/bash
+# pytest and its CTRF plugin, installed only if missing
+command -v pytest >/dev/null 2>&1 || pip install pytest==8.4.1 pytest-json-ctrf==0.3.5
+if ! command -v uv >/dev/null 2>&1; then
+  pip install pytest pytest-json-ctrf
+fi
+mkdir -p /logs/verifier
+pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+"""
+
+
+def _with(task, dockerfile=None, test_sh=None, toml_extra=""):
+    if dockerfile is not None:
+        (task / "environment/Dockerfile").write_text(dockerfile)
+    if test_sh is not None:
+        (task / "tests/test.sh").write_text(test_sh)
+    if toml_extra:
+        (task / "task.toml").write_text((task / "task.toml").read_text() + toml_extra)
+    return task
+
+
+def test_image_needs_names_what_the_jail_lacks(tmp_path):
+    """image_needs: a docker_image, a Dockerfile that builds something, Terminal-Bench 2's stock test.sh (curl uv,
+    uvx) and a pip install of a missing requirement are named; generated tasks and guarded pytest installs are not."""
+    cases = {
+        "image": dict(toml_extra='\n[environment]\ndocker_image = "ghcr.io/x/y:1"\n'),
+        "build": dict(dockerfile="FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y no-such-pkg-t1 \\\n"
+                                 "    && cargo build --release\nWORKDIR /app\nCOPY data.txt /app/\n"),
+        "base": dict(dockerfile="FROM rust:1.75\nWORKDIR /app\n"),
+        "tb2": dict(test_sh=TB2_TEST_SH),
+        "pipdep": dict(test_sh="#!/bin/bash\npip install no-such-dist-t1 pytest\npytest /tests\n"),
+        "generated": dict(dockerfile=data.DOCKERFILE, test_sh=data.TEST_SH),
+        "guarded": dict(dockerfile="FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n",
+                        test_sh=PYTEST_ONLY_TEST_SH),
+    }
+    got = {k: data.image_needs(data.load_task(_with(make_task(tmp_path, k), **kw))) for k, kw in cases.items()}
+    assert got["image"] == ["task.toml [environment] docker_image = 'ghcr.io/x/y:1'"]
+    assert [r.split("`")[1].split()[0] if "`" in r else r.split()[1] for r in got["build"]] == ["apt-get", "cargo",
+                                                                                                 "COPY"]
+    assert "no-such-pkg-t1" in got["build"][0] and "FROM rust:1.75" in got["base"][0]
+    assert {r.split("`")[1].split()[0] for r in got["tb2"]} == {"apt-get", "curl", "uvx"}
+    assert len(got["pipdep"]) == 1 and "no-such-dist-t1" in got["pipdep"][0]
+    assert got["generated"] == [] and got["guarded"] == []
+
+
+def test_task_that_needs_its_image_is_refused_up_front(tmp_path):
+    """The local jail refuses a task whose verifier would fetch its tools (scored 0 silently before), naming the
+    way out; the daytona sandbox does not refuse it for that."""
+    task = _with(make_task(tmp_path), test_sh=TB2_TEST_SH)
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "error" and res["reward"] == 0.0
+    assert "needs its image: use --sandbox daytona or Harbor's docker environment" in res["error"]
+    assert "uvx" in res["error"] and "curl" in res["error"]
+    res = rollout.run_trial(task, "oracle", sandbox="daytona")
+    assert res["exit_reason"] == "error" and "needs its image" not in res["error"]  # fails later: no Daytona here
+
+
+def test_terminal_bench_style_pytest_task_runs_unchanged(tmp_path):
+    """A Terminal-Bench-style task (Dockerfile FROM + WORKDIR, no app/; test.sh installing pytest only if missing,
+    then pytest --ctrf) runs in the local jail as it is: the oracle resolves it from the CTRF report."""
+    task = _with(make_task(tmp_path, solve="printf 'apple\\nbanana\\nfig\\nkiwi\\npear\\n' > in.txt; "
+                                           "sort in.txt > out.txt"),
+                 dockerfile="FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n",
+                 test_sh=PYTEST_ONLY_TEST_SH)
+    shutil.rmtree(task / "environment/app")
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "oracle", res["error"]
+    assert (res["reward_source"], res["passed"], res["total"], res["resolved"]) == ("ctrf", 3, 3, True)
+
+
+def _cli(*args):
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "rollout.py"), *map(str, args)], capture_output=True,
+                       text=True, timeout=300, cwd=root)
+    lines = p.stdout.strip().splitlines()
+    return p.returncode, (json.loads(lines[-1]) if lines else None), p.stderr
+
+
+def test_cli_reports_reward_source_and_keeps_the_trial_dir(tmp_path):
+    """python rollout.py --keep DIR: exit 0, reward_source / reward_reason in the JSON, the trial dir kept with its
+    logs and its path printed."""
+    rc, out, err = _cli("--task", make_task(tmp_path), "--agent", "oracle", "--keep", tmp_path / "kept")
+    assert rc == 0, err
+    assert (out["exit_reason"], out["reward_source"], out["reward_reason"], out["passed"]) == ("oracle", "ctrf",
+                                                                                                None, 3)
+    trial = out["trial_dir"]
+    assert os.path.dirname(trial) == str(tmp_path / "kept") and f"trial directory kept: {trial}" in err
+    assert os.path.isfile(os.path.join(trial, "logs", "verifier", "ctrf.json"))
+    assert open(os.path.join(trial, "logs", "agent", "oracle.txt")).read().startswith("[exit 0]")
+
+
+def test_cli_gives_the_binary_fallback_its_reason(tmp_path):
+    """A verifier that writes only reward.txt: reward_source binary and the reason the CTRF report was not used."""
+    task = _with(make_task(tmp_path), test_sh="#!/bin/bash\nmkdir -p /logs/verifier\n"
+                                             "echo 1 > /logs/verifier/reward.txt\n")
+    rc, out, err = _cli("--task", task, "--agent", "oracle")
+    assert rc == 0, err
+    assert out["reward_source"] == "binary" and "missing CTRF" in out["reward_reason"]
+
+
+def test_cli_exits_nonzero_when_the_trial_errored(tmp_path):
+    """An errored trial (missing task dir; a task that needs its image) exits 1 with the reason on stderr and in the
+    JSON; a missing --model-path is a flag error (2)."""
+    rc, out, err = _cli("--task", tmp_path / "missing", "--agent", "oracle")
+    assert rc == 1 and out["exit_reason"] == "error" and "does not exist" in out["error"] and "error:" in err
+    rc, out, err = _cli("--task", _with(make_task(tmp_path), test_sh=TB2_TEST_SH), "--agent", "nop")
+    assert rc == 1 and "needs its image: use --sandbox daytona" in err
+    rc, out, err = _cli("--task", make_task(tmp_path, "other"), "--agent", "scripted")
+    assert rc == 2 and "needs --model-path" in err
