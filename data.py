@@ -481,6 +481,20 @@ def _simple_commands(script):
     return out
 
 
+CHECK_BYTES = 1 << 20  # a Dockerfile / test.sh above this is not parsed (image_needs asks for the image)
+
+
+def _read_capped(path, task_dir):
+    """A regular file's text up to CHECK_BYTES (None when longer); a link out of the task dir, a device or a FIFO
+    raises ValueError naming it."""
+    real, top = os.path.realpath(path), os.path.realpath(task_dir)
+    if not real.startswith(top + os.sep) or not os.path.isfile(real):
+        raise ValueError(f"{path}: not a regular file inside the task dir (-> {real})")
+    with open(real, "rb") as f:
+        data = f.read(CHECK_BYTES + 1)
+    return None if len(data) > CHECK_BYTES else data.decode(errors="replace")
+
+
 def _jail_has(tool):
     """Whether `tool` is on the jail's PATH (the running venv's bin, then the host's /usr/local/bin, /usr/bin)."""
     return shutil.which(tool, path=f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin") is not None
@@ -620,13 +634,17 @@ def image_needs(task):
        run here and is not counted.
     A heuristic over the shell text (no expansion, no here-documents); it errs towards asking for the image."""
     reasons, debs = [], None
-    image = (task.config.get("environment") or {}).get("docker_image")
-    if image:
-        reasons.append(f"task.toml [environment] docker_image = {image!r}")
+    env = task.config.get("environment", {})
+    if not isinstance(env, dict):
+        raise ValueError(f"{os.path.join(task.path, 'task.toml')}: [environment] must be a table, got {env!r}")
+    if env.get("docker_image"):
+        reasons.append(f"task.toml [environment] docker_image = {env['docker_image']!r}")
     dockerfile = os.path.join(task.env_dir, "Dockerfile")
-    if os.path.isfile(dockerfile):
-        with open(dockerfile, errors="replace") as f:
-            lines = f.read().replace("\\\n", " ").splitlines()
+    if os.path.lexists(dockerfile):
+        text = _read_capped(dockerfile, task.path)
+        if text is None:
+            reasons.append(f"Dockerfile larger than {CHECK_BYTES} bytes: not checked")
+        lines = (text or "").replace("\\\n", " ").splitlines()
         for ln in (ln.strip() for ln in lines):
             op, _, rest = ln.partition(" ")
             op, rest = op.upper(), rest.strip()
@@ -645,9 +663,11 @@ def image_needs(task):
                 if srcs != ["app"] or words[-1].rstrip("/") != "/app":
                     reasons.append(f"Dockerfile {op} {rest} (the jail copies only environment/app to /app)")
     test_sh = os.path.join(task.tests_dir, "test.sh")
-    if os.path.isfile(test_sh):
-        with open(test_sh, errors="replace") as f:
-            script = _lines_run_here(f.read())
+    if os.path.lexists(test_sh):
+        text = _read_capped(test_sh, task.path)
+        if text is None:
+            reasons.append(f"tests/test.sh larger than {CHECK_BYTES} bytes: not checked")
+        script = _lines_run_here(text or "")
         reasons += [f"tests/test.sh {why}" for argv in _simple_commands(script) if (why := _fetches(argv))]
     return reasons
 

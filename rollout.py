@@ -794,6 +794,8 @@ def main(argv=None) -> int:
     p.add_argument("--keep", default=None, metavar="DIR",
                    help="keep the trial directory (app/, logs/ with the agent's and the verifier's output) under DIR")
     a = p.parse_args(argv)
+    if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
+        p.error(f"--keep: {a.keep} exists and is not a directory")
     if a.agent in ("model", "scripted") and not a.model_path:
         p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
     if a.agent == "model" and not a.engine_url:

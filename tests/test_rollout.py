@@ -498,3 +498,27 @@ def test_cli_exits_nonzero_when_the_trial_errored(tmp_path):
     assert rc == 1 and "needs its image: use --sandbox daytona" in err
     rc, out, err = _cli("--task", make_task(tmp_path, "other"), "--agent", "scripted")
     assert rc == 2 and "needs --model-path" in err
+
+
+def test_image_needs_refuses_hostile_task_files(tmp_path):
+    """A test.sh that is a link to a host device or file, or too large to parse, or an [environment] that is not a
+    table: a clear error or 'not checked' (so the image is asked for), never a read of /dev/zero."""
+    task = make_task(tmp_path)
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="test.sh: not a regular file inside the task dir"):
+        data.image_needs(data.load_task(task))
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").symlink_to("/etc/passwd")
+    with pytest.raises(ValueError, match="not a regular file inside the task dir"):
+        data.image_needs(data.load_task(task))
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").write_text("pytest /tests\n" * 100_000)  # 1.4 MB
+    assert data.image_needs(data.load_task(task)) == [f"tests/test.sh larger than {data.CHECK_BYTES} bytes: "
+                                                      "not checked"]
+    other = make_task(tmp_path, "other")
+    (other / "task.toml").write_text('environment = "x"\n' + (other / "task.toml").read_text())
+    with pytest.raises(ValueError, match=r"\[environment\] must be a table"):
+        data.image_needs(data.load_task(other))
+    rc, out, err = _cli("--task", make_task(tmp_path, "third"), "--agent", "nop", "--keep", other / "task.toml")
+    assert rc == 2 and "is not a directory" in err
