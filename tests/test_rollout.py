@@ -522,3 +522,20 @@ def test_image_needs_refuses_hostile_task_files(tmp_path):
         data.image_needs(data.load_task(other))
     rc, out, err = _cli("--task", make_task(tmp_path, "third"), "--agent", "nop", "--keep", other / "task.toml")
     assert rc == 2 and "is not a directory" in err
+
+
+def test_trial_pasting_into_a_busy_terminal_ends_at_its_timeout(tmp_path):
+    """Through the agent loop: `sleep 100`, then 200 KB of keystrokes; the trial ends at its agent timeout (8 s)
+    and is scored (before: the trial thread blocked in the write for good)."""
+    import threading
+    paste = {**SORT, "commands": [{"keystrokes": "sleep 100\n", "duration": 0.5},
+                                  {"keystrokes": "x\n" * 100_000, "duration": 1.0}]}
+    task = make_task(tmp_path, script=[paste, DONE, DONE], agent_timeout=8)
+    res = {}
+    th = threading.Thread(target=lambda: res.update(rollout.run_trial(task, "scripted", tokenizer=_tok(),
+                                                                      limits={"max_total_tokens": 10**6})),
+                          daemon=True)
+    th.start()
+    th.join(120)
+    assert not th.is_alive(), "the trial blocked past its timeout"
+    assert res["exit_reason"] == "timeout" and res["reward_source"] == "ctrf", res["error"]
