@@ -623,7 +623,8 @@ def image_needs(task):
     2. environment/Dockerfile: FROM a base other than GENERIC_BASES (the host's /usr stands in for those); a RUN
        command other than `apt-get update / install / clean` of packages this host has, `pip install` of
        requirements the running venv satisfies (a pinned version must match) and `rm`; COPY / ADD of anything
-       but app/ to /app (the jail copies only environment/app), of a URL, or --from another stage.
+       but app/ to /app (the jail copies only environment/app), of a URL, or --from another stage; a WORKDIR
+       other than /app. ENV, USER, ARG, LABEL, EXPOSE, CMD and ENTRYPOINT are not checked.
     3. tests/test.sh (run in the jail when verifying, without network): apt / apt-get install or update, curl /
        wget of a non-local URL, uv (pip / add / sync / run / tool ...), uvx, pipx, npm / conda / cargo / go / gem
        installs, git clone, and `pip install` of requirements the venv does not satisfy. So "install pytest if
@@ -658,6 +659,8 @@ def image_needs(task):
                 debs = _host_debs() if debs is None else debs
                 reasons += [f"Dockerfile RUN {why}" for argv in _simple_commands(rest)
                             if (why := _build_step(argv, debs))]
+            elif op == "WORKDIR" and rest.rstrip("/") != "/app":
+                reasons.append(f"Dockerfile WORKDIR {rest} (the jail's working directory is /app)")
             elif op in ("COPY", "ADD"):
                 srcs = [w.rstrip("/") for w in words[:-1]]
                 if srcs != ["app"] or words[-1].rstrip("/") != "/app":

@@ -416,7 +416,7 @@ def test_image_needs_names_what_the_jail_lacks(tmp_path):
         "image": dict(toml_extra='\n[environment]\ndocker_image = "ghcr.io/x/y:1"\n'),
         "build": dict(dockerfile="FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y no-such-pkg-t1 \\\n"
                                  "    && cargo build --release\nWORKDIR /app\nCOPY data.txt /app/\n"),
-        "base": dict(dockerfile="FROM rust:1.75\nWORKDIR /app\n"),
+        "base": dict(dockerfile="FROM rust:1.75\nWORKDIR /workspace\n"),
         "tb2": dict(test_sh=TB2_TEST_SH),
         "pipdep": dict(test_sh="#!/bin/bash\npip install no-such-dist-t1 pytest\npytest /tests\n"),
         "generated": dict(dockerfile=data.DOCKERFILE, test_sh=data.TEST_SH),
@@ -428,6 +428,7 @@ def test_image_needs_names_what_the_jail_lacks(tmp_path):
     assert [r.split("`")[1].split()[0] if "`" in r else r.split()[1] for r in got["build"]] == ["apt-get", "cargo",
                                                                                                  "COPY"]
     assert "no-such-pkg-t1" in got["build"][0] and "FROM rust:1.75" in got["base"][0]
+    assert "WORKDIR /workspace" in got["base"][1] and len(got["base"]) == 2
     assert {r.split("`")[1].split()[0] for r in got["tb2"]} == {"apt-get", "curl", "uvx"}
     assert len(got["pipdep"]) == 1 and "no-such-dist-t1" in got["pipdep"][0]
     assert got["generated"] == [] and got["guarded"] == []
