@@ -45,11 +45,13 @@ import collections
 import concurrent.futures as cf
 import dataclasses
 import gzip
+import importlib.metadata
 import io
 import json
 import os
 import random
 import re
+import shlex
 import shutil
 import sys
 import tarfile
@@ -461,7 +463,6 @@ _NETWORK = {"uvx": None, "pipx": None, "npx": None, "rustup": None, "apk": None,
 def _simple_commands(script):
     """Shell text -> the argv of each simple command (comments, line continuations, operators, keywords and
     VAR=value prefixes removed). A heuristic: no expansion, no here-documents."""
-    import shlex
     out = []
     for line in script.replace("\\\n", " ").splitlines():
         try:
@@ -546,7 +547,6 @@ def _host_debs():
 
 def _pip_unsatisfied(args):
     """The arguments of `pip install ARGS` that the running venv (bound into the jail) does not satisfy."""
-    import importlib.metadata
     from packaging.requirements import InvalidRequirement, Requirement  # packaging comes with pytest
     bad, it = [], iter(args)
     for a in it:
