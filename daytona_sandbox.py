@@ -16,6 +16,7 @@ import shlex
 import shutil
 import sys
 import threading
+import time
 
 from rollout import KEYS, _Capped, make_limits
 
@@ -168,8 +169,10 @@ class DaytonaSandbox:
         return rc, out.text()
 
     # -- terminal (tmux in the sandbox) --
-    def send_keys(self, keystrokes: str):
-        """Type keystrokes (a tmux key name like C-c or Enter, or literal text; \\n presses Enter)."""
+    def send_keys(self, keystrokes: str, deadline=None) -> int:
+        """Type keystrokes (a tmux key name like C-c or Enter, or literal text; \\n presses Enter) -> 0.
+
+        The remote `tmux send-keys` call is bounded by 30 s and by deadline (time.time() seconds)."""
         k, t = keystrokes.strip(), shlex.quote(self.SESSION)
         if re.fullmatch(r"C-[a-z]", k) or k in KEYS:
             cmd = f"tmux send-keys -t {t} {k}"
@@ -178,7 +181,8 @@ class DaytonaSandbox:
             cmd = "; ".join([f"tmux send-keys -t {t} -l {shlex.quote(p)}" if p else ":" for p in parts[:1]] +
                             [f"tmux send-keys -t {t} Enter" + (f"; tmux send-keys -t {t} -l {shlex.quote(p)}" if p else "")
                              for p in parts[1:]])
-        self._run(cmd, 30)
+        self._run(cmd, max(min(30.0, deadline - time.time()) if deadline is not None else 30.0, 1.0))
+        return 0
 
     def read(self, wait_s=0.5) -> str:
         """Output since the last read (the new tail of the pane's history) after waiting wait_s, capped."""

@@ -12,7 +12,9 @@ is strict by construction and the loss tokens are exactly the sampled ones.
 
 Run:
     python rollout.py --task DIR --agent oracle|nop|model|scripted [--engine-url URL] [--model-path DIR]
-    # prints one JSON line: reward, resolved, passed, total, turns, exit_reason (no records)
+                      [--sandbox bwrap|daytona] [--keep DIR]
+    # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
+    # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
 
 Sandbox (bubblewrap, run as root): one long-lived jail per trial (`bwrap ... sleep infinity`) with
@@ -29,6 +31,9 @@ its leftover processes do not count against the verifier; root is not under RLIM
 close() SIGKILLs bwrap: pid 1 of the jail dies and the kernel kills everything in its pid namespace.
 Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty, so
 C-c reaches the foreground job; read() returns the new output since the last read, ANSI stripped.
+Keystrokes never block: the pty master is non-blocking; send_keys writes in chunks while draining the output,
+and drops what the terminal has not taken at the trial's deadline, on cancellation or after max_duration_s
+without progress (a paste into `sleep 100`), saying so in the next read().
 
 Departures from the paper / Terminus-2:
 1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model
@@ -46,6 +51,10 @@ Departures from the paper / Terminus-2:
 6. The agent is an unprivileged uid (Terminal-Bench agents are root) and has no network, so tasks
    that need apt/pip or root-only operations cannot be solved here. The sandbox needs root on the
    host (bwrap namespaces without a user namespace, nsenter, setpriv); uids 200000+ must be unused.
+7. A task that needs its image built (data.image_needs: task.toml docker_image, a Dockerfile that builds
+   more than this host and venv provide, a test.sh that fetches tools) is refused at the start of run_trial
+   with sandbox "bwrap": exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker
+   environment" and the reasons; run here it would fail for want of a tool and score 0 silently.
 """
 import argparse
 import concurrent.futures as cf
@@ -173,7 +182,9 @@ class Sandbox:
         self.stop_event, self.solution = stop_event or threading.Event(), solution
         self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid
         self.jail = self.term = self.pid = None  # pid: host pid of the jail's pid 1
-        self.master = -1  # pty master of the terminal
+        self.master = -1  # pty master of the terminal (non-blocking)
+        self._pending = None  # terminal output drained by send_keys, returned by the next read()
+        self.keys_dropped = 0  # bytes of keystrokes the terminal never took (send_keys)
 
     def __enter__(self):
         self.start()
@@ -277,6 +288,7 @@ class Sandbox:
     # -- terminal (pty) --
     def _open_terminal(self):
         self.master, slave = os.openpty()
+        os.set_blocking(self.master, False)  # send_keys gives up at the deadline instead of blocking forever
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
         try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); env
             # --default-signal: a run started in the background (`nohup bash run.sh &`) ignores SIGINT / SIGQUIT
@@ -288,24 +300,85 @@ class Sandbox:
         finally:
             os.close(slave)
 
-    def send_keys(self, keystrokes: str):
-        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal."""
+    def send_keys(self, keystrokes: str, deadline=None) -> int:
+        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal -> bytes dropped.
+
+        Never blocks past `deadline` (time.time() seconds; the trial's end) or stop_event: the pty master is
+        non-blocking and written in chunks while the terminal's output is drained (kept for the next read(), so
+        the pty cannot deadlock on a full output queue). A command that is not reading (`sleep 100` in the
+        foreground) stops taking input once the tty's queue is full: the rest is dropped at the deadline, on
+        cancellation, or after limits.max_duration_s without progress, and the next read() says how many bytes
+        were not delivered (also counted in self.keys_dropped).
+        """
         if self.term is None or self.term.poll() is not None:
             if self.master >= 0:
                 os.close(self.master)
             self._open_terminal()  # first use, or the agent's shell exited: a fresh one
         k = keystrokes.strip()
         data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else KEYS.get(k, keystrokes)  # C-c -> \x03
+        buf, sent, why = data.encode(), 0, None
+        stall, last_progress = self.limits.max_duration_s, time.time()
+        while sent < len(buf):  # one write attempt at least, then the limits
+            now = time.time()
+            left = 0.05 if deadline is None else max(deadline - now, 0)
+            wait = min(0.05, max(stall - (now - last_progress), 0), left)
+            readable, writable, _ = select.select([self.master], [self.master], [], wait)
+            if readable and not self._drain():
+                why = "the shell exited"  # the next send_keys restarts it
+                break
+            n = 0
+            if writable:
+                try:
+                    n = os.write(self.master, buf[sent:sent + 4096])
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    why = "the shell exited"
+                    break
+            if n:
+                sent, last_progress = sent + n, time.time()
+            now = time.time()
+            if sent == len(buf):
+                break
+            if self.stop_event.is_set():
+                why = "the trial was cancelled"
+            elif deadline is not None and now >= deadline:
+                why = "the trial's time ran out"
+            elif now - last_progress >= stall:
+                why = f"the terminal took none of them for {stall:g} s"
+            if why:
+                break
+            if writable and not n:
+                time.sleep(0.01)  # writable but full: do not spin
+        dropped = len(buf) - sent
+        if dropped:
+            self.keys_dropped += dropped
+            self._pending_out().add(f"\n[{dropped} of {len(buf)} bytes of keystrokes not delivered: "
+                                    f"{why}]\n".encode())
+        return dropped
+
+    def _pending_out(self):
+        if self._pending is None:
+            self._pending = _Capped(self.limits.output_bytes)
+        return self._pending
+
+    def _drain(self) -> bool:
+        """Move the terminal's waiting output into the buffer the next read() returns; False once the shell exited."""
         try:
-            os.write(self.master, data.encode())
+            data = os.read(self.master, 65536)
+        except (BlockingIOError, InterruptedError):
+            return True
         except OSError:
-            pass  # shell gone; the next send_keys restarts it
+            return False  # EIO: the shell exited
+        self._pending_out().add(data)
+        return bool(data)
 
     def read(self, wait_s=0.5) -> str:
         """Output since the last read, collected for up to wait_s (earlier once the prompt is back), capped."""
         if self.term is None:
             self._open_terminal()
-        out, end, last = _Capped(self.limits.output_bytes), time.time() + wait_s, b""
+        out, self._pending = self._pending or _Capped(self.limits.output_bytes), None
+        end, last = time.time() + wait_s, bytes((out.head + out.tail)[-64:])
         while time.time() < end and not self.stop_event.is_set():
             ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
             if not ready:
@@ -314,6 +387,8 @@ class Sandbox:
                 continue
             try:
                 data = os.read(self.master, 65536)
+            except BlockingIOError:
+                continue
             except OSError:
                 break  # shell exited
             out.add(data)
@@ -552,7 +627,7 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
             for c in reply["commands"]:
                 if stop_event.is_set() or time.time() > t_end:
                     break
-                box.send_keys(c["keystrokes"])
+                box.send_keys(c["keystrokes"], deadline=t_end)
                 wait = min(c["duration"], limits.max_duration_s, max(t_end - time.time(), 0))
                 chunks.append(box.read(max(wait, 0.05)))
             terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
@@ -571,6 +646,7 @@ def score(box, result: dict, reward_scale=None) -> None:
     v = box.run_verifier(reward_scale)
     result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                   resolved=reward.is_resolved(v), reward_scale=reward.SCALE if reward_scale is None else reward_scale)
+    result["reward_reason"] = v.get("reason")  # why the CTRF report was not used (None when it was)
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
@@ -594,8 +670,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
                                  reward_scale=reward_scale)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
-              "passed": 0, "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None,
-              "wall_s": 0.0, "weight_versions": [], "records": []}
+              "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
+              "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [], "records": []}
     root, box, done = None, None, threading.Event()
     try:
         import data
@@ -607,6 +683,10 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             raise ValueError(f"sandbox: expected bwrap|daytona, got {sandbox!r}")
         if agent in ("model", "scripted") and tokenizer is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
+        needs = data.image_needs(task) if sandbox == "bwrap" else []
+        if needs:  # refused up front: in the local jail it would fail for want of a tool and score 0 silently
+            raise ValueError(f"{task.path}: needs its image: use --sandbox daytona or Harbor's docker environment "
+                             f"({'; '.join(needs)})")
         limits = make_limits(limits)
         agent_timeout = limits.agent_timeout_s or float(task.config.get("agent", {}).get("timeout_sec",
                                                                                        limits.trial_timeout_s))
@@ -614,6 +694,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         if work_root is not None:
             os.makedirs(work_root, exist_ok=True)
         root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
+        if work_root is not None:
+            result["trial_dir"] = root  # kept: app/, logs/ (agent, verifier), verifier_output.txt
         if sandbox == "daytona":
             from daytona_sandbox import DaytonaSandbox as box_cls
         else:
@@ -704,21 +786,42 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
     return kept, dropped
 
 
-def main():
+CLI_FIELDS = ("task", "reward", "resolved", "passed", "total", "reward_source", "reward_reason", "turns",
+              "exit_reason", "error", "wall_s", "trial_dir")
+
+
+def main(argv=None) -> int:
+    """One trial from the command line; prints one JSON line -> exit status 0 (the trial ran and was scored,
+    whatever its reward), 1 (exit_reason "error": the JSON's "error" says why, also on stderr), 2 (bad flags)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--task", required=True)
+    p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
-    p.add_argument("--engine-url", default=None)
+    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. model.py's")
     p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
-    a = p.parse_args()
+    p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "daytona"],
+                   help="bwrap: the local jail (root); daytona: the task's image on Daytona (DAYTONA_API_KEY)")
+    p.add_argument("--keep", default=None, metavar="DIR",
+                   help="keep the trial directory (app/, logs/ with the agent's and the verifier's output) under DIR")
+    a = p.parse_args(argv)
+    if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
+        p.error(f"--keep: {a.keep} exists and is not a directory")
+    if a.agent in ("model", "scripted") and not a.model_path:
+        p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
+    if a.agent == "model" and not a.engine_url:
+        p.error("--agent model needs --engine-url")
     tok = None
     if a.model_path:
         from transformers import AutoTokenizer
         tok = AutoTokenizer.from_pretrained(a.model_path)
-    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok)
-    print(json.dumps({k: res[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
-                                          "error", "wall_s")}))
+    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok, sandbox=a.sandbox, work_root=a.keep)
+    print(json.dumps({k: res.get(k) for k in CLI_FIELDS}), flush=True)
+    if res.get("trial_dir"):
+        print(f"trial directory kept: {res['trial_dir']}", file=sys.stderr)
+    if res["exit_reason"] == "error":
+        print(f"error: {res['error']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -299,3 +299,244 @@ def test_model_agent_against_embedded_engine(task, tok, tmp_path):
         n = len(r["prompt_ids"]) + len(r["output_ids"])
         assert r["routed_experts"].shape == (n - 1, L, model.TINY_TOP_K)
         assert len(r["output_logprobs"]) == len(r["output_ids"]) and r["finish_reason"] in ("stop", "length")
+
+
+# --- keystrokes never block (issue 11) ------------------------------------------------------------
+
+def _send_in_thread(box, keys, **kw):
+    """send_keys in a daemon thread -> (thread, result dict): a send that hangs fails the test instead of hanging it."""
+    import threading
+    res = {}
+
+    def run():
+        res["dropped"] = box.send_keys(keys, **kw)
+    th = threading.Thread(target=run, daemon=True)
+    th.start()
+    return th, res
+
+
+def _start_sleep(box):
+    box.send_keys("sleep 100\n")
+    deadline = time.time() + 15
+    while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
+        time.sleep(0.05)
+    assert any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid))
+
+
+@pytest.mark.parametrize("mb", [1, 4])
+def test_large_paste_into_busy_terminal_returns_by_deadline(box, mb):
+    """`sleep 100` in the foreground reads nothing: mb MB of keystrokes fill the tty's queue; send_keys gives up at
+    its deadline (before: a blocking write on the pty master hung the trial thread forever) and says what it dropped."""
+    _start_sleep(box)
+    th, res = _send_in_thread(box, ("x" * 99 + "\n") * ((mb << 20) // 100), deadline=time.time() + 3)
+    th.join(60)
+    assert not th.is_alive(), "send_keys blocked past its deadline"
+    assert 0 < res["dropped"] <= mb << 20 and box.keys_dropped == res["dropped"]
+    assert f"{res['dropped']} of {100 * ((mb << 20) // 100)} bytes of keystrokes not delivered" in box.read(0.2)
+    box.close()  # and the jail still closes
+    assert box.pid is None
+
+
+def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
+    """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
+    import threading
+    stop = threading.Event()
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", rollout.Limits(max_procs=32), stop_event=stop) as b:
+        _start_sleep(b)
+        th, res = _send_in_thread(b, "y\n" * (1 << 20))
+        time.sleep(1)
+        assert th.is_alive()  # still trying: the terminal takes nothing while sleep runs
+        stop.set()
+        th.join(30)
+        assert not th.is_alive(), "send_keys ignored stop_event"
+        assert res["dropped"] > 0
+
+
+def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
+    """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
+    limits = rollout.Limits(max_procs=32, max_duration_s=2.0)
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+        _start_sleep(b)
+        th, res = _send_in_thread(b, "z\n" * (1 << 19))
+        th.join(60)
+        assert not th.is_alive(), "send_keys blocked forever"
+        assert res["dropped"] > 0 and "took none of them for 2 s" in b.read(0.2)
+
+
+def test_large_paste_into_reading_command_is_delivered_whole(box):
+    """A command that reads (cat > file) gets all 1 MB of a paste: output is drained while writing, no deadlock."""
+    box.send_keys("stty -icanon; cat > /tmp/big; stty icanon\n")
+    time.sleep(0.5)
+    line = ("w" * 1023 + "\n")
+    assert box.send_keys(line * 1024, deadline=time.time() + 60) == 0
+    box.send_keys("C-d")
+    box.read(1)
+    rc, out = box.exec("wc -c < /tmp/big")
+    assert out.strip() == str(1 << 20), out
+
+
+# --- tasks that need their image; the CLI (issue 11) ----------------------------------------------
+TB2_TEST_SH = """#!/bin/bash
+set -e
+apt-get update
+apt-get install -y curl
+curl -LsSf https://astral.sh/uv/0.9.5/install.sh | sh
+source $HOME/.local/bin/env
+uvx \\
+  -p 3.13 \\
+  -w pytest==8.4.1 \\
+  -w pytest-json-ctrf==0.3.5 \\
+  pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+"""
+PYTEST_ONLY_TEST_SH = """#!/bin/bash
+# pytest and its CTRF plugin, installed only if missing
+command -v pytest >/dev/null 2>&1 || pip install pytest==8.4.1 pytest-json-ctrf==0.3.5
+if ! command -v uv >/dev/null 2>&1; then
+  pip install pytest pytest-json-ctrf
+fi
+mkdir -p /logs/verifier
+pytest --ctrf /logs/verifier/ctrf.json /tests/test_outputs.py -rA
+"""
+
+
+def _with(task, dockerfile=None, test_sh=None, toml_extra=""):
+    if dockerfile is not None:
+        (task / "environment/Dockerfile").write_text(dockerfile)
+    if test_sh is not None:
+        (task / "tests/test.sh").write_text(test_sh)
+    if toml_extra:
+        (task / "task.toml").write_text((task / "task.toml").read_text() + toml_extra)
+    return task
+
+
+def test_image_needs_names_what_the_jail_lacks(tmp_path):
+    """image_needs: a docker_image, a Dockerfile that builds something, Terminal-Bench 2's stock test.sh (curl uv,
+    uvx) and a pip install of a missing requirement are named; generated tasks and guarded pytest installs are not."""
+    cases = {
+        "image": dict(toml_extra='\n[environment]\ndocker_image = "ghcr.io/x/y:1"\n'),
+        "build": dict(dockerfile="FROM ubuntu:24.04\nRUN apt-get update && apt-get install -y no-such-pkg-t1 \\\n"
+                                 "    && cargo build --release\nWORKDIR /app\nCOPY data.txt /app/\n"),
+        "base": dict(dockerfile="FROM rust:1.75\nWORKDIR /workspace\n"),
+        "tb2": dict(test_sh=TB2_TEST_SH),
+        "pipdep": dict(test_sh="#!/bin/bash\npip install no-such-dist-t1 pytest\npytest /tests\n"),
+        "generated": dict(dockerfile=data.DOCKERFILE, test_sh=data.TEST_SH),
+        "guarded": dict(dockerfile="FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n",
+                        test_sh=PYTEST_ONLY_TEST_SH),
+    }
+    got = {k: data.image_needs(data.load_task(_with(make_task(tmp_path, k), **kw))) for k, kw in cases.items()}
+    assert got["image"] == ["task.toml [environment] docker_image = 'ghcr.io/x/y:1'"]
+    assert [r.split("`")[1].split()[0] if "`" in r else r.split()[1] for r in got["build"]] == ["apt-get", "cargo",
+                                                                                                 "COPY"]
+    assert "no-such-pkg-t1" in got["build"][0] and "FROM rust:1.75" in got["base"][0]
+    assert "WORKDIR /workspace" in got["base"][1] and len(got["base"]) == 2
+    assert {r.split("`")[1].split()[0] for r in got["tb2"]} == {"apt-get", "curl", "uvx"}
+    assert len(got["pipdep"]) == 1 and "no-such-dist-t1" in got["pipdep"][0]
+    assert got["generated"] == [] and got["guarded"] == []
+
+
+def test_task_that_needs_its_image_is_refused_up_front(tmp_path):
+    """The local jail refuses a task whose verifier would fetch its tools (scored 0 silently before), naming the
+    way out; the daytona sandbox does not refuse it for that."""
+    task = _with(make_task(tmp_path), test_sh=TB2_TEST_SH)
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "error" and res["reward"] == 0.0
+    assert "needs its image: use --sandbox daytona or Harbor's docker environment" in res["error"]
+    assert "uvx" in res["error"] and "curl" in res["error"]
+    res = rollout.run_trial(task, "oracle", sandbox="daytona")
+    assert res["exit_reason"] == "error" and "needs its image" not in res["error"]  # fails later: no Daytona here
+
+
+def test_terminal_bench_style_pytest_task_runs_unchanged(tmp_path):
+    """A Terminal-Bench-style task (Dockerfile FROM + WORKDIR, no app/; test.sh installing pytest only if missing,
+    then pytest --ctrf) runs in the local jail as it is: the oracle resolves it from the CTRF report."""
+    task = _with(make_task(tmp_path, solve="printf 'apple\\nbanana\\nfig\\nkiwi\\npear\\n' > in.txt; "
+                                           "sort in.txt > out.txt"),
+                 dockerfile="FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n",
+                 test_sh=PYTEST_ONLY_TEST_SH)
+    shutil.rmtree(task / "environment/app")
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "oracle", res["error"]
+    assert (res["reward_source"], res["passed"], res["total"], res["resolved"]) == ("ctrf", 3, 3, True)
+
+
+def _cli(*args):
+    import subprocess
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    p = subprocess.run([sys.executable, os.path.join(root, "rollout.py"), *map(str, args)], capture_output=True,
+                       text=True, timeout=300, cwd=root)
+    lines = p.stdout.strip().splitlines()
+    return p.returncode, (json.loads(lines[-1]) if lines else None), p.stderr
+
+
+def test_cli_reports_reward_source_and_keeps_the_trial_dir(tmp_path):
+    """python rollout.py --keep DIR: exit 0, reward_source / reward_reason in the JSON, the trial dir kept with its
+    logs and its path printed."""
+    rc, out, err = _cli("--task", make_task(tmp_path), "--agent", "oracle", "--keep", tmp_path / "kept")
+    assert rc == 0, err
+    assert (out["exit_reason"], out["reward_source"], out["reward_reason"], out["passed"]) == ("oracle", "ctrf",
+                                                                                                None, 3)
+    trial = out["trial_dir"]
+    assert os.path.dirname(trial) == str(tmp_path / "kept") and f"trial directory kept: {trial}" in err
+    assert os.path.isfile(os.path.join(trial, "logs", "verifier", "ctrf.json"))
+    assert open(os.path.join(trial, "logs", "agent", "oracle.txt")).read().startswith("[exit 0]")
+
+
+def test_cli_gives_the_binary_fallback_its_reason(tmp_path):
+    """A verifier that writes only reward.txt: reward_source binary and the reason the CTRF report was not used."""
+    task = _with(make_task(tmp_path), test_sh="#!/bin/bash\nmkdir -p /logs/verifier\n"
+                                             "echo 1 > /logs/verifier/reward.txt\n")
+    rc, out, err = _cli("--task", task, "--agent", "oracle")
+    assert rc == 0, err
+    assert out["reward_source"] == "binary" and "missing CTRF" in out["reward_reason"]
+
+
+def test_cli_exits_nonzero_when_the_trial_errored(tmp_path):
+    """An errored trial (missing task dir; a task that needs its image) exits 1 with the reason on stderr and in the
+    JSON; a missing --model-path is a flag error (2)."""
+    rc, out, err = _cli("--task", tmp_path / "missing", "--agent", "oracle")
+    assert rc == 1 and out["exit_reason"] == "error" and "does not exist" in out["error"] and "error:" in err
+    rc, out, err = _cli("--task", _with(make_task(tmp_path), test_sh=TB2_TEST_SH), "--agent", "nop")
+    assert rc == 1 and "needs its image: use --sandbox daytona" in err
+    rc, out, err = _cli("--task", make_task(tmp_path, "other"), "--agent", "scripted")
+    assert rc == 2 and "needs --model-path" in err
+
+
+def test_image_needs_refuses_hostile_task_files(tmp_path):
+    """A test.sh that is a link to a host device or file, or too large to parse, or an [environment] that is not a
+    table: a clear error or 'not checked' (so the image is asked for), never a read of /dev/zero."""
+    task = make_task(tmp_path)
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").symlink_to("/dev/zero")
+    with pytest.raises(ValueError, match="test.sh: not a regular file inside the task dir"):
+        data.image_needs(data.load_task(task))
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").symlink_to("/etc/passwd")
+    with pytest.raises(ValueError, match="not a regular file inside the task dir"):
+        data.image_needs(data.load_task(task))
+    (task / "tests/test.sh").unlink()
+    (task / "tests/test.sh").write_text("pytest /tests\n" * 100_000)  # 1.4 MB
+    assert data.image_needs(data.load_task(task)) == [f"tests/test.sh larger than {data.CHECK_BYTES} bytes: "
+                                                      "not checked"]
+    other = make_task(tmp_path, "other")
+    (other / "task.toml").write_text('environment = "x"\n' + (other / "task.toml").read_text())
+    with pytest.raises(ValueError, match=r"\[environment\] must be a table"):
+        data.image_needs(data.load_task(other))
+    rc, out, err = _cli("--task", make_task(tmp_path, "third"), "--agent", "nop", "--keep", other / "task.toml")
+    assert rc == 2 and "is not a directory" in err
+
+
+def test_trial_pasting_into_a_busy_terminal_ends_at_its_timeout(tmp_path):
+    """Through the agent loop: `sleep 100`, then 200 KB of keystrokes; the trial ends at its agent timeout (8 s)
+    and is scored (before: the trial thread blocked in the write for good)."""
+    import threading
+    paste = {**SORT, "commands": [{"keystrokes": "sleep 100\n", "duration": 0.5},
+                                  {"keystrokes": "x\n" * 100_000, "duration": 1.0}]}
+    task = make_task(tmp_path, script=[paste, DONE, DONE], agent_timeout=8)
+    res = {}
+    th = threading.Thread(target=lambda: res.update(rollout.run_trial(task, "scripted", tokenizer=_tok(),
+                                                                      limits={"max_total_tokens": 10**6})),
+                          daemon=True)
+    th.start()
+    th.join(120)
+    assert not th.is_alive(), "the trial blocked past its timeout"
+    assert res["exit_reason"] == "timeout" and res["reward_source"] == "ctrf", res["error"]
