@@ -57,6 +57,7 @@ import os
 import re
 import select
 import shutil
+import stat
 import signal
 import struct
 import subprocess
@@ -93,7 +94,11 @@ class Limits:
     mem_bytes: int = 4 << 30
     """RLIMIT_AS per process"""
     tmp_bytes: int = 256 << 20
-    """size of the /tmp tmpfs"""
+    """size of the /tmp tmpfs (the agent's and, a fresh one, the verifier's)"""
+    task_bytes: int = 1 << 30
+    """cap on the file bytes of one copied task tree (environment/app, tests, solution); paper silent"""
+    task_files: int = 100_000
+    """cap on the entries of one copied task tree; paper silent"""
 
 
 def make_limits(limits):
@@ -116,6 +121,201 @@ _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)
 _UIDS = itertools.count()
 KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
         "Left": "\x1b[D", "BSpace": "\x7f"}  # tmux key names Terminus-2 agents use
+VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200000..999999, verifier 1000000..1799999)
+
+
+# -- seccomp: a classic-BPF filter, built here (no libseccomp) ---------------------------------------------------
+_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
+# per machine: (native arch, its compat arch, {arch: {syscall: action}}); numbers from the kernel's syscall tables
+_SYSCALLS = {
+    "x86_64": {0xC000003E: {303: "eperm", 304: "eperm", 272: "flags", 56: "flags", 435: "enosys"},  # x86_64
+               0x40000003: {341: "eperm", 342: "eperm", 310: "flags", 120: "flags", 435: "enosys"}},  # i386
+    "aarch64": {0xC00000B7: {264: "eperm", 265: "eperm", 97: "flags", 220: "flags", 435: "enosys"},  # aarch64
+                0x40000028: {370: "eperm", 371: "eperm", 337: "flags", 120: "flags", 435: "enosys"}},  # arm
+}
+_X32_BIT = 0x40000000  # x86_64: syscall numbers of the x32 ABI carry this bit; all of them are refused
+_CLONE_NEWUSER = 0x10000000
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS = 1, 38
+
+
+def _insn(code, k, jt=0, jf=0):
+    return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
+
+
+def seccomp_filter(machine=None) -> bytes:
+    """The jail's seccomp program (struct sock_filter[]) for this machine: what it refuses is in the docstring.
+
+    Per syscall: "eperm" -> EPERM; "flags" (clone, unshare) -> EPERM when the flags ask for CLONE_NEWUSER;
+    "enosys" (clone3, whose flags sit behind a pointer a filter cannot read) -> ENOSYS, so libc falls back to clone.
+    An unknown audit arch (a 32-bit ABI the table does not know) -> EPERM for every syscall.
+    """
+    machine = machine or os.uname().machine
+    if machine not in _SYSCALLS:
+        raise RuntimeError(f"sandbox: no seccomp syscall table for machine {machine!r} (known: {sorted(_SYSCALLS)})")
+    ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    prog = [_insn(ld_w, 4)]  # seccomp_data.arch
+    for arch, table in _SYSCALLS[machine].items():
+        rules = sorted(table.items())
+        n = len(rules)
+        extra = 1 if arch == 0xC000003E else 0  # x32 check
+        # block: ld nr, [jge x32 -> eperm], n x jeq, allow, eperm, enosys, ld args[0], jset NEWUSER, eperm, allow
+        at = {"allow": 1 + extra + n, "eperm": 2 + extra + n, "enosys": 3 + extra + n, "flags": 4 + extra + n}
+        block = [_insn(ld_w, 0)]  # seccomp_data.nr
+        if extra:
+            block.append(_insn(jge, _X32_BIT, at["eperm"] - 2, 0))
+        for j, (nr, kind) in enumerate(rules):
+            here = 1 + extra + j
+            block.append(_insn(jeq, nr, at[kind] - here - 1, 0))
+        block += [_insn(ret, _RET_ALLOW), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ERRNO | _ENOSYS),
+                  _insn(ld_w, 16),  # low 32 bits of seccomp_data.args[0] (little-endian machines only)
+                  _insn(jset, _CLONE_NEWUSER, 0, 1), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ALLOW)]
+        prog.append(_insn(jeq, arch, 0, len(block)))
+        prog += block
+    prog.append(_insn(ret, _RET_ERRNO | _EPERM))  # an audit arch not in the table
+    return b"".join(prog)
+
+
+# Installs the filter (hex in argv[1]) with no_new_privs, then execs argv[2:]: the host-side head of every
+# nsenter chain, so the agent's commands (which do not descend from bwrap) run under the same filter.
+_SECCOMP_EXEC = """import ctypes, os, sys
+prog = bytes.fromhex(sys.argv[1])
+buf = ctypes.create_string_buffer(prog, len(prog))
+class P(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fp = P(len(prog) // 8, ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+u = ctypes.c_ulong
+if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(fp), u(0), u(0)):
+    sys.exit("seccomp: prctl failed: " + os.strerror(ctypes.get_errno()))
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _seccomp_prefix():
+    return [sys.executable, "-I", "-S", "-c", _SECCOMP_EXEC, seccomp_filter().hex()]
+
+
+# -- untrusted task trees -------------------------------------------------------------------------------------
+def copy_task_tree(src, dst, max_bytes, max_files):
+    """Copy a task's directory (untrusted) to a new directory dst without following any link.
+
+    Refused (ValueError naming the path and why; dst is removed, nothing is left copied): a source root that is a
+    link or not a directory; a link that is absolute or whose target leaves the tree being copied (in-tree relative
+    links are kept as links); device files, FIFOs, sockets; more than max_files entries or max_bytes of file data;
+    a tree deeper than 64 levels. Every file and directory is opened with O_NOFOLLOW; modes keep rwx bits only
+    (no setuid/setgid/sticky). dst must not exist; it is created with mode 0755, owned by the caller.
+    """
+    src, dst = os.path.abspath(str(src)), os.path.abspath(str(dst))
+    try:
+        st = os.lstat(src)
+    except FileNotFoundError:
+        raise ValueError(f"{src}: does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{src}: is a symbolic link (a task directory must be a real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{src}: is not a directory")
+    os.mkdir(dst, 0o755)
+    count = {"files": 0, "bytes": 0}
+    try:
+        sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _copy_dir(sfd, dfd, src, "", count, max_bytes, max_files, 0)
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
+    return count
+
+
+def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth):
+    if depth > 64:
+        raise ValueError(f"{os.path.join(src_root, rel)}: more than 64 directory levels")
+    for name in sorted(os.listdir(sfd)):
+        path, sub = os.path.join(src_root, rel, name), os.path.join(rel, name)
+        count["files"] += 1
+        if count["files"] > max_files:
+            raise ValueError(f"{src_root}: more than {max_files} files and directories (at {path})")
+        st = os.lstat(name, dir_fd=sfd)
+        mode = stat.S_IMODE(st.st_mode) & 0o777
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(name, dir_fd=sfd)
+            inside = os.path.normpath(os.path.join(rel, target))
+            if os.path.isabs(target) or inside == ".." or inside.startswith("../"):
+                raise ValueError(f"{path}: link to {target!r} leaves {src_root} (only relative links inside the "
+                                 f"tree are copied)")
+            os.symlink(target, name, dir_fd=dfd)
+        elif stat.S_ISDIR(st.st_mode):
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sfd)
+            d2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            try:
+                _copy_dir(s2, d2, src_root, sub, count, max_bytes, max_files, depth + 1)
+                os.chmod(d2, mode | 0o700)
+            finally:
+                os.close(s2)
+                os.close(d2)
+        elif stat.S_ISREG(st.st_mode):
+            r = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=sfd)
+            try:
+                if not stat.S_ISREG(os.fstat(r).st_mode):  # swapped since the lstat
+                    raise ValueError(f"{path}: changed while being copied")
+                w = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+                try:
+                    while True:
+                        chunk = os.read(r, 1 << 20)
+                        if not chunk:
+                            break
+                        count["bytes"] += len(chunk)
+                        if count["bytes"] > max_bytes:
+                            raise ValueError(f"{src_root}: more than {max_bytes} bytes of files (at {path})")
+                        os.write(w, chunk)
+                    os.fchmod(w, mode)
+                finally:
+                    os.close(w)
+            finally:
+                os.close(r)
+        else:
+            kind = ("a device file" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+                    "not a regular file")
+            raise ValueError(f"{path}: is {kind} (refused in a task directory)")
+
+
+def write_host_file(path, text):
+    """Write a new host-side log file: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or link is never followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _pidns_procs(ns):
+    """Host pids of the processes in pid namespace `ns` (a readlink of /proc/PID/ns/pid)."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.readlink(f"/proc/{p}/ns/pid") == ns:
+                    out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _uid_procs_in(ns, uid):
+    """Host pids of the processes of pid namespace `ns` whose real uid is `uid`."""
+    out = []
+    for p in _pidns_procs(ns):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                if any(ln.startswith("Uid:") and ln.split()[1] == str(uid) for ln in f):
+                    out.append(p)
+        except OSError:
+            pass
+    return out
 
 
 class _Capped:
@@ -157,7 +357,15 @@ def _chown_tree(path, uid):
 
 
 class Sandbox:
-    """A bubblewrap jail for one trial; context manager. See the module docstring for what is visible."""
+    """A bubblewrap jail for one trial; context manager. See the module docstring for what is visible.
+
+    Two jails in turn: the agent's (start(), until run_verifier()) and the verifier's (run_verifier()). The verifier
+    runs as its own uid, agent uid + VERIFIER_UID_OFFSET, not the agent's: the agent's processes are all dead by
+    then (its jail is closed and run_verifier checks its pid namespace is empty), but a distinct uid keeps that
+    from being the only guard: a process of the agent's uid that survived by a bug could neither signal nor
+    ptrace the verifier, nor write its /logs/verifier, and the report files must be owned by a uid that no agent
+    process ever ran as.
+    """
 
     def __init__(self, task, root_dir, limits=None, stop_event=None, solution=False):
         missing = [t for t in TOOLS if shutil.which(t) is None]
@@ -167,9 +375,13 @@ class Sandbox:
             raise RuntimeError("sandbox: must run as root (namespaces, nsenter and per-trial uids)")
         self.task, self.root, self.limits = task, os.path.abspath(root_dir), make_limits(limits)
         self.stop_event, self.solution = stop_event or threading.Event(), solution
-        self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid
-        self.jail = self.term = self.pid = None  # pid: host pid of the jail's pid 1
+        self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid (the agent's)
+        self.verifier_uid = self.uid + VERIFIER_UID_OFFSET
+        self.run_uid = self.uid  # the uid exec() and the terminal run as: the agent's, then the verifier's
+        self.jail = self.term = self.pid = self.pidns = None  # pid: host pid of the jail's pid 1; pidns: its ns
         self.master = -1  # pty master of the terminal
+        self.host_dir = os.path.join(self.root, "host")  # host-written logs (oracle.txt, verifier_output.txt)
+        self.verifier_logs = os.path.join(self.root, "verifier", "logs")  # the verifier's /logs/verifier
 
     def __enter__(self):
         self.start()
@@ -178,7 +390,7 @@ class Sandbox:
     def __exit__(self, *exc):
         self.close()
 
-    def _bwrap_args(self):
+    def _bwrap_args(self, phase="agent"):
         a = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
              "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
         for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
@@ -196,30 +408,55 @@ class Sandbox:
                     a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
             a += ["--ro-bind", p, p]
         r = self.root
-        a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests",
-              "--proc", "/proc", "--dev", "/dev", "--chdir", "/app"]
-        if self.solution and self.task.solution_dir:
-            a += ["--ro-bind", self.task.solution_dir, "/solution"]
-        return a
+        if phase == "agent":
+            a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests"]
+            if self.solution and self.task.solution_dir:
+                a += ["--ro-bind", f"{r}/solution", "/solution"]
+        else:  # the verifier: the agent's /app, the task's tests, a fresh /logs/verifier; nothing else of the trial
+            a += ["--bind", f"{r}/app", "/app", "--ro-bind", f"{r}/verifier/tests", "/tests",
+                  "--perms", "0755", "--dir", "/logs", "--bind", self.verifier_logs, "/logs/verifier"]
+        return a + ["--proc", "/proc", "--dev", "/dev", "--chdir", "/app"]
 
     def start(self):
-        r = self.root
-        for d in ("app", "logs/agent", "logs/verifier", "tests"):
-            os.makedirs(os.path.join(r, d), exist_ok=True)
+        """Stage the task (untrusted: copy_task_tree, no link followed) and start the agent's jail."""
+        r, L = self.root, self.limits
+        os.makedirs(r, mode=0o700, exist_ok=True)
+        st = os.lstat(r)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"sandbox: trial dir {r} must be a directory owned by uid {os.geteuid()} (not a link)")
+        os.chmod(r, 0o700)  # the trial's host dirs: reached only by root and through the jails' binds
+        for d in ("host", "verifier", "logs", "logs/agent", "tests"):
+            os.mkdir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh: FileExistsError
         app_src = os.path.join(self.task.env_dir, "app")
-        if os.path.isdir(app_src):
-            shutil.copytree(app_src, f"{r}/app", symlinks=True, dirs_exist_ok=True)
+        if os.path.lexists(app_src):
+            copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
+        else:
+            os.mkdir(f"{r}/app", 0o755)
+        # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the agent
+        # phase) and bound into the verifier's jail only
+        copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
+        if self.solution and self.task.solution_dir:
+            copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
         for d in ("app", "logs"):
             _chown_tree(f"{r}/{d}", self.uid)
-        os.chmod(f"{r}/tests", 0o755)
-        args, (rfd, wfd) = self._bwrap_args(), os.pipe()
+        self._start_jail(self._bwrap_args("agent"))
+        return self
+
+    def _start_jail(self, args):
+        """Start `args` (bwrap ...) running `sleep infinity` as the jail's pid 1, under the seccomp filter."""
+        (rfd, wfd), (sfd, swfd) = os.pipe(), os.pipe()
+        prog = seccomp_filter()
+        os.write(swfd, prog)  # a few hundred bytes: fits the pipe buffer
+        os.close(swfd)
         try:
             self.jail = subprocess.Popen(
-                args[:1] + ["--info-fd", str(wfd)] + args[1:] + ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"],
+                args[:1] + ["--info-fd", str(wfd), "--seccomp", str(sfd)] + args[1:] +
+                ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(wfd,), start_new_session=True)
+                pass_fds=(wfd, sfd), start_new_session=True)
         finally:
             os.close(wfd)
+            os.close(sfd)
         with os.fdopen(rfd) as info:
             ready, _, _ = select.select([self.jail.stdout], [], [], 20)
             line = self.jail.stdout.readline() if ready else b""
@@ -227,7 +464,42 @@ class Sandbox:
                 _kill_group(self.jail)
                 raise RuntimeError(f"sandbox: bwrap did not start: {self.jail.stderr.read()[-800:].decode()!r}")
             self.pid = json.loads(info.read())["child-pid"]
-        return self
+        self.pidns = os.readlink(f"/proc/{self.pid}/ns/pid")
+
+    def _close_jail(self, timeout=10.0):
+        """Kill the jail (terminal, then bwrap: pid 1 dies, the kernel kills its pid namespace) and wait until no
+        process is left in its pid namespace; RuntimeError if one is still there after `timeout` seconds."""
+        _kill_group(self.term)
+        self.term = None
+        if self.master >= 0:
+            os.close(self.master)
+            self.master = -1
+        _kill_group(self.jail)
+        for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
+            s.close()
+        ns, self.jail, self.pid, self.pidns = self.pidns, None, None, None
+        deadline = time.time() + timeout
+        while ns is not None and _pidns_procs(ns):
+            if time.time() > deadline:
+                raise RuntimeError(f"sandbox: processes {_pidns_procs(ns)} of the closed jail ({ns}) are still alive "
+                                   f"after {timeout:g} s")
+            time.sleep(0.02)
+
+    def kill_uid(self, uid, timeout=10.0):
+        """SIGKILL every process of `uid` in the jail (the jail itself stays); wait until they are gone."""
+        deadline = time.time() + timeout
+        while True:
+            pids = _uid_procs_in(self.pidns, uid) if self.pidns else []
+            if not pids:
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"sandbox: processes {pids} of uid {uid} survive SIGKILL after {timeout:g} s")
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
 
     def _env(self, extra=None):
         env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TERM": "dumb",
@@ -235,10 +507,12 @@ class Sandbox:
         return {**env, **(extra or {})}
 
     def _enter(self, argv, as_root=False):
-        """argv run inside the jail's namespaces as the trial uid (or jail root), under the rlimits."""
-        L, u = self.limits, "0" if as_root else str(self.uid)
-        caps = "-all,+chown,+dac_override,+dac_read_search,+fowner" if as_root else "-all"
-        return (["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
+        """argv run inside the jail's namespaces as run_uid (or the jail's root, for Harbor's root execs), under the
+        rlimits and the seccomp filter (installed on the host before nsenter; inherited by everything after)."""
+        L, u = self.limits, "0" if as_root else str(self.run_uid)
+        caps = "-all,+chown,+dac_override,+fowner" if as_root else "-all"  # never dac_read_search (open_by_handle)
+        return (_seccomp_prefix() +
+                ["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
                  "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
                  "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
                  "--inh-caps=-all", f"--bounding-set={caps}", "--"] + list(argv))
@@ -317,31 +591,55 @@ class Sandbox:
         return out.text()
 
     # -- verifier --
-    def run_verifier(self) -> dict:
-        """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, return reward.compute()."""
+    def run_verifier(self, scale=None) -> dict:
+        """Close the agent's jail, run `bash /tests/test.sh` in a fresh jail of its own, close it, score.
+
+        The verifier: uid verifier_uid (/app chowned to it once every agent process is dead, so it reads and may
+        modify the agent's files as Harbor's root verifier could), no capabilities, the agent's rlimits and seccomp
+        filter, a fresh /tmp, /tests read-only, a fresh /logs/verifier (a host dir the agent never owned). The
+        report is read only after every verifier process is dead, as regular files owned by verifier_uid.
+        """
         import reward
-        vdir = os.path.join(self.root, "logs", "verifier")
-        shutil.rmtree(vdir, ignore_errors=True)
-        os.makedirs(vdir)
-        os.chown(vdir, self.uid, self.uid)
-        shutil.copytree(self.task.tests_dir, os.path.join(self.root, "tests"), dirs_exist_ok=True)
+        scale = reward.SCALE if scale is None else scale
+        self._close_jail()  # every agent process dies here (RuntimeError if one does not)
+        _chown_tree(os.path.join(self.root, "app"), self.verifier_uid)
+        os.mkdir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
+        os.chown(self.verifier_logs, self.verifier_uid, self.verifier_uid)
+        self.run_uid = self.verifier_uid
+        self._start_jail(self._bwrap_args("verifier"))
         timeout = float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
-        rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"},
-                            as_root=True)  # like Harbor's root verifier; the agent's uid cannot signal it
-        with open(os.path.join(self.root, "logs", "verifier_output.txt"), "w") as f:
-            f.write(f"[exit {rc}]\n{out}")
-        return reward.compute(vdir)
+        try:
+            rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"})
+        finally:
+            self._close_jail()  # every verifier process dies before the report is read
+        write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
+        bad = _unsafe_reports(self.verifier_logs, self.verifier_uid)
+        if bad:  # TODO(lead): drop once reward.compute(owner_uid=...) has landed: it refuses these itself
+            return dict(reward=0.0, passed=0, total=0, source="none", reason=f"refused report files: {bad}")
+        # TODO(lead): when reward.compute has its keywords (h-reward), call it as
+        #   reward.compute(self.verifier_logs, scale, n_assertions=getattr(self.task, "n_assertions", None),
+        #                  owner_uid=self.verifier_uid)
+        return reward.compute(self.verifier_logs, scale)
 
     def close(self):
         """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed)."""
-        _kill_group(self.term)
-        if self.master >= 0:
-            os.close(self.master)
-            self.master = -1
-        _kill_group(self.jail)
-        for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
-            s.close()
-        self.pid = None
+        try:
+            self._close_jail()
+        except RuntimeError as e:  # close() runs in finally blocks: report, never raise
+            print(f"[Sandbox] {e}", file=sys.stderr)
+
+
+def _unsafe_reports(vdir, uid):
+    """Report files in vdir that are not regular files owned by uid (a link, a FIFO, another owner's file)."""
+    bad = []
+    for name in ("ctrf.json", "reward.txt"):
+        try:
+            st = os.lstat(os.path.join(vdir, name))
+        except FileNotFoundError:
+            continue
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != uid:
+            bad.append(f"{name} (mode {stat.filemode(st.st_mode)}, uid {st.st_uid})")
+    return bad
 
 
 # --- Terminus-2 protocol --------------------------------------------------------------------------
@@ -559,16 +857,17 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
         prompt = prompt + out + glue + render_ids(tok, "user", obs) + gen_prefix  # token-first: strict
 
 
-def score(box, result: dict) -> None:
-    """Copy the tests in (only now), run the verifier, and put r = P/S and its report into `result`."""
+def score(box, result: dict, scale=None) -> None:
+    """Run the verifier (its own jail), and put r = P/S (S = scale, None -> reward.SCALE) and its report into
+    `result`."""
     import reward
-    v = box.run_verifier()
+    v = box.run_verifier(reward.SCALE if scale is None else scale)
     result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                   resolved=reward.is_resolved(v))
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, harness="native", sandbox="bwrap") -> dict:
+              work_root=None, stop_event=None, harness="native", sandbox="bwrap", reward_scale=None) -> dict:
     """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
 
     harness: "native" (this token-first loop) | "text" (a client re-sending the history as text, like
@@ -578,12 +877,14 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
     there; None -> a temp dir that is deleted. sandbox: "bwrap" (the local jail, Sandbox) | "daytona"
-    (daytona_sandbox.DaytonaSandbox, the cluster's; same interface).
+    (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S of r = P/S (None ->
+    reward.SCALE, the paper's 20).
     """
     if harness != "native":
         import gateway
         return gateway.run_trial(task_dir, agent, harness=harness, engine_url=engine_url, tokenizer=tokenizer,
-                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event)
+                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event,
+                                 reward_scale=reward_scale)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None,
@@ -612,8 +913,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         box = box_cls(task, root, limits, stop_event=stop_event, solution=(agent == "oracle")).start()
         if agent == "oracle":
             rc, out = box.exec("bash /solution/solve.sh", timeout=max(t_end - time.time(), 1))
-            with open(os.path.join(root, "logs", "agent", "oracle.txt"), "w") as f:
-                f.write(f"[exit {rc}]\n{out}")
+            write_host_file(os.path.join(box.host_dir, "oracle.txt"), f"[exit {rc}]\n{out}")  # a dir the agent
+            # cannot write (DaytonaSandbox: its local logs dir), never through a link
             exit_reason = "cancelled" if stop_event.is_set() else "oracle"
         elif agent == "nop":
             exit_reason = "nop"
@@ -623,7 +924,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             exit_reason = _agent_loop(box, task, policy, tokenizer, limits, stop_event, t_end, result)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
-            score(box, result)
+            score(box, result, reward_scale)
             if stop_event.is_set():  # cancelled while verifying: the report may be partial
                 result["exit_reason"] = "cancelled"
     except Exception as e:  # a crash inside a trial never propagates
