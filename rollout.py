@@ -197,14 +197,15 @@ def _seccomp_prefix():
 
 
 # -- untrusted task trees -------------------------------------------------------------------------------------
-def copy_task_tree(src, dst, max_bytes, max_files):
+def copy_task_tree(src, dst, max_bytes, max_files, links=True):
     """Copy a task's directory (untrusted) to a new directory dst without following any link.
 
     Refused (ValueError naming the path and why; dst is removed, nothing is left copied): a source root that is a
     link or not a directory; a link that is absolute or whose target leaves the tree being copied (in-tree relative
     links are kept as links); device files, FIFOs, sockets; more than max_files entries or max_bytes of file data;
-    a tree deeper than 64 levels. Every file and directory is opened with O_NOFOLLOW; modes keep rwx bits only
-    (no setuid/setgid/sticky). dst must not exist; it is created with mode 0755, owned by the caller.
+    a tree deeper than 64 levels; with links=False, every link (for trees a jail wrote: nothing in them is followed
+    or kept). Every file and directory is opened with O_NOFOLLOW; modes keep rwx bits only (no setuid/setgid/sticky).
+    dst must not exist; it is created with mode 0755, owned by the caller.
     """
     src, dst = os.path.abspath(str(src)), os.path.abspath(str(dst))
     try:
@@ -221,7 +222,7 @@ def copy_task_tree(src, dst, max_bytes, max_files):
         sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
-            _copy_dir(sfd, dfd, src, "", count, max_bytes, max_files, 0)
+            _copy_dir(sfd, dfd, src, "", count, max_bytes, max_files, 0, links)
         finally:
             os.close(sfd)
             os.close(dfd)
@@ -231,7 +232,7 @@ def copy_task_tree(src, dst, max_bytes, max_files):
     return count
 
 
-def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth):
+def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth, links):
     if depth > 64:
         raise ValueError(f"{os.path.join(src_root, rel)}: more than 64 directory levels")
     for name in sorted(os.listdir(sfd)):
@@ -244,6 +245,8 @@ def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth):
         if stat.S_ISLNK(st.st_mode):
             target = os.readlink(name, dir_fd=sfd)
             inside = os.path.normpath(os.path.join(rel, target))
+            if not links:
+                raise ValueError(f"{path}: is a symbolic link (to {target!r}); links are refused here")
             if os.path.isabs(target) or inside == ".." or inside.startswith("../"):
                 raise ValueError(f"{path}: link to {target!r} leaves {src_root} (only relative links inside the "
                                  f"tree are copied)")
@@ -253,7 +256,7 @@ def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth):
             s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sfd)
             d2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
             try:
-                _copy_dir(s2, d2, src_root, sub, count, max_bytes, max_files, depth + 1)
+                _copy_dir(s2, d2, src_root, sub, count, max_bytes, max_files, depth + 1, links)
                 os.chmod(d2, mode | 0o700)
             finally:
                 os.close(s2)
@@ -290,6 +293,70 @@ def write_host_file(path, text):
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text)
+
+
+def _open_dir_beneath(base, parts, create_uid=None):
+    """fd of base/parts[0]/... walked one component at a time with O_NOFOLLOW (a link anywhere -> OSError ELOOP /
+    ENOTDIR); missing dirs are created (0755, chowned to create_uid) when create_uid is not None."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts:
+            if part in ("", ".", ".."):
+                raise ValueError(f"{base}: bad path component {part!r} in {'/'.join(parts)!r}")
+            if create_uid is not None:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.chown(part, create_uid, create_uid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_beneath(base, rel, data: bytes, mode=0o644, uid=None):
+    """Write data to base/rel (a dir a jail can write) without following a link at any component; the file is
+    replaced if it is a regular file; owned by uid (None: the caller)."""
+    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"{base}: bad relative path {rel!r}")
+    dfd = _open_dir_beneath(base, parts[:-1], create_uid=os.geteuid() if uid is None else uid)
+    try:
+        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, mode,
+                     dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
+            if uid is not None:
+                os.fchown(fd, uid, uid)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def read_beneath(base, rel, max_bytes):
+    """Read base/rel (a file a jail wrote): no link followed at any component, a regular file, at most max_bytes."""
+    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"{base}: bad relative path {rel!r}")
+    dfd = _open_dir_beneath(base, parts[:-1])
+    try:
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{os.path.join(base, rel)}: larger than {max_bytes} bytes")
+    return data
 
 
 def _pidns_procs(ns):
@@ -433,8 +500,9 @@ class Sandbox:
         else:
             os.mkdir(f"{r}/app", 0o755)
         # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the agent
-        # phase) and bound into the verifier's jail only
-        copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
+        # phase) and bound into the verifier's jail only; None: the caller brings them itself (Harbor's upload_dir)
+        if self.task.tests_dir is not None:
+            copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
         if self.solution and self.task.solution_dir:
             copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
         for d in ("app", "logs"):

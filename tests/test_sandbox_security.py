@@ -221,3 +221,26 @@ def test_seccomp_filter_is_built_for_each_known_machine():
         assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 4096
     with pytest.raises(RuntimeError, match="riscv64"):
         rollout.seccomp_filter("riscv64")
+
+
+# --- the Harbor path (gateway.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------------
+
+def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_path):
+    import types
+
+    import gateway
+    host_file = canary(tmp_path)
+    task = make_task(tmp_path)
+    t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
+                              name="harbor")
+    with gateway._ToolsSandbox(t, tmp_path / "trial", rollout.Limits()) as box:
+        (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
+        loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
+        rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
+                           f"\nln -s /etc/passwd /logs/verifier/reward.txt; echo started")
+        assert "started" in out
+        rc, out = box.exec(f"id -u; grep CapEff /proc/self/status; ps -eo args=; ls -A /logs/verifier; "
+                           f"python3 /app/probe.py {fs_relative(host_file)}", as_root=True)  # Harbor's verifier
+    assert host_file.read_text() == "intact\n"
+    assert "open_by_handle_at -1 Operation not permitted" in out and "name_to_handle_at -1" in out, out
+    assert "while" not in out and "forged" not in out and "reward.txt" not in out, out  # agent dead, fresh dir
