@@ -36,7 +36,10 @@ from rollout import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
 # deletes it even if this process is killed. Departures from the local Sandbox: exec runs as the
 # image's user (no per-trial uid/rlimits: Daytona's container is the boundary; as_root is ignored);
 # a running exec cannot be interrupted by stop_event (checked before each call); read() waits the
-# full wait_s (no prompt detection on a captured pane).
+# full wait_s (no prompt detection on a captured pane); the verifier runs in the agent's sandbox, as
+# the image's user, after the agent's tmux server is killed (processes the agent detached with
+# setsid live on, and may rewrite /logs/verifier: the local jail's separate verifier jail has no
+# equivalent here). Task dirs are uploaded from a rollout.copy_task_tree copy (no links followed).
 _DAYTONA_OPEN = set()  # sandboxes not yet closed, deleted at interpreter exit
 
 
@@ -160,7 +163,8 @@ class DaytonaSandbox:
             for d, _, names in os.walk(local):
                 for n in names:
                     src = os.path.join(d, n)
-                    files.append(FileUpload(source=src, destination=os.path.join(remote_dir, os.path.relpath(src, local))))
+                    dest = os.path.join(remote_dir, os.path.relpath(src, local))
+                    files.append(FileUpload(source=src, destination=dest))
             if files:
                 self.sandbox.fs.upload_files(files)
         finally:

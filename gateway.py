@@ -42,7 +42,20 @@ Departures:
   2. Harbor runs its agent with the bubblewrap jail of rollout.py (BwrapEnvironment) instead of Docker:
      the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
      tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
-     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with few caps.
+     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown /
+     dac_override / fowner only; all under rollout.py's seccomp filter and rlimits. The first root exec
+     (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase: every
+     process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh
+     dir. Task dirs Harbor uploads go through rollout.copy_task_tree; files the jail wrote are read and
+     written by the host without following links (rollout.read_beneath / write_beneath).
+     Weaker than rollout.py's native path, because Harbor drives the verifier through the same
+     environment: the verifier runs in the agent's jail (same /tmp, which the agent may have filled;
+     same mount namespace), as Harbor's default user (the agent's uid, so its files in /logs/verifier
+     are the agent uid's) or, for `user="root"` execs, as the jail's root, which is not under
+     RLIMIT_NPROC and may read and write every file the jail can see (not the host's: no
+     dac_read_search, no handle syscalls); the phase ends only if Harbor's verifier starts with a
+     root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run (not
+     Terminus-2's) would kill the agent's processes.
   3. The text client of `measure --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
      condensed prompts over an OpenAI client that re-sends the whole message list each turn, verbatim.
   4. The embedded model is tiny and random-init in `measure`, so its replies are mostly unparseable;

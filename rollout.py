@@ -15,18 +15,33 @@ Run:
     # prints one JSON line: reward, resolved, passed, total, turns, exit_reason (no records)
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
 
-Sandbox (bubblewrap, run as root): one long-lived jail per trial (`bwrap ... sleep infinity`) with
-new ipc/pid/net/uts/cgroup namespaces (no network: only a private loopback), --die-with-parent,
-all capabilities dropped; /usr, /etc (and the /bin, /lib symlinks) read-only; the running Python's
-venv and base interpreter read-only at their own paths (so `pytest --ctrf` works inside); /app and
-/logs writable, backed by host dirs under the trial root; /tests an empty read-only dir that the
-host fills only in run_verifier(); /tmp a size-capped tmpfs; nothing else of the host. Every
-command (terminal, exec, verifier) enters the jail with nsenter and runs as a per-trial host uid
-(200000+) with rlimits (prlimit): RLIMIT_NPROC (process cap), RLIMIT_FSIZE, RLIMIT_AS, no core.
-The verifier runs as the jail's root with only chown/dac_override/dac_read_search/fowner (it reads
-and may modify the agent's files like Harbor's root verifier; the agent's uid cannot signal it and
-its leftover processes do not count against the verifier; root is not under RLIMIT_NPROC).
-close() SIGKILLs bwrap: pid 1 of the jail dies and the kernel kills everything in its pid namespace.
+Sandbox (bubblewrap, run as root): two jails per trial, one after the other, each a long-lived
+`bwrap ... sleep infinity` with new ipc/pid/net/uts/cgroup namespaces (no network: only a private
+loopback), --die-with-parent, all capabilities dropped; /usr, /etc (and the /bin, /lib symlinks)
+read-only; the running Python's venv and base interpreter read-only at their own paths (so `pytest
+--ctrf` works inside); a size-capped fresh /tmp tmpfs; nothing else of the host. Every command enters
+a jail with nsenter and runs as a per-trial host uid with rlimits (prlimit): RLIMIT_NPROC (process
+cap), RLIMIT_FSIZE, RLIMIT_AS, no core, no_new_privs, no capabilities, under a seccomp filter.
+- The agent's jail: /app and /logs writable (host dirs under the trial root, owned by the agent's
+  uid 200000+), /tests empty and read-only, /solution (oracle only) a checked copy, read-only.
+- The verifier's jail (run_verifier): first the agent's jail is closed (SIGKILL bwrap: its pid 1
+  dies, the kernel kills its pid namespace; run_verifier checks the namespace is empty), /app is
+  chowned (lchown) to the verifier's uid (agent uid + 800000: see Sandbox), then a fresh jail
+  with /app, the task's tests read-only at /tests, and a fresh /logs/verifier (a host dir the
+  agent never owned); `bash /tests/test.sh` runs as the verifier's uid with the agent's rlimits.
+  The jail is closed (every verifier process dead) before the report is read, as regular files
+  owned by the verifier's uid.
+Policy (what is refused):
+- seccomp (both jails, every command): open_by_handle_at and name_to_handle_at -> EPERM (a handle
+  for the filesystem's root opened through the /app mount reaches the whole host filesystem);
+  clone / unshare with CLONE_NEWUSER -> EPERM and clone3 -> ENOSYS (libc falls back to clone): a
+  user namespace hands out every capability over new namespaces, the kernel surface most escapes
+  start from, and no task needs one; x32 syscalls and unknown 32-bit ABIs -> EPERM.
+- Task dirs are untrusted (copy_task_tree for environment/app, tests, solution): a root that is a
+  link, links that are absolute or leave the tree, device files, FIFOs, sockets, more than
+  Limits.task_files entries or task_bytes bytes: ValueError naming the path (the trial: "error").
+- The host writes its own logs (host/oracle.txt, host/verifier_output.txt) into a root-only dir
+  with O_CREAT | O_EXCL | O_NOFOLLOW, and never writes into or reads from a dir the agent owns.
 Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty, so
 C-c reaches the foreground job; read() returns the new output since the last read, ANSI stripped.
 
@@ -36,8 +51,10 @@ Departures from the paper / Terminus-2:
 2. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux
    screen capture; read() may return before `duration` once the shell prompt is back.
 3. Local bubblewrap jails instead of Daytona/Docker sandboxes: the task's Dockerfile is ignored,
-   environment/app/ is copied to /app, the host's /usr provides the tools; --unshare-all minus the
-   user namespace (a user namespace would map the jail uid back to root, exempt from RLIMIT_NPROC).
+   environment/app/ is copied to /app, the host's /usr provides the tools. No user namespace: bwrap
+   runs as root (bwrap 0.8 run as an unprivileged uid cannot bind dirs below the 0700 trial root),
+   commands run as unprivileged host uids without capabilities, which a user namespace would not
+   weaken further; the verifier is such a uid too, not root (Harbor's verifier is root).
 4. Process cap = RLIMIT_NPROC of a per-trial uid: it bounds the processes of that uid (a fork bomb
    makes bash retry and fail; the trial still ends on its limits and close() kills all). It does
    not bound CPU time; memory only per process (RLIMIT_AS), disk only per file and /tmp size.
@@ -45,7 +62,8 @@ Departures from the paper / Terminus-2:
    trials go to `dropped` with their reason and seconds run.
 6. The agent is an unprivileged uid (Terminal-Bench agents are root) and has no network, so tasks
    that need apt/pip or root-only operations cannot be solved here. The sandbox needs root on the
-   host (bwrap namespaces without a user namespace, nsenter, setpriv); uids 200000+ must be unused.
+   host (bwrap namespaces without a user namespace, nsenter, setpriv); uids 200000..1799999 must be
+   unused (agents 200000+, verifiers 1000000+).
 """
 import argparse
 import concurrent.futures as cf
