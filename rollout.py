@@ -378,13 +378,16 @@ def read_beneath(base, rel, max_bytes):
 
 
 def _pidns_procs(ns):
-    """Host pids of the processes in pid namespace `ns` (a readlink of /proc/PID/ns/pid)."""
+    """Host pids of the live processes in pid namespace `ns` (a readlink of /proc/PID/ns/pid); zombies are dead
+    (they run no code) and left out: the jail's pid 1 stays one until the host's init reaps it."""
     out = []
     for p in os.listdir("/proc"):
         if p.isdigit():
             try:
                 if os.readlink(f"/proc/{p}/ns/pid") == ns:
-                    out.append(int(p))
+                    with open(f"/proc/{p}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                            out.append(int(p))
             except OSError:
                 pass
     return out
