@@ -244,3 +244,29 @@ def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_pat
     assert host_file.read_text() == "intact\n"
     assert "open_by_handle_at -1 Operation not permitted" in out and "name_to_handle_at -1" in out, out
     assert "while" not in out and "forged" not in out and "reward.txt" not in out, out  # agent dead, fresh dir
+
+
+# int 0x80 from a 64-bit process: the i386 syscall table (its own numbers, audit arch I386), which a filter that only
+# knows the x86_64 numbers lets through. push rbx; mov eax, NR; mov ebx, -100; zero ecx, edx, esi, edi; int 0x80;
+# pop rbx; ret
+I386_PROBE = r'''import ctypes, mmap
+def int80(nr):
+    code = (b"\x53\xb8" + nr.to_bytes(4, "little") + b"\xbb\x9c\xff\xff\xff\x31\xc9\x31\xd2\x31\xf6\x31\xff"
+            b"\xcd\x80\x5b\xc3")
+    m = mmap.mmap(-1, 4096, prot=mmap.PROT_READ | mmap.PROT_WRITE | mmap.PROT_EXEC)
+    m.write(code)
+    return ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.addressof(ctypes.c_char.from_buffer(m)))()
+print("i386 name_to_handle_at", int80(341), "getpid", int80(20))
+'''
+
+
+@pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 syscall ABI exists on x86_64 only")
+def test_i386_syscall_abi_cannot_name_a_handle(tmp_path):
+    task = make_task(tmp_path)
+    with rollout.Sandbox(data.load_task(task), tmp_path / "trial") as box:
+        (tmp_path / "trial" / "app" / "probe.py").write_text(I386_PROBE)
+        rc, out = box.exec("python3 /app/probe.py")
+    # -1 (EPERM): refused by the filter; unfiltered it gets -14 (EFAULT: the NULL name), -38 without IA32 emulation
+    assert "i386 name_to_handle_at -1 " in out or "i386 name_to_handle_at -38 " in out, out
+    pid = int(out.split("getpid")[1].split()[0])
+    assert pid > 0 or pid == -38, out  # other i386 syscalls are not refused
