@@ -318,7 +318,9 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
         if box is not None:
             box.close()
         if root is not None and work_root is None:
-            shutil.rmtree(root, ignore_errors=True)
+            err = rollout.remove_tree(root)
+            if err:
+                print(f"[run_text_trial] {err}", file=sys.stderr)
         result["wall_s"] = time.time() - t0
     return result
 
@@ -370,7 +372,10 @@ if BaseEnvironment is not None:
             if self.box is not None:
                 self.box.close()
             if delete and self.root:
-                shutil.rmtree(self.root, ignore_errors=True)
+                import rollout
+                err = rollout.remove_tree(self.root)
+                if err:
+                    print(f"[BwrapEnvironment] {err}", file=sys.stderr)
 
         def _host(self, path: str) -> str | None:
             """Host path behind a jail path (/app, /logs, /tests are host dirs), None elsewhere."""
@@ -495,8 +500,10 @@ def _tools_sandbox_class():
             try:
                 try:
                     st = os.lstat("verifier", dir_fd=fd)
-                    if stat.S_ISDIR(st.st_mode):
-                        shutil.rmtree(os.path.join(logs, "verifier"))  # fd-based: never follows a link inside
+                    if stat.S_ISDIR(st.st_mode):  # rm -rf: fts, never follows a link inside, any depth
+                        err = rollout.remove_tree(os.path.join(logs, "verifier"))
+                        if err:
+                            raise RuntimeError(f"sandbox: {err}")
                     else:
                         os.unlink("verifier", dir_fd=fd)
                 except FileNotFoundError:

@@ -133,7 +133,7 @@ def make_limits(limits):
 
 
 # --- sandbox --------------------------------------------------------------------------------------
-TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid")
+TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid", "chown")
 PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
 _UIDS = itertools.count()
@@ -438,10 +438,18 @@ def _kill_group(proc):
         proc.wait()
 
 
+def remove_tree(path):
+    """rm -rf a trial's tree (fts: any depth; shutil.rmtree recurses in Python and an agent's 3000-level tree raised
+    RecursionError out of run_trial's finally); -> None, or the error text (never raises: used in finally blocks)."""
+    p = subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"rm -rf {path} failed: {p.stderr[-500:]}"
+
+
 def _chown_tree(path, uid):
-    for d, dirs, files in os.walk(path):
-        for n in [d] + [os.path.join(d, x) for x in dirs + files]:
-            os.lchown(n, uid, uid)
+    """lchown a tree, links not followed (chown -R -P -h: fts, any depth or path length; a tree the agent built)."""
+    p = subprocess.run(["chown", "-R", "-P", "-h", f"{uid}:{uid}", "--", path], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"sandbox: chown -R {uid} {path} failed: {p.stderr[-500:]}")
 
 
 class Sandbox:
@@ -1023,7 +1031,9 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         if box is not None:
             box.close()
         if root is not None and work_root is None:
-            shutil.rmtree(root, ignore_errors=True)
+            err = remove_tree(root)
+            if err:
+                print(f"[run_trial] {err}", file=sys.stderr)
         result["wall_s"] = time.time() - t0
     return result
 

@@ -270,3 +270,11 @@ def test_i386_syscall_abi_cannot_name_a_handle(tmp_path):
     assert "i386 name_to_handle_at -1 " in out or "i386 name_to_handle_at -38 " in out, out
     pid = int(out.split("getpid")[1].split()[0])
     assert pid > 0 or pid == -38, out  # other i386 syscalls are not refused
+
+
+def test_a_deep_tree_in_app_does_not_break_the_handover_to_the_verifier(tmp_path):
+    # /app is chowned to the verifier's uid after the agent: 3000 levels (past Python's recursion limit and PATH_MAX)
+    deep = "python3 -c 'import os\nfor i in range(3000): os.mkdir(\"d\"); os.chdir(\"d\")'"
+    task = make_task(tmp_path, solve=f"{deep}\n{SORT}")
+    res = rollout.run_trial(task, "oracle")
+    assert res["exit_reason"] == "oracle" and res["resolved"] and res["passed"] == 3, res
