@@ -41,7 +41,8 @@ Policy (what is refused):
   link, links that are absolute or leave the tree, device files, FIFOs, sockets, more than
   Limits.task_files entries or task_bytes bytes: ValueError naming the path (the trial: "error").
 - The host writes its own logs (host/oracle.txt, host/verifier_output.txt) into a root-only dir
-  with O_CREAT | O_EXCL | O_NOFOLLOW, and never writes into or reads from a dir the agent owns.
+  with O_CREAT | O_EXCL | O_NOFOLLOW; it reads nothing the agent wrote, and touches /app only once
+  every agent process is dead (chown -R -P -h; rm -rf at the end: no link followed, any depth).
 Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty, so
 C-c reaches the foreground job; read() returns the new output since the last read, ANSI stripped.
 
@@ -143,8 +144,8 @@ VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200
 
 
 # -- seccomp: a classic-BPF filter, built here (no libseccomp) ---------------------------------------------------
-_AUDIT_ARCH = {"x86_64": 0xC000003E, "aarch64": 0xC00000B7}
-# per machine: (native arch, its compat arch, {arch: {syscall: action}}); numbers from the kernel's syscall tables
+# per machine: {audit arch (native, then its 32-bit compat ABI): {syscall number: action}}; numbers from the kernel's
+# syscall tables (x86_64: syscall_64.tbl / syscall_32.tbl; aarch64: asm-generic unistd.h / arm's syscall.tbl)
 _SYSCALLS = {
     "x86_64": {0xC000003E: {303: "eperm", 304: "eperm", 272: "flags", 56: "flags", 435: "enosys"},  # x86_64
                0x40000003: {341: "eperm", 342: "eperm", 310: "flags", 120: "flags", 435: "enosys"}},  # i386
@@ -222,8 +223,9 @@ def copy_task_tree(src, dst, max_bytes, max_files, links=True):
     link or not a directory; a link that is absolute or whose target leaves the tree being copied (in-tree relative
     links are kept as links); device files, FIFOs, sockets; more than max_files entries or max_bytes of file data;
     a tree deeper than 64 levels; with links=False, every link (for trees a jail wrote: nothing in them is followed
-    or kept). Every file and directory is opened with O_NOFOLLOW; modes keep rwx bits only (no setuid/setgid/sticky).
-    dst must not exist; it is created with mode 0755, owned by the caller.
+    or kept). The in-tree check is lexical: the host never follows a copied link, only a jail resolves it. Every
+    file and directory is opened with O_NOFOLLOW; modes keep rwx bits only (no setuid/setgid/sticky). dst must not
+    exist; it is created with mode 0755, owned by the caller.
     """
     src, dst = os.path.abspath(str(src)), os.path.abspath(str(dst))
     try:
