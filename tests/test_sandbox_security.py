@@ -278,3 +278,16 @@ def test_a_deep_tree_in_app_does_not_break_the_handover_to_the_verifier(tmp_path
     task = make_task(tmp_path, solve=f"{deep}\n{SORT}")
     res = rollout.run_trial(task, "oracle")
     assert res["exit_reason"] == "oracle" and res["resolved"] and res["passed"] == 3, res
+
+
+def test_daytona_upload_of_a_task_dir_never_follows_its_links(tmp_path):
+    pytest.importorskip("daytona")
+    import daytona_sandbox
+    from test_cluster import FakeDaytona, _task
+    task = _task(tmp_path)
+    os.symlink("/etc/shadow", os.path.join(task.tests_dir, "shadow"))
+    fake = FakeDaytona()
+    with daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
+        with pytest.raises(ValueError, match="shadow.*leaves|links are refused"):
+            box.run_verifier()
+    assert fake.uploads == []  # e6526f2 uploaded the host's /etc/shadow through the link
