@@ -15,10 +15,11 @@ import re
 import shlex
 import shutil
 import sys
+import tempfile
 import threading
 import time
 
-from rollout import KEYS, _Capped, make_limits
+from rollout import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
 
 
 # === Daytona sandboxes (cluster scale) =============================================================
@@ -36,7 +37,10 @@ from rollout import KEYS, _Capped, make_limits
 # deletes it even if this process is killed. Departures from the local Sandbox: exec runs as the
 # image's user (no per-trial uid/rlimits: Daytona's container is the boundary; as_root is ignored);
 # a running exec cannot be interrupted by stop_event (checked before each call); read() waits the
-# full wait_s (no prompt detection on a captured pane).
+# full wait_s (no prompt detection on a captured pane); the verifier runs in the agent's sandbox, as
+# the image's user, after the agent's tmux server is killed (processes the agent detached with
+# setsid live on, and may rewrite /logs/verifier: the local jail's separate verifier jail has no
+# equivalent here). Task dirs are uploaded from a rollout.copy_task_tree copy (no links followed).
 _DAYTONA_OPEN = set()  # sandboxes not yet closed, deleted at interpreter exit
 
 
@@ -73,6 +77,7 @@ class DaytonaSandbox:
         self.task, self.root, self.limits = task, os.path.abspath(root_dir), make_limits(limits)
         self.stop_event, self.solution, self.client = stop_event or threading.Event(), solution, client
         self.snapshot, self.sandbox, self._seen = snapshot, None, ""
+        self.host_dir = os.path.join(self.root, "host")  # host-written logs (oracle.txt, verifier_output.txt)
         agent_s = float(task.config.get("agent", {}).get("timeout_sec", self.limits.trial_timeout_s))
         verify_s = float(task.config.get("verifier", {}).get("timeout_sec", 600))
         self.ttl_minutes = ttl_minutes or int(math.ceil((agent_s + verify_s) / 60)) + 30  # backstop only
@@ -117,6 +122,7 @@ class DaytonaSandbox:
     def start(self):
         for d in ("logs/agent", "logs/verifier"):
             os.makedirs(os.path.join(self.root, d), exist_ok=True)
+        os.makedirs(self.host_dir, mode=0o700, exist_ok=True)
         try:
             params = self.create_params()
             build_s = float((self.task.config.get("environment", {}) or {}).get("build_timeout_sec", 600))
@@ -147,14 +153,23 @@ class DaytonaSandbox:
         return int(r.exit_code if r.exit_code is not None else -1), r.result or ""
 
     def _upload_dir(self, local_dir, remote_dir):
+        """Upload a task's dir (untrusted): first checked and copied by rollout.copy_task_tree (no link followed
+        or kept, no devices / FIFOs, size caps), then uploaded from that copy."""
         from daytona import FileUpload
-        files = []
-        for d, _, names in os.walk(local_dir):
-            for n in names:
-                src = os.path.join(d, n)
-                files.append(FileUpload(source=src, destination=os.path.join(remote_dir, os.path.relpath(src, local_dir))))
-        if files:
-            self.sandbox.fs.upload_files(files)
+        stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
+        try:
+            local = os.path.join(stage, "t")
+            copy_task_tree(local_dir, local, self.limits.task_bytes, self.limits.task_files, links=False)
+            files = []
+            for d, _, names in os.walk(local):
+                for n in names:
+                    src = os.path.join(d, n)
+                    dest = os.path.join(remote_dir, os.path.relpath(src, local))
+                    files.append(FileUpload(source=src, destination=dest))
+            if files:
+                self.sandbox.fs.upload_files(files)
+        finally:
+            shutil.rmtree(stage, ignore_errors=True)
         self._run(f"chmod -R a+rX {shlex.quote(remote_dir)} 2>/dev/null; true", 60)
 
     def exec(self, cmd, timeout=None, env=None, as_root=False):
@@ -197,28 +212,31 @@ class DaytonaSandbox:
         return out.text()
 
     # -- verifier --
-    def run_verifier(self, reward_scale=None) -> dict:
+    def run_verifier(self, scale=None) -> dict:
         """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, download the report, score with
-        S = reward_scale (None: reward.SCALE)."""
+        S = scale (None -> reward.SCALE). The agent's terminal (its tmux server and what runs in it) is killed
+        first; processes it detached (setsid) live on: the container is the boundary here (module comment)."""
         import reward
-        vdir = os.path.join(self.root, "logs", "verifier")
-        shutil.rmtree(vdir, ignore_errors=True)
-        os.makedirs(vdir)
-        self._run("rm -rf /logs/verifier && mkdir -p /logs/verifier /tests", 60)
+        scale = reward.SCALE if scale is None else scale
+        vdir = os.path.join(self.root, "verifier")  # a fresh host dir, written only by this method
+        os.mkdir(vdir, 0o700)
+        self._run(f"tmux kill-server 2>/dev/null; rm -rf /logs/verifier && mkdir -p /logs/verifier /tests", 60)
         self._upload_dir(self.task.tests_dir, "/tests")
         timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
         rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"})
-        with open(os.path.join(self.root, "logs", "verifier_output.txt"), "w") as f:
-            f.write(f"[exit {rc}]\n{out}")
+        write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
         for name in ("ctrf.json", "reward.txt"):
             try:
                 data = self.sandbox.fs.download_file(f"/logs/verifier/{name}")
             except Exception:  # absent: reward.compute falls back (binary, then none)
                 continue
             if data is not None:
-                with open(os.path.join(vdir, name), "wb") as f:
-                    f.write(data if isinstance(data, bytes) else str(data).encode())
-        return reward.compute(vdir, reward.SCALE if reward_scale is None else reward_scale)
+                data = data if isinstance(data, bytes) else str(data).encode()
+                fd = os.open(os.path.join(vdir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+                with os.fdopen(fd, "wb") as f:
+                    f.write(data)
+        return reward.compute(vdir, scale, n_assertions=self.task.n_assertions,
+                              owner_uid=os.geteuid())  # the host wrote these copies
 
     def close(self):
         """Delete the sandbox (idempotent; errors are printed, never raised: close runs in finally blocks)."""

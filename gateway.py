@@ -62,7 +62,20 @@ Departures:
   2. Harbor runs its agent with the bubblewrap jail of rollout.py (BwrapEnvironment) instead of Docker:
      the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
      tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
-     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with few caps.
+     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown /
+     dac_override / fowner only; all under rollout.py's seccomp filter and rlimits. The first root exec
+     (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase: every
+     process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh
+     dir. Task dirs Harbor uploads go through rollout.copy_task_tree; files the jail wrote are read and
+     written by the host without following links (rollout.read_beneath / write_beneath).
+     Weaker than rollout.py's native path, because Harbor drives the verifier through the same
+     environment: the verifier runs in the agent's jail (same /tmp, which the agent may have filled;
+     same mount namespace), as Harbor's default user (the agent's uid, so its files in /logs/verifier
+     are the agent uid's) or, for `user="root"` execs, as the jail's root, which is not under
+     RLIMIT_NPROC and may read and write every file the jail can see (not the host's: no
+     dac_read_search, no handle syscalls); the phase ends only if Harbor's verifier starts with a
+     root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run (not
+     Terminus-2's) would kill the agent's processes.
   3. The text client of `measure --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
      condensed prompts over an OpenAI client that re-sends the whole message list each turn, verbatim.
   4. The embedded model is tiny and random-init in `measure`, so its replies are mostly unparseable;
@@ -77,6 +90,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -475,7 +489,8 @@ def chat_completion(url, messages, session_id=None, timeout=600, **params) -> di
 # --- a text harness: Terminus-2's protocol over an OpenAI client (history re-sent as text) -------------
 def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
                    stop_event=None, reward_scale=None) -> dict:
-    """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway."""
+    """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway.
+    reward_scale: S of r = P/S (None -> reward.SCALE)."""
     import data
     import rollout
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
@@ -487,6 +502,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
     try:
         task = data.load_task(task_dir)
         result["task"] = task.name
+        rollout.check_runs_here(task)
         t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
         root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
         box = rollout.Sandbox(task, root, limits, stop_event=stop_event).start()
@@ -513,7 +529,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
             else:
                 chunks = []
                 for c in reply["commands"]:
-                    box.send_keys(c["keystrokes"])
+                    box.send_keys(c["keystrokes"], deadline=t_end)
                     chunks.append(box.read(max(min(c["duration"], limits.max_duration_s, t_end - time.time()), 0.05)))
                 terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
                 if reply["task_complete"] and pending:
@@ -531,7 +547,9 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
         if box is not None:
             box.close()
         if root is not None and work_root is None:
-            shutil.rmtree(root, ignore_errors=True)
+            err = rollout.remove_tree(root)
+            if err:
+                print(f"[run_text_trial] {err}", file=sys.stderr)
         result["wall_s"] = time.time() - t0
     return result
 
@@ -583,7 +601,10 @@ if BaseEnvironment is not None:
             if self.box is not None:
                 self.box.close()
             if delete and self.root:
-                shutil.rmtree(self.root, ignore_errors=True)
+                import rollout
+                err = rollout.remove_tree(self.root)
+                if err:
+                    print(f"[BwrapEnvironment] {err}", file=sys.stderr)
 
         def _host(self, path: str) -> str | None:
             """Host path behind a jail path (/app, /logs, /tests are host dirs), None elsewhere."""
@@ -597,35 +618,63 @@ if BaseEnvironment is not None:
             user = self._resolve_user(user)
             cmd = f"cd {cwd} && {command}" if cwd else command
             rc, out = await asyncio.to_thread(self.box.exec, cmd, timeout_sec or None, self._merge_env(env),
-                                              user in ("root", 0, "0"))
+                                              user in ("root", 0, "0"))  # a root exec ends the agent phase
             return ExecResult(stdout=out, stderr="", return_code=rc)
 
+        async def _internal_exec(self, cmd):
+            """A file transfer through the jail (paths outside /app, /logs, /tests), as the jail's root: not a root
+            exec of Harbor's, so it does not end the agent phase (Terminus-2 uploads its pastes this way)."""
+            rc, out = await asyncio.to_thread(self.box.exec, cmd, None, None, True, True)
+            return ExecResult(stdout=out, stderr="", return_code=rc)
+
+        def _host_rel(self, path):
+            """(host dir behind a jail top dir, path relative to it) or None outside /app, /logs, /tests."""
+            host = self._host(path)
+            if host is None:
+                return None
+            top = next(t for t in ("app", "logs", "tests") if host == os.path.join(self.root, t) or
+                       host.startswith(os.path.join(self.root, t) + "/"))
+            return os.path.join(self.root, top), os.path.relpath(host, os.path.join(self.root, top)), top
+
         async def upload_file(self, source_path, target_path):
-            host = self._host(target_path)
-            if host is not None:
-                os.makedirs(os.path.dirname(host), exist_ok=True)
-                shutil.copy2(source_path, host)
-                if host.startswith(os.path.join(self.root, "app")):
-                    os.lchown(host, self.box.uid, self.box.uid)
+            hr = self._host_rel(target_path)
+            if hr is not None:  # the jail can write these dirs: no link of theirs is followed (write_beneath)
+                import rollout
+                base, rel, top = hr
+                if top == "tests":  # the tests come in only for the verifier: the agent phase ends
+                    await asyncio.to_thread(self.box.end_agent_phase)
+                with open(source_path, "rb") as f:  # a host file Harbor chose (upload_dir passes a checked copy)
+                    data = f.read()
+                rollout.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
+                                      uid=self.box.uid if top == "app" else None)
                 return
             data = base64.b64encode(Path(source_path).read_bytes()).decode()  # elsewhere: through the shell
-            await self.exec(f"mkdir -p $(dirname '{target_path}') && : > '{target_path}'", user="root")
+            await self._internal_exec(f"mkdir -p $(dirname '{target_path}') && : > '{target_path}'")
             for i in range(0, len(data), 64 << 10):
-                await self.exec(f"echo '{data[i:i + (64 << 10)]}' | base64 -d >> '{target_path}'", user="root")
+                await self._internal_exec(f"echo '{data[i:i + (64 << 10)]}' | base64 -d >> '{target_path}'")
 
         async def upload_dir(self, source_dir, target_dir):
-            for d, _, files in os.walk(source_dir):
-                for f in files:
-                    src = os.path.join(d, f)
-                    await self.upload_file(src, os.path.join(str(target_dir), os.path.relpath(src, source_dir)))
+            import rollout
+            stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
+            try:  # the source is a task's dir (untrusted): checked and copied without following links first
+                rollout.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                                       self.box.limits.task_files, links=False)
+                for d, _, files in os.walk(os.path.join(stage, "t")):
+                    for f in files:
+                        src = os.path.join(d, f)
+                        await self.upload_file(src, os.path.join(str(target_dir),
+                                                                 os.path.relpath(src, os.path.join(stage, "t"))))
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
 
         async def download_file(self, source_path, target_path):
-            host = self._host(source_path)
+            hr = self._host_rel(source_path)
             Path(target_path).parent.mkdir(parents=True, exist_ok=True)
-            if host is not None:
-                shutil.copy2(host, target_path)
+            if hr is not None:  # written by the jail: read without following links, capped
+                import rollout
+                Path(target_path).write_bytes(rollout.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
                 return
-            res = await self.exec(f"base64 -w0 '{source_path}'", user="root")
+            res = await self._internal_exec(f"base64 -w0 '{source_path}'")
             if res.return_code != 0:
                 raise FileNotFoundError(f"{source_path}: {res.stdout}")
             Path(target_path).write_bytes(base64.b64decode(res.stdout.strip()))
@@ -634,8 +683,15 @@ if BaseEnvironment is not None:
             host = self._host(source_dir)
             if host is None:
                 raise NotImplementedError(f"bwrap environment: download_dir outside /app, /logs, /tests: {source_dir}")
-            if os.path.isdir(host):
-                shutil.copytree(host, target_dir, dirs_exist_ok=True, symlinks=True)
+            if os.path.lexists(host):  # written by the jail: no link kept or followed, capped (copy_task_tree)
+                import rollout
+                stage = tempfile.mkdtemp(prefix="download-", dir=self.root)
+                try:
+                    rollout.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                                           self.box.limits.task_files, links=False)
+                    shutil.copytree(os.path.join(stage, "t"), target_dir, dirs_exist_ok=True)  # our own copy
+                finally:
+                    shutil.rmtree(stage, ignore_errors=True)
 
 
 def _tools_sandbox_class():
@@ -648,9 +704,46 @@ def _tools_sandbox_class():
         def __init__(self, *args, tools_prefix=None, **kw):
             super().__init__(*args, **kw)
             self.tools_prefix = tools_prefix
+            self.agent_ran = False  # a command of the agent's uid ran since the agent phase last ended
 
-        def _bwrap_args(self):
-            a = super()._bwrap_args()
+        def exec(self, cmd, timeout=None, env=None, as_root=False, transfer=False):
+            """Sandbox.exec; a root exec (not a file transfer) that follows the agent's commands ends the agent
+            phase first (end_agent_phase)."""
+            if as_root and not transfer:
+                self.end_agent_phase()
+            elif not as_root:
+                self.agent_ran = True
+            return super().exec(cmd, timeout, env, as_root)
+
+        def end_agent_phase(self):
+            """After agent commands ran: SIGKILL every process of the agent's uid (RuntimeError if one survives),
+            then give /logs/verifier a fresh dir, so nothing the agent left there (a forged report, a link, a
+            process rewriting it) is read. The dir is owned by the agent's uid: Harbor's verifier runs as the
+            environment's default user (the agent's uid) unless the task names a verifier user."""
+            if not self.agent_ran:
+                return
+            self.kill_uid(self.uid)
+            self.agent_ran = False
+            logs = os.path.join(self.root, "logs")
+            fd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+            try:
+                try:
+                    st = os.lstat("verifier", dir_fd=fd)
+                    if stat.S_ISDIR(st.st_mode):  # rm -rf: fts, never follows a link inside, any depth
+                        err = rollout.remove_tree(os.path.join(logs, "verifier"))
+                        if err:
+                            raise RuntimeError(f"sandbox: {err}")
+                    else:
+                        os.unlink("verifier", dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                os.mkdir("verifier", 0o755, dir_fd=fd)
+                os.chown("verifier", self.uid, self.uid, dir_fd=fd, follow_symlinks=False)
+            finally:
+                os.close(fd)
+
+        def _bwrap_args(self, phase="agent"):
+            a = super()._bwrap_args(phase)
             i = a.index(f"{self.root}/tests")
             a[i - 1] = "--bind"  # root-owned 0755: the agent's uid still cannot write it
             for p in self._tool_paths():
@@ -669,7 +762,9 @@ def _tools_sandbox_class():
                 for line in open(cfg):
                     if line.split("=")[0].strip() == "home":
                         home = os.path.dirname(line.split("=", 1)[1].strip())
-            return [p for p in (self.tools_prefix, home) if p and not p.startswith("/usr/")]
+            real = os.path.realpath(self.tools_prefix)  # a venv reached through a link (a worktree's): its scripts'
+            # shebangs name the real path
+            return sorted({p for p in (self.tools_prefix, real, home) if p and not p.startswith("/usr/")})
 
         def _env(self, extra=None):
             env = super()._env(extra)
@@ -716,7 +811,9 @@ def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperatu
 
 def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, limits=None, stop_event=None,
                      agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None) -> dict:
-    """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway)."""
+    """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
+    reward_scale: S of r = P/S (None -> reward.SCALE)."""
+    import data
     import reward
     import rollout
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
@@ -754,7 +851,9 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
             raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
         res = json.load(open(os.path.join(tdir, "result.json"))) if os.path.isfile(os.path.join(tdir, "result.json")) else {}
         scale = reward.SCALE if reward_scale is None else reward_scale
-        v = reward.compute(os.path.join(tdir, "verifier"), scale)
+        # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
+        v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
+                           n_assertions=data.load_task(task_dir).n_assertions)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                       resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
                       error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)

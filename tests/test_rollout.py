@@ -477,8 +477,8 @@ def test_cli_reports_reward_source_and_keeps_the_trial_dir(tmp_path):
                                                                                                 None, 3)
     trial = out["trial_dir"]
     assert os.path.dirname(trial) == str(tmp_path / "kept") and f"trial directory kept: {trial}" in err
-    assert os.path.isfile(os.path.join(trial, "logs", "verifier", "ctrf.json"))
-    assert open(os.path.join(trial, "logs", "agent", "oracle.txt")).read().startswith("[exit 0]")
+    assert os.path.isfile(os.path.join(trial, "verifier", "logs", "ctrf.json"))  # the verifier's own /logs/verifier
+    assert open(os.path.join(trial, "host", "oracle.txt")).read().startswith("[exit 0]")  # host-written logs
 
 
 def test_cli_gives_the_binary_fallback_its_reason(tmp_path):
