@@ -251,15 +251,50 @@ PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args(),
            "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b")}
 
 
+# The range of every numeric Args field (check_args refuses a value outside it, or a non-finite float, or a float
+# where an int is expected, naming --flag-name and the value). A new numeric field must be added here
+# (tests/test_check_args.py walks Args and fails on one that is missing).
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1}
+NUMERIC = {
+    "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "vocab_size": ">= 1",
+    "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
+    "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
+    "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
+    "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
+    "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
+    "rl_steps": ">= 0", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+    "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
+    "max_grad_norm": "> 0", "sync_steps": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1",
+    "torch_threads": ">= 0", "trainer_ranks": ">= 1"}
+
+
+def check_numbers(args: Args) -> None:
+    """Every numeric field against NUMERIC: the type of its default (int, or a finite float) and its range."""
+    for f in dataclasses.fields(Args):
+        kind = type(f.default)
+        if kind not in (int, float):
+            continue
+        v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            raise ValueError(f"{flag}: expected {'an integer' if kind is int else 'a number'}, got {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"{flag}: must be a finite number, got {v!r}")
+        rule = NUMERIC.get(f.name)
+        if rule is None:
+            raise ValueError(f"{flag}: numeric field with no range in train_t1.NUMERIC (add one)")
+        if not RANGES[rule](v):
+            raise ValueError(f"{flag}: must be {rule}, got {v!r}")
+
+
 def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong (and, for the cluster, what is missing)."""
+    check_numbers(args)
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
-    if args.trainer_ranks < 1:
-        raise ValueError(f"--trainer-ranks: must be >= 1, got {args.trainer_ranks}")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
     urls = [u for u in args.engine_urls.split(",") if u]
@@ -1125,8 +1160,13 @@ def parse_args(argv=None) -> Args:
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None)
     ns = p.parse_args(argv)
     base = PRESETS["quick" if ns.quick else ns.preset]
-    return dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
+    args = dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
                                         if getattr(ns, f.name) is not None})
+    try:
+        check_numbers(args)  # a bad number is a usage error (exit 2, no traceback); train() runs check_args whole
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 if __name__ == "__main__":
