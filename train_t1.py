@@ -660,8 +660,9 @@ def actor_threads(args: Args) -> int:
 
 
 class Trainer:
-    """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
-    the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7.
+    """Actor + critic co-resident (paper), both optimizers, RNG, the behaviour copy of the actor, and the weights of
+    the last two versions the engines served (the behaviour policy of a batch; in host memory). Runs as a Ray actor;
+    its methods are steps 5-7.
     Rank r of a TrainerGroup of `world` ranks: with the hf backend full replicas (pure data parallel; rank 0
     saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
     EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
@@ -782,8 +783,14 @@ class Trainer:
         return self.actor_opt.state_numel()
 
     def mark_published(self, version: int) -> None:
-        self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                   for k, v in self.actor.state_dict().items()}
+        """Keep the weights of `version` (the behaviour policy of the next batches) in host memory, pinned when the
+        actor is on a GPU, as slime's TensorBackuper keeps its actor / ref snapshots: the device holds only the
+        actor and the behaviour copy (infra.device_memory counts both; the published versions are its `host`)."""
+        def host_copy(v):
+            if not torch.is_tensor(v):
+                return v
+            return torch.empty_like(v, device="cpu", pin_memory=v.is_cuda).copy_(v.detach())
+        self.published[version] = {k: host_copy(v) for k, v in self.actor.state_dict().items()}
         for old in [v for v in self.published if v < version - 1]:
             del self.published[old]
 
