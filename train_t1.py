@@ -441,7 +441,8 @@ def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", 
     barrier()
     if rank > 0:
         return
-    (tmp / "step.json").write_text(json.dumps({"step": int(state["step"])}))
+    (tmp / "step.json.tmp").write_text(json.dumps({"step": int(state["step"])}))
+    os.replace(tmp / "step.json.tmp", tmp / "step.json")  # the marker is whole or absent
     prev = path.with_name("previous")
     shutil.rmtree(prev, ignore_errors=True)  # state.json is at the step of `path` (the loop commits before saving)
     if path.exists():
@@ -525,11 +526,15 @@ def read_jsonl(path: Path) -> tuple[list[dict], str]:
         if not line.strip():
             continue
         try:
-            rows.append(json.loads(line))
+            row = json.loads(line)
         except ValueError as e:
             if i < len(lines) - 1:
                 raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); only the last line may be torn") from e
             note = f"{path.name}: dropped a torn last line ({len(line)} chars: a kill mid-write)"
+            continue
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object: {line[:80]}")
+        rows.append(row)
     return rows, note
 
 
@@ -539,7 +544,7 @@ def rewrite_jsonl(path: Path, keep) -> list[str]:
         return []
     rows, note = read_jsonl(path)
     kept = [r for r in rows if keep(r)]
-    if note or len(kept) < len(rows):
+    if note or len(kept) < len(rows) or not path.read_text().endswith("\n"):  # unended: joins the next row
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
         os.replace(tmp, path)
@@ -591,14 +596,20 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     if not sft_done:
         shutil.rmtree(ckpt / "sft.tmp", ignore_errors=True)
 
-    def committed(tag: str, step) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials.jsonl
-        if tag == "rl" or tag.startswith("step"):
-            return int(step if tag == "rl" else tag[4:]) <= want
+    def committed(tag, step, name) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials ("step3")
+        tag = str(tag)
+        if tag.startswith("step") and tag[4:].isdigit():
+            return int(tag[4:]) <= want
+        if tag == "rl":
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
+            return step <= want
         return {"sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
 
-    notes += rewrite_jsonl(run_dir / "metrics.jsonl", lambda r: committed(r["phase"], r.get("step")))
-    notes += rewrite_jsonl(run_dir / "dropped.jsonl", lambda r: r["step"] <= want)
-    notes += rewrite_jsonl(run_dir / "failed_trials.jsonl", lambda r: committed(r["tag"], None))
+    notes += rewrite_jsonl(run_dir / "metrics.jsonl",
+                           lambda r: committed(r.get("phase"), r.get("step"), "metrics.jsonl"))
+    notes += rewrite_jsonl(run_dir / "dropped.jsonl", lambda r: committed("rl", r.get("step"), "dropped.jsonl"))
+    notes += rewrite_jsonl(run_dir / "failed_trials.jsonl", lambda r: committed(r.get("tag"), None, ""))
     return notes
 
 

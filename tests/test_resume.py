@@ -143,9 +143,15 @@ def test_torn_last_metrics_line_is_dropped_with_a_note(tmp_path):
     notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == good and notes == ["metrics.jsonl: dropped a torn last line "
                                                                   "(31 chars: a kill mid-write)"]
+    write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail=json.dumps(good[1]))  # killed before its newline
+    T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n") and rows(tmp_path / "metrics.jsonl") == good
     write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail="{not json\n" + json.dumps(good[1]) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not JSON"):
         T.rewrite_jsonl(tmp_path / "metrics.jsonl", lambda r: True)
+    write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": "2"}])
+    with pytest.raises(ValueError, match=r"metrics.jsonl: an RL row without an integer step \('2'\)"):
+        T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
 
 
 def test_corrupt_state_and_checkpoint_files_are_named(tmp_path):
