@@ -562,8 +562,7 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
     failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once)."""
     ckpt, want, notes = run_dir / "ckpt", state["step"], []
-    dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old", "latest.discard")
-            if (ckpt / n).is_dir()}
+    dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old") if (ckpt / n).is_dir()}
     steps = {n: checkpoint_step(d) for n, d in dirs.items()}
     if "latest" in dirs and steps["latest"] is None:  # a checkpoint saved before step.json existed (complete)
         f = next(iter(sorted(dirs["latest"].glob("trainer*.pt"))), None)
@@ -585,7 +584,7 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     if keep is not None:
         check_weights(ckpt / "latest")
     for f in sorted((run_dir / "samples").glob("step_*.jsonl")):  # an uncommitted step's samples: redone
-        if int(f.stem[5:]) > want:
+        if f.stem[5:].isdigit() and int(f.stem[5:]) > want:
             f.unlink()
             notes.append(f"samples/{f.name}: removed, step {f.stem[5:].lstrip('0')} was never committed")
     warm = "critic_warmup" in state
