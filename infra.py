@@ -14,13 +14,20 @@ Run:
                                                             optimizer table: "bf16 param, fp32 grads")
        optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
        expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
+       behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy on the device
+                                            (train_t1.Trainer.behaviour: the weights that sampled the batch
+                                            under one-step async, version t-1, for the old logprobs)
+       host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions
+                                            Trainer.mark_published keeps (t-1, t), offloaded to (pinned) host
+                                            memory as slime's TensorBackuper keeps its actor / ref snapshots
        activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
                     micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
                       no recompute:   n_flight * sum_layers a_layer(T)          + logits
                       full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
        total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
 
-   b(Pi, T) = max over {first, last} pipeline stage. A plan is feasible when b <= M for the actor AND
+   b(Pi, T) = max over {first, last} pipeline stage (every device copy the trainer holds is in it).
+   A plan is feasible when b <= M for the actor AND
    for the critic separately (paper: both co-resident, each within ~95 GiB per device on its own).
    Proposition 7.1: since PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are
    12 * P_exp / W whatever the plan -- `expert_optimizer` is computed from the local shard, not from
@@ -56,6 +63,9 @@ Departures (numbered, with why):
  9. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers,
     4 bundles); the embedded engine publishes from disk (/update_weights_from_disk), the cluster
     through NCCL (cluster.WeightPublisher).
+10. The behaviour policy is a second model on the device (counted: `behaviour`), not swapped in and out of the
+    actor's own parameters as slime does with its host snapshots (one copy less): train_t1's step computes the
+    old logprobs with a separate model. Host memory is reported (`host`), not checked against a budget.
 
 Measured (python infra.py cp-bench --seq-len 2048; B=1, 4 value heads, d=32, CPU/gloo): forward
 bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
@@ -205,9 +215,18 @@ def layer_activation_bytes(c: ModelConfig, p: Plan) -> dict:
     return dict(gdn=boundary + gdn + moe, attn=boundary + attn + moe, boundary_in=2 * h / sp)
 
 
+PUBLISHED_VERSIONS = 2  # train_t1.Trainer.mark_published keeps the last two published versions (t-1, t)
+
+
 def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", stage: int = 0,
-                  overhead_gib: float = 4.0, grad_bytes: int = 4) -> dict:
-    """Per-device bytes for one network ("actor" or "critic") on pipeline stage `stage`."""
+                  overhead_gib: float = 4.0, grad_bytes: int = 4, behaviour_copies: int = 1,
+                  published_on_device: bool = False) -> dict:
+    """Per-device bytes for one network ("actor" or "critic") on pipeline stage `stage`.
+
+    The actor's device total counts the behaviour copy (behaviour_copies bf16 copies of its shard; train_t1's
+    Trainer holds one); the published snapshots are host memory (`host`, not in `total`) unless
+    published_on_device (a trainer that kept them on the GPU, as train_t1 did before: the planner must not
+    promise that)."""
     n = param_counts(c, critic=(network == "critic"))
     L = c.n_layers // p.pp
     first, last = stage == 0, stage == p.pp - 1
@@ -217,6 +236,9 @@ def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", 
     expert = n["expert"] / (p.pp * p.ep * p.etp)  # this device's expert shard
     local = dense + router + expert
     params = 2 * local  # bf16 weights
+    actor = network == "actor"
+    behaviour = 2 * local * behaviour_copies if actor else 0  # the behaviour policy's weights (version t-1)
+    published = 2 * local * PUBLISHED_VERSIONS if actor else 0  # snapshots of the published versions
     grads = grad_bytes * local  # fp32 main grads (full buffer; reduce-scattered, not sharded)
     optimizer = 12 * (dense + router) / (p.dp * p.cp)  # dense: distributed optimizer over DP x CP
     expert_optimizer = 12 * expert / p.edp  # experts: over the expert-data-parallel group
@@ -233,9 +255,10 @@ def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", 
         acts += n_flight * 2 * c.hidden / p.tp * tokens  # embedding output
     if last:  # logits: bf16 out + fp32 softmax over V/TP (actor); scalar values (critic)
         acts += (6 * c.vocab / p.tp if network == "actor" else 2 * c.hidden / p.tp + 8) * tokens
-    out = dict(params=params, grads=grads, optimizer=optimizer, expert_optimizer=expert_optimizer,
-               activations=acts, overhead=overhead_gib * GiB)
+    out = dict(params=params, behaviour=behaviour + (published if published_on_device else 0), grads=grads,
+               optimizer=optimizer, expert_optimizer=expert_optimizer, activations=acts, overhead=overhead_gib * GiB)
     out["total"] = sum(out.values())
+    out["host"] = 0 if published_on_device else published  # host memory per device, not in b(Pi, T)
     return out
 
 
@@ -251,7 +274,7 @@ def feasibility(c: ModelConfig, p: Plan, tokens: int, mem_bytes: float, seq_len:
     reasons = []
     for net, d in nets.items():
         if d["total"] > mem_bytes:
-            term = max((k for k in d if k != "total"), key=d.get)
+            term = max((k for k in d if k not in ("total", "host")), key=d.get)
             reasons.append(f"{net} total {d['total'] / GiB:.1f} GiB > M = {mem_bytes / GiB:.0f} GiB "
                            f"(largest term: {term} {d[term] / GiB:.1f} GiB)")
     if seq_len and p.cp * tokens < seq_len:
@@ -307,16 +330,18 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
                 kept.append(r)
         rows = kept
     hdr = (f"{'TP':>3}{'PP':>4}{'CP':>4}{'EP':>5}{'ETP':>4}{'DP':>4}{'EDP':>5} rc{'CP*T':>6} |"
-           f"{'params':>7}{'grads':>7}{'opt':>6}{'expopt':>7}{'act':>7}{'actor':>7} |{'critic':>7}  GiB")
+           f"{'params':>7}{'behav':>6}{'grads':>7}{'opt':>6}{'expopt':>7}{'act':>7}{'actor':>7} |{'critic':>7} |"
+           f"{'host':>6}  GiB")
     lines = [hdr, "-" * len(hdr)]
     for r in rows[:top or None]:
         a, cr = r["actor"], r["critic"]
         edp = r["tp"] * r["cp"] * r["dp"] // (r["ep"] * r["etp"])
         g = lambda x: x / GiB  # noqa: E731
         line = (f"{r['tp']:>3}{r['pp']:>4}{r['cp']:>4}{r['ep']:>5}{r['etp']:>4}{r['dp']:>4}{edp:>5}"
-                f" {'y' if r['recompute'] else 'n':>2}{r['cp'] * tokens // 1024:>5}K |{g(a['params']):7.1f}{g(a['grads']):7.1f}"
+                f" {'y' if r['recompute'] else 'n':>2}{r['cp'] * tokens // 1024:>5}K |{g(a['params']):7.1f}"
+                f"{g(a['behaviour']):6.1f}{g(a['grads']):7.1f}"
                 f"{g(a['optimizer']):6.1f}{g(a['expert_optimizer']):7.2f}{g(a['activations']):7.1f}"
-                f"{g(a['total']):7.1f} |{g(cr['total']):7.1f}")
+                f"{g(a['total']):7.1f} |{g(cr['total']):7.1f} |{g(a['host']):6.1f}")
         lines.append(line + ("" if r["feasible"] else "  x " + r["reason"]))
     return "\n".join(lines)
 
@@ -750,7 +775,9 @@ def main():
     print(f"{c.name}: {n['total'] / 1e9:.2f}B params ({n['expert'] / 1e9:.2f}B expert); W = {args.gpus}, "
           f"T = {args.tokens} tokens/device, M = {args.mem_gib:g} GiB; expert optimizer 12*P_exp/W = "
           f"{12 * n['expert'] / args.gpus / GiB:.2f} GiB for every plan (Prop. 7.1)")
-    print(f"{len(rows)} valid plans, {len(feas)} feasible (actor and critic each <= M); rc = full recompute")
+    print(f"{len(rows)} valid plans, {len(feas)} feasible (actor and critic each <= M); rc = full recompute; behav = "
+          f"the behaviour policy's copy (in actor); host = the {PUBLISHED_VERSIONS} published versions kept in host "
+          "memory, per device (not in actor)")
     print(format_table(rows if args.all else feas, args.top, args.tokens, compact=not args.full))
 
 

@@ -19,7 +19,13 @@ Run:
 
 A run directory holds: tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, auditable
 with `python tito.py audit`), metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt.
-Running again with the same --run-dir continues after the last finished phase / RL step.
+Running again with the same --run-dir continues after the last committed phase / RL step. state.json (written
+last, os.replace) is the commit point: RL step k is committed once ckpt/latest (its step.json says k), its metrics
+row and samples are written and state.json says step k; a kill before that discards the step's checkpoint (the
+one of step k-1, kept as ckpt/previous until the commit, is put back) and its rows, and redoes it: no step applied
+twice, none skipped (resume_run). SFT commits by renaming ckpt/sft into place, the critic warm-up in state.json;
+the rows of an uncommitted phase are dropped. Refused: a run dir with data but no state.json, a corrupt
+state.json / checkpoint (named); a torn last line of metrics.jsonl is dropped with a note.
 
 Departures from the paper (numbered; each with its reason):
   1. Scale. The embedded preset trains a ~2.5M-parameter Qwen3.5-MoE (same hybrid Gated DeltaNet +
@@ -274,15 +280,50 @@ PRESETS = {"embedded": EMBEDDED, "quick": QUICK, "paper": Args(),
            "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b")}
 
 
+# The range of every numeric Args field (check_args refuses a value outside it, or a non-finite float, or a float
+# where an int is expected, naming --flag-name and the value). A new numeric field must be added here
+# (tests/test_check_args.py walks Args and fails on one that is missing).
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1}
+NUMERIC = {
+    "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "vocab_size": ">= 1",
+    "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
+    "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
+    "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
+    "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
+    "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
+    "rl_steps": ">= 0", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+    "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
+    "max_grad_norm": "> 0", "sync_steps": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1",
+    "torch_threads": ">= 0", "trainer_ranks": ">= 1"}
+
+
+def check_numbers(args: Args) -> None:
+    """Every numeric field against NUMERIC: the type of its default (int, or a finite float) and its range."""
+    for f in dataclasses.fields(Args):
+        kind = type(f.default)
+        if kind not in (int, float):
+            continue
+        v, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            raise ValueError(f"{flag}: expected {'an integer' if kind is int else 'a number'}, got {v!r}")
+        if not math.isfinite(v):
+            raise ValueError(f"{flag}: must be a finite number, got {v!r}")
+        rule = NUMERIC.get(f.name)
+        if rule is None:
+            raise ValueError(f"{flag}: numeric field with no range in train_t1.NUMERIC (add one)")
+        if not RANGES[rule](v):
+            raise ValueError(f"{flag}: must be {rule}, got {v!r}")
+
+
 def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong (and, for the cluster, what is missing)."""
+    check_numbers(args)
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
-    if args.trainer_ranks < 1:
-        raise ValueError(f"--trainer-ranks: must be >= 1, got {args.trainer_ranks}")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
     urls = [u for u in args.engine_urls.split(",") if u]
@@ -440,8 +481,11 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
 def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", rank: int = 0,
                  barrier=lambda: None) -> None:
     """Checkpoint: the actor in HF layout (save_actor(dir)) and `state` (critic, both optimizers, step, RNG) as
-    `name`; swapped in atomically. Sharded trainer ranks (Megatron model parallel) all call it: the actor save is
-    their gather (rank 0 writes), each rank writes its own shard file, rank 0 swaps once every rank is done."""
+    `name`, then step.json ({"step": k}, written last: a directory without it is incomplete); swapped in with
+    renames. The checkpoint it replaces stays as `previous` until state.json commits step k (prune_previous):
+    a kill before the commit resumes from it (resume_run). Sharded trainer ranks (Megatron model parallel) all
+    call it: the actor save is their gather (rank 0 writes), each rank writes its own shard file, rank 0 swaps
+    once every rank is done."""
     tmp = path.with_name(path.name + ".tmp")
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -452,23 +496,175 @@ def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", 
     barrier()
     if rank > 0:
         return
-    old = path.with_name(path.name + ".old")
-    shutil.rmtree(old, ignore_errors=True)
+    (tmp / "step.json.tmp").write_text(json.dumps({"step": int(state["step"])}))
+    os.replace(tmp / "step.json.tmp", tmp / "step.json")  # the marker is whole or absent
+    prev = path.with_name("previous")
+    shutil.rmtree(prev, ignore_errors=True)  # state.json is at the step of `path` (the loop commits before saving)
     if path.exists():
-        path.rename(old)
+        path.rename(prev)
     tmp.rename(path)
-    shutil.rmtree(old, ignore_errors=True)
 
 
-def drop_unfinished_steps(run_dir: Path, step: int) -> None:
-    """On resume, forget metrics of a step that was killed before its checkpoint (it is redone)."""
-    p = run_dir / "metrics.jsonl"
-    if p.exists():
-        keep = [l for l in p.read_text().splitlines() if l and not (json.loads(l)["phase"] == "rl" and json.loads(l)["step"] > step)]
-        p.write_text("".join(l + "\n" for l in keep))
-    latest, old = run_dir / "ckpt" / "latest", run_dir / "ckpt" / "latest.old"
-    if not latest.exists() and old.exists():  # killed between the two renames of save_trainer
-        old.rename(latest)
+def prune_previous(run_dir: Path) -> None:
+    """After state.json committed the step of ckpt/latest: the checkpoint before it is no longer needed."""
+    shutil.rmtree(run_dir / "ckpt" / "previous", ignore_errors=True)
+
+
+def checkpoint_step(d: Path) -> int | None:
+    """The RL step a checkpoint directory holds (its step.json); None when absent or incomplete (no step.json)."""
+    f = d / "step.json"
+    if not f.is_file():
+        return None
+    try:
+        step = json.loads(f.read_text())["step"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{f}: corrupt checkpoint marker ({e}); expected {{\"step\": N}}") from e
+    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
+        raise ValueError(f"{f}: corrupt checkpoint marker: step {step!r} is not a positive integer")
+    return step
+
+
+def load_trainer_file(path: Path) -> dict:
+    """A trainer checkpoint file (critic, optimizers, step, RNG); one that cannot be read is named in the error."""
+    try:
+        return torch.load(path, weights_only=False)
+    except Exception as e:  # a truncated zip, a pickle error, a missing file: all the same to the user
+        raise ValueError(f"{path}: corrupt or unreadable trainer checkpoint ({type(e).__name__}: {e})") from e
+
+
+def check_weights(d: Path) -> None:
+    """Every *.safetensors of a checkpoint directory has a readable header and the bytes it announces (a cheap
+    check: the header only); a bad one is named."""
+    from safetensors import safe_open
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{d}: checkpoint without any *.safetensors weights file")
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as h:
+                h.keys()
+        except Exception as e:
+            raise ValueError(f"{f}: corrupt weights file ({type(e).__name__}: {e})") from e
+
+
+def load_state(run_dir: Path) -> dict:
+    """state.json of a run directory: the commit point of the run (phases done, RL step committed).
+
+    A fresh directory gets one at once; a directory with checkpoints or metrics but no state.json is refused
+    (its data would be trained over); a state.json that does not parse is named in the error."""
+    path = run_dir / "state.json"
+    if not path.exists():
+        leftovers = [p.name for p in (run_dir / "ckpt", run_dir / "metrics.jsonl", run_dir / "samples") if p.exists()
+                     and (p.is_file() or any(p.iterdir()))]
+        if leftovers:
+            raise ValueError(f"--run-dir {run_dir}: holds {', '.join(leftovers)} but no state.json, so which phase and "
+                             "step they belong to is unknown; refusing to start over them (pick a new --run-dir, or "
+                             "remove that directory)")
+        return {"phase_times": {}, "step": 0}
+    try:
+        state = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: corrupt ({e}); the run cannot be resumed from it") from e
+    if (not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool)
+            or state["step"] < 0 or not isinstance(state.get("phase_times"), dict)):
+        raise ValueError(f"{path}: corrupt: expected an object with an integer 'step' >= 0 and 'phase_times', got "
+                         f"{json.dumps(state)[:200]}")
+    return state
+
+
+def read_jsonl(path: Path) -> tuple[list[dict], str]:
+    """Rows of a JSONL file a kill may have cut: a torn last line is dropped (the note says so); a bad line
+    before it is corruption, named with its line number."""
+    lines = path.read_text().splitlines() if path.exists() else []
+    rows, note = [], ""
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if i < len(lines) - 1:
+                raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); only the last line may be torn") from e
+            note = f"{path.name}: dropped a torn last line ({len(line)} chars: a kill mid-write)"
+            continue
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: line {i + 1} is not a JSON object: {line[:80]}")
+        rows.append(row)
+    return rows, note
+
+
+def rewrite_jsonl(path: Path, keep) -> list[str]:
+    """Keep the rows of path for which keep(row) holds (atomic: tmp + os.replace); notes on what was dropped."""
+    if not path.exists():
+        return []
+    rows, note = read_jsonl(path)
+    kept = [r for r in rows if keep(r)]
+    if note or len(kept) < len(rows) or not path.read_text().endswith("\n"):  # unended: joins the next row
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        os.replace(tmp, path)
+    return ([note] if note else []) + ([f"{path.name}: dropped {len(rows) - len(kept)} row(s) of uncommitted work"]
+                                       if len(kept) < len(rows) else [])
+
+
+def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
+    """Bring a run directory back to what state.json committed; returns notes for the log.
+
+    The commit point of each phase is one atomic write: SFT -> ckpt/sft renamed into place; critic warm-up ->
+    state.json with "critic_warmup"; RL step k -> state.json with step k (after ckpt/latest of step k, its
+    metrics row and samples). Work after the last commit point is discarded and redone, never adopted: a
+    checkpoint newer than state.json (a kill between the trainer's save and the commit) is deleted and
+    ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
+    failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once)."""
+    ckpt, want, notes = run_dir / "ckpt", state["step"], []
+    dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old") if (ckpt / n).is_dir()}
+    steps = {n: checkpoint_step(d) for n, d in dirs.items()}
+    if "latest" in dirs and steps["latest"] is None:  # a checkpoint saved before step.json existed (complete)
+        f = next(iter(sorted(dirs["latest"].glob("trainer*.pt"))), None)
+        steps["latest"] = None if f is None else int(load_trainer_file(f)["step"])
+    for n, st in steps.items():
+        if st is not None and st > want:
+            notes.append(f"ckpt/{n}: discarded the checkpoint of step {st}, never committed in state.json "
+                         f"(step {want}): that step is redone")
+    keep = next((n for n, st in steps.items() if want > 0 and st == want), None)
+    if want > 0 and keep is None:
+        raise ValueError(f"{run_dir / 'state.json'}: committed RL step {want}, but no checkpoint of that step in "
+                         f"{ckpt} (holds: {steps or 'none'}); the run cannot be resumed consistently")
+    for n, d in dirs.items():
+        if n != keep:
+            shutil.rmtree(d)
+    if keep is not None and keep != "latest":
+        dirs[keep].rename(ckpt / "latest")
+        notes.append(f"ckpt/latest: the checkpoint of committed step {want} put back from ckpt/{keep}")
+    if keep is not None:
+        check_weights(ckpt / "latest")
+    for f in sorted((run_dir / "samples").glob("step_*.jsonl")):  # an uncommitted step's samples: redone
+        if f.stem[5:].isdigit() and int(f.stem[5:]) > want:
+            f.unlink()
+            notes.append(f"samples/{f.name}: removed, step {f.stem[5:].lstrip('0')} was never committed")
+    warm = "critic_warmup" in state
+    if not warm:
+        for f in ckpt.glob("critic_warm*.pt"):  # would be loaded and warmed up a second time
+            f.unlink()
+            notes.append(f"ckpt/{f.name}: removed, the critic warm-up was never committed")
+    if not sft_done:
+        shutil.rmtree(ckpt / "sft.tmp", ignore_errors=True)
+
+    def committed(tag, step, name) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials ("step3")
+        tag = str(tag)
+        if tag.startswith("step") and tag[4:].isdigit():
+            return int(tag[4:]) <= want
+        if tag == "rl":
+            if not isinstance(step, int) or isinstance(step, bool):
+                raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
+            return step <= want
+        return {"sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
+
+    notes += rewrite_jsonl(run_dir / "metrics.jsonl",
+                           lambda r: committed(r.get("phase"), r.get("step"), "metrics.jsonl"))
+    notes += rewrite_jsonl(run_dir / "dropped.jsonl", lambda r: committed("rl", r.get("step"), "dropped.jsonl"))
+    notes += rewrite_jsonl(run_dir / "failed_trials.jsonl", lambda r: committed(r.get("tag"), None, ""))
+    return notes
 
 
 def minibatches(n: int, size: int, rng: random.Random):
@@ -818,8 +1014,9 @@ def actor_threads(args: Args) -> int:
 
 
 class Trainer:
-    """Actor + critic co-resident (paper), both optimizers, RNG, and the weights of the last two versions
-    the engines served (the behaviour policy of a batch). Runs as a Ray actor; its methods are steps 5-7.
+    """Actor + critic co-resident (paper), both optimizers, RNG, the behaviour copy of the actor, and the weights of
+    the last two versions the engines served (the behaviour policy of a batch; in host memory). Runs as a Ray actor;
+    its methods are steps 5-7.
     Rank r of a TrainerGroup of `world` ranks: with the hf backend full replicas (pure data parallel; rank 0
     saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
     EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
@@ -871,7 +1068,7 @@ class Trainer:
         self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
         warm = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
         if step > 0:
-            ck = self._load(self.latest / self.ckpt_name)
+            ck = self._load(self.latest / self.ckpt_name, step)
             self.critic.load_state_dict(ck["critic"])
             self.actor_opt.load_state_dict(ck["actor_opt"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
@@ -882,8 +1079,10 @@ class Trainer:
             self.critic.load_state_dict(ck["critic"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
 
-    def _load(self, path: Path) -> dict:
-        ck = torch.load(path, weights_only=False)
+    def _load(self, path: Path, step: int | None = None) -> dict:
+        ck = load_trainer_file(path)
+        if step is not None and ck.get("step") != step:  # resume_run keeps ckpt/latest at the committed step
+            raise ValueError(f"{path}: holds RL step {ck.get('step')}, state.json committed step {step}")
         plan = parallel_plan(self.args)
         if self.sharded and ck.get("plan") != plan:  # the shards of another layout do not fit this one
             raise ValueError(f"--plan: {path} holds shards of the layout {ck.get('plan')}, this run asks for {plan}")
@@ -943,8 +1142,14 @@ class Trainer:
         return self.actor_opt.state_numel()
 
     def mark_published(self, version: int) -> None:
-        self.published[version] = {k: v.detach().clone() if torch.is_tensor(v) else v
-                                   for k, v in self.actor.state_dict().items()}
+        """Keep the weights of `version` (the behaviour policy of the next batches) in host memory, pinned when the
+        actor is on a GPU, as slime's TensorBackuper keeps its actor / ref snapshots: the device holds only the
+        actor and the behaviour copy (infra.device_memory counts both; the published versions are its `host`)."""
+        def host_copy(v):
+            if not torch.is_tensor(v):
+                return v
+            return torch.empty_like(v, device="cpu", pin_memory=v.is_cuda).copy_(v.detach())
+        self.published[version] = {k: host_copy(v) for k, v in self.actor.state_dict().items()}
         for old in [v for v in self.published if v < version - 1]:
             del self.published[old]
 
@@ -1038,19 +1243,22 @@ def train(args: Args) -> dict:
     args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan sets the rank count
     run_dir = Path(args.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    state_path = run_dir / "state.json"
+    state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     torch.set_num_threads(min(2, os.cpu_count() or 1))
     (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-    state_path = run_dir / "state.json"
-    state = json.loads(state_path.read_text()) if state_path.exists() else {"phase_times": {}, "step": 0}
 
-    def save_state():  # atomic: a kill at any moment leaves the old or the new state, never half of one
+    def save_state():  # the commit point (atomic): a kill at any moment leaves the old or the new state
         tmp = state_path.with_suffix(".tmp")
         tmp.write_text(json.dumps(state, indent=1))
-        tmp.replace(state_path)
+        os.replace(tmp, state_path)
 
-    drop_unfinished_steps(run_dir, state["step"])
+    save_state()  # a fresh run dir has its state.json before any data
+    sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
+    for note in resume_run(run_dir, state, sft_done=(sft_dir / "config.json").exists()):
+        log(run_dir, "resume: " + note)
     metrics = Metrics(run_dir)
 
     def timed(name, fn):
@@ -1071,7 +1279,6 @@ def train(args: Args) -> dict:
     log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
 
     # --- SFT warm start (its reference trajectories run in this process: no engine needed) -------------
-    sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
     if not (sft_dir / "config.json").exists():
         def do_sft():
             sft_pool = list(train_pool)
@@ -1087,7 +1294,11 @@ def train(args: Args) -> dict:
             log(run_dir, f"sft: {len(samples)} reference trajectories, "
                          f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
             sft(actor, samples, args, metrics)
-            M.save_checkpoint(actor, tokenizer, sft_dir)
+            tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
+            shutil.rmtree(tmp, ignore_errors=True)
+            M.save_checkpoint(actor, tokenizer, tmp)
+            shutil.rmtree(sft_dir, ignore_errors=True)
+            tmp.rename(sft_dir)
         timed("sft", do_sft)
     tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
     latest = run_dir / "ckpt" / "latest"
@@ -1205,7 +1416,8 @@ def train(args: Args) -> dict:
             metrics.write(rec, step, "rl")
             state["step"] = step
             state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
-            save_state()
+            save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
+            prune_previous(run_dir)
             log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
                          f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
                          f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} {rec['time_step']:.0f}s")
@@ -1320,8 +1532,13 @@ def parse_args(argv=None) -> Args:
         p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=None)
     ns = p.parse_args(argv)
     base = PRESETS["quick" if ns.quick else ns.preset]
-    return dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
+    args = dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
                                         if getattr(ns, f.name) is not None})
+    try:
+        check_numbers(args)  # a bad number is a usage error (exit 2, no traceback); train() runs check_args whole
+    except ValueError as e:
+        p.error(str(e))
+    return args
 
 
 if __name__ == "__main__":

@@ -85,13 +85,50 @@ def test_recompute_and_tp_shrink_activations():
     assert critic["activations"] < rc and critic["params"] < infra.memory(C122, p, 8192)["params"]
 
 
+def test_memory_model_counts_the_behaviour_copy_and_keeps_published_versions_on_host():
+    p = Plan(2, 1, 1, 64, 1, 32, recompute=True)
+    a = infra.memory(C122, p, 16384)
+    assert a["behaviour"] == a["params"] > 8 * GiB  # train_t1.Trainer.behaviour: one bf16 copy of the shard
+    assert a["host"] == infra.PUBLISHED_VERSIONS * a["params"]  # Trainer.mark_published: versions t-1, t on host
+    assert a["total"] == sum(v for k, v in a.items() if k not in ("total", "host"))
+    assert infra.memory(C122, p, 16384, "critic")["behaviour"] == 0
+    # at the margin: the 128-GPU plan that was first before the behaviour copy was counted no longer fits M = 95
+    edge = Plan(1, 1, 1, 128, 1, 128, recompute=True)
+    assert infra.feasibility(C122, edge, 16384, 95 * GiB, behaviour_copies=0)[0]
+    ok, reason, _ = infra.feasibility(C122, edge, 16384, 95 * GiB)
+    assert not ok and "actor total" in reason
+    first = next(r for r in infra.plan_table(C122, 128, 16384, 95) if r["feasible"])
+    assert (first["tp"], first["ep"], first["dp"]) != (1, 128, 128)
+    # the 64-GPU first plan fits only because the published versions are in host memory
+    assert infra.feasibility(C122, p, 16384, 95 * GiB)[0]
+    assert not infra.feasibility(C122, p, 16384, 95 * GiB, published_on_device=True)[0]
+
+
+def test_trainer_keeps_published_versions_as_host_copies(tmp_path):
+    import dataclasses
+    import model as M
+    import train_t1 as T
+    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
+    M.save_checkpoint(M.build_actor(M.tiny_config(len(tok)), seed=0), tok, tmp_path / "sft")
+    (tmp_path / "run" / "ckpt").mkdir(parents=True)
+    tr = T.Trainer(dataclasses.replace(T.EMBEDDED, run_dir=str(tmp_path / "run"), torch_threads=1),
+                   str(tmp_path / "sft"), 0)
+    for v in (0, 1, 2):
+        tr.mark_published(v)
+    assert sorted(tr.published) == [1, 2]  # the last two versions, as PUBLISHED_VERSIONS says
+    for name, w in tr.actor.state_dict().items():
+        snap = tr.published[2][name]
+        assert snap.device.type == "cpu" and torch.equal(snap, w) and snap.data_ptr() != w.data_ptr()
+
+
 def test_plan_cli_json_interface():
     out = subprocess.run([sys.executable, "infra.py", "plan", "--preset", "qwen35-35b-a3b", "--gpus", "8", "--json"],
                          capture_output=True, text=True, check=True, cwd=infra.__file__.rsplit("/", 1)[0])
     rows = json.loads(out.stdout.strip().splitlines()[-1])
     r = rows[0]
     assert {"tp", "pp", "cp", "ep", "etp", "dp", "feasible", "reason", "actor", "critic"} <= set(r)
-    assert {"params", "grads", "optimizer", "expert_optimizer", "activations", "total"} <= set(r["actor"])
+    assert {"params", "behaviour", "grads", "optimizer", "expert_optimizer", "activations", "total",
+            "host"} <= set(r["actor"])
 
 
 # ----------------------------------------------------------------------------- context-parallel GDN
