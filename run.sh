@@ -11,7 +11,7 @@
 #   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
 #
 # On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
-# tmux for the terminal), a virtual environment at .venv/ and requirements.txt (torch pinned to the
+# tmux for the terminal, jq for the generated tasks), a virtual environment at .venv/ and requirements.txt (torch pinned to the
 # CPU wheel). Nothing here ends processes by name: every process the pipeline starts it stops by pid.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -20,6 +20,7 @@ cd "$(dirname "$0")"
 missing=()
 command -v bwrap >/dev/null 2>&1 || missing+=(bubblewrap)
 command -v tmux  >/dev/null 2>&1 || missing+=(tmux)
+command -v jq    >/dev/null 2>&1 || missing+=(jq)   # the generated tasks' Dockerfile installs it; the local jail uses the host's
 if [ ${#missing[@]} -gt 0 ]; then
   echo "[run.sh] installing Debian packages: ${missing[*]}"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"

@@ -295,7 +295,8 @@ NUMERIC = {
     "rl_steps": ">= 0", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
     "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
     "max_grad_norm": "> 0", "sync_steps": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1",
-    "torch_threads": ">= 0", "trainer_ranks": ">= 1"}
+    "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0",
+    "eval_verifier_timeout_s": "> 0"}
 
 
 def check_numbers(args: Args) -> None:
