@@ -1,76 +1,30 @@
-"""Megatron-Core trainer backend: the models and the training-step interface (paper: infrastructure; slime's
-Megatron-Core actor with native R3).
+"""Megatron-Core trainer backend: the models and the training-step interface (paper: infrastructure; T1 trains
+Qwen3.5-122B-A10B with Megatron-Core: Gated DeltaNet + gated attention, MoE over DeepEP's flex dispatcher, aux
+loss 0, native `RouterReplay` for R3 with router fusion off, distributed optimizer).
 
-T1 trains Qwen3.5-122B-A10B with Megatron-Core (Gated DeltaNet + gated attention, MoE through the
-flex dispatcher with DeepEP, `moe_aux_loss_coeff = 0`, native `RouterReplay` for R3 with router
-fusion off, distributed optimizer). The backend is three modules:
-
-- mcore.py (this file): the models and what train_t1.py calls.
-- mcore_weights.py: HF <-> Megatron weights: conversion (actor and critic, local and Transformer-Engine names),
-  TP / EP / PP shards and the way back to an HF checkpoint, per-rank streaming load from safetensors.
-- mcore_parallel.py: the parallelism added around Megatron-Core: context parallel (Megatron's GDN layer state-passed,
-  all-gathered K / V attention), pipeline parallel as one autograd graph, the distributed optimizer's sharding on CPU.
-
-This module holds:
-
-- `qwen35_config` / `build_qwen35`: the cluster model, written against megatron-core 0.16's API
-  (GDN via `experimental_attention_variant="gated_delta_net"`, `attention_output_gate=True`); needs
-  CUDA, Transformer Engine, flash-linear-attention and DeepEP, so on CPU only its config is checked
-  (the builders raise a RuntimeError naming what is missing).
-- `tiny_hf_config` / `tiny_qwen35_hf_config` / `build_tiny`: a tiny MoE built as a Megatron-Core GPTModel on
-  CPU in one gloo process, with small shims (`init_cpu`, `cpu_shims`), in either Hugging Face layout:
-  `Qwen3MoeForCausalLM` (standard attention, q/k RMSNorm, SwiGLU experts, softmax top-k renormalised) or
-  `Qwen3_5MoeForCausalLM` (3 Gated DeltaNet : 1 gated attention, partial rotary 1/4, gated shared expert,
-  zero-centred RMSNorm), the latter from Megatron's own GatedDeltaNet / SelfAttention / SharedExpertMLP with
-  local modules in place of Transformer Engine's (`_qwen35_local_spec`).
-- `MegatronActor`: the embedded backend's training-step interface (`actor(input_ids=, attention_mask=)
-  .logits` (B, T, V), `actor.token_logprobs` from the vocab-parallel logits, and `r3.routing(actor, mode,
-  experts)` with (B, T, L, k) experts, sliced per TP / SP rank and gathered back), so `train_t1.py` switches
-  backend with one argument. `_gpt_forward` runs the GPTModel under sequence, context (mcore_parallel.py
-  departure 2) and pipeline parallel (mcore_parallel.py departure 1), so `MegatronActor` / `MegatronCritic`
-  train under --plan '{"cp": 2}' and '{"pp": 2}'.
-- `embedded_models`: the backend `train_t1.py --backend megatron` trains with at the embedded scale (actor,
-  behaviour copy and critic in one process, or this rank's shards; HF checkpoints out for the engines through
-  `mcore_weights.save_hf`).
-- `MegatronCritic` (+ `build_qwen35_critic`): the paper's full-size critic, the actor's GPTModel with a scalar
-  value head in place of the LM output layer; the same interface and conventions as `critic.Critic`
-  (values[:, j] = V(tokens[:j]), values[:, 0] = 0, zero-init head), so `critic.compute_values` /
-  `critic.critic_update` take it unchanged.
+The backend is three modules: this one (the models and what train_t1.py --backend megatron calls),
+mcore_weights.py (HF <-> Megatron weights, per-rank shards, streaming load, save) and mcore_parallel.py (context
+and pipeline parallel, DDP + ShardedAdam around Megatron-Core). Here: `qwen35_config` / `build_qwen35` (the cluster
+model, GPU nodes only), `build_tiny` (a tiny Qwen3-MoE or Qwen3.5-MoE GPTModel on CPU), `MegatronActor` (logits,
+vocab-parallel `token_logprobs`, R3 through `r3.routing`, under TP / SP / EP / PP / CP), `MegatronCritic` (scalar
+value head, critic.py's conventions) and `embedded_models` (actor, behaviour copy and critic for the trainer).
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 at TP, EP, PP, CP = 2
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
-    (the other modules' tests: in their docstrings)
 
 Departures from the paper:
-1. The CPU check builds Qwen3.5 from local modules, not the Transformer-Engine spec the cluster uses
-   (`get_transformer_block_with_experimental_attention_variant_spec` asserts transformer_impl ==
-   "transformer_engine"): the same GatedDeltaNet, gated SelfAttention and MoE classes, but unfused norms
-   (TE keeps the input norm inside in_proj / linear_qkv as `layer_norm_weight`; here it is
-   `input_layernorm.weight`) and one module per expert (the cluster's grouped GEMM names them
-   `experts.linear_fc1.weight{e}`), so the conversion's key names are the local ones (mcore_weights.py
-   departure 1 renames them for the cluster model).
-   Megatron's GatedDeltaNet ignores the attention mask (HF zeroes padded inputs): with right padding the causal
-   recurrence leaves real tokens unchanged, so only padded positions differ; left padding or packed sequences
-   would leak.
-2. CPU shims (only without CUDA, never on GPU): `torch.cuda.current_device` -> "cpu" (for the whole process once
-   `init_cpu` ran: the backward of tensor-parallel layers asks for it outside any block), a no-op CUDA RNG tracker (dropout is 0), `moe_utils.te_general_gemm = None` where 0.16.1 leaves the
-   name undefined without Transformer Engine (a NameError in the router's gating linear); for Gated DeltaNet
-   without flash-linear-attention, `HAVE_FLA = True`, fla's l2norm -> a torch one and `chunk_gated_delta_rule`
-   -> Megatron's own `torch_chunk_gated_delta_rule` (its deterministic-mode kernel; causal_conv1d already
-   falls back to nn.Conv1d). Not a shim but part of the local spec (`build_tiny` on CPU or one GPU; the
-   cluster uses TENorm): `_RMSNorm`, a zero-centred RMSNorm, where Megatron's WrappedTorchNorm refuses
-   `layernorm_zero_centered_gamma`.
-3. The critic routes live (built with `moe_enable_routing_replay=False`): the paper's R3 replays the
-   sampler's experts for the actor's logprobs; it says nothing of the critic, which never ran in the
-   sampler, so there is nothing to replay. Its backbone starts as a copy of the SFT actor's
-   (`MegatronCritic.from_actor`, critic.py departure 1).
-4. The embedded Megatron backend (`embedded_models`) at world size 1 trains with torch's Adam on the GPTModels'
-   parameters (train_t1.py): DDP and the distributed optimizer shard nothing at one rank. Over ranks it builds
-   this rank's TP / EP shards in the layout parallel_state holds, wrapped in Megatron's DDP
-   (`mcore_parallel.wrap_ddp`) with `mcore_parallel.ShardedAdam` (the distributed optimizer's sharding, ours
-   because Megatron's needs CUDA: mcore_parallel.py departure 3).
+1. On CPU Qwen3.5 is built from local modules (`_qwen35_local_spec`), not the Transformer-Engine spec: the same
+   classes, unfused norms, one module per expert (mcore_weights.py renames them for the cluster model). Megatron's
+   GatedDeltaNet ignores the attention mask: right padding is safe, left padding or packed sequences would leak.
+2. CPU shims, never on GPU (`init_cpu`, `cpu_shims`): current_device -> "cpu", a no-op CUDA RNG tracker, Megatron's
+   torch gated delta rule in place of flash-linear-attention; `_RMSNorm` because WrappedTorchNorm refuses
+   zero-centred gamma.
+3. The critic routes live (no R3 replay): it never ran in the sampler, so there is nothing to replay. Its backbone
+   starts as a copy of the SFT actor's (`MegatronCritic.from_actor`, critic.py departure 1).
+4. At world size 1 the trainer uses torch's Adam (nothing to shard); over ranks Megatron's DDP with
+   `mcore_parallel.ShardedAdam`, ours because Megatron's distributed optimizer needs CUDA.
 """
 
 import contextlib
