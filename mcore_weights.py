@@ -1,20 +1,13 @@
 """HF <-> Megatron-Core weights (paper: infrastructure: the trainer is Megatron-Core, the engines load Hugging Face
 checkpoints): the conversion for mcore.py's models, both ways, sharded per rank.
 
-- `hf_to_megatron` / `megatron_to_hf`: weight conversion in both directions for both layouts (Qwen3-MoE and
-  Qwen3.5-MoE, local module names); `critic_hf_to_megatron` / `critic_megatron_to_hf` for `mcore.MegatronCritic`
-  (the value head in the output layer's slot).
-- `to_te_layout` / `from_te_layout` / `load_hf_into_cluster_model`: the same weights under the Transformer-Engine
-  spec's names (the cluster model, `mcore._qwen35_gpt`).
-- `shard_for_tp` / `shard_for_ep` / `shard_for_pp` cut the TP = 1 result for one tensor- (experts: expert-tensor-) /
-  expert-parallel rank / pipeline stage (`load_hf_into_megatron` applies them); `unshard_tp` / `unshard_ep` /
-  `unshard_pp` join them back, `gather_full_state` collects a sharded model's TP = 1 state dict, and `to_hf` /
-  `save_hf` turn a (TP / EP-sharded) `mcore.MegatronActor` into an HF model / checkpoint: every rank calls them (a
-  gather), rank 0 writes.
-- `load_checkpoint_into_megatron` streams the same result as `load_hf_into_megatron` from an HF checkpoint's
-  safetensors: layer by layer, a rank reads only its stage's layers, its EP rank's experts and its TP blocks
-  (tests/test_mcore_load.py: bit-identical, 0.46-0.72 of the file bytes per rank at EP = 2 / PP = 2 on the tiny
-  models).
+- `hf_to_megatron` / `megatron_to_hf` (Qwen3-MoE and Qwen3.5-MoE, local module names), `critic_hf_to_megatron` /
+  `critic_megatron_to_hf` (the value head in the output layer's slot); `to_te_layout` / `from_te_layout` /
+  `load_hf_into_cluster_model`: the same weights under the Transformer-Engine spec's names.
+- `shard_for_tp` / `shard_for_ep` / `shard_for_pp` cut the TP = 1 result for one rank (`load_hf_into_megatron`);
+  `unshard_*`, `gather_full_state`, `to_hf` / `save_hf` join a sharded `MegatronActor` back into an HF model or
+  checkpoint (every rank calls them, rank 0 writes); `load_checkpoint_into_megatron` streams one rank's stage,
+  experts and TP blocks from an HF checkpoint's safetensors.
 
     python -m pytest tests/test_mcore.py -q        # CPU: conversion round trips (Qwen3-MoE, critic), vs the HF twin
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5
@@ -23,23 +16,12 @@ checkpoints): the conversion for mcore.py's models, both ways, sharded per rank.
     python -m pytest tests/test_mcore_load.py -s   # CPU: per-rank streaming load from safetensors vs the whole dict
 
 Departures from the paper:
-1. The conversion's key names are the local modules' (mcore.py departure 1: the CPU check builds Qwen3.5 from local
-   modules, unfused norms and one module per expert). `to_te_layout` / `from_te_layout` rename them to the TE
-   spec's (rules read from the 0.16.1 source, listed above them) and `load_hf_into_cluster_model` loads HF weights
-   into the cluster model with them; on CPU the renames are tested against names listed per layer type
-   (tests/test_mcore_te.py), while that the built TE model has exactly those names and loads them is checked only
-   on a GPU with Transformer Engine (`cluster.py gpu-check`); PP > 1 is not written (a stage renumbers its layers).
-2. Conversion is at TP = EP = 1, then sliced per rank (`shard_for_tp`: experts by expert TP, which may differ from
-   TP (the planner's etp = 1 at tp = 2), the rest by TP; `shard_for_ep`: contiguous expert blocks); saving goes back
-   the same way (`gather_full_state`: all-gather over the TP / expert-TP / EP groups, then `unshard_tp` /
-   `unshard_ep`), one pipeline stage only, the whole model on every rank (at the cluster's scale a gather to rank 0
-   tensor by tensor would be needed; not written).
-
-Measured (tests/test_mcore_tp.py: the tiny Qwen3.5 GPTModel, HF weights sharded per rank, B = 2, T = 12, fp32, 2 gloo
-ranks, allgather dispatcher): TP = 2 with sequence parallel (MoELayer refuses TP > 1 without it in training) and EP = 2
-give full-vocab logits within 1.2e-7 / 6.0e-8 of TP = EP = 1, grads within 3.1e-5 / 1.9e-5 at |grad| up to 81
-(replicated grads summed over TP ranks, as finalize_model_grads does; EP experts 2x: both ranks ran the same batch).
-Naive dim-0 chunks of in_proj / fc1 instead of per-part slices: logits off by 0.5.
+1. Key names are the local modules' (mcore.py departure 1); `to_te_layout` renames them to the TE spec's (rules
+   read from the 0.16.1 source, listed above them). That the built TE model has exactly those names is checked only
+   on a GPU (`cluster.py gpu-check`, never run yet); PP > 1 is not written for the TE names.
+2. Conversion is at TP = EP = 1, then sliced per rank (experts by expert TP, which may differ from TP); saving
+   gathers the whole model on every rank: at the cluster's scale a tensor-by-tensor gather to rank 0 is needed
+   (not written).
 """
 
 import contextlib
