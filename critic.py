@@ -1,39 +1,25 @@
 """Critic: the paper's full-size value model, GAE, clipped value loss, explained variance, warm-up.
 
-Paper section "critic" (T1, arXiv 2609.11042):
-  * a full-size critic with the actor's architecture and a scalar head ("T1 uses a 122B critic of the
-    same size as the actor"); the critic is the only baseline (no GRPO group baseline: "GRPO's
-    group-relative advantage is identically zero on tasks the whole group fails");
-  * Critic Warm-Up: one epoch of critic-only training before RL (warm start EV 0.71-0.86 vs cold start
-    -33.6, 30 of 58 logged steps negative);
-  * every step the critic is updated *before* the actor at 30x the actor lr (1.5e-5 vs 1.0e-6);
-  * GAE with gamma = lambda = 1 from V_old, the values *before* the critic update; value clip
-    eps_v = 0.2 around V_old; the reward sits on the last token;
-  * explained variance EV = 1 - Var(R - V) / Var(R) is logged (unbounded below).
+Paper section "critic" (T1, arXiv 2609.11042): a full-size critic with the actor's architecture and a scalar head,
+the only baseline (no GRPO group baseline); one epoch of Critic Warm-Up before RL; every step the critic is updated
+*before* the actor at 30x its lr; GAE with gamma = lambda = 1 from V_old (the values before the critic update);
+value clip eps_v = 0.2 around V_old; reward on the last token; EV = 1 - Var(R - V) / Var(R) logged.
 
-Conventions (shared with tito.py): every per-token tensor is indexed by token position j of the sample,
-shape (B, T). m[j] = 1 iff token j was sampled by the policy (an action). values[:, j] is V(s_j), the
-value of the prefix tokens[:j], i.e. the head applied to the hidden state at position j-1, exactly as
-logprobs[:, j] = log pi(tokens[j] | tokens[:j]). Tool output and template glue (m = 0) are environment
-transitions: GAE skips them and carries the bootstrap across.
+Conventions (the mask convention of tito.py): tensors are (B, T) by token position j; m[j] = 1 iff token j was
+sampled; values[:, j] = V(tokens[:j]), as logprobs[:, j] = log pi(tokens[j] | tokens[:j]); GAE skips m = 0 tokens
+(tool output, template glue) and carries the bootstrap across. Every function takes an optional `group` (the
+trainer ranks under --trainer-ranks N): losses over the minibatch's global token count, gradients summed over ranks
+before clipping (`allreduce_grads`); group=None runs no collective.
 
-Run: this module is used by train_t1.py; `python -m pytest tests/test_critic.py` checks it.
-
-Data parallel (train_t1.py, --trainer-ranks N): every function below takes an optional `group`, the
-trainer ranks' process group. Each rank holds a full replica and some rows of each minibatch; a loss is
-divided by the minibatch's GLOBAL token count and the gradients are summed over the ranks
-(`allreduce_grads`) before clipping, so the step equals one rank's step on the whole minibatch.
-group=None (one rank) runs no collective.
-
-Loss aggregation (paper silent): `aggregate` reduces a per-token loss either per token (the mean over every
-masked token of the minibatch, the default) or per sample (the mean within each trajectory, then over the
-trajectories: slime's default). train_t1's --loss-agg picks it for the value loss and the PPO loss alike.
+Run: used by train_t1.py; `python -m pytest tests/test_critic.py` checks it.
 
 Departures from the paper:
-  1. The critic backbone is initialised from the SFT actor (the paper does not say how its critic is
-     initialised; initialising from the policy is the common choice and keeps the warm-up short).
-  2. Warm-up pool: by default rollouts of the SFT policy on the training pool (the paper warms up on a
-     separate pool, TMax-15k); `warmup_critic` takes any list of samples.
+  1. The critic backbone is initialised from the SFT actor (the paper does not say how; initialising from the
+     policy is the common choice and keeps the warm-up short).
+  2. Warm-up pool: by default rollouts of the SFT policy on the training pool (the paper warms up on a separate
+     pool, TMax-15k); `warmup_critic` takes any list of samples.
+  3. Loss aggregation (paper silent): `aggregate` averages per token over the minibatch by default, or per sample
+     (slime's default) with train_t1's --loss-agg, for the value and the PPO loss alike.
 """
 from __future__ import annotations
 
