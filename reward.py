@@ -1,59 +1,24 @@
 """Dense verifier reward r = P / S (T1 paper, section "reward").
 
-Paper (T1, arXiv 2609.11042, reward design): every task ships its own executable verifier that
-runs in the sandbox and scores the episode assertion by assertion; the per-assertion report is a
-CTRF JSON file. The reward is
-
-    r = P / S,   P = number of passed assertions in the CTRF report,
-                 S = 20, one fixed global scale for the whole run,
-
-"neither binary nor a pass rate": an absolute count over a fixed scale means that "a hard task
-passing 10 assertions (0.5) and an easy task passing 2 (0.1) get the distinction they deserve",
-harder tasks naturally carry more signal, and the critic's regression target stays on the same
-scale from step to step (no in-batch scale drift). S = 20 was chosen at about the 90th
-percentile of the assertion counts of T1-15k (median 4, max ~35), so a task may legitimately have
-more than S assertions and earn r > 1. When the per-assertion report is missing the paper falls
-back to the binary outcome (seed summary: "报告缺失则回退二值结果"; another seed gives the reason:
-"逐斷言報告缺失時回退到二值結果（真正解掉的任務永不會得零分）", a really solved task never scores 0).
-The reward is placed on the last token of the trajectory; the critic (GAE, gamma = lambda = 1)
-carries the credit back.
+Paper (T1, arXiv 2609.11042): each task's verifier scores the episode assertion by assertion in a CTRF report;
+r = P / S with P the passed assertions and S = 20 one fixed scale for the whole run (about the 90th percentile
+of T1-15k's assertion counts, so r > 1 is possible), "neither binary nor a pass rate"; when the per-assertion
+report is missing, the binary outcome (a really solved task never scores 0). The reward sits on the last token.
 
 Run:
     python reward.py VERIFIER_DIR [--scale 20] [--n-assertions N] [--owner-uid UID]  # one JSON line
-In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None) -> dict(reward,
-passed, total, source, reason); source is "ctrf", "binary" or "none"; reason says why a report was
-not used (None when the CTRF report was used as is).
-
-`VERIFIER_DIR` is the host folder behind the sandbox's /logs/verifier: `ctrf.json` (as written by
-`pytest --ctrf`) and `reward.txt` (the 1/0 written by the task's tests/test.sh). `n_assertions` is
-the task's own assertion count, recorded when the task is audited (data.py: the reference run's
-test count); `owner_uid` is the host uid the verifier ran as.
-
-What is refused (a refused report is never used, and `reason` names the file and what is wrong):
-- a report that is not a regular file opened without following links (a symlink, a FIFO, a device,
-  a directory), that has more than one hard link, that is not owned by `owner_uid` (when given), or
-  that is larger than CTRF_MAX_BYTES / REWARD_TXT_MAX_BYTES; files are opened with O_NOFOLLOW and
-  O_NONBLOCK relative to the verifier folder's descriptor and read from that descriptor only;
-- a CTRF report that is not strict JSON (NaN / Infinity, invalid UTF-8), nested deeper than the
-  parser allows, without an object `results` and a list `results.tests`, with a test whose status is
-  not one of CTRF's (passed, failed, skipped, pending, other), with a `results.summary` whose counts
-  are not non-negative integers (bools, floats, strings refused) or do not add up (passed + failed +
-  skipped + pending + other == tests) or disagree with the per-test list, or with more tests than
-  the task's n_assertions (P can never exceed the task's own assertion count);
-- a reward.txt that is not one plain decimal number (ASCII digits, optional fraction and exponent)
-  in [0, 1]: 1e30, -0.5, nan, inf and text are refused.
+In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None) -> dict(reward, passed, total,
+source "ctrf" | "binary" | "none", reason: why a report was not used). VERIFIER_DIR is the host folder behind
+/logs/verifier (ctrf.json, reward.txt); n_assertions is the task's own count (data.py's audit); owner_uid the
+verifier's host uid. What is refused is listed above `_read_report`.
 
 Departures from the paper:
-1. The report checks above: the paper relies on its audit only; here a hostile agent's forged report
-   is bounded (never above the task's full score) and a broken one is named, never a silent 0.
-2. Binary fallback value: reward.txt's value v in [0, 1] pays v * n_assertions / S (a full pass of a
-   4-assertion task pays 0.2, the same as its full CTRF report), and v when n_assertions is unknown
-   (the paper's literal binary outcome; paper silent on its scale). Paying 1.0 for a full pass that
-   the dense reward scores 0.2 would reward losing the report and move the critic's target off the
-   P/S scale. passed/total are 1/1 or 0/1 so that "resolved" (passed == total > 0) keeps one meaning.
-3. r is not clipped: a task with more than S assertions can earn r > 1, as in the paper (max ~35
-   assertions -> 1.75). A CTRF report with fewer tests than n_assertions keeps P but reports
-   total = n_assertions, so a task whose assertions did not all run is not "resolved".
+1. Reports are checked (file type, owner, size, strict CTRF, counts, at most n_assertions tests): the paper relies
+   on its audit; here a forged report never pays above the task's full score and a broken one is named.
+2. Binary fallback pays v * n_assertions / S for reward.txt's v in [0, 1] (v when n_assertions is unknown; paper
+   silent on the scale), so losing the report never pays more than the CTRF report would.
+3. r is not clipped (r > 1 above S assertions, as in the paper); a report with fewer tests than n_assertions
+   keeps P but reports total = n_assertions, so the task is not "resolved".
 """
 import argparse
 import errno
@@ -72,6 +37,21 @@ CTRF_STATUSES = ("passed", "failed", "skipped", "pending", "other")  # the CTRF 
 _DECIMAL = re.compile(r"[0-9]+(\.[0-9]*)?([eE][+-]?[0-9]+)?|\.[0-9]+([eE][+-]?[0-9]+)?")
 
 
+# What is refused (a refused report is never used, and `reason` names the file and what is wrong):
+# - a report that is not a regular file opened without following links (a symlink, a FIFO, a device, a directory),
+#   that has more than one hard link, that is not owned by `owner_uid` (when given), or that is larger than
+#   CTRF_MAX_BYTES / REWARD_TXT_MAX_BYTES; files are opened with O_NOFOLLOW and O_NONBLOCK relative to the verifier
+#   folder's descriptor and read from that descriptor only;
+# - a CTRF report that is not strict JSON (NaN / Infinity, invalid UTF-8), nested deeper than the parser allows,
+#   without an object `results` and a list `results.tests`, with a test whose status is not one of CTRF's, with a
+#   `results.summary` whose counts are not non-negative integers (bools, floats, strings refused) or do not add up
+#   (passed + failed + skipped + pending + other == tests) or disagree with the per-test list, or with more tests
+#   than the task's n_assertions (P can never exceed the task's own assertion count);
+# - a reward.txt that is not one plain decimal number (ASCII digits, optional fraction and exponent) in [0, 1]:
+#   1e30, -0.5, nan, inf and text are refused.
+# Binary fallback: a full pass of a 4-assertion task pays 0.2, the same as its full CTRF report (paying 1.0 would
+# reward losing the report and move the critic's target off the P/S scale); passed/total are 1/1 or 0/1 so that
+# "resolved" (passed == total > 0) keeps one meaning.
 def _read_report(dir_fd, name, max_bytes, owner_uid):
     """Bytes of the regular file `name` in the folder `dir_fd`, opened without following a link and read from
     its descriptor; raise ValueError naming the file and what is wrong, FileNotFoundError when absent."""
