@@ -1,57 +1,33 @@
 """Task synthesis and audit in Harbor's task format (T1 paper, section "data").
 
-Paper (T1, arXiv 2609.11042, data): RST, recursive task synthesis, takes verified tasks as seeds
-and rewrites them recursively (first lengthening the executable path, then rewriting the
-instruction); every candidate's reference solution must really pass in a fresh sandbox. A
-five-stage, 15-round semantic LLM audit over eight weighted dimensions (instruction-verifier
-alignment 20%, verifier fairness 15%, solution correctness 15%, ...) scores each task and HARD
-REJECTS hidden requirements, test leakage, solution shortcuts and weak verifiers. The accepted
-tasks, ordered by quality, form T1-15k; the pool is reshuffled every epoch. Each task carries an
-executable verifier whose per-assertion CTRF report gives the dense reward r = P/S (reward.py).
+Paper (T1, arXiv 2609.11042): recursive task synthesis (RST) from verified seed tasks, every reference solution
+run in a fresh sandbox, then a five-stage, 15-round LLM audit over eight weighted dimensions that hard-rejects
+hidden requirements, test leakage, solution shortcuts and weak verifiers; the accepted tasks, ordered by quality,
+form T1-15k, reshuffled every epoch. Each task's verifier writes the CTRF report behind r = P/S (reward.py).
 
 Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints one JSON line
-    data.load_task(dir)  # also loads a Terminal-Bench 2 task dir unchanged
+    data.load_task(dir)  # also loads a Terminal-Bench 2 task dir unchanged (what it refuses: above load_task)
     data.image_needs(task)  # why the local jail cannot run a task faithfully ([] = it can; see its docstring)
 
-A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, n_assertions; [verifier]
-timeout_sec; [agent] timeout_sec; [environment]), instruction.md, environment/Dockerfile
-(cluster only: FROM ... WORKDIR /app COPY app/ /app/), environment/app/ (the initial /app, which
-the local sandbox copies), tests/test.sh + tests/test_outputs.py (3-6 pytest assertions),
-solution/solve.sh (reference, run in /app) and solution/terminus2.json (the expert's Terminus-2
-replies for SFT; the last two set task_complete, the second one confirming).
-
-n_assertions (Task.n_assertions) is the task's own assertion count: reward.compute refuses a report
-with more tests, so a forged report never pays more than the task's full score. Generated tasks carry
-it in task.toml [metadata]; validate() checks the oracle's report count against it, and for a task
-without one (a Terminal-Bench task) records the oracle's count in t1_audit.json in the task dir
-(task.toml of a task this project did not write is never rewritten); load_task reads it back and
-refuses a t1_audit.json that disagrees with task.toml.
-
-load_task refuses (ValueError naming the file and field): [verifier] / [agent] timeout_sec and
-[environment] build_timeout_sec that are not positive finite numbers of at most MAX_TIMEOUT_S (inf,
-nan, 0, negatives, booleans, strings); [environment] cpus / memory_mb / storage_mb that are not
-positive finite numbers; a non-finite [metadata] quality; an n_assertions that is not a positive int.
+A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, n_assertions; [verifier] and
+[agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
+tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the expert's replies for SFT).
+n_assertions is the task's own assertion count (reward.compute refuses a report with more tests): task.toml for
+generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did not write is never rewritten).
 
 Departures from the paper:
-1. No LLM: tasks come from 6 templated families of real shell work (files/dirs, text processing,
-   permissions, archives, CSV/JSON munging, find-then-act where the second command depends on
-   reading the first one's output), each with a few variants and randomised parameters (file
-   names, words, numbers). RST's recursive rewriting is left to a later issue.
-2. The audit is mechanical: the oracle (solve.sh) must resolve in a fresh sandbox with its CTRF
-   report, reward == total/20 and total == n_assertions; the nop agent must score below full
-   (weak-verifier reject; our tests are built so that nop passes none); the scripted expert
-   trajectory (terminus2.json through the real token path) must resolve when a tokenizer is
-   available; static checks: every output the tests read is named in the instruction (hidden
-   requirement), no test or solution file and no output already sits in /app (test leakage /
-   solution shortcut), >= 3 assertions.
-3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit
-   score; `ordered_pool` sorts by it and `epoch_order` reshuffles per epoch as in the paper.
-4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M
-   parameter model trained from scratch on CPU.
-5. Train and held-out pools share families and vocabularies but never an instruction (different
-   parameter draws); the split is recorded in task.toml.
+1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
+   find-then-act) with randomised parameters; RST's recursive rewriting is left to a later issue.
+2. The audit is mechanical: the oracle resolves with reward == total/S and total == n_assertions, nop scores below
+   full, the scripted expert trajectory resolves, and static checks stand in for the LLM's hard rejects.
+3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit score; `ordered_pool`
+   sorts by it and `epoch_order` reshuffles per epoch as in the paper.
+4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M parameter model trained
+   from scratch on CPU.
+5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
+   the split is recorded in task.toml.
 """
 import argparse
 import collections
@@ -491,6 +467,10 @@ def _check_config(config, toml_path):
         _n_assertions(meta["n_assertions"], f"{toml_path}: [metadata] n_assertions")
 
 
+# load_task refuses (ValueError naming the file and field): [verifier] / [agent] timeout_sec and [environment]
+# build_timeout_sec that are not positive finite numbers of at most MAX_TIMEOUT_S (inf, nan, 0, negatives, booleans,
+# strings); [environment] cpus / memory_mb / storage_mb that are not positive finite numbers; a non-finite [metadata]
+# quality; an n_assertions that is not a positive int; a t1_audit.json that disagrees with task.toml.
 def load_task(task_dir):
     """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file and field."""
     task_dir = os.path.abspath(task_dir)
