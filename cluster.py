@@ -1,55 +1,32 @@
 """Cluster path (paper section "infrastructure"): presets, up-front checks, Ray layout, SGLang servers,
 and the weight publish from the trainer to the engines under the publish barrier.
 
-T1 runs Qwen3.5-122B-A10B with a Megatron-Core trainer (actor and critic co-resident) and SGLang
-rollout servers that return the routed experts of every token (R3), acting in Daytona sandboxes.
-After each PPO step the trainer publishes the new actor weights: pause generation, push the weights
-to every engine over NCCL (SGLang's /init_weights_update_group once, then
-/update_weights_from_distributed per bucket), resume (DESIGN.md section 3, step 7).
+T1 runs Qwen3.5-122B-A10B with a Megatron-Core trainer (actor and critic co-resident) and SGLang rollout servers
+that return every token's routed experts (R3), acting in Daytona sandboxes. After each PPO step the trainer
+publishes the new actor weights: pause generation, push them to every engine over NCCL, resume (DESIGN.md
+section 3, step 7). The SGLang HTTP bodies followed are listed above `WeightPublisher`.
 
 Run:
     python cluster.py check  --preset qwen35-122b-a10b [--model-path DIR]   # up-front checks + the plan
     python cluster.py launch --preset qwen35-122b-a10b [--model-path DIR] [-- train_t1.py flags]
     python cluster.py sglang-cmd --preset qwen35-122b-a10b --model-path DIR  # the server command lines
     python cluster.py gpu-check [--out DIR]          # one GPU: Megatron backend smoke + memory model check
-
-`launch` = check (GPUs, env vars, model path, packages, a feasible plan) -> start or join Ray (joins
-RAY_ADDRESS when set, else starts a head here and prints the join command for the other nodes) ->
-placement groups (trainer GPUs packed, one bundle of `engine_tp` GPUs per SGLang server) -> SGLang
-servers as Ray actors -> `train_t1.py` with the engine URLs and the chosen plan.
-
-SGLang API followed (HTTP bodies; read from sgl-project/sglang python/sglang/srt/managers/io_struct.py,
-main branch at commit 001067f; the paper pins v0.5.12.post1, whose fields these are a subset of):
-    POST /init_weights_update_group     {master_address, master_port, rank_offset, world_size,
-                                         group_name, backend}                -> {success, message}
-    POST /update_weights_from_distributed {names, dtypes ("bfloat16"), shapes, group_name, flush_cache,
-                                         weight_version?}                    -> {success, message}
-    POST /destroy_weights_update_group  {group_name}
-    POST /pause_generation              {mode: "abort" | "retract" | "in_place"};  POST /continue_generation {}
-    POST /release_memory_occupation, /resume_memory_occupation {tags?}     (colocated preset only)
-After the HTTP call for a bucket is issued, each engine rank receives `broadcast(tensor, src=0)` on
-the group for every name in order; the trainer (rank 0 of the group) broadcasts the same tensors.
+`launch` = check (GPUs, env vars, model path, packages, a feasible plan) -> start or join Ray (RAY_ADDRESS) ->
+placement groups (trainer GPUs packed, one bundle of `engine_tp` GPUs per SGLang server) -> SGLang servers as Ray
+actors -> `train_t1.py` with the engine URLs and the chosen plan.
 
 Departures (numbered, with why):
- 1. Node counts are ours: the 122B preset uses 16 nodes x 8 GPUs, 64 GPUs for the trainer (actor and
-    critic co-resident, plan from infra.py's planner) and 8 SGLang servers of TP = EP = 8 on the other 64.
-    The one-node 35B preset colocates the trainer and one SGLang server on the same 8 GPUs (the engine
-    releases its memory during training), so that preset runs synchronously (staleness 0, not 1).
- 2. Pause mode "retract": in-flight requests go back to the queue and continue after the push (their
-    KV cache is recomputed with the new weights); "abort" would end the agent's turn with a partial
-    reply and "in_place" cannot flush the cache that the update flushes. A request that spans the
-    barrier therefore has tokens of two versions; each token's logprob is from the weights that
+ 1. Node counts are ours: 122B on 16 nodes x 8 GPUs (64 trainer GPUs, 8 SGLang servers of TP = EP = 8); the
+    one-node 35B preset colocates trainer and engine (the engine releases its memory), so it runs synchronously.
+ 2. Pause mode "retract": in-flight requests resume after the push with their KV cache recomputed ("abort" would cut
+    the agent's turn, "in_place" cannot flush the cache); each token's logprob is still from the weights that
     sampled it, which is what PPO's ratio needs.
- 3. Experts are published per expert in Hugging Face names (SGLang's loader maps them onto its fused
-    expert tensors); the trainer gathers each layer's expert shards over EP (and ETP) first. The HF
-    names come from mcore.py's converter; this file only gathers, buckets and sends.
- 4. The trainer side of the weight group uses SGLang's own `init_custom_process_group` when sglang is
-    importable (identical rendezvous keys); otherwise an equivalent built from torch.distributed
-    internals (used by the CPU tests with gloo).
- 5. No GPU was available to this implementation: the launch path, the SGLang flags and the NCCL
-    publish were not run on a cluster; the request bodies are checked against SGLang's schemas and
-    the publish protocol end to end with gloo on CPU (tests/test_cluster.py). `gpu-check` is written
-    but was not run.
+ 3. Experts are published one by one in Hugging Face names (SGLang maps them onto its fused tensors), gathered over
+    EP (and ETP) first; the names come from mcore_weights.py's converter.
+ 4. The trainer joins the weight group with SGLang's `init_custom_process_group` when sglang is importable, else an
+    equivalent from torch.distributed internals (the CPU tests, gloo).
+ 5. Nothing here has run on a GPU or a cluster yet (RESULTS.md): the request bodies are checked against SGLang's
+    schemas and the publish protocol end to end over gloo on CPU (tests/test_cluster.py).
 """
 import argparse
 import concurrent.futures as cf
@@ -481,6 +458,17 @@ def init_update_group(master_address, master_port, rank, world_size, group_name,
     return pg
 
 
+# SGLang API followed (HTTP bodies; read from sgl-project/sglang python/sglang/srt/managers/io_struct.py, main branch
+# at commit 001067f; the paper pins v0.5.12.post1, whose fields these are a subset of):
+#   POST /init_weights_update_group       {master_address, master_port, rank_offset, world_size, group_name,
+#                                          backend}                                    -> {success, message}
+#   POST /update_weights_from_distributed {names, dtypes ("bfloat16"), shapes, group_name, flush_cache,
+#                                          weight_version?}                            -> {success, message}
+#   POST /destroy_weights_update_group    {group_name}
+#   POST /pause_generation                {mode: "abort" | "retract" | "in_place"};  POST /continue_generation {}
+#   POST /release_memory_occupation, /resume_memory_occupation {tags?}     (colocated preset only)
+# After the HTTP call for a bucket is issued, each engine rank receives `broadcast(tensor, src=0)` on the group for
+# every name in order; the trainer (rank 0 of the group) broadcasts the same tensors.
 class WeightPublisher:
     """Trainer rank 0's side of the publish: one NCCL group with every engine rank, then per publish
     pause -> buckets (HTTP metadata to every engine, broadcast of each tensor) -> resume."""
