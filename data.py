@@ -49,7 +49,9 @@ import tarfile
 import time
 import tomllib
 
-SCALE = 20  # S of r = P/S (reward.py); a resolved oracle must score total/S
+import reward
+
+SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
 MAX_TIMEOUT_S = 7 * 24 * 3600.0  # paper silent: a task.toml timeout above a week is refused (threading caps waits)
 AUDIT_FILE = "t1_audit.json"  # validate() records n_assertions here for a task whose task.toml has none
 AUDIT_MAX_BYTES = 4096
