@@ -1,12 +1,19 @@
-"""Daytona sandboxes: the cluster-scale member of rollout.py's sandbox interface (paper: rollout, infrastructure).
+"""Daytona sandboxes: the cluster-scale member of the sandbox interface (paper: rollout, infrastructure).
 
-T1 runs every trial in a cloud sandbox (Daytona; about 600 instances a minute at scale). This class has the
-interface of rollout.Sandbox (start/close, context manager, exec, send_keys, read, run_verifier) on a
-Daytona sandbox, through the `daytona` Python SDK.
+T1 runs every trial in a cloud sandbox (Daytona; about 600 instances a minute at scale). DaytonaSandbox has the
+interface of sandbox.Sandbox (start/close, context manager, exec, send_keys, read, run_verifier, host_dir) on a
+Daytona sandbox, through the `daytona` Python SDK (imported only when a sandbox is made: requirements-cluster.txt).
 
-Departures and details are in the comment block below (API followed, creation order, cleanup).
+Run: `python rollout.py --task DIR --agent oracle --sandbox daytona` (DAYTONA_API_KEY), or rollout.run_trial(...,
+sandbox="daytona"). Tests (a fake client): tests/test_cluster.py.
 
-Not yet selectable in rollout.run_trial (it builds the local Sandbox); tests: tests/test_cluster.py.
+Departures from the local Sandbox (sandbox.py):
+1. exec runs as the image's user (no per-trial uid / rlimits: Daytona's container is the boundary; as_root is
+   ignored); a running exec cannot be interrupted by stop_event (checked before each call).
+2. The terminal is tmux in the sandbox (Terminus-2's own mechanism); read() waits the full wait_s (no prompt
+   detection on a captured pane).
+3. The verifier runs in the agent's sandbox, as the image's user, after the agent's tmux server is killed:
+   processes the agent detached with setsid live on and may rewrite /logs/verifier (no separate verifier jail).
 """
 import atexit
 import math
@@ -19,7 +26,8 @@ import tempfile
 import threading
 import time
 
-from rollout import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
+import reward
+from sandbox import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
 
 
 # === Daytona sandboxes (cluster scale) =============================================================
@@ -34,13 +42,8 @@ from rollout import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
 # read = the new part of `tmux capture-pane` since the last read. Cleanup: close() deletes the
 # sandbox and runs on every exit path (context manager, run_trial's finally, a failed start, and an
 # atexit hook for sandboxes still open); the sandbox is also created ephemeral with a TTL, so Daytona
-# deletes it even if this process is killed. Departures from the local Sandbox: exec runs as the
-# image's user (no per-trial uid/rlimits: Daytona's container is the boundary; as_root is ignored);
-# a running exec cannot be interrupted by stop_event (checked before each call); read() waits the
-# full wait_s (no prompt detection on a captured pane); the verifier runs in the agent's sandbox, as
-# the image's user, after the agent's tmux server is killed (processes the agent detached with
-# setsid live on, and may rewrite /logs/verifier: the local jail's separate verifier jail has no
-# equivalent here). Task dirs are uploaded from a rollout.copy_task_tree copy (no links followed).
+# deletes it even if this process is killed. Departures from the local Sandbox: module docstring.
+# Task dirs are uploaded from a sandbox.copy_task_tree copy (no links followed).
 _DAYTONA_OPEN = set()  # sandboxes not yet closed, deleted at interpreter exit
 
 
@@ -153,7 +156,7 @@ class DaytonaSandbox:
         return int(r.exit_code if r.exit_code is not None else -1), r.result or ""
 
     def _upload_dir(self, local_dir, remote_dir):
-        """Upload a task's dir (untrusted): first checked and copied by rollout.copy_task_tree (no link followed
+        """Upload a task's dir (untrusted): first checked and copied by sandbox.copy_task_tree (no link followed
         or kept, no devices / FIFOs, size caps), then uploaded from that copy."""
         from daytona import FileUpload
         stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
@@ -216,7 +219,6 @@ class DaytonaSandbox:
         """Copy the task's tests to /tests (only now), run `bash /tests/test.sh`, download the report, score with
         S = scale (None -> reward.SCALE). The agent's terminal (its tmux server and what runs in it) is killed
         first; processes it detached (setsid) live on: the container is the boundary here (module comment)."""
-        import reward
         scale = reward.SCALE if scale is None else scale
         vdir = os.path.join(self.root, "verifier")  # a fresh host dir, written only by this method
         os.mkdir(vdir, 0o700)

@@ -59,15 +59,15 @@ Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
      needs none of them (each is refused with 400). `max_tokens` is clipped to the context left (max_total_tokens).
      `stop` strings are found after generation (the engine stops at <|im_end|> or max_tokens), not per step.
-  2. Harbor runs its agent with the bubblewrap jail of rollout.py (BwrapEnvironment) instead of Docker:
+  2. Harbor runs its agent with the bubblewrap jail of sandbox.py (BwrapEnvironment) instead of Docker:
      the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
      tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
      Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown /
-     dac_override / fowner only; all under rollout.py's seccomp filter and rlimits. The first root exec
+     dac_override / fowner only; all under sandbox.py's seccomp filter and rlimits. The first root exec
      (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase: every
      process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh
-     dir. Task dirs Harbor uploads go through rollout.copy_task_tree; files the jail wrote are read and
-     written by the host without following links (rollout.read_beneath / write_beneath).
+     dir. Task dirs Harbor uploads go through sandbox.copy_task_tree; files the jail wrote are read and
+     written by the host without following links (sandbox.read_beneath / write_beneath).
      Weaker than rollout.py's native path, because Harbor drives the verifier through the same
      environment: the verifier runs in the agent's jail (same /tmp, which the agent may have filled;
      same mount namespace), as Harbor's default user (the agent's uid, so its files in /logs/verifier
@@ -101,6 +101,8 @@ import urllib.parse
 import urllib.request
 import uuid
 from pathlib import Path
+
+import sandbox
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
@@ -493,7 +495,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
     import data
     import rollout
-    t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
+    t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
               "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
@@ -505,7 +507,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
         rollout.check_runs_here(task)
         t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
         root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
-        box = rollout.Sandbox(task, root, limits, stop_event=stop_event).start()
+        box = sandbox.Sandbox(task, root, limits, stop_event=stop_event).start()
         messages = [{"role": "user", "content": rollout.PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))}]
         pending, exit_reason, n = False, "max_turns", 0
         while n < limits.max_turns:
@@ -547,7 +549,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
         if box is not None:
             box.close()
         if root is not None and work_root is None:
-            err = rollout.remove_tree(root)
+            err = sandbox.remove_tree(root)
             if err:
                 print(f"[run_text_trial] {err}", file=sys.stderr)
         result["wall_s"] = time.time() - t0
@@ -566,7 +568,7 @@ if BaseEnvironment is not None:
     import base64
 
     class BwrapEnvironment(BaseEnvironment):
-        """Harbor environment = rollout.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
+        """Harbor environment = sandbox.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
         mounted read-only and first on PATH, e.g. the main .venv for `pytest --ctrf`), max_procs."""
 
         def __init__(self, *args, tools_prefix=None, max_procs=256, **kwargs):
@@ -589,11 +591,10 @@ if BaseEnvironment is not None:
 
         async def start(self, force_build: bool) -> None:
             import types
-            import rollout
             task = types.SimpleNamespace(env_dir=str(self.environment_dir), solution_dir=None, config={},
                                          tests_dir=None, name=self.environment_name)
             self.root = tempfile.mkdtemp(prefix=f"harbor-{self.environment_name}-")
-            limits = rollout.Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
+            limits = sandbox.Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
             self.box = _ToolsSandbox(task, self.root, limits, tools_prefix=self.tools_prefix).start()
             os.makedirs(f"{self.root}/logs/artifacts", exist_ok=True)
 
@@ -601,8 +602,7 @@ if BaseEnvironment is not None:
             if self.box is not None:
                 self.box.close()
             if delete and self.root:
-                import rollout
-                err = rollout.remove_tree(self.root)
+                err = sandbox.remove_tree(self.root)
                 if err:
                     print(f"[BwrapEnvironment] {err}", file=sys.stderr)
 
@@ -639,13 +639,12 @@ if BaseEnvironment is not None:
         async def upload_file(self, source_path, target_path):
             hr = self._host_rel(target_path)
             if hr is not None:  # the jail can write these dirs: no link of theirs is followed (write_beneath)
-                import rollout
                 base, rel, top = hr
                 if top == "tests":  # the tests come in only for the verifier: the agent phase ends
                     await asyncio.to_thread(self.box.end_agent_phase)
                 with open(source_path, "rb") as f:  # a host file Harbor chose (upload_dir passes a checked copy)
                     data = f.read()
-                rollout.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
+                sandbox.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
                                       uid=self.box.uid if top == "app" else None)
                 return
             data = base64.b64encode(Path(source_path).read_bytes()).decode()  # elsewhere: through the shell
@@ -654,10 +653,9 @@ if BaseEnvironment is not None:
                 await self._internal_exec(f"echo '{data[i:i + (64 << 10)]}' | base64 -d >> '{target_path}'")
 
         async def upload_dir(self, source_dir, target_dir):
-            import rollout
             stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
             try:  # the source is a task's dir (untrusted): checked and copied without following links first
-                rollout.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                sandbox.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
                                        self.box.limits.task_files, links=False)
                 for d, _, files in os.walk(os.path.join(stage, "t")):
                     for f in files:
@@ -671,8 +669,7 @@ if BaseEnvironment is not None:
             hr = self._host_rel(source_path)
             Path(target_path).parent.mkdir(parents=True, exist_ok=True)
             if hr is not None:  # written by the jail: read without following links, capped
-                import rollout
-                Path(target_path).write_bytes(rollout.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
+                Path(target_path).write_bytes(sandbox.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
                 return
             res = await self._internal_exec(f"base64 -w0 '{source_path}'")
             if res.return_code != 0:
@@ -684,10 +681,9 @@ if BaseEnvironment is not None:
             if host is None:
                 raise NotImplementedError(f"bwrap environment: download_dir outside /app, /logs, /tests: {source_dir}")
             if os.path.lexists(host):  # written by the jail: no link kept or followed, capped (copy_task_tree)
-                import rollout
                 stage = tempfile.mkdtemp(prefix="download-", dir=self.root)
                 try:
-                    rollout.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                    sandbox.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
                                            self.box.limits.task_files, links=False)
                     shutil.copytree(os.path.join(stage, "t"), target_dir, dirs_exist_ok=True)  # our own copy
                 finally:
@@ -695,10 +691,8 @@ if BaseEnvironment is not None:
 
 
 def _tools_sandbox_class():
-    import rollout
-
-    class ToolsSandbox(rollout.Sandbox):
-        """rollout.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
+    class ToolsSandbox(sandbox.Sandbox):
+        """sandbox.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
         venv (the main .venv: pytest, pytest-ctrf) mounted read-only and first on PATH."""
 
         def __init__(self, *args, tools_prefix=None, **kw):
@@ -730,7 +724,7 @@ def _tools_sandbox_class():
                 try:
                     st = os.lstat("verifier", dir_fd=fd)
                     if stat.S_ISDIR(st.st_mode):  # rm -rf: fts, never follows a link inside, any depth
-                        err = rollout.remove_tree(os.path.join(logs, "verifier"))
+                        err = sandbox.remove_tree(os.path.join(logs, "verifier"))
                         if err:
                             raise RuntimeError(f"sandbox: {err}")
                     else:
@@ -774,7 +768,7 @@ def _tools_sandbox_class():
     return ToolsSandbox
 
 
-def _ToolsSandbox(*args, **kw):  # noqa: N802  (built lazily: rollout is importable only from the repo)
+def _ToolsSandbox(*args, **kw):  # noqa: N802  (a factory: built lazily while Sandbox lived in rollout.py)
     return _tools_sandbox_class()(*args, **kw)
 
 
@@ -815,8 +809,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
     import data
     import reward
-    import rollout
-    t0, stop_event, limits = time.time(), stop_event or threading.Event(), rollout.make_limits(limits)
+    t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
     name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
@@ -883,11 +876,10 @@ def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, samp
               work_root=None, stop_event=None, gateway_mode="tito", reward_scale=None) -> dict:
     """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2).
     reward_scale: S in r = P / S of the harbor harness (None: reward.SCALE)."""
-    import rollout
     if agent != "model" or engine_url is None or tokenizer is None:
         return {"task": os.path.basename(str(task_dir)), "exit_reason": "error", "records": [], "turns": 0,
                 "reward": 0.0, "wall_s": 0.0, "error": f"harness {harness!r} needs agent 'model', engine_url and tokenizer"}
-    limits = rollout.make_limits(limits)
+    limits = sandbox.make_limits(limits)
     gw = gateway_for(engine_url, tokenizer, gateway_mode, limits.max_total_tokens)
     work_root = work_root or tempfile.mkdtemp(prefix="t1-gw-")
     if harness == "text":

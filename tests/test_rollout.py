@@ -1,4 +1,4 @@
-"""rollout.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
+"""rollout.py and sandbox.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
 import json
 import os
 import shutil
@@ -11,6 +11,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import rollout  # noqa: E402
+import sandbox  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
@@ -82,8 +83,8 @@ def task(tmp_path):
 
 @pytest.fixture
 def box(task, tmp_path):
-    limits = rollout.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
-    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+    limits = sandbox.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
+    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
         yield b
 
 
@@ -189,7 +190,7 @@ def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
     box.read(0.5)
     box.send_keys("sleep 100\n")
     box.read(0.3)
-    deadline = time.time() + 15  # C-c once sleep runs (launched as `nohup ... &`, sleep ignored SIGINT: rollout.py)
+    deadline = time.time() + 15  # C-c once sleep runs (launched as `nohup ... &`, sleep ignored SIGINT: sandbox.py)
     while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
         time.sleep(0.05)
     box.send_keys("C-c")
@@ -341,7 +342,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
     """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
     import threading
     stop = threading.Event()
-    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", rollout.Limits(max_procs=32), stop_event=stop) as b:
+    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32), stop_event=stop) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "y\n" * (1 << 20))
         time.sleep(1)
@@ -354,8 +355,8 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
 
 def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
     """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
-    limits = rollout.Limits(max_procs=32, max_duration_s=2.0)
-    with rollout.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+    limits = sandbox.Limits(max_procs=32, max_duration_s=2.0)
+    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "z\n" * (1 << 19))
         th.join(60)

@@ -1,4 +1,4 @@
-"""rollout.py's jail against a hostile agent and a hostile task directory (issue 11, section 1).
+"""sandbox.py's jail against a hostile agent and a hostile task directory (issue 11, section 1).
 
 Each test plays the attacker: the oracle's solve.sh runs as the agent (same uid, same jail as a model's commands), a
 task's test.sh runs what the agent wrote, a task directory carries links, devices, FIFOs and oversized files.
@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import rollout  # noqa: E402
+import sandbox  # noqa: E402
 from test_rollout import TEST_SH, make_task  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -63,7 +64,7 @@ def canary(tmp_path, name="canary.txt"):
 
 def test_agent_commands_cannot_open_by_handle_or_make_a_user_namespace(tmp_path):
     task = make_task(tmp_path)
-    with rollout.Sandbox(data.load_task(task), tmp_path / "trial") as box:
+    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         rc, out = box.exec("python3 /app/probe.py nowhere; unshare -U true; echo unshare=$?")
     assert "name_to_handle_at -1 Operation not permitted" in out, out
@@ -205,22 +206,22 @@ def test_copy_task_tree_keeps_in_tree_links_and_drops_special_bits(tmp_path):
     os.chmod(src / "sub" / "run.sh", 0o4755)
     os.symlink("sub/run.sh", src / "link")
     os.symlink("../link", src / "sub" / "back")
-    n = rollout.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
+    n = sandbox.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
     dst = tmp_path / "dst"
     assert os.readlink(dst / "link") == "sub/run.sh" and os.readlink(dst / "sub" / "back") == "../link"
     assert (dst / "link").read_text() == "echo hi\n" and stat.S_IMODE(os.stat(dst / "sub" / "run.sh").st_mode) == 0o755
     assert n == {"files": 4, "bytes": 8}
     with pytest.raises(ValueError, match="more than 3 files"):
-        rollout.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
+        sandbox.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
     assert not (tmp_path / "dst2").exists()
 
 
 def test_seccomp_filter_is_built_for_each_known_machine():
     for machine in ("x86_64", "aarch64"):
-        prog = rollout.seccomp_filter(machine)
+        prog = sandbox.seccomp_filter(machine)
         assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 4096
     with pytest.raises(RuntimeError, match="riscv64"):
-        rollout.seccomp_filter("riscv64")
+        sandbox.seccomp_filter("riscv64")
 
 
 # --- the Harbor path (gateway.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------------
@@ -233,7 +234,7 @@ def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_pat
     task = make_task(tmp_path)
     t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
                               name="harbor")
-    with gateway._ToolsSandbox(t, tmp_path / "trial", rollout.Limits()) as box:
+    with gateway._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
         rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
@@ -263,7 +264,7 @@ print("i386 name_to_handle_at", int80(341), "getpid", int80(20))
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 syscall ABI exists on x86_64 only")
 def test_i386_syscall_abi_cannot_name_a_handle(tmp_path):
     task = make_task(tmp_path)
-    with rollout.Sandbox(data.load_task(task), tmp_path / "trial") as box:
+    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(I386_PROBE)
         rc, out = box.exec("python3 /app/probe.py")
     # -1 (EPERM): refused by the filter; unfiltered it gets -14 (EFAULT: the NULL name), -38 without IA32 emulation

@@ -1,0 +1,772 @@
+"""Sandbox: the bubblewrap jail of one trial (limits, terminal, keystrokes, verifier run).
+
+Paper section "rollout" (T1, arXiv 2609.11042): every trial runs in a sandbox of its own; the agent's keystrokes
+go to a real shell there; when it stops, the task's tests are copied in and its own verifier scores the trial
+(reward.py: r = P/S). Sandbox is the local member of the sandbox interface, daytona_sandbox.DaytonaSandbox the
+cluster's; rollout.run_trial picks one (sandbox="bwrap" | "daytona"). The interface: Box(task, root_dir, limits,
+stop_event, solution).start() / close() (a context manager too), exec(cmd, timeout, env, as_root) -> (rc, output),
+send_keys(keystrokes, deadline), read(wait_s) -> the new output, run_verifier(scale) -> reward.compute's report,
+host_dir (the host's own logs).
+
+Run (as root): through rollout.py, `python rollout.py --task DIR --agent oracle|nop [--keep DIR]`; tests:
+tests/test_sandbox_security.py (a hostile agent, a hostile task dir), tests/test_rollout.py.
+
+The jails (the security contract):
+- Two per trial, one after the other, each a long-lived `bwrap ... sleep infinity` with new ipc/pid/net/uts/cgroup
+  namespaces (no network: a private loopback only), --die-with-parent, every capability dropped; /usr, /etc (and
+  the /bin, /lib links) read-only; the running Python's venv and base interpreter read-only at their own paths (so
+  `pytest --ctrf` works inside); a size-capped fresh /tmp tmpfs; nothing else of the host.
+- Every command enters a jail with nsenter and runs as a per-trial host uid under rlimits (prlimit): RLIMIT_NPROC,
+  RLIMIT_FSIZE, RLIMIT_AS, no core; no_new_privs, no capabilities, the seccomp filter below.
+- The agent's jail: /app and /logs writable (host dirs under the trial root, owned by the agent's uid 200000+),
+  /tests empty and read-only, /solution (oracle only) a checked copy, read-only.
+- The verifier's jail (run_verifier): the agent's jail is closed first (SIGKILL bwrap: its pid 1 dies, the kernel
+  kills its pid namespace; run_verifier checks it is empty), /app is lchowned to the verifier's uid (agent uid +
+  800000), then a fresh jail with /app, the task's tests read-only at /tests and a fresh /logs/verifier (a host dir
+  the agent never owned); `bash /tests/test.sh` runs as the verifier's uid with the agent's rlimits. The jail is
+  closed (every verifier process dead) before the report is read, as regular files owned by the verifier's uid.
+- seccomp (both jails, every command): open_by_handle_at, name_to_handle_at -> EPERM (a handle for the
+  filesystem's root opened through the /app mount reaches the whole host); clone / unshare with CLONE_NEWUSER ->
+  EPERM, clone3 -> ENOSYS (libc falls back to clone): a user namespace hands out every capability over new
+  namespaces, where most escapes start, and no task needs one; x32 syscalls, unknown 32-bit ABIs -> EPERM.
+- Task dirs are untrusted (copy_task_tree for environment/app, tests, solution): a root that is a link, links
+  absolute or leaving the tree, device files, FIFOs, sockets, more than Limits.task_files entries or task_bytes
+  bytes: ValueError naming the path (the trial: "error").
+- The host writes its own logs (host/oracle.txt, host/verifier_output.txt) into a root-only dir with O_CREAT |
+  O_EXCL | O_NOFOLLOW; it reads nothing the agent wrote, and touches /app only once every agent process is dead
+  (chown -R -P -h; rm -rf at the end: no link followed, any depth).
+- Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty (C-c reaches the
+  foreground job); read() returns the output since the last read, ANSI stripped. Keystrokes never block: send_keys
+  writes in chunks while draining the output, and drops what the terminal has not taken at the trial's deadline,
+  on cancellation or after max_duration_s without progress (a paste into `sleep 100`), saying so in the next read().
+
+Departures from the paper / Terminus-2:
+1. Local bubblewrap jails, not Daytona/Docker: the task's Dockerfile is ignored, environment/app/ is copied to
+   /app, the host's /usr provides the tools. bwrap runs as root without a user namespace (bwrap 0.8 as a plain uid
+   cannot bind dirs below the 0700 trial root); commands run as unprivileged uids, the verifier too (Harbor's: root).
+2. The process cap is RLIMIT_NPROC of the trial's uid (a fork bomb makes bash retry and fail; close() kills all).
+   Not bounded: CPU time; memory only per process (RLIMIT_AS), disk only per file and by the /tmp size.
+3. The agent is an unprivileged uid without network (Terminal-Bench agents are root): tasks that need apt/pip or
+   root cannot be solved here. The host needs root, and uids 200000..1799999 unused (verifiers 1000000+).
+4. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux screen capture;
+   read() may return before `duration` once the shell prompt is back.
+"""
+import dataclasses
+import fcntl
+import itertools
+import json
+import os
+import re
+import select
+import shutil
+import stat
+import signal
+import struct
+import subprocess
+import sys
+import termios
+import threading
+import time
+
+# --- limits ---------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Limits:
+    max_turns: int = 50
+    """model calls per trial (parse-error and confirmation turns count)"""
+    max_total_tokens: int = 8192
+    """prompt + output tokens of the whole trajectory (the tiny model's context)"""
+    trial_timeout_s: float = 900.0
+    """wall time of the agent phase (capped further by the task's [agent] timeout_sec)"""
+    agent_timeout_s: float = 0.0
+    """> 0: replaces the task's [agent] timeout_sec (the evaluation protocol's override, 3600 s in the paper)"""
+    verifier_timeout_s: float = 0.0
+    """> 0: replaces the task's [verifier] timeout_sec (the evaluation protocol's override, 900 s in the paper)"""
+    max_duration_s: float = 60.0
+    """cap on one keystroke's `duration` (Terminus-2 caps waits at 60 s)"""
+    cmd_timeout_s: float = 600.0
+    """default timeout of one Sandbox.exec command (oracle, verifier use the task's timeouts)"""
+    output_bytes: int = 10_000
+    """output cap of one exec / one observation (Terminus-2 keeps the first and last parts of 10 KB)"""
+    max_procs: int = 256
+    """RLIMIT_NPROC of the trial's uid"""
+    file_bytes: int = 256 << 20
+    """RLIMIT_FSIZE: largest file a command may write"""
+    mem_bytes: int = 4 << 30
+    """RLIMIT_AS per process"""
+    tmp_bytes: int = 256 << 20
+    """size of the /tmp tmpfs (the agent's and, a fresh one, the verifier's)"""
+    task_bytes: int = 1 << 30
+    """cap on the file bytes of one copied task tree (environment/app, tests, solution); paper silent"""
+    task_files: int = 100_000
+    """cap on the entries of one copied task tree; paper silent"""
+
+
+def make_limits(limits):
+    """Limits from None, a Limits, or a dict of field overrides (unknown keys raise)."""
+    if limits is None or isinstance(limits, Limits):
+        return limits or Limits()
+    if not isinstance(limits, dict):
+        raise ValueError(f"limits: expected Limits or dict, got {type(limits).__name__}")
+    names = {f.name for f in dataclasses.fields(Limits)}
+    bad = sorted(set(limits) - names)
+    if bad:
+        raise ValueError(f"limits: unknown keys {bad}; known: {sorted(names)}")
+    return Limits(**limits)
+
+
+# --- sandbox --------------------------------------------------------------------------------------
+TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid", "chown")
+PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
+_UIDS = itertools.count()
+KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
+        "Left": "\x1b[D", "BSpace": "\x7f"}  # tmux key names Terminus-2 agents use
+VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200000..999999, verifier 1000000..1799999)
+
+
+# -- seccomp: a classic-BPF filter, built here (no libseccomp) ---------------------------------------------------
+# per machine: {audit arch (native, then its 32-bit compat ABI): {syscall number: action}}; numbers from the kernel's
+# syscall tables (x86_64: syscall_64.tbl / syscall_32.tbl; aarch64: asm-generic unistd.h / arm's syscall.tbl)
+_SYSCALLS = {
+    "x86_64": {0xC000003E: {303: "eperm", 304: "eperm", 272: "flags", 56: "flags", 435: "enosys"},  # x86_64
+               0x40000003: {341: "eperm", 342: "eperm", 310: "flags", 120: "flags", 435: "enosys"}},  # i386
+    "aarch64": {0xC00000B7: {264: "eperm", 265: "eperm", 97: "flags", 220: "flags", 435: "enosys"},  # aarch64
+                0x40000028: {370: "eperm", 371: "eperm", 337: "flags", 120: "flags", 435: "enosys"}},  # arm
+}
+_X32_BIT = 0x40000000  # x86_64: syscall numbers of the x32 ABI carry this bit; all of them are refused
+_CLONE_NEWUSER = 0x10000000
+_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
+_EPERM, _ENOSYS = 1, 38
+
+
+def _insn(code, k, jt=0, jf=0):
+    return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
+
+
+def seccomp_filter(machine=None) -> bytes:
+    """The jail's seccomp program (struct sock_filter[]) for this machine: what it refuses is in the docstring.
+
+    Per syscall: "eperm" -> EPERM; "flags" (clone, unshare) -> EPERM when the flags ask for CLONE_NEWUSER;
+    "enosys" (clone3, whose flags sit behind a pointer a filter cannot read) -> ENOSYS, so libc falls back to clone.
+    An unknown audit arch (a 32-bit ABI the table does not know) -> EPERM for every syscall.
+    """
+    machine = machine or os.uname().machine
+    if machine not in _SYSCALLS:
+        raise RuntimeError(f"sandbox: no seccomp syscall table for machine {machine!r} (known: {sorted(_SYSCALLS)})")
+    ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
+    prog = [_insn(ld_w, 4)]  # seccomp_data.arch
+    for arch, table in _SYSCALLS[machine].items():
+        rules = sorted(table.items())
+        n = len(rules)
+        extra = 1 if arch == 0xC000003E else 0  # x32 check
+        # block: ld nr, [jge x32 -> eperm], n x jeq, allow, eperm, enosys, ld args[0], jset NEWUSER, eperm, allow
+        at = {"allow": 1 + extra + n, "eperm": 2 + extra + n, "enosys": 3 + extra + n, "flags": 4 + extra + n}
+        block = [_insn(ld_w, 0)]  # seccomp_data.nr
+        if extra:
+            block.append(_insn(jge, _X32_BIT, at["eperm"] - 2, 0))
+        for j, (nr, kind) in enumerate(rules):
+            here = 1 + extra + j
+            block.append(_insn(jeq, nr, at[kind] - here - 1, 0))
+        block += [_insn(ret, _RET_ALLOW), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ERRNO | _ENOSYS),
+                  _insn(ld_w, 16),  # low 32 bits of seccomp_data.args[0] (little-endian machines only)
+                  _insn(jset, _CLONE_NEWUSER, 0, 1), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ALLOW)]
+        prog.append(_insn(jeq, arch, 0, len(block)))
+        prog += block
+    prog.append(_insn(ret, _RET_ERRNO | _EPERM))  # an audit arch not in the table
+    return b"".join(prog)
+
+
+# Installs the filter (hex in argv[1]) with no_new_privs, then execs argv[2:]: the host-side head of every
+# nsenter chain, so the agent's commands (which do not descend from bwrap) run under the same filter.
+_SECCOMP_EXEC = """import ctypes, os, sys
+prog = bytes.fromhex(sys.argv[1])
+buf = ctypes.create_string_buffer(prog, len(prog))
+class P(ctypes.Structure):
+    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+fp = P(len(prog) // 8, ctypes.addressof(buf))
+libc = ctypes.CDLL(None, use_errno=True)
+u = ctypes.c_ulong
+if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(fp), u(0), u(0)):
+    sys.exit("seccomp: prctl failed: " + os.strerror(ctypes.get_errno()))
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _seccomp_prefix():
+    return [sys.executable, "-I", "-S", "-c", _SECCOMP_EXEC, seccomp_filter().hex()]
+
+
+# -- untrusted task trees -------------------------------------------------------------------------------------
+def copy_task_tree(src, dst, max_bytes, max_files, links=True):
+    """Copy a task's directory (untrusted) to a new directory dst without following any link.
+
+    Refused (ValueError naming the path and why; dst is removed, nothing is left copied): a source root that is a
+    link or not a directory; a link that is absolute or whose target leaves the tree being copied (in-tree relative
+    links are kept as links); device files, FIFOs, sockets; more than max_files entries or max_bytes of file data;
+    a tree deeper than 64 levels; with links=False, every link (for trees a jail wrote: nothing in them is followed
+    or kept). The in-tree check is lexical: the host never follows a copied link, only a jail resolves it. Every
+    file and directory is opened with O_NOFOLLOW; modes keep rwx bits only (no setuid/setgid/sticky). dst must not
+    exist; it is created with mode 0755, owned by the caller.
+    """
+    src, dst = os.path.abspath(str(src)), os.path.abspath(str(dst))
+    try:
+        st = os.lstat(src)
+    except FileNotFoundError:
+        raise ValueError(f"{src}: does not exist") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{src}: is a symbolic link (a task directory must be a real directory)")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"{src}: is not a directory")
+    os.mkdir(dst, 0o755)
+    count = {"files": 0, "bytes": 0}
+    try:
+        sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            _copy_dir(sfd, dfd, src, "", count, max_bytes, max_files, 0, links)
+        finally:
+            os.close(sfd)
+            os.close(dfd)
+    except BaseException:
+        shutil.rmtree(dst, ignore_errors=True)
+        raise
+    return count
+
+
+def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth, links):
+    if depth > 64:
+        raise ValueError(f"{os.path.join(src_root, rel)}: more than 64 directory levels")
+    for name in sorted(os.listdir(sfd)):
+        path, sub = os.path.join(src_root, rel, name), os.path.join(rel, name)
+        count["files"] += 1
+        if count["files"] > max_files:
+            raise ValueError(f"{src_root}: more than {max_files} files and directories (at {path})")
+        st = os.lstat(name, dir_fd=sfd)
+        mode = stat.S_IMODE(st.st_mode) & 0o777
+        if stat.S_ISLNK(st.st_mode):
+            target = os.readlink(name, dir_fd=sfd)
+            inside = os.path.normpath(os.path.join(rel, target))
+            if not links:
+                raise ValueError(f"{path}: is a symbolic link (to {target!r}); links are refused here")
+            if os.path.isabs(target) or inside == ".." or inside.startswith("../"):
+                raise ValueError(f"{path}: link to {target!r} leaves {src_root} (only relative links inside the "
+                                 f"tree are copied)")
+            os.symlink(target, name, dir_fd=dfd)
+        elif stat.S_ISDIR(st.st_mode):
+            os.mkdir(name, 0o700, dir_fd=dfd)
+            s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sfd)
+            d2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
+            try:
+                _copy_dir(s2, d2, src_root, sub, count, max_bytes, max_files, depth + 1, links)
+                os.chmod(d2, mode | 0o700)
+            finally:
+                os.close(s2)
+                os.close(d2)
+        elif stat.S_ISREG(st.st_mode):
+            r = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=sfd)
+            try:
+                if not stat.S_ISREG(os.fstat(r).st_mode):  # swapped since the lstat
+                    raise ValueError(f"{path}: changed while being copied")
+                w = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
+                try:
+                    while True:
+                        chunk = os.read(r, 1 << 20)
+                        if not chunk:
+                            break
+                        count["bytes"] += len(chunk)
+                        if count["bytes"] > max_bytes:
+                            raise ValueError(f"{src_root}: more than {max_bytes} bytes of files (at {path})")
+                        os.write(w, chunk)
+                    os.fchmod(w, mode)
+                finally:
+                    os.close(w)
+            finally:
+                os.close(r)
+        else:
+            kind = ("a device file" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
+                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
+                    "not a regular file")
+            raise ValueError(f"{path}: is {kind} (refused in a task directory)")
+
+
+def write_host_file(path, text):
+    """Write a new host-side log file: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or link is never followed."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def _open_dir_beneath(base, parts, create_uid=None):
+    """fd of base/parts[0]/... walked one component at a time with O_NOFOLLOW (a link anywhere -> OSError ELOOP /
+    ENOTDIR); missing dirs are created (0755, chowned to create_uid) when create_uid is not None."""
+    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for part in parts:
+            if part in ("", ".", ".."):
+                raise ValueError(f"{base}: bad path component {part!r} in {'/'.join(parts)!r}")
+            if create_uid is not None:
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                    os.chown(part, create_uid, create_uid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def write_beneath(base, rel, data: bytes, mode=0o644, uid=None):
+    """Write data to base/rel (a dir a jail can write) without following a link at any component; the file is
+    replaced if it is a regular file; owned by uid (None: the caller)."""
+    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"{base}: bad relative path {rel!r}")
+    dfd = _open_dir_beneath(base, parts[:-1], create_uid=os.geteuid() if uid is None else uid)
+    try:
+        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, mode,
+                     dir_fd=dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
+            if uid is not None:
+                os.fchown(fd, uid, uid)
+            os.write(fd, data)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(dfd)
+
+
+def read_beneath(base, rel, max_bytes):
+    """Read base/rel (a file a jail wrote): no link followed at any component, a regular file, at most max_bytes."""
+    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
+    if not parts or ".." in parts:
+        raise ValueError(f"{base}: bad relative path {rel!r}")
+    dfd = _open_dir_beneath(base, parts[:-1])
+    try:
+        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
+    finally:
+        os.close(dfd)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
+        data = f.read(max_bytes + 1)
+    if len(data) > max_bytes:
+        raise ValueError(f"{os.path.join(base, rel)}: larger than {max_bytes} bytes")
+    return data
+
+
+def _pidns_procs(ns):
+    """Host pids of the live processes in pid namespace `ns` (a readlink of /proc/PID/ns/pid); zombies are dead
+    (they run no code) and left out: the jail's pid 1 stays one until the host's init reaps it."""
+    out = []
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                if os.readlink(f"/proc/{p}/ns/pid") == ns:
+                    with open(f"/proc/{p}/stat") as f:
+                        if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
+                            out.append(int(p))
+            except OSError:
+                pass
+    return out
+
+
+def _uid_procs_in(ns, uid):
+    """Host pids of the processes of pid namespace `ns` whose real uid is `uid`."""
+    out = []
+    for p in _pidns_procs(ns):
+        try:
+            with open(f"/proc/{p}/status") as f:
+                if any(ln.startswith("Uid:") and ln.split()[1] == str(uid) for ln in f):
+                    out.append(p)
+        except OSError:
+            pass
+    return out
+
+
+class _Capped:
+    """Byte collector that keeps the first and last cap/2 bytes and counts what it dropped."""
+
+    def __init__(self, cap):
+        self.half, self.head, self.tail, self.dropped = max(cap // 2, 1), bytearray(), bytearray(), 0
+
+    def add(self, data):
+        room = max(self.half - len(self.head), 0)
+        self.head, self.tail = self.head + data[:room], self.tail + data[room:]
+        if len(self.tail) > self.half:
+            self.dropped += len(self.tail) - self.half
+            del self.tail[:len(self.tail) - self.half]
+
+    def text(self):
+        mid = f"\n[... output truncated: {self.dropped} bytes omitted ...]\n".encode() if self.dropped else b""
+        return clean(bytes(self.head + mid + self.tail))
+
+
+def clean(data: bytes) -> str:
+    """Terminal bytes -> text: utf-8, ANSI escapes and carriage returns removed."""
+    return _ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r", "")
+
+
+def _kill_group(proc):
+    if proc is not None and proc.poll() is None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (start_new_session)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def remove_tree(path):
+    """rm -rf a trial's tree (fts: any depth; shutil.rmtree recurses in Python and an agent's 3000-level tree raised
+    RecursionError out of run_trial's finally); -> None, or the error text (never raises: used in finally blocks)."""
+    p = subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, text=True)
+    return None if p.returncode == 0 else f"rm -rf {path} failed: {p.stderr[-500:]}"
+
+
+def _chown_tree(path, uid):
+    """lchown a tree, links not followed (chown -R -P -h: fts, any depth or path length; a tree the agent built)."""
+    p = subprocess.run(["chown", "-R", "-P", "-h", f"{uid}:{uid}", "--", path], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError(f"sandbox: chown -R {uid} {path} failed: {p.stderr[-500:]}")
+
+
+class Sandbox:
+    """A bubblewrap jail for one trial; context manager. See the module docstring for what is visible.
+
+    Two jails in turn: the agent's (start(), until run_verifier()) and the verifier's (run_verifier()). The verifier
+    runs as its own uid, agent uid + VERIFIER_UID_OFFSET, not the agent's: the agent's processes are all dead by
+    then (its jail is closed and run_verifier checks its pid namespace is empty), but a distinct uid keeps that
+    from being the only guard: a process of the agent's uid that survived by a bug could neither signal nor
+    ptrace the verifier, nor write its /logs/verifier, and the report files must be owned by a uid that no agent
+    process ever ran as.
+    """
+
+    def __init__(self, task, root_dir, limits=None, stop_event=None, solution=False):
+        missing = [t for t in TOOLS if shutil.which(t) is None]
+        if missing:
+            raise RuntimeError(f"sandbox: missing tools {missing} (install bubblewrap and util-linux)")
+        if os.geteuid() != 0:
+            raise RuntimeError("sandbox: must run as root (namespaces, nsenter and per-trial uids)")
+        self.task, self.root, self.limits = task, os.path.abspath(root_dir), make_limits(limits)
+        self.stop_event, self.solution = stop_event or threading.Event(), solution
+        self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid (the agent's)
+        self.verifier_uid = self.uid + VERIFIER_UID_OFFSET
+        self.run_uid = self.uid  # the uid exec() and the terminal run as: the agent's, then the verifier's
+        self.jail = self.term = self.pid = self.pidns = None  # pid: host pid of the jail's pid 1; pidns: its ns
+        self.master = -1  # pty master of the terminal
+        self.host_dir = os.path.join(self.root, "host")  # host-written logs (oracle.txt, verifier_output.txt)
+        self.verifier_logs = os.path.join(self.root, "verifier", "logs")  # the verifier's /logs/verifier
+        self._pending = None  # terminal output drained by send_keys, returned by the next read()
+        self.keys_dropped = 0  # bytes of keystrokes the terminal never took (send_keys)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _bwrap_args(self, phase="agent"):
+        a = ["bwrap", "--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
+             "--die-with-parent", "--cap-drop", "ALL", "--ro-bind", "/usr", "/usr", "--ro-bind", "/etc", "/etc"]
+        for d in ("/bin", "/sbin", "/lib", "/lib32", "/lib64"):
+            if os.path.islink(d):
+                a += ["--symlink", os.readlink(d), d]
+            elif os.path.isdir(d):
+                a += ["--ro-bind", d, d]
+        # /tmp first: a venv that lives under /tmp (a CI clone) is bound on top of the tmpfs, not hidden by it
+        a += ["--perms", "1777", "--size", str(self.limits.tmp_bytes), "--tmpfs", "/tmp"]
+        prefixes = {sys.prefix, sys.base_prefix, os.path.realpath(sys.prefix), os.path.realpath(sys.base_prefix)}
+        for p in sorted(p for p in prefixes if not p.startswith("/usr/")):
+            parts = p.strip("/").split("/")
+            for i in range(1, len(parts)):  # intermediate dirs readable (0755), nothing else of them
+                if "/" + "/".join(parts[:i]) != "/tmp":
+                    a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:i])]
+            a += ["--ro-bind", p, p]
+        r = self.root
+        if phase == "agent":
+            a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests"]
+            if self.solution and self.task.solution_dir:
+                a += ["--ro-bind", f"{r}/solution", "/solution"]
+        else:  # the verifier: the agent's /app, the task's tests, a fresh /logs/verifier; nothing else of the trial
+            a += ["--bind", f"{r}/app", "/app", "--ro-bind", f"{r}/verifier/tests", "/tests",
+                  "--perms", "0755", "--dir", "/logs", "--bind", self.verifier_logs, "/logs/verifier"]
+        return a + ["--proc", "/proc", "--dev", "/dev", "--chdir", "/app"]
+
+    def start(self):
+        """Stage the task (untrusted: copy_task_tree, no link followed) and start the agent's jail."""
+        r, L = self.root, self.limits
+        os.makedirs(r, mode=0o700, exist_ok=True)
+        st = os.lstat(r)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
+            raise ValueError(f"sandbox: trial dir {r} must be a directory owned by uid {os.geteuid()} (not a link)")
+        os.chmod(r, 0o700)  # the trial's host dirs: reached only by root and through the jails' binds
+        for d in ("host", "verifier", "logs", "logs/agent", "tests"):
+            os.mkdir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh: FileExistsError
+        app_src = os.path.join(self.task.env_dir, "app")
+        if os.path.lexists(app_src):
+            copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
+        else:
+            os.mkdir(f"{r}/app", 0o755)
+        # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the agent
+        # phase) and bound into the verifier's jail only; None: the caller brings them itself (Harbor's upload_dir)
+        if self.task.tests_dir is not None:
+            copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
+        if self.solution and self.task.solution_dir:
+            copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
+        for d in ("app", "logs"):
+            _chown_tree(f"{r}/{d}", self.uid)
+        self._start_jail(self._bwrap_args("agent"))
+        return self
+
+    def _start_jail(self, args):
+        """Start `args` (bwrap ...) running `sleep infinity` as the jail's pid 1, under the seccomp filter."""
+        (rfd, wfd), (sfd, swfd) = os.pipe(), os.pipe()
+        prog = seccomp_filter()
+        os.write(swfd, prog)  # a few hundred bytes: fits the pipe buffer
+        os.close(swfd)
+        try:
+            self.jail = subprocess.Popen(
+                args[:1] + ["--info-fd", str(wfd), "--seccomp", str(sfd)] + args[1:] +
+                ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                pass_fds=(wfd, sfd), start_new_session=True)
+        finally:
+            os.close(wfd)
+            os.close(sfd)
+        with os.fdopen(rfd) as info:
+            ready, _, _ = select.select([self.jail.stdout], [], [], 20)
+            line = self.jail.stdout.readline() if ready else b""
+            if line.strip() != b"ready":
+                _kill_group(self.jail)
+                raise RuntimeError(f"sandbox: bwrap did not start: {self.jail.stderr.read()[-800:].decode()!r}")
+            self.pid = json.loads(info.read())["child-pid"]
+        self.pidns = os.readlink(f"/proc/{self.pid}/ns/pid")
+
+    def _close_jail(self, timeout=10.0):
+        """Kill the jail (terminal, then bwrap: pid 1 dies, the kernel kills its pid namespace) and wait until no
+        process is left in its pid namespace; RuntimeError if one is still there after `timeout` seconds."""
+        _kill_group(self.term)
+        self.term = None
+        if self.master >= 0:
+            os.close(self.master)
+            self.master = -1
+        _kill_group(self.jail)
+        for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
+            s.close()
+        ns, self.jail, self.pid, self.pidns = self.pidns, None, None, None
+        deadline = time.time() + timeout
+        while ns is not None and _pidns_procs(ns):
+            if time.time() > deadline:
+                raise RuntimeError(f"sandbox: processes {_pidns_procs(ns)} of the closed jail ({ns}) are still alive "
+                                   f"after {timeout:g} s")
+            time.sleep(0.02)
+
+    def kill_uid(self, uid, timeout=10.0):
+        """SIGKILL every process of `uid` in the jail (the jail itself stays); wait until they are gone."""
+        deadline = time.time() + timeout
+        while True:
+            pids = _uid_procs_in(self.pidns, uid) if self.pidns else []
+            if not pids:
+                return
+            if time.time() > deadline:
+                raise RuntimeError(f"sandbox: processes {pids} of uid {uid} survive SIGKILL after {timeout:g} s")
+            for p in pids:
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.02)
+
+    def _env(self, extra=None):
+        env = {"PATH": f"{sys.prefix}/bin:/usr/local/bin:/usr/bin:/bin", "HOME": "/tmp", "TERM": "dumb",
+               "LANG": "C.UTF-8", "PS1": "$PWD" + PROMPT_END, "PYTHONDONTWRITEBYTECODE": "1"}
+        return {**env, **(extra or {})}
+
+    def _enter(self, argv, as_root=False):
+        """argv run inside the jail's namespaces as run_uid (or the jail's root, for Harbor's root execs), under the
+        rlimits and the seccomp filter (installed on the host before nsenter; inherited by everything after)."""
+        L, u = self.limits, "0" if as_root else str(self.run_uid)
+        caps = "-all,+chown,+dac_override,+fowner" if as_root else "-all"  # never dac_read_search (open_by_handle)
+        return (_seccomp_prefix() +
+                ["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
+                 "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
+                 "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
+                 "--inh-caps=-all", f"--bounding-set={caps}", "--"] + list(argv))
+
+    def exec(self, cmd, timeout=None, env=None, as_root=False):
+        """Run `bash -c cmd` in the jail (non-interactive) -> (returncode, output capped); 124 on timeout."""
+        if self.pid is None:
+            raise RuntimeError("sandbox: exec before start()")
+        timeout = self.limits.cmd_timeout_s if timeout is None else timeout
+        p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, start_new_session=True, env=self._env(env))
+        out, deadline, note = _Capped(self.limits.output_bytes), time.time() + timeout, ""
+        fd, exited_at = p.stdout.fileno(), None
+        while True:
+            if time.time() > deadline or self.stop_event.is_set():
+                note = f"\n[command timed out after {timeout:g} s]" if not self.stop_event.is_set() else "\n[cancelled]"
+                _kill_group(p)  # the command's process group; escaped (setsid) processes die at close()
+                break
+            ready, _, _ = select.select([fd], [], [], 0.05)
+            data = os.read(fd, 65536) if ready else b""
+            if ready and not data:
+                break  # EOF
+            out.add(data)
+            if p.poll() is not None and not data:  # exited; background children may hold the pipe
+                exited_at = exited_at or time.time()
+                if time.time() - exited_at > 0.2:
+                    break
+        p.stdout.close()
+        rc = p.wait()
+        return (124 if note.startswith("\n[command timed out") else rc), out.text() + note
+
+    # -- terminal (pty) --
+    def _open_terminal(self):
+        self.master, slave = os.openpty()
+        os.set_blocking(self.master, False)  # send_keys gives up at the deadline instead of blocking forever
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
+        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); env
+            # --default-signal: a run started in the background (`nohup bash run.sh &`) ignores SIGINT / SIGQUIT
+            # / SIGHUP, which every child would inherit, and C-c would no longer interrupt the agent's commands
+            shell = ["env", "--default-signal=HUP,INT,QUIT", "setsid", "-c", "bash", "--norc", "--noprofile", "-i"]
+            self.term = subprocess.Popen(self._enter(shell),
+                                         stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
+                                         env=self._env())
+        finally:
+            os.close(slave)
+
+    def send_keys(self, keystrokes: str, deadline=None) -> int:
+        """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal -> bytes dropped.
+
+        Never blocks past `deadline` (time.time() seconds; the trial's end) or stop_event: the pty master is
+        non-blocking and written in chunks while the terminal's output is drained (kept for the next read(), so
+        the pty cannot deadlock on a full output queue). A command that is not reading (`sleep 100` in the
+        foreground) stops taking input once the tty's queue is full: the rest is dropped at the deadline, on
+        cancellation, or after limits.max_duration_s without progress, and the next read() says how many bytes
+        were not delivered (also counted in self.keys_dropped).
+        """
+        if self.term is None or self.term.poll() is not None:
+            if self.master >= 0:
+                os.close(self.master)
+            self._open_terminal()  # first use, or the agent's shell exited: a fresh one
+        k = keystrokes.strip()
+        data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else KEYS.get(k, keystrokes)  # C-c -> \x03
+        buf, sent, why = data.encode(), 0, None
+        stall, last_progress = self.limits.max_duration_s, time.time()
+        while sent < len(buf):  # one write attempt at least, then the limits
+            now = time.time()
+            left = 0.05 if deadline is None else max(deadline - now, 0)
+            wait = min(0.05, max(stall - (now - last_progress), 0), left)
+            readable, writable, _ = select.select([self.master], [self.master], [], wait)
+            if readable and not self._drain():
+                why = "the shell exited"  # the next send_keys restarts it
+                break
+            n = 0
+            if writable:
+                try:
+                    n = os.write(self.master, buf[sent:sent + 4096])
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    why = "the shell exited"
+                    break
+            if n:
+                sent, last_progress = sent + n, time.time()
+            now = time.time()
+            if sent == len(buf):
+                break
+            if self.stop_event.is_set():
+                why = "the trial was cancelled"
+            elif deadline is not None and now >= deadline:
+                why = "the trial's time ran out"
+            elif now - last_progress >= stall:
+                why = f"the terminal took none of them for {stall:g} s"
+            if why:
+                break
+            if writable and not n:
+                time.sleep(0.01)  # writable but full: do not spin
+        dropped = len(buf) - sent
+        if dropped:
+            self.keys_dropped += dropped
+            self._pending_out().add(f"\n[{dropped} of {len(buf)} bytes of keystrokes not delivered: "
+                                    f"{why}]\n".encode())
+        return dropped
+
+    def _pending_out(self):
+        if self._pending is None:
+            self._pending = _Capped(self.limits.output_bytes)
+        return self._pending
+
+    def _drain(self) -> bool:
+        """Move the terminal's waiting output into the buffer the next read() returns; False once the shell exited."""
+        try:
+            data = os.read(self.master, 65536)
+        except (BlockingIOError, InterruptedError):
+            return True
+        except OSError:
+            return False  # EIO: the shell exited
+        self._pending_out().add(data)
+        return bool(data)
+
+    def read(self, wait_s=0.5) -> str:
+        """Output since the last read, collected for up to wait_s (earlier once the prompt is back), capped."""
+        if self.term is None:
+            self._open_terminal()
+        out, self._pending = self._pending or _Capped(self.limits.output_bytes), None
+        end, last = time.time() + wait_s, bytes((out.head + out.tail)[-64:])
+        while time.time() < end and not self.stop_event.is_set():
+            ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
+            if not ready:
+                if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
+                    break  # shell prompt back and quiet for 50 ms
+                continue
+            try:
+                data = os.read(self.master, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                break  # shell exited
+            out.add(data)
+            last = (last + data)[-64:]
+        return out.text()
+
+    # -- verifier --
+    def run_verifier(self, scale=None) -> dict:
+        """Close the agent's jail, run `bash /tests/test.sh` in a fresh jail of its own, close it, score.
+
+        The verifier: uid verifier_uid (/app chowned to it once every agent process is dead, so it reads and may
+        modify the agent's files as Harbor's root verifier could), no capabilities, the agent's rlimits and seccomp
+        filter, a fresh /tmp, /tests read-only, a fresh /logs/verifier (a host dir the agent never owned). The
+        report is read only after every verifier process is dead, as regular files owned by verifier_uid.
+        """
+        import reward  # not at the top: reward imports torch, absent from Harbor's venv, which imports this module
+        scale = reward.SCALE if scale is None else scale
+        self._close_jail()  # every agent process dies here (RuntimeError if one does not)
+        _chown_tree(os.path.join(self.root, "app"), self.verifier_uid)
+        os.mkdir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
+        os.chown(self.verifier_logs, self.verifier_uid, self.verifier_uid)
+        self.run_uid = self.verifier_uid
+        self._start_jail(self._bwrap_args("verifier"))
+        timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
+        try:
+            rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"})
+        finally:
+            self._close_jail()  # every verifier process dies before the report is read
+        write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
+        return reward.compute(self.verifier_logs, scale, n_assertions=self.task.n_assertions,
+                              owner_uid=self.verifier_uid)
+
+    def close(self):
+        """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed)."""
+        try:
+            self._close_jail()
+        except RuntimeError as e:  # close() runs in finally blocks: report, never raise
+            print(f"[Sandbox] {e}", file=sys.stderr)
