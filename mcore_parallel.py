@@ -73,6 +73,7 @@ import contextlib
 
 import torch
 
+import cp_gdn
 import mcore
 
 # --- context parallel: contiguous sequence chunks over parallel_state's CP group (departure 2) -----------------
@@ -161,7 +162,7 @@ def cp_dot_product_attention():
     return CPDotProductAttention
 
 
-# --- context-parallel Gated DeltaNet: Megatron's layer, infra.py's CP recurrence -----------------------------
+# --- context-parallel Gated DeltaNet: Megatron's layer, cp_gdn.py's CP recurrence ---------------------------
 # Paper: "native context parallelism for the recurrent operator". megatron-core 0.16.1 refuses it
 # (TransformerConfig.__post_init__: "Gated delta net does not support context parallel for now"; gated_delta_net.py
 # keeps `# TODO: support CP`). Inside GatedDeltaNet.forward only two things cross tokens: the causal depthwise
@@ -204,17 +205,16 @@ class _ConvHalo(torch.autograd.Function):
 def context_parallel_gdn(model, group=None, chunk_size=64):
     """Inside the block every Megatron GatedDeltaNet in `model` runs as one rank of the context-parallel `group`
     (default: the layer's own pg_collection.cp, Megatron's CP group) on this rank's slice of the sequence,
-    hidden_states [S_r, B, H] with the slices cut by infra.cp_split (chunk boundaries). Outputs and input
+    hidden_states [S_r, B, H] with the slices cut by cp_gdn.cp_split (chunk boundaries). Outputs and input
     gradients are this rank's slices; parameter gradients are partial sums (Megatron's DDP reduces them over
     DP x CP). How (departure 2):
       1. conv1d: a forward pre-hook prepends the K-1 halo columns (_ConvHalo), a forward hook drops the K-1
          extra leading outputs, so the forward's own `[..., :seq_len]` slice is exact.
       2. recurrence: the module-level `chunk_gated_delta_rule` / `torch_chunk_gated_delta_rule` the forward
-         calls -> infra.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
+         calls -> cp_gdn.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
          `causal_conv1d_fn` -> None for the block so the (hooked) nn.Conv1d path runs on GPU too.
       3. TransformerConfig keeps context_parallel_size = 1 (it asserts that for GDN); the CP group is passed here.
     """
-    import infra
     from megatron.core.ssm import gated_delta_net as gdn
     layers = [m for m in model.modules() if isinstance(m, gdn.GatedDeltaNet)]
     group = group if group is not None else layers[0].pg_collection.cp
@@ -222,7 +222,7 @@ def context_parallel_gdn(model, group=None, chunk_size=64):
     def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
                    **unused):  # as GatedDeltaNet.forward calls either kernel
         assert initial_state is None and not output_final_state  # training forward: the sequence starts on rank 0
-        return infra.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
+        return cp_gdn.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
 
     hooks = []
     for m in layers:

@@ -6,7 +6,7 @@ embedded scale uses the same Hugging Face architecture (Qwen3_5MoeForCausalLM) a
 small torch server that speaks SGLang's `/generate` protocol, so rollout.py has one client.
 
     python model.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
-    python model.py bench          # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
+    python bench.py engine         # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
 
 In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a
 Ray actor (infra.EngineActor); `python model.py serve` runs it as its own process.
@@ -797,40 +797,6 @@ def _make_handler(engine):
 
 
 # --- CLI ----------------------------------------------------------------------------------------
-def _post(url, obj):
-    req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
-    """Decode tokens/s of the tiny model: 1 request vs n_concurrent requests in one wave."""
-    tok = train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
-    save_checkpoint(build_actor(tiny_config(len(tok)), seed=0), tok, work_dir)
-    engine = EngineServer(work_dir, max_batch=n_concurrent).start()
-    body = {"input_ids": render_ids(tok, "user", "list the files") + tok.encode(ASSISTANT_PREFIX),
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
-            "return_logprob": True, "return_routed_experts": True}
-    try:
-        _post(engine.url + "/generate", body)  # warm-up
-        figures = {}
-        for n in (1, n_concurrent):
-            best = 0.0
-            for _ in range(repeats):  # best of `repeats`: the 2-core machine is often shared
-                threads = [threading.Thread(target=_post, args=(engine.url + "/generate", body)) for _ in range(n)]
-                t0 = time.time()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                best = max(best, n * new_tokens / (time.time() - t0))
-            figures[f"tokens_per_s_{n}"] = best
-        figures["speedup"] = figures[f"tokens_per_s_{n_concurrent}"] / figures["tokens_per_s_1"]
-        return figures
-    finally:
-        engine.stop()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -841,14 +807,8 @@ def main():
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    b = sub.add_parser("bench", help="decode throughput, 1 vs 8 concurrent requests")
-    b.add_argument("--work-dir", default="/tmp/t1_engine_bench")
-    b.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.cmd == "bench":
-        print(json.dumps(bench(args.work_dir)))
-        return
     engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:

@@ -33,7 +33,7 @@ parallel split, the pipeline stage's MoE layers, Megatron's [s, b] token order) 
 native `RouterReplay` instances (RECORD / REPLAY_FORWARD; `ctx.backward_mode()` -> REPLAY_BACKWARD for
 recompute); router fusion is refused.
 
-    python r3.py measure --quick   # one JSON line: dlogp_off, dlogp_on, expert_set_mismatch_off,
+    python bench.py r3 --quick     # one JSON line: dlogp_off, dlogp_on, expert_set_mismatch_off,
                                    # capture_overhead_ratio, bytes_per_position (~25 s on 2 cores)
 
 `mismatch(model, input_ids, attention_mask, experts, loss_mask)` is the per-step R3 figure: the
@@ -72,13 +72,8 @@ Departures from the paper:
    as engine wave time with return_routed_experts on vs off (same requests, seeds, batch), interleaved.
 """
 
-import argparse
 import base64
 import contextlib
-import json
-import tempfile
-import threading
-import time
 
 import numpy as np
 import torch
@@ -466,107 +461,3 @@ def megatron_routing(model, mode: str, layer_experts=None):
             rp.__dict__.pop("get_replay_topk", None)
             if mode != "record":
                 rp.clear_indices()
-
-
-# --- measurement: abs(delta log p) engine vs trainer with R3 off / on, capture overhead ---------------
-def _generate_wave(engine, bodies):
-    """POST every body while the engine is paused, then resume: one wave, same batch every time."""
-    import model as model_lib
-    outs = [None] * len(bodies)
-
-    def post(i):
-        outs[i] = model_lib._post(engine.url + "/generate", bodies[i])
-
-    engine.pause()
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    while True:  # every request queued before the wave starts
-        with engine.cv:
-            if len(engine.queue) == len(bodies):
-                break
-        time.sleep(0.005)
-    t0, c0 = time.perf_counter(), time.process_time()
-    engine.resume()
-    for t in threads:
-        t.join()
-    return outs, (time.perf_counter() - t0, time.process_time() - c0)  # (wall s, CPU s of this process)
-
-
-def measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
-    """The R3 figures on one set of rollouts from the embedded engine (bf16-rounded weights, default)."""
-    import model as model_lib
-    texts = [f"task {i}: list the files in /srv/data{i}, count lines of log{i}.txt, write the sum to out{i}"
-             for i in range(64)]
-    tok = model_lib.train_tokenizer(texts, 400)
-    work = tempfile.mkdtemp(prefix="r3_measure_")
-    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed), tok, work)
-    prompts = [model_lib.render_ids(tok, "user", texts[i * 7 % 64][: 20 + 9 * i]) + tok.encode(model_lib.ASSISTANT_PREFIX)
-               for i in range(n_requests)]
-
-    def bodies(capture):  # same requests and per-request seeds whether capture is on or off
-        return [{"input_ids": p, "return_logprob": True, "return_routed_experts": capture,
-                 "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
-                                     "seed": seed + i}} for i, p in enumerate(prompts)]
-
-    engine = model_lib.EngineServer(work, max_batch=n_requests, weight_dtype="bf16").start()
-    try:
-        outs, _ = _generate_wave(engine, bodies(True))
-        times = {True: [], False: []}  # capture -> [(wall s, CPU s)]
-        for r in range(repeats):  # interleaved, order alternating, to cancel drift on a shared machine
-            for capture in ((True, False) if r % 2 else (False, True)):
-                times[capture].append(_generate_wave(engine, bodies(capture))[1])
-        L, k = engine.num_layers, engine.top_k
-    finally:
-        engine.stop()
-
-    # trainer: fp32 master weights, the same checkpoint, the exact sampled token ids
-    trainer, _ = model_lib.load_actor(work)
-    trainer.eval()
-    B, T = len(outs), max(len(p) + len(o["output_ids"]) for p, o in zip(prompts, outs))
-    ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) right-padded
-    am, m, lp_rollout = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B, T)
-    experts = torch.full((B, T, L, k), -1, dtype=torch.int32)  # (B, T, L, k)
-    for b, (p, o) in enumerate(zip(prompts, outs)):
-        n_in, n = len(p), len(p) + len(o["output_ids"])
-        ids[b, :n] = torch.tensor(p + o["output_ids"])
-        am[b, :n] = 1
-        m[b, n_in:n] = 1  # loss on sampled tokens only
-        lp_rollout[b, n_in:n] = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
-        experts[b, :n - 1] = torch.from_numpy(decode_routed_experts(o["meta_info"]["routed_experts"], L, k))
-    check_capture(experts[0, :int(am[0].sum())], m[0, :int(am[0].sum())])
-
-    def dlogp(mode):
-        with torch.no_grad(), routing(trainer, mode, experts if mode == "replay" else None):
-            logits = trainer(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-        lp = F.pad(lp, (1, 0))  # lp[:, j] = log pi(tokens[j] | tokens[:j])
-        return float(((lp - lp_rollout).abs() * m).sum() / m.sum())  # mask-weighted mean |delta log p|
-
-    wall = {c: sum(x[0] for x in v) for c, v in times.items()}
-    cpu = {c: sum(x[1] for x in v) for c, v in times.items()}  # CPU time: robust to other jobs on the machine
-    return {"dlogp_off": dlogp("off"), "dlogp_on": dlogp("replay"),
-            "expert_set_mismatch_off": mismatch(trainer, ids, am, experts, m),
-            "capture_overhead_ratio": cpu[True] / cpu[False], "capture_overhead_ratio_wall": wall[True] / wall[False],
-            "bytes_per_position": L * k * 4, "bytes_per_position_paper": 48 * 8 * 4,
-            "num_layers": L, "top_k": k, "n_requests": B, "sampled_tokens": int(m.sum()),
-            "engine_weights": "bf16-rounded", "trainer_weights": "fp32",
-            "wave_cpu_s_on": cpu[True] / repeats, "wave_cpu_s_off": cpu[False] / repeats, "repeats": repeats}
-
-
-def main():
-    p = argparse.ArgumentParser(description="R3 measurement: engine vs trainer logprobs with replay off/on")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("measure", help="print one JSON line of R3 figures")
-    s.add_argument("--quick", action="store_true", help="8 requests x 24 tokens (under a minute on 2 cores)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    kw = dict(n_requests=8, new_tokens=24, repeats=8) if args.quick else dict(n_requests=16, new_tokens=96, repeats=6)
-    print(json.dumps(measure(seed=args.seed, **kw)))
-
-
-if __name__ == "__main__":
-    import r3  # run as the module `r3`, the one model.py installs routers from (one R3Router class)
-    r3.main()

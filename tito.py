@@ -51,7 +51,7 @@ The trajectory's reward goes on the last token of every segment.
 CLI:
     python tito.py audit SAMPLES_PATH [--json]   # cases, loss-region drift (4 decimals), relocation failures;
                                                  # exit 1 when a loss-region token drifted
-    python tito.py measure --quick               # naive vs TITO through the token gateway (gateway.py)
+    python bench.py tito --quick                 # naive vs TITO through the token gateway (gateway.py)
 
 Departures from the paper:
   1. A split boundary yields one more sample (segment) carrying the trajectory's reward; the paper does
@@ -494,16 +494,7 @@ def main(argv=None):
     a = sub.add_parser("audit", help="audit samples written by a run (a .jsonl file or a directory of them)")
     a.add_argument("samples_path")
     a.add_argument("--json", action="store_true")
-    m = sub.add_parser("measure", help="naive retokenization vs TITO through the token gateway (one JSON line)")
-    m.add_argument("--quick", action="store_true", help="a few tasks and turns (minutes on 2 CPU cores)")
-    m.add_argument("--harness", choices=["client", "harbor"], default="client",
-                   help="client: a text client that re-renders the history like Terminus-2; harbor: Harbor's own")
-    m.add_argument("--work-dir", default=None)
     args = p.parse_args(argv)
-    if args.cmd == "measure":
-        import gateway
-        print(json.dumps(gateway.measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
-        return
     path = Path(args.samples_path)
     files = sorted(path.glob("**/*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):
