@@ -1,77 +1,48 @@
-"""Infrastructure (paper section "infrastructure"): memory model + planner, context-parallel Gated DeltaNet,
-the Ray layout of one-step async (trainer, engine and rollout-worker actors, publish barrier).
+"""Infrastructure (paper section "infrastructure"): the closed-form memory model b(Pi, T) and the planner that picks
+the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (trainer, engine and
+rollout-worker actors, publish barrier). The context-parallel Gated DeltaNet operator is cp_gdn.py.
 
-Run:
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
-    python bench.py cp [--kappas 1 2 4 8]            # CP-GDN: bitwise forward, grad error, activation peak
 
-1. Memory model. A plan Pi = (TP, PP, CP, EP, ETP, DP) on W = TP*PP*CP*DP devices (Megatron-Core's
-   "MoE parallel folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as
-   EP x ETP x EDP, so EDP = TP*CP*DP / (EP*ETP)). Per device, for one network (actor or critic):
+Memory model. A plan Pi = (TP, PP, CP, EP, ETP, DP) on W = TP*PP*CP*DP devices (Megatron-Core's "MoE parallel
+folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as EP x ETP x EDP, so EDP = TP*CP*DP /
+(EP*ETP)). Per device, for one network (actor or critic):
 
-       params     = 2  * (P_dense_stage / TP + P_router_stage + P_exp / (PP*EP*ETP))        bf16
-       grads      = 4  * (same count)                       fp32 main grads (Megatron's distributed
-                                                            optimizer table: "bf16 param, fp32 grads")
-       optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
-       expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
-       behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy on the device
-                                            (train_t1.Trainer.behaviour: the weights that sampled the batch
-                                            under one-step async, version t-1, for the old logprobs)
-       host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions
-                                            Trainer.mark_published keeps (t-1, t), offloaded to (pinned) host
-                                            memory as slime's TensorBackuper keeps its actor / ref snapshots
-       activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
-                    micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
-                      no recompute:   n_flight * sum_layers a_layer(T)          + logits
-                      full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
-       total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
+    params     = 2  * (P_dense_stage / TP + P_router_stage + P_exp / (PP*EP*ETP))        bf16
+    grads      = 4  * (same count)                       fp32 main grads (Megatron's distributed
+                                                         optimizer table: "bf16 param, fp32 grads")
+    optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
+    expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
+    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (train_t1.Trainer.behaviour:
+                                         the weights that sampled the batch, version t-1, for the old logprobs)
+    host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions (t-1, t)
+                                         Trainer.mark_published keeps, as slime's TensorBackuper keeps its snapshots
+    activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
+                 micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
+                   no recompute:   n_flight * sum_layers a_layer(T)          + logits
+                   full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
+    total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
 
-   b(Pi, T) = max over {first, last} pipeline stage (every device copy the trainer holds is in it).
-   A plan is feasible when b <= M for the actor AND
-   for the critic separately (paper: both co-resident, each within ~95 GiB per device on its own).
-   Proposition 7.1: since PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are
-   12 * P_exp / W whatever the plan -- `expert_optimizer` is computed from the local shard, not from
-   the closed form, so the test checks the proposition rather than restating it.
-
-2. Context-parallel chunked gated delta rule (`cp_chunk_gated_delta_rule`). The sequence is split over
-   kappa ranks on chunk boundaries (multiples of chunk_size=64). Each rank first computes the
-   intra-chunk quantities of its own chunks (UT transform, intra-chunk attention: the bulk of the
-   FLOPs, no dependency between ranks), then waits for the recurrent state S leaving rank r-1, scans
-   its chunks and sends S on to rank r+1. Backward runs the state gradient the other way (rank r+1 ->
-   r). The per-chunk arithmetic is copied op for op from transformers' `torch_chunk_gated_delta_rule`,
-   so the forward is bitwise identical to the single-rank reference; per-rank saved activations scale
-   as 1/kappa. mcore_parallel.context_parallel_gdn runs Megatron-Core's own GatedDeltaNet layer on it (plus the conv1d
-   halo: the previous rank's last K-1 pre-conv columns, and their gradient back).
+b(Pi, T) = max over {first, last} pipeline stage. A plan is feasible when b <= M for the actor AND for the critic
+separately (paper: both co-resident, each within ~95 GiB per device on its own). Proposition 7.1: since
+PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are 12 * P_exp / W whatever the plan;
+`expert_optimizer` is computed from the local shard, not from the closed form, so the test checks the proposition.
 
 Departures (numbered, with why):
- 1. Activation bytes are a tensor count of the Megatron/FLA path (listed in `layer_activation_bytes`),
-    not a profile; load balance across experts is assumed perfect (EP does not change MoE activations).
+ 1. Activation bytes are a tensor count of the Megatron/FLA path (`layer_activation_bytes`), not a profile; expert
+    load balance is assumed perfect (EP does not change MoE activations).
  2. Dense parameters are counted as TP-sharded except the router (replicated); norms are /TP (tiny).
  3. Only layer counts divisible by PP (no uneven or virtual pipeline stages); vocab padding ignored.
  4. Attention under CP is modelled like the rest (1/CP tokens); the transient all-gathered K/V is ignored.
- 5. Model sizes: Qwen3.5's published layout (head dims below) excluding the MTP head and vision tower;
-    the 122B preset assumes 32 query heads / 2 KV heads of dim 256 and 16 key / 64 value GDN heads of
-    dim 128 (35B: 16/2 and 16/32, transformers' defaults). The count lands within 1% of 121.4B.
- 6. CP here is state passing over gloo (CPU, exact). The intra-chunk phase runs on all ranks at
-    once; the scans are serial across ranks (the price of bitwise equality: a parallel-prefix
-    combination of per-rank affine state maps would reassociate the float sums).
- 7. T is tokens per device per micro-batch (slime's --max-tokens-per-gpu), so a trajectory of up to
-    CP*T tokens fits one micro-batch; `--seq-len S` rejects plans with CP*T < S. Grads are fp32 main
-    grads (`grad_bytes=4`; Megatron's --accumulate-allreduce-grads-in-fp32, which slime's MoE recipes
-    set); a fixed 4 GiB per device covers CUDA context, NCCL/DeepEP buffers and fragmentation.
- 8. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
- 9. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers,
-    4 bundles); the embedded engine publishes from disk (/update_weights_from_disk), the cluster
-    through NCCL (cluster.WeightPublisher).
-10. The behaviour policy is a second model on the device (counted: `behaviour`), not swapped in and out of the
-    actor's own parameters as slime does with its host snapshots (one copy less): train_t1's step computes the
-    old logprobs with a separate model. Host memory is reported (`host`), not checked against a budget.
-
-Measured (python bench.py cp --seq-len 2048; B=1, 4 value heads, d=32, CPU/gloo): forward
-bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
-per-rank saved activations 1.000, 0.500, 0.250, 0.125 of kappa = 1. Inside a Megatron GatedDeltaNet layer
-(tests/test_cp_megatron.py, S = 250, B = 2): layer output bitwise equal to one rank at kappa = 2, 4; input grads
-<= 1.9e-9, weight grads summed over ranks <= 1.3e-6 at |dW| <= 4.5 (mcore_parallel.py, "Measured").
+ 5. Model sizes: Qwen3.5's published layout without the MTP head and vision tower; the 122B preset assumes 32 query /
+    2 KV heads of dim 256 and 16 key / 64 value GDN heads of dim 128 (35B: 16/2 and 16/32, transformers' defaults).
+ 6. T is tokens per device per micro-batch, so a trajectory of up to CP*T tokens fits one; `--seq-len S` rejects
+    plans with CP*T < S. Grads are fp32 main grads (slime's MoE recipes); a fixed 4 GiB covers context and buffers.
+ 7. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
+ 8. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers, 4 bundles);
+    the embedded engine publishes from disk (/update_weights_from_disk), the cluster through NCCL.
+ 9. The behaviour policy is a second model on the device (counted: `behaviour`), not swapped in and out of the
+    actor's parameters as slime does with its host snapshots; host memory is reported, not checked against a budget.
 """
 import argparse
 import itertools
@@ -397,7 +368,7 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 # workers (RolloutWorker: trials in sandboxes). One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
-# machine the actors share the cores (infra departure 9).
+# machine the actors share the cores (infra departure 8).
 
 def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     """Join the Ray cluster at `address` ($RAY_ADDRESS) or start one on this machine for this process only.

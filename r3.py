@@ -1,24 +1,14 @@
 """R3: rollout routing replay for the MoE actor (paper section "R3").
 
-Paper: the sampler records R[j, l, :], the top-k expert ids chosen at every MoE layer l for every
-position j (1.5 KiB per position at 48 layers x top-8 int32), and every trainer forward replays
-them: position j goes through exactly the experts that produced the sampled token, while the gate
-weights are the softmax of the *live* router logits gathered at the recorded k ids and renormalised
-over those k, so the router keeps its gradient. A missing capture aborts the step (never silently
-dropped); placeholder rows are allowed only where m[j+1] = 0 (positions whose next token is not
-trained on).
+The sampler records R[j, l, :], the top-k expert ids chosen at every MoE layer l for every position j (1.5 KiB per
+position at 48 layers x top-8 int32); every trainer forward replays them: position j goes through exactly the experts
+that produced the sampled token, with gate weights from the *live* router logits renormalised over the recorded k ids,
+so the router keeps its gradient. A missing capture aborts the step (never silently dropped); placeholder rows are
+allowed only where m[j+1] = 0 (`check_capture`, which also says what aborts).
 
     w[j, l, :] = softmax(router_l(h_j))[R[j, l, :]] / sum_k softmax(router_l(h_j))[R[j, l, k]]
 
-Policy (what aborts), with replay on (train_t1 --r3-mode replay): a trial with one turn's capture missing
-(an SGLang server started without --enable-return-routed-experts returns no routed_experts; the embedded
-engine, model.EngineServer, captures whenever the request sets return_routed_experts, as rollout.EngineClient
-does) -> tito.CaptureError naming the trial, the turn and the flag; a placeholder row where m[j+1] = 1 ->
-ValueError naming the trial and the row; a sample or batch without routing reaching the trainer ->
-ValueError (train_t1.pad_batch / batch_routing). None of them is dropped or trained with live routing.
-With replay off, routing is optional (only the expert_set_mismatch figure uses it).
-
-Use:
+Use (`python bench.py r3 --quick` measures |delta log p| engine vs trainer with replay off / on):
 
     r3.install(model)                                    # once, after building/loading the model
     with r3.routing(model, "record") as rec:             # sampler / engine side
@@ -27,49 +17,23 @@ Use:
     with r3.routing(model, "replay", experts):           # trainer side, every forward
         loss = f(model(ids).logits); loss.backward()     # backward (and recompute) inside
 
-Megatron-Core (cluster trainer, see mcore.py): the same `routing(actor, mode, experts)` call on an
-`mcore.MegatronActor` slices experts with `slice_for_megatron` (context-parallel chunks, sequence-
-parallel split, the pipeline stage's MoE layers, Megatron's [s, b] token order) and drives this model's
-native `RouterReplay` instances (RECORD / REPLAY_FORWARD; `ctx.backward_mode()` -> REPLAY_BACKWARD for
-recompute); router fusion is refused.
-
-    python bench.py r3 --quick     # one JSON line: dlogp_off, dlogp_on, expert_set_mismatch_off,
-                                   # capture_overhead_ratio, bytes_per_position (~25 s on 2 cores)
-
-`mismatch(model, input_ids, attention_mask, experts, loss_mask)` is the per-step R3 figure: the
-fraction of (position, layer) pairs, over rows j with m[j+1] = 1, whose live expert set differs
-from the recorded one.
-
-`rec.forwards` keeps one (B, T_i, L, k) tensor per forward run inside the context (a KV-cached
-engine runs a prefill and then one forward per decode step); `rec.pop()` returns and clears them.
-The wire format of SGLang's `routed_experts` (base64 of little-endian int32 [N, L, k]) is
-`encode_routed_experts` / `decode_routed_experts`.
+On an mcore.MegatronActor the same call drives the model's native RouterReplay (`megatron_routing`, experts sliced by
+`slice_for_megatron`). `mismatch` is the per-step figure; SGLang's wire format is `encode_routed_experts` /
+`decode_routed_experts`.
 
 Departures from the paper:
-1. The embedded trainer is Hugging Face's Qwen3_5MoeForCausalLM (Megatron-Core's `RouterReplay` is
-   used only by mcore.py's backend); the router module `layer.mlp.gate` is swapped for `R3Router` (same weight Parameter, same
-   state-dict key), and a forward pre-hook on the MoE block tells the router the (B, T) of the
-   batch so that flattened token rows can be matched to recorded rows.
-2. A replay row of all -1 (a placeholder or padding) falls back to live top-k for that row. The
-   replay itself does not know the loss mask; train_t1.to_samples calls `check_capture(experts,
-   loss_mask)` on every assembled sample, which aborts on a missing capture and on placeholders where
-   m[j+1] = 1, and counts the placeholder rows (logged per step as r3_placeholder_frac; paper: 0.003%).
-   `routing` refuses malformed tensors (wrong shape, ids out of range, partly -1 rows).
-3. Activation recompute (gradient checkpointing): the recomputed forward reads the routers' replay
-   state when backward runs, so backward must run inside the `routing(..., "replay")` context.
-   Record mode is meant for forward-only use (no_grad); a recompute inside a record context would
-   append a second copy of the rows.
-4. One routing context per model at a time (nesting raises): the mode is an explicit argument held
-   by the routers only while the context is open, never a global or an environment variable.
-5. Megatron replay wraps each RouterReplay's `get_replay_topk` while the context is open: native
-   REPLAY_FORWARD / REPLAY_BACKWARD semantics, plus (a) all -1 rows fall back to live top-k as in the
-   HF path and (b) a slice whose row count differs from the router's tokens raises (the native gather
-   would silently route only the first rows). It drives the model's own instances, not the process-
-   wide static list, which also holds the critic's routers.
-6. The mismatch source at embedded scale is bf16-ROUNDED engine weights in fp32 compute vs fp32
-   trainer weights (model.py departure 4), on a random-init tiny model with near-uniform router logits;
-   the measured figures are this setup's, not the paper's 0.021 -> 0.013. Capture overhead is measured
-   as engine wave time with return_routed_experts on vs off (same requests, seeds, batch), interleaved.
+1. The embedded trainer is HF's Qwen3_5MoeForCausalLM: its router `layer.mlp.gate` is swapped for `R3Router` (same
+   Parameter, same state-dict key); a pre-hook on the MoE block gives the router the batch's (B, T).
+2. A replay row of all -1 (placeholder or padding) falls back to live top-k; the replay does not know the loss mask:
+   train_t1.to_samples calls `check_capture` on every sample. `routing` refuses malformed tensors.
+3. Backward (and activation recompute) must run inside the `routing(..., "replay")` context; record mode is
+   forward-only (a recompute inside it would append a second copy of the rows).
+4. One routing context per model at a time (nesting raises): the mode is an explicit argument held by the routers
+   only while the context is open, never a global or an environment variable.
+5. Megatron replay wraps each RouterReplay's `get_replay_topk`: all -1 rows fall back to live top-k as in the HF path,
+   and a slice whose row count differs from the router's tokens raises (the native gather would route the first rows).
+6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (model.py departure 4) on a
+   random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
 """
 
 import base64
@@ -156,7 +120,8 @@ def install(model):
 
 
 class Routing:
-    """What `routing()` yields. record: `forwards` (list of (B, T_i, L, k) int32), `experts`."""
+    """What `routing()` yields. record: `forwards` (list of (B, T_i, L, k) int32: a KV-cached engine runs a prefill
+    and then one forward per decode step), `experts`; `pop()` returns the forwards and clears them."""
 
     def __init__(self, mode, num_layers, top_k):
         self.mode, self.num_layers, self.top_k = mode, num_layers, top_k
@@ -249,6 +214,13 @@ def check_capture(experts, loss_mask) -> int:
     token j+1, so a placeholder row (-1 at any layer) is allowed only where m[j+1] = 0; the last row (j = T-1)
     predicts nothing and may be a placeholder. Returns the number of placeholder rows (the per-step figure
     r3_placeholder_frac = placeholder rows / rows; paper: 0.003%).
+
+    What aborts, with replay on (train_t1 --r3-mode replay): a turn's capture missing (an SGLang server started
+    without --enable-return-routed-experts returns no routed_experts; the embedded engine captures whenever the
+    request sets return_routed_experts, as rollout.EngineClient does) -> tito.CaptureError naming the trial, the turn
+    and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
+    the trainer -> ValueError (train_t1.pad_batch / batch_routing). None is dropped or trained with live routing.
+    With replay off, routing is optional (only the expert_set_mismatch figure uses it).
     """
     if experts is None:
         raise ValueError("experts: routing capture is missing (R3 never silently drops it; SGLang returns it only "
