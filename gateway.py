@@ -51,7 +51,7 @@ Run:
     python gateway.py eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
         # paper protocol (EVAL): Terminus-2, 60 turns, 3600 s agent / 900 s verifier, T 0.1, top-p 0.95, 3 attempts;
         # prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts (a failed trial counts 0), errors
-    python tito.py measure --quick [--harness client|harbor]   # naive vs TITO, one JSON line
+    python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
 run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (rollout.py's hook).
 
@@ -76,9 +76,9 @@ Departures:
      dac_read_search, no handle syscalls); the phase ends only if Harbor's verifier starts with a
      root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run (not
      Terminus-2's) would kill the agent's processes.
-  3. The text client of `measure --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
+  3. The text client of `bench.py tito --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
      condensed prompts over an OpenAI client that re-sends the whole message list each turn, verbatim.
-  4. The embedded model is tiny and random-init in `measure`, so its replies are mostly unparseable;
+  4. The embedded model is tiny and random-init in `bench.py tito`, so its replies are mostly unparseable;
      that is fine for the measurement (every reply is re-sent as history either way) and makes
      non-canonical token sequences, and hence naive drift, frequent.
 """
@@ -893,60 +893,6 @@ def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, samp
         return run_harbor_trial(task_dir, gw, trials_dir=os.path.join(work_root, "harbor"), sampling=sampling,
                                 limits=limits, stop_event=stop_event, reward_scale=reward_scale)
     raise ValueError(f"harness: expected native|text|harbor, got {harness!r}")
-
-
-# --- measurement: naive retokenization vs TITO (tito.py measure) ----------------------------------------
-def measure(quick=True, harness="client", work_dir=None, seed=0) -> dict:
-    """The same tasks through the gateway in naive and in TITO mode (+ the native token-first harness):
-    boundary cases and loss-region drift of what a trainer would train on in each case."""
-    import data
-    import model
-    import rollout
-    import tito
-    work = work_dir or tempfile.mkdtemp(prefix="t1-measure-")
-    n_tasks, max_turns, new_tokens = (3, 4, 48) if quick else (8, 10, 128)
-    train, _ = data.generate_tasks(os.path.join(work, "tasks"), n_tasks, 0, seed=seed, validate_tasks=False)
-    tok = model.train_tokenizer(data.corpus(train), vocab_size=1024)
-    ckpt = os.path.join(work, "ckpt")
-    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=seed), tok, ckpt)
-    eng = model.EngineServer(ckpt, port=0).start()
-    sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": new_tokens}
-    limits = {"max_turns": max_turns, "max_total_tokens": 8192, "trial_timeout_s": 300}
-    out = {"harness": harness, "tasks": len(train)}
-    try:
-        for mode in ("naive", "tito"):
-            gw = Gateway(eng.url, tok, mode, max_total_tokens=8192).start()
-            trials = []
-            for td in train:
-                if harness == "harbor":
-                    res = run_harbor_trial(td, gw, trials_dir=os.path.join(work, f"harbor-{mode}"), sampling=sampling,
-                                           limits=limits)
-                else:
-                    sid = uuid.uuid4().hex
-                    res = run_text_trial(td, gw.url, sid, sampling=sampling, limits=limits, work_root=work)
-                    res["records"] = gw.pop(sid)["records"]
-                if res["records"]:
-                    trials.append(res)
-            gw.stop()
-            cases = dict.fromkeys(tito.CASES, 0)
-            for t in trials:
-                for k, v in tito.case_counts(t, tok).items():
-                    cases[k] += v
-            repaired = tito.audit([s for t in trials for s in tito.assemble_segments(t, tok)])
-            trained = tito.audit([tito.assemble_naive(t, tok) for t in trials]) if mode == "naive" else repaired
-            out[mode] = {"trials": len(trials), "turns": sum(len(t["records"]) for t in trials), "cases": cases,
-                         "loss_region_drift_pct": trained["loss_region_drift_pct"],
-                         "repaired_drift_pct": repaired["loss_region_drift_pct"],
-                         "harness_drift_pct": repaired["harness_drift_pct"]}
-        native = [rollout.run_trial(td, "model", engine_url=eng.url, tokenizer=tok, sampling=sampling, limits=limits)
-                  for td in train]
-        native = [t for t in native if t["records"]]
-        rep = tito.audit([tito.assemble(t) for t in native])
-        out["native"] = {"trials": len(native), "turns": sum(len(t["records"]) for t in native),
-                         "cases": rep["cases"], "loss_region_drift_pct": rep["loss_region_drift_pct"]}
-    finally:
-        eng.stop()
-    return out
 
 
 # --- evaluation with the paper's protocol (EVAL): shared by train_t1 and `gateway.py eval` ----------------

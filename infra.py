@@ -1,89 +1,58 @@
-"""Infrastructure (paper section "infrastructure"): memory model + planner, context-parallel Gated DeltaNet,
-the Ray layout of one-step async (trainer, engine and rollout-worker actors, publish barrier).
+"""Infrastructure (paper section "infrastructure"): the closed-form memory model b(Pi, T) and the planner that picks
+the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (trainer, engine and
+rollout-worker actors, publish barrier). The context-parallel Gated DeltaNet operator is cp_gdn.py.
 
-Run:
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
-    python infra.py cp-bench [--kappas 1 2 4 8]      # CP-GDN: bitwise forward, grad error, activation peak
 
-1. Memory model. A plan Pi = (TP, PP, CP, EP, ETP, DP) on W = TP*PP*CP*DP devices (Megatron-Core's
-   "MoE parallel folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as
-   EP x ETP x EDP, so EDP = TP*CP*DP / (EP*ETP)). Per device, for one network (actor or critic):
+Memory model. A plan Pi = (TP, PP, CP, EP, ETP, DP) on W = TP*PP*CP*DP devices (Megatron-Core's "MoE parallel
+folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as EP x ETP x EDP, so EDP = TP*CP*DP /
+(EP*ETP)). Per device, for one network (actor or critic):
 
-       params     = 2  * (P_dense_stage / TP + P_router_stage + P_exp / (PP*EP*ETP))        bf16
-       grads      = 4  * (same count)                       fp32 main grads (Megatron's distributed
-                                                            optimizer table: "bf16 param, fp32 grads")
-       optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
-       expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
-       behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy on the device
-                                            (train_t1.Trainer.behaviour: the weights that sampled the batch
-                                            under one-step async, version t-1, for the old logprobs)
-       host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions
-                                            Trainer.mark_published keeps (t-1, t), offloaded to (pinned) host
-                                            memory as slime's TensorBackuper keeps its actor / ref snapshots
-       activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
-                    micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
-                      no recompute:   n_flight * sum_layers a_layer(T)          + logits
-                      full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
-       total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
+    params     = 2  * (P_dense_stage / TP + P_router_stage + P_exp / (PP*EP*ETP))        bf16
+    grads      = 4  * (same count)                       fp32 main grads (Megatron's distributed
+                                                         optimizer table: "bf16 param, fp32 grads")
+    optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
+    expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
+    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (train_t1.Trainer.behaviour:
+                                         the weights that sampled the batch, version t-1, for the old logprobs)
+    host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions (t-1, t)
+                                         Trainer.mark_published keeps, as slime's TensorBackuper keeps its snapshots
+    activ.     = T tokens per device per micro-batch (slime's --max-tokens-per-gpu); 1F1B keeps PP
+                 micro-batches in flight on stage 0 (1 on the last stage, which also holds the logits)
+                   no recompute:   n_flight * sum_layers a_layer(T)          + logits
+                   full recompute: n_flight * L_stage * 2h*T/SP + max a_layer(T) + logits
+    total      = sum of the above + fixed overhead (CUDA context, NCCL/DeepEP buffers, fragmentation)
 
-   b(Pi, T) = max over {first, last} pipeline stage (every device copy the trainer holds is in it).
-   A plan is feasible when b <= M for the actor AND
-   for the critic separately (paper: both co-resident, each within ~95 GiB per device on its own).
-   Proposition 7.1: since PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are
-   12 * P_exp / W whatever the plan -- `expert_optimizer` is computed from the local shard, not from
-   the closed form, so the test checks the proposition rather than restating it.
-
-2. Context-parallel chunked gated delta rule (`cp_chunk_gated_delta_rule`). The sequence is split over
-   kappa ranks on chunk boundaries (multiples of chunk_size=64). Each rank first computes the
-   intra-chunk quantities of its own chunks (UT transform, intra-chunk attention: the bulk of the
-   FLOPs, no dependency between ranks), then waits for the recurrent state S leaving rank r-1, scans
-   its chunks and sends S on to rank r+1. Backward runs the state gradient the other way (rank r+1 ->
-   r). The per-chunk arithmetic is copied op for op from transformers' `torch_chunk_gated_delta_rule`,
-   so the forward is bitwise identical to the single-rank reference; per-rank saved activations scale
-   as 1/kappa. mcore_parallel.context_parallel_gdn runs Megatron-Core's own GatedDeltaNet layer on it (plus the conv1d
-   halo: the previous rank's last K-1 pre-conv columns, and their gradient back).
+b(Pi, T) = max over {first, last} pipeline stage. A plan is feasible when b <= M for the actor AND for the critic
+separately (paper: both co-resident, each within ~95 GiB per device on its own). Proposition 7.1: since
+PP*EP*ETP*EDP = PP*TP*CP*DP = W, expert optimizer bytes per device are 12 * P_exp / W whatever the plan;
+`expert_optimizer` is computed from the local shard, not from the closed form, so the test checks the proposition.
 
 Departures (numbered, with why):
- 1. Activation bytes are a tensor count of the Megatron/FLA path (listed in `layer_activation_bytes`),
-    not a profile; load balance across experts is assumed perfect (EP does not change MoE activations).
+ 1. Activation bytes are a tensor count of the Megatron/FLA path (`layer_activation_bytes`), not a profile; expert
+    load balance is assumed perfect (EP does not change MoE activations).
  2. Dense parameters are counted as TP-sharded except the router (replicated); norms are /TP (tiny).
  3. Only layer counts divisible by PP (no uneven or virtual pipeline stages); vocab padding ignored.
  4. Attention under CP is modelled like the rest (1/CP tokens); the transient all-gathered K/V is ignored.
- 5. Model sizes: Qwen3.5's published layout (head dims below) excluding the MTP head and vision tower;
-    the 122B preset assumes 32 query heads / 2 KV heads of dim 256 and 16 key / 64 value GDN heads of
-    dim 128 (35B: 16/2 and 16/32, transformers' defaults). The count lands within 1% of 121.4B.
- 6. CP here is state passing over gloo (CPU, exact). The intra-chunk phase runs on all ranks at
-    once; the scans are serial across ranks (the price of bitwise equality: a parallel-prefix
-    combination of per-rank affine state maps would reassociate the float sums).
- 7. T is tokens per device per micro-batch (slime's --max-tokens-per-gpu), so a trajectory of up to
-    CP*T tokens fits one micro-batch; `--seq-len S` rejects plans with CP*T < S. Grads are fp32 main
-    grads (`grad_bytes=4`; Megatron's --accumulate-allreduce-grads-in-fp32, which slime's MoE recipes
-    set); a fixed 4 GiB per device covers CUDA context, NCCL/DeepEP buffers and fragmentation.
- 8. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
- 9. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers,
-    4 bundles); the embedded engine publishes from disk (/update_weights_from_disk), the cluster
-    through NCCL (cluster.WeightPublisher).
-10. The behaviour policy is a second model on the device (counted: `behaviour`), not swapped in and out of the
-    actor's own parameters as slime does with its host snapshots (one copy less): train_t1's step computes the
-    old logprobs with a separate model. Host memory is reported (`host`), not checked against a budget.
-
-Measured (python infra.py cp-bench --seq-len 2048; B=1, 4 value heads, d=32, CPU/gloo): forward
-bitwise equal at kappa = 1, 2, 4, 8; gradient max |diff| 0 here (<= 1.8e-7 seen on other shapes);
-per-rank saved activations 1.000, 0.500, 0.250, 0.125 of kappa = 1. Inside a Megatron GatedDeltaNet layer
-(tests/test_cp_megatron.py, S = 250, B = 2): layer output bitwise equal to one rank at kappa = 2, 4; input grads
-<= 1.9e-9, weight grads summed over ranks <= 1.3e-6 at |dW| <= 4.5 (mcore_parallel.py, "Measured").
+ 5. Model sizes: Qwen3.5's published layout without the MTP head and vision tower; the 122B preset assumes 32 query /
+    2 KV heads of dim 256 and 16 key / 64 value GDN heads of dim 128 (35B: 16/2 and 16/32, transformers' defaults).
+ 6. T is tokens per device per micro-batch, so a trajectory of up to CP*T tokens fits one; `--seq-len S` rejects
+    plans with CP*T < S. Grads are fp32 main grads (slime's MoE recipes); a fixed 4 GiB covers context and buffers.
+ 7. No GPU was available to this implementation: predicted vs measured peak memory is not validated.
+ 8. Ray layout: bundle CPUs are logical (a 2-core machine runs trainer, engine and 2 rollout workers, 4 bundles);
+    the embedded engine publishes from disk (/update_weights_from_disk), the cluster through NCCL.
+ 9. The behaviour policy is a second model on the device (counted: `behaviour`), not swapped in and out of the
+    actor's parameters as slime does with its host snapshots; host memory is reported, not checked against a budget.
 """
 import argparse
 import itertools
 import json
-import math
 import os
 import socket
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 GiB = 1024**3
 
@@ -346,167 +315,7 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
     return "\n".join(lines)
 
 
-# ----------------------------------------------------------------------------- CP Gated DeltaNet
-def _l2norm(x, dim=-1, eps=1e-6):
-    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)  # as transformers' l2norm (FLA's)
-
-
-def gdn_intra_chunk(query, key, value, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=False):
-    """Phase 1 of the chunked gated delta rule on this rank's tokens: everything that does not need the
-    recurrent state. Op-for-op copy of transformers' torch_chunk_gated_delta_rule (first phase).
-    Inputs [B, S, H, D] / [B, S, H]; returns the per-chunk tensors the scan reads."""
-    _, S, nk, _ = key.shape
-    nv = value.shape[-2]
-    if nk != nv:  # grouped value attention
-        query = query.repeat_interleave(nv // nk, dim=2)
-        key = key.repeat_interleave(nv // nk, dim=2)
-    query, key, value, beta, decay = [x.transpose(1, 2).to(torch.float32, memory_format=torch.contiguous_format)
-                                      for x in (query, key, value, beta, g)]
-    if use_qk_l2norm_in_kernel:
-        query, key = _l2norm(query, dim=-1, eps=1e-6), _l2norm(key, dim=-1, eps=1e-6)
-    query = query * query.shape[-1] ** -0.5
-    pad = (chunk_size - S % chunk_size) % chunk_size  # only the last rank can have a partial chunk
-    query, key, value = (F.pad(x, (0, 0, 0, pad)) for x in (query, key, value))
-    beta, decay = (F.pad(x, (0, pad)) for x in (beta, decay))
-    v_beta = value * beta.unsqueeze(-1)
-    k_beta = key * beta.unsqueeze(-1)
-    query, key, k_beta, v_beta = [x.reshape(x.shape[0], x.shape[1], -1, chunk_size, x.shape[-1])
-                                  for x in (query, key, k_beta, v_beta)]  # (B, H, N, C, D)
-    decay = decay.reshape(decay.shape[0], decay.shape[1], -1, chunk_size)
-    mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=query.device).triu(1)
-    cum_decay = decay.cumsum(dim=3)
-    pairwise = (cum_decay.unsqueeze(4) - cum_decay.unsqueeze(3)).masked_fill(mask, float("-inf")).exp()
-    ut_system = (k_beta @ key.transpose(-1, -2)) * pairwise
-    intra = (query @ key.transpose(-1, -2)) * pairwise  # (B, H, N, C, C)
-    decayed_k_beta = k_beta * cum_decay.exp().unsqueeze(-1)
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
-    query = query * cum_decay.exp().unsqueeze(-1)
-    key = key * (cum_decay[..., -1:] - cum_decay).exp().unsqueeze(-1)
-    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
-    return dict(query=query, key=key, intra=intra, new_values=new_values, k_cumdecay=k_cumdecay,
-                chunk_decay=chunk_decay, seq_len=S)
-
-
-def gdn_scan(ph, state):
-    """Phase 2: the sequential scan over this rank's chunks, starting from `state` [B, H, Dk, Dv] (fp32).
-    Returns (out [B, S, H, Dv] fp32, final state)."""
-    outs = []
-    for i in range(ph["new_values"].shape[2]):
-        v_new = ph["new_values"][:, :, i] - ph["k_cumdecay"][:, :, i] @ state
-        inter = ph["query"][:, :, i] @ state
-        outs.append(inter + ph["intra"][:, :, i] @ v_new)
-        state = state * ph["chunk_decay"][:, :, i] + ph["key"][:, :, i].transpose(-1, -2) @ v_new  # S' = S*decay + k^T v_new
-    B, H = state.shape[:2]
-    out = torch.stack(outs, dim=2).reshape(B, H, -1, state.shape[-1])[:, :, :ph["seq_len"]]
-    return out.transpose(1, 2).contiguous(), state
-
-
-def chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, initial_state=None, use_qk_l2norm_in_kernel=False):
-    """Single-rank version (kappa = 1) built from the same two phases."""
-    ph = gdn_intra_chunk(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel)
-    B, H = ph["key"].shape[:2]
-    state = (torch.zeros(B, H, ph["key"].shape[-1], ph["new_values"].shape[-1], dtype=torch.float32)
-             if initial_state is None else initial_state.to(torch.float32))
-    out, state = gdn_scan(ph, state)
-    return out.to(q.dtype), state
-
-
-class _CPGatedDeltaRule(torch.autograd.Function):
-    """One rank's share: receive S from rank-1, scan, send S to rank+1; backward passes dS the other way."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, beta, chunk_size, use_l2norm, group):
-        rank, world = dist.get_rank(group), dist.get_world_size(group)
-        leaves = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, g, beta)]
-        with torch.enable_grad():
-            ph = gdn_intra_chunk(*leaves, chunk_size, use_l2norm)  # local, overlaps with other ranks
-            B, H, Dk, Dv = ph["key"].shape[0], ph["key"].shape[1], ph["key"].shape[-1], ph["new_values"].shape[-1]
-            state_in = torch.zeros(B, H, Dk, Dv, dtype=torch.float32)
-            if rank > 0:
-                dist.recv(state_in, src=dist.get_global_rank(group, rank - 1) if group else rank - 1, group=group)
-                state_in.requires_grad_(True)
-            out, state_out = gdn_scan(ph, state_in)
-        if rank < world - 1:
-            dist.send(state_out.detach().contiguous(), dst=dist.get_global_rank(group, rank + 1) if group else rank + 1,
-                      group=group)
-        ctx.graph = (leaves, state_in, out, state_out)
-        ctx.rank, ctx.world, ctx.group = rank, world, group
-        return out.detach().to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, dout):
-        leaves, state_in, out, state_out = ctx.graph
-        rank, world, group = ctx.rank, ctx.world, ctx.group
-        d_state = torch.zeros_like(state_out)
-        if rank < world - 1:  # dS leaving this rank comes back from rank+1
-            dist.recv(d_state, src=dist.get_global_rank(group, rank + 1) if group else rank + 1, group=group)
-        inputs = [x for x in leaves if x.requires_grad] + ([state_in] if rank > 0 else [])
-        grads = torch.autograd.grad([out, state_out], inputs, [dout.to(out.dtype), d_state], allow_unused=True)
-        grads = [torch.zeros_like(x) if gr is None else gr for x, gr in zip(inputs, grads)]
-        if rank > 0:
-            dist.send(grads[-1].contiguous(), dst=dist.get_global_rank(group, rank - 1) if group else rank - 1,
-                      group=group)
-        it = iter(grads)
-        ctx.graph = None
-        return tuple(next(it) if x.requires_grad else None for x in leaves) + (None, None, None)
-
-
-def cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=64, use_qk_l2norm_in_kernel=False, group=None):
-    """Context-parallel gated delta rule: q, k, v, g, beta are this rank's slice of the sequence (see
-    `cp_split`); returns this rank's output slice [B, S_r, H, Dv]. Differentiable."""
-    rank, world = dist.get_rank(group), dist.get_world_size(group)
-    assert rank == world - 1 or q.shape[1] % chunk_size == 0, "CP slices end on chunk boundaries (cp_split)"
-    return _CPGatedDeltaRule.apply(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group)
-
-
-def cp_split(seq_len: int, kappa: int, chunk_size: int = 64) -> list:
-    """Token boundaries [(start, end)] per rank, on chunk boundaries, chunks spread as evenly as possible."""
-    n = math.ceil(seq_len / chunk_size)
-    assert n >= kappa, f"{n} chunks cannot be spread over {kappa} ranks"
-    counts = [n // kappa + (r < n % kappa) for r in range(kappa)]
-    bounds, s = [], 0
-    for cnt in counts:
-        bounds.append((s, min(seq_len, s + cnt * chunk_size)))
-        s += cnt * chunk_size
-    return bounds
-
-
-def gdn_inputs(B=1, S=256, nk=2, nv=4, dk=16, dv=16, seed=0, dtype=torch.float32):
-    """Random GDN inputs shaped as Qwen3.5 feeds them (g = -softplus-ish decay, beta in (0, 1))."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen, dtype=dtype)  # noqa: E731
-    q, k, v = r(B, S, nk, dk), r(B, S, nk, dk), r(B, S, nv, dv)
-    g = -F.softplus(r(B, S, nv)) * 0.5
-    beta = torch.sigmoid(r(B, S, nv))
-    dout = r(B, S, nv, dv)
-    return (q, k, v, g, beta), dout
-
-
-def saved_bytes(fn):
-    """Run fn() and return (result, bytes of distinct storages saved for backward)."""
-    seen = {}
-
-    def pack(t):
-        st = t.untyped_storage()
-        seen[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = fn()
-    return out, sum(seen.values())
-
-
-def _cp_rank(rank, kappa, shape, chunk_size):
-    (q, k, v, g, beta), dout = gdn_inputs(**shape)
-    s, e = cp_split(q.shape[1], kappa, chunk_size)[rank]
-    local = [x[:, s:e].clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    out, nbytes = saved_bytes(lambda: cp_chunk_gated_delta_rule(*local, chunk_size=chunk_size,
-                                                                use_qk_l2norm_in_kernel=True))
-    out.backward(dout[:, s:e])
-    return out.detach().numpy().copy(), [x.grad.numpy().copy() for x in local], nbytes
-
-
+# ----------------------------------------------------------------------------- free_port, gloo ranks (tests, bench)
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -553,50 +362,13 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
     return [out for _, out, _ in res]
 
 
-def run_cp(kappa: int, shape: dict, chunk_size: int = 64):
-    """Spawn kappa gloo ranks on 127.0.0.1; returns (out, grads [q, k, v, g, beta], saved bytes per rank),
-    outputs and grads concatenated along the sequence."""
-    res = gloo_ranks(_cp_rank, kappa, shape, chunk_size)
-    out = torch.cat([torch.from_numpy(r[0]) for r in res], dim=1)
-    grads = [torch.cat([torch.from_numpy(r[1][i]) for r in res], dim=1) for i in range(5)]
-    return out, grads, [r[2] for r in res]
-
-
-def reference_gdn(shape: dict, chunk_size: int = 64):
-    """Single-rank reference: transformers' torch_chunk_gated_delta_rule (Qwen3.5's torch fallback)."""
-    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
-    (q, k, v, g, beta), dout = gdn_inputs(**shape)
-    xs = [x.clone().requires_grad_(True) for x in (q, k, v, g, beta)]
-    out, nbytes = saved_bytes(lambda: torch_chunk_gated_delta_rule(*xs, chunk_size=chunk_size,
-                                                                   use_qk_l2norm_in_kernel=True)[0])
-    out.backward(dout)
-    return out.detach(), [x.grad for x in xs], nbytes
-
-
-def cp_bench(kappas=(1, 2, 4, 8), shape=None):
-    shape = shape or dict(B=1, S=1024, nk=2, nv=4, dk=32, dv=32)
-    ref_out, ref_grads, ref_bytes = reference_gdn(shape)
-    base = None
-    print(f"shape {shape}; reference saved {ref_bytes / 2**20:.2f} MiB")
-    print(f"{'kappa':>5} {'fwd max|diff|':>14} {'bitwise':>8} {'grad max|diff|':>15} {'grad rel':>9}"
-          f" {'peak MiB/rank':>14} {'vs kappa=1':>10}")
-    for kappa in kappas:
-        out, grads, nbytes = run_cp(kappa, shape)
-        peak = max(nbytes)
-        base = base or peak
-        gerr = max((a - b).abs().max().item() for a, b in zip(grads, ref_grads))
-        grel = gerr / max(b.abs().max().item() for b in ref_grads)
-        print(f"{kappa:>5} {(out - ref_out).abs().max().item():>14.3e} {str(torch.equal(out, ref_out)):>8}"
-              f" {gerr:>15.3e} {grel:>9.2e} {peak / 2**20:>14.2f} {peak / base:>10.3f}")
-
-
 # ----------------------------------------------------------------------------- Ray layout
 # One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
 # co-resident, train_t1.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
 # workers (RolloutWorker: trials in sandboxes). One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
-# machine the actors share the cores (infra departure 9).
+# machine the actors share the cores (infra departure 8).
 
 def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     """Join the Ray cluster at `address` ($RAY_ADDRESS) or start one on this machine for this process only.
@@ -760,12 +532,7 @@ def main():
     pl.add_argument("--all", action="store_true", help="print infeasible plans too, with the reason")
     pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
     pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
-    cb = sub.add_parser("cp-bench", help="CP Gated DeltaNet: exactness and activation peak vs kappa")
-    cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8])
-    cb.add_argument("--seq-len", type=int, default=1024)
     args = ap.parse_args()
-    if args.cmd == "cp-bench":
-        return cp_bench(args.kappas, dict(B=1, S=args.seq_len, nk=2, nv=4, dk=32, dv=32))
     c = PRESETS[args.preset]
     rows = plan_table(c, args.gpus, args.tokens, args.mem_gib, args.seq_len)
     if args.json:

@@ -275,7 +275,7 @@ _GDN_CHUNK = 64  # the gated delta rule's chunk (torch_chunk_gated_delta_rule's 
 
 def _padded_len(gpt, T) -> int:
     """T right-padded for the sequence split: a multiple of cp * tp (sequence parallel); under CP with GDN layers
-    every CP chunk is a multiple of the kernel's chunk (_GDN_CHUNK): infra.cp_chunk_gated_delta_rule needs the
+    every CP chunk is a multiple of the kernel's chunk (_GDN_CHUNK): cp_gdn.cp_chunk_gated_delta_rule needs the
     chunks but the last to end on one, and the same chunking as one rank keeps the decay parameters' grads (A_log,
     dt_bias: sums of cancelling terms, |grad| ~1e-5 here) at one rank's: 3.7e-10 vs 1.5e-8 with chunk = S."""
     import math

@@ -2,11 +2,10 @@
 recurrent operator, the distributed optimizer), for mcore.py's models and training-step interface.
 
 - Context parallel: `context_parallel_gdn`: Megatron's own GatedDeltaNet layer with its sequence split over a
-  context-parallel group, which megatron-core 0.16.1 refuses: a conv1d halo exchange plus infra.py's CP chunked
-  gated delta rule (state passing, infra.py section 2). `mcore._gpt_forward` runs the whole model that way when
-  parallel_state has CP > 1 (`cp_rank_size_group`): contiguous chunks with the rotary table of their global positions
-  (`cp_rope`), K / V all-gathered for gated attention (`cp_dot_product_attention`), outputs gathered over CP
-  (`cp_full`) (departure 2).
+  context-parallel group, which megatron-core 0.16.1 refuses: a conv1d halo exchange plus cp_gdn.py's chunked gated
+  delta rule (state passing). `mcore._gpt_forward` runs the whole model that way when parallel_state has CP > 1
+  (`cp_rank_size_group`): contiguous chunks with the rotary table of their global positions (`cp_rope`), K / V
+  all-gathered for gated attention (`cp_dot_product_attention`), outputs gathered over CP (`cp_full`) (departure 2).
 - Pipeline parallel: `PipeSend` / `PipeRecv` / `pipe_result`, a forward over the stages as one autograd graph
   (departure 1).
 - The distributed optimizer on CPU: `wrap_ddp` (Megatron's DDP) + `ShardedAdam` (ZeRO-1 as Megatron shards it,
@@ -18,64 +17,43 @@ recurrent operator, the distributed optimizer), for mcore.py's models and traini
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
 
 Departures from the paper:
-1. Pipeline parallel without Megatron's schedules: train_t1's training step calls the model like any torch
-   module, so a forward over the PP stages is one autograd graph across processes (`PipeRecv` / `PipeSend`
-   move the hidden states forward and their grads back over p2p, `_PipeBroadcast` gives every stage the last
-   stage's logprobs / values). That is GPipe with one microbatch per call: the same arithmetic as one rank
-   (tests: bitwise), none of 1F1B's overlap of stages, so at scale the bubble is (PP - 1) / PP of the
-   step. Megatron's forward_backward_func would need the loss inside the schedule, one loss function per call
-   site of train_t1. (`mcore.MegatronCritic` likewise; under context parallel the shift by one would cross chunks.)
-2. Context parallel without Megatron's CP attention: TransformerConfig.context_parallel_size stays 1 (0.16.1 asserts
-   it for GDN; its local DotProductAttention asserts it too) while parallel_state holds cp > 1 (DDP reduces grads
-   over its DP x CP group, the expert-DP group spans the CP ranks). `mcore._gpt_forward` gives CP rank r the
-   contiguous chunk [r S, (r + 1) S) of the right-padded sequence (Tp a multiple of cp * tp under sequence parallel,
-   and with GDN of cp * 64, the kernel's chunk: the same chunking as one rank), not Megatron's load-balanced zig-zag
-   (chunks r and 2cp - 1 - r), because the GDN state passing runs rank 0 -> cp - 1 in sequence order: causal
-   attention work is therefore unbalanced over the CP ranks (the last does most). Per call: the rotary table of the
-   chunk's global positions (`cp_rope`: RotaryEmbedding.get_emb with offset r S, instead of its forward, which
-   ignores position ids and cuts the zig-zag share), GDN layers state-passed (`context_parallel_gdn`: hooks on the
-   unchanged GatedDeltaNet.forward's conv1d, its module-level kernel swapped inside the block; the recurrence is
-   infra.py's torch kernel, also on GPU, FLA's is not state-passed here), gated attention through
-   `cp_dot_product_attention` (Megatron's DotProductAttention of the local queries against K / V all-gathered over
-   CP, the mask's rows of this chunk against all Tp keys; backward sums K / V grads to their owners) where
-   Megatron's TE attention runs ring attention (overlapped K / V exchange, O(S) memory per rank instead of the
-   all-gather's O(Tp)). Outputs are gathered over CP (`_CPGather`, backward: this rank's slice only, as
-   `_PipeBroadcast`): token_logprobs (targets shifted globally), logits, critic values and the R3 recording (rows of
-   contiguous chunks), replay sliced with `r3.slice_for_megatron(cp_contiguous=True)`; MoE routing and experts are
-   token-local. Not written: CP with PP.
-   Measured (tests/test_mcore_parallel.py -s, tiny Qwen3.5, B = 2, T = 11 -> Tp = 128, gloo): at CP = 2 and at
-   TP = 2 (+ SP) x CP = 2 logprobs, gathered logits and the replay of a shifted routing within 4.8e-7 of one rank,
-   recordings equal, critic values within 1.4e-6 / 2.6e-6 (|V| up to 10.3); at CP = 2 parameter grads summed over
-   the CP ranks within 5.3e-7 of max |grad| 7.6; Qwen3-MoE layout (no GDN, T = 12, chunks of 6) logprobs 4.8e-7,
-   grads 1.8e-7 of 4.3, while rotary positions from 0 on every chunk put logprobs off by 1.5e-2. The trainer
-   (tests/test_trainer_group.py, --plan '{"cp": 2}', warm-up + 2 steps, lr 1e-4) within 1.7e-6 (actor) / 1.2e-7
-   (critic) of the one-rank trainer; with GDN chunk = S instead of 64 the actor was 2.6e-5 off (layer 0's A_log:
-   grads ~1e-5 off by 1.5e-8, which Adam normalises).
-3. On CPU (gloo) the distributed optimizer is ours: `ShardedAdam` over `wrap_ddp`'s Megatron DDP, the same ZeRO-1
-   sharding as Megatron's DistributedOptimizer (each data-parallel / expert-data-parallel rank owns 1/dp of every
-   DDP bucket; finalize_model_grads reduce-scatters the grads, start_param_sync all-gathers the params; grad norm
-   summed over shards as Megatron's), because Megatron's refuses CPU parameters ('torch.cuda.FloatTensor' type
-   checks, device='cuda' norm buffers). fp32 only, no weight decay, no loss scaling; the cluster keeps
-   get_megatron_optimizer (`mcore._ddp_and_optimizer`). Measured (python -m pytest tests/test_mcore_optim.py -s: 2
-   gloo ranks, 3 clipped steps, Adam eps 1e-4): DP = 2 / EP = 2 / TP = 2 + SP parameters within 3.0e-8 / 8.2e-7 /
-   1.4e-6 of world-size-1 torch Adam + clip_grad_norm_ (|param| up to 2.8), grad norms within 1.2e-7 relative, each
-   rank holding 0.51 / 0.51 / 0.52 of the model's Adam state. At torch's eps 1e-8, DP = 2 is bitwise equal to the
-   reference, while EP = 2 / TP = 2 (3.2e-5 / 1.8e-4) sit at the fp32 floor Adam amplifies (the reference vs itself
-   with the batch in two halves: 4.5e-5).
-
-Measured (tests/test_cp_megatron.py: one tiny Qwen3.5 GDN layer, S = 250 with a partial last chunk, B = 2, fp32,
-gloo): output concatenated over ranks bitwise equal to one rank at kappa = 2 and 4; input grads max |diff| 1.4e-9 /
-1.9e-9; weight grads summed over ranks 8.3e-7 / 1.3e-6 at |dW| up to 4.5 (fp32 reassociation). Without the halo,
-rank 1's output differs from its first token on (6e-3).
+1. Pipeline parallel without Megatron's schedules: a forward over the PP stages is one autograd graph across processes
+   (GPipe with one microbatch per call: one rank's arithmetic, no 1F1B overlap, a bubble of (PP - 1) / PP), since
+   Megatron's forward_backward_func would need the loss inside the schedule at every call site of train_t1.
+2. Context parallel without Megatron's CP attention (0.16.1 asserts context_parallel_size = 1 for GDN): rank r takes
+   the contiguous chunk [r S, (r + 1) S), not the zig-zag (GDN state passes rank 0 -> cp - 1), and attention
+   all-gathers K / V instead of TE's ring attention ("context parallel" section below). Not written: CP with PP.
+3. On CPU (gloo) the distributed optimizer is ours, `ShardedAdam` (Megatron's ZeRO-1 sharding of the DDP buckets),
+   because Megatron's refuses CPU parameters; fp32 only, no weight decay, no loss scaling. The cluster keeps
+   get_megatron_optimizer (`mcore._ddp_and_optimizer`).
 """
 
 import contextlib
 
 import torch
 
+import cp_gdn
 import mcore
 
 # --- context parallel: contiguous sequence chunks over parallel_state's CP group (departure 2) -----------------
+# Context parallel without Megatron's CP attention: TransformerConfig.context_parallel_size stays 1 (0.16.1 asserts
+# it for GDN; its local DotProductAttention asserts it too) while parallel_state holds cp > 1 (DDP reduces grads
+# over its DP x CP group, the expert-DP group spans the CP ranks). `mcore._gpt_forward` gives CP rank r the
+# contiguous chunk [r S, (r + 1) S) of the right-padded sequence (Tp a multiple of cp * tp under sequence parallel,
+# and with GDN of cp * 64, the kernel's chunk: the same chunking as one rank), not Megatron's load-balanced zig-zag
+# (chunks r and 2cp - 1 - r), because the GDN state passing runs rank 0 -> cp - 1 in sequence order: causal
+# attention work is therefore unbalanced over the CP ranks (the last does most). Per call: the rotary table of the
+# chunk's global positions (`cp_rope`: RotaryEmbedding.get_emb with offset r S, instead of its forward, which
+# ignores position ids and cuts the zig-zag share), GDN layers state-passed (`context_parallel_gdn`: hooks on the
+# unchanged GatedDeltaNet.forward's conv1d, its module-level kernel swapped inside the block; the recurrence is
+# cp_gdn.py's torch kernel, also on GPU, FLA's is not state-passed here), gated attention through
+# `cp_dot_product_attention` (Megatron's DotProductAttention of the local queries against K / V all-gathered over
+# CP, the mask's rows of this chunk against all Tp keys; backward sums K / V grads to their owners) where
+# Megatron's TE attention runs ring attention (overlapped K / V exchange, O(S) memory per rank instead of the
+# all-gather's O(Tp)). Outputs are gathered over CP (`_CPGather`, backward: this rank's slice only, as
+# `_PipeBroadcast`): token_logprobs (targets shifted globally), logits, critic values and the R3 recording (rows of
+# contiguous chunks), replay sliced with `r3.slice_for_megatron(cp_contiguous=True)`; MoE routing and experts are
+# token-local. Not written: CP with PP.
 def cp_rank_size_group():
     """(rank, size, group) of parallel_state's context-parallel group; (0, 1, None) without CP. The models'
     TransformerConfig keeps context_parallel_size = 1 (0.16.1 asserts it for GDN): parallel_state holds the CP."""
@@ -161,7 +139,7 @@ def cp_dot_product_attention():
     return CPDotProductAttention
 
 
-# --- context-parallel Gated DeltaNet: Megatron's layer, infra.py's CP recurrence -----------------------------
+# --- context-parallel Gated DeltaNet: Megatron's layer, cp_gdn.py's CP recurrence ---------------------------
 # Paper: "native context parallelism for the recurrent operator". megatron-core 0.16.1 refuses it
 # (TransformerConfig.__post_init__: "Gated delta net does not support context parallel for now"; gated_delta_net.py
 # keeps `# TODO: support CP`). Inside GatedDeltaNet.forward only two things cross tokens: the causal depthwise
@@ -204,17 +182,16 @@ class _ConvHalo(torch.autograd.Function):
 def context_parallel_gdn(model, group=None, chunk_size=64):
     """Inside the block every Megatron GatedDeltaNet in `model` runs as one rank of the context-parallel `group`
     (default: the layer's own pg_collection.cp, Megatron's CP group) on this rank's slice of the sequence,
-    hidden_states [S_r, B, H] with the slices cut by infra.cp_split (chunk boundaries). Outputs and input
+    hidden_states [S_r, B, H] with the slices cut by cp_gdn.cp_split (chunk boundaries). Outputs and input
     gradients are this rank's slices; parameter gradients are partial sums (Megatron's DDP reduces them over
     DP x CP). How (departure 2):
       1. conv1d: a forward pre-hook prepends the K-1 halo columns (_ConvHalo), a forward hook drops the K-1
          extra leading outputs, so the forward's own `[..., :seq_len]` slice is exact.
       2. recurrence: the module-level `chunk_gated_delta_rule` / `torch_chunk_gated_delta_rule` the forward
-         calls -> infra.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
+         calls -> cp_gdn.cp_chunk_gated_delta_rule (state S rank r -> r+1, dS back), swapped for the block only;
          `causal_conv1d_fn` -> None for the block so the (hooked) nn.Conv1d path runs on GPU too.
       3. TransformerConfig keeps context_parallel_size = 1 (it asserts that for GDN); the CP group is passed here.
     """
-    import infra
     from megatron.core.ssm import gated_delta_net as gdn
     layers = [m for m in model.modules() if isinstance(m, gdn.GatedDeltaNet)]
     group = group if group is not None else layers[0].pg_collection.cp
@@ -222,7 +199,7 @@ def context_parallel_gdn(model, group=None, chunk_size=64):
     def recurrence(q, k, v, g, beta, initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=False,
                    **unused):  # as GatedDeltaNet.forward calls either kernel
         assert initial_state is None and not output_final_state  # training forward: the sequence starts on rank 0
-        return infra.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
+        return cp_gdn.cp_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size, use_qk_l2norm_in_kernel, group), None
 
     hooks = []
     for m in layers:

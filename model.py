@@ -1,60 +1,30 @@
 """Model builders and the embedded inference engine (paper: model + rollout infrastructure).
 
-T1 trains Qwen3.5-122B-A10B, a hybrid MoE (Gated DeltaNet linear attention 3:1 with gated full
-attention; 48 MoE layers, 256 experts, top-8), served by SGLang with routed-expert capture. The
-embedded scale uses the same Hugging Face architecture (Qwen3_5MoeForCausalLM) at a tiny size and a
-small torch server that speaks SGLang's `/generate` protocol, so rollout.py has one client.
+T1 trains Qwen3.5-122B-A10B, a hybrid MoE (Gated DeltaNet linear attention 3:1 with gated full attention; 48 MoE
+layers, 256 experts, top-8), served by SGLang with routed-expert capture. The embedded scale uses the same Hugging Face
+architecture (Qwen3_5MoeForCausalLM) at a tiny size and a small torch server that speaks SGLang's `/generate`
+protocol, so rollout.py has one client.
 
     python model.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
-    python model.py bench          # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
+    python bench.py engine         # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
 
-In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a
-Ray actor (infra.EngineActor); `python model.py serve` runs it as its own process.
-
-Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
-them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
-padded positions so their recurrent state starts clean), then decode together with a hybrid
-DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
-Weight reloads and pauses take effect between waves, so one request sees one weight_version.
-Routed experts are recorded with r3 in every forward of a wave in which any request sets
-`return_routed_experts` (SGLang's --enable-return-routed-experts; off otherwise): row j = experts chosen
-when token j was the input (prompt rows from prefill, output rows from decode steps; the last output token
-is never forwarded, so a request returns len(input) + len(output) - 1 rows).
-
-Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
-- /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
-  input_ids not a non-empty list of ints in [0, vocab); temperature not finite, negative or denormal
-  (0 <= t < GREEDY_BELOW = 1e-6 is greedy, SGLang's rule); top_p outside (0, 1]; top_k not -1 or >= 1;
-  max_new_tokens < 1 or past the context; stop_token_ids not ids in [0, vocab); seed outside [0, 2**64 - 1];
-  a rid already queued or running; stream; any field SGLang has that this engine does not implement
-  (GENERATE_FIELDS / SAMPLING_FIELDS list what is served: an unknown field is refused, never ignored).
-- A request that still fails inside a batch fails alone: a row whose sampling fails stops with its own error,
-  and a wave that fails as a whole re-runs its requests one by one; the failed request gets HTTP 500.
-- Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
-  (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
-  not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
-- Listen backlog LISTEN_BACKLOG = 1024 (>= the paper's 560 trials per step); a client that hangs up mid-request
-  has its generation aborted (EngineServer.disconnects logs each such request); /health answers 503 when the
-  scheduler thread is not running.
+In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a Ray actor
+(infra.EngineActor). How the engine batches and what it refuses: EngineServer's docstring.
 
 Departures from the paper:
-1. Tiny random-init model (tiny_config) on CPU instead of Qwen3.5-122B-A10B on GPUs; same HF
-   architecture, so R3 and the hybrid cache are exercised for real.
-2. Tokenizer: byte-level BPE trained on the task corpus (a few hundred to 2k tokens) with Qwen3.5's
-   pre-tokenizer (NFC + split regex) and ChatML specials, instead of Qwen's 248k vocabulary.
+1. Tiny random-init model (tiny_config) on CPU instead of Qwen3.5-122B-A10B on GPUs; same HF architecture, so R3
+   and the hybrid cache are exercised for real.
+2. Tokenizer: byte-level BPE trained on the task corpus (a few hundred to 2k tokens) with Qwen3.5's pre-tokenizer
+   (NFC + split regex) and ChatML specials, instead of Qwen's 248k vocabulary.
 3. Engine: static waves instead of SGLang's continuous batching and radix cache; no prefix reuse.
-4. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32
-   compute (--weight-dtype bf16). This cheaply emulates the production bf16-inference vs
-   fp32-trainer mismatch that PPO's importance ratio and R3 must absorb; fp32 serves exact weights.
-5. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p
-   truncation; top-p only changes which token is drawn.
-6. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends
-   a queued or running request with finish_reason "abort".
-7. HTTP: the standard library's ThreadingHTTPServer (a backlog of LISTEN_BACKLOG, explicit validation, disconnect
-   detection by polling the socket), not SGLang's FastAPI + uvicorn: those are not in the environment (installing
-   them moves opentelemetry-api off the version Ray's pinned SDK needs), they would still need the same checks to
-   answer 400 instead of pydantic's 422, and this way the engine's thread-per-request design, its Ray actor and
-   every caller stay unchanged (the least code and the least risk to the existing tests).
+4. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32 compute
+   (--weight-dtype bf16), a cheap emulation of the bf16-inference vs fp32-trainer mismatch PPO and R3 must absorb.
+5. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p truncation; top-p
+   only changes which token is drawn.
+6. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends a queued or
+   running request with finish_reason "abort".
+7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
+   installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
 
 import argparse
@@ -476,7 +446,34 @@ def parse_generate(body, vocab_size, max_positions, eos_id):
 
 
 class EngineServer:
-    """SGLang-protocol server over a tiny Qwen3.5-MoE: HTTP threads + one batching scheduler thread."""
+    """SGLang-protocol server over a tiny Qwen3.5-MoE: HTTP threads + one batching scheduler thread.
+
+    Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
+    them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
+    padded positions so their recurrent state starts clean), then decode together with a hybrid
+    DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
+    Weight reloads and pauses take effect between waves, so one request sees one weight_version.
+    Routed experts are recorded with r3 in every forward of a wave in which any request sets
+    `return_routed_experts` (SGLang's --enable-return-routed-experts; off otherwise): row j = experts chosen
+    when token j was the input (prompt rows from prefill, output rows from decode steps; the last output token
+    is never forwarded, so a request returns len(input) + len(output) - 1 rows).
+
+    Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
+    - /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
+      input_ids not a non-empty list of ints in [0, vocab); temperature not finite, negative or denormal
+      (0 <= t < GREEDY_BELOW = 1e-6 is greedy, SGLang's rule); top_p outside (0, 1]; top_k not -1 or >= 1;
+      max_new_tokens < 1 or past the context; stop_token_ids not ids in [0, vocab); seed outside [0, 2**64 - 1];
+      a rid already queued or running; stream; any field SGLang has that this engine does not implement
+      (GENERATE_FIELDS / SAMPLING_FIELDS list what is served: an unknown field is refused, never ignored).
+    - A request that still fails inside a batch fails alone: a row whose sampling fails stops with its own error,
+      and a wave that fails as a whole re-runs its requests one by one; the failed request gets HTTP 500.
+    - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
+      (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
+      not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
+    - Listen backlog LISTEN_BACKLOG = 1024 (>= the paper's 560 trials per step); a client that hangs up mid-request
+      has its generation aborted (EngineServer.disconnects logs each such request); /health answers 503 when the
+      scheduler thread is not running.
+    """
 
     def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=16, weight_dtype="bf16", seed=0):
         if weight_dtype not in ("bf16", "fp32"):
@@ -797,40 +794,6 @@ def _make_handler(engine):
 
 
 # --- CLI ----------------------------------------------------------------------------------------
-def _post(url, obj):
-    req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
-
-
-def bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
-    """Decode tokens/s of the tiny model: 1 request vs n_concurrent requests in one wave."""
-    tok = train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
-    save_checkpoint(build_actor(tiny_config(len(tok)), seed=0), tok, work_dir)
-    engine = EngineServer(work_dir, max_batch=n_concurrent).start()
-    body = {"input_ids": render_ids(tok, "user", "list the files") + tok.encode(ASSISTANT_PREFIX),
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
-            "return_logprob": True, "return_routed_experts": True}
-    try:
-        _post(engine.url + "/generate", body)  # warm-up
-        figures = {}
-        for n in (1, n_concurrent):
-            best = 0.0
-            for _ in range(repeats):  # best of `repeats`: the 2-core machine is often shared
-                threads = [threading.Thread(target=_post, args=(engine.url + "/generate", body)) for _ in range(n)]
-                t0 = time.time()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                best = max(best, n * new_tokens / (time.time() - t0))
-            figures[f"tokens_per_s_{n}"] = best
-        figures["speedup"] = figures[f"tokens_per_s_{n_concurrent}"] / figures["tokens_per_s_1"]
-        return figures
-    finally:
-        engine.stop()
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -841,14 +804,8 @@ def main():
     s.add_argument("--max-batch", type=int, default=16)
     s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
-    b = sub.add_parser("bench", help="decode throughput, 1 vs 8 concurrent requests")
-    b.add_argument("--work-dir", default="/tmp/t1_engine_bench")
-    b.add_argument("--threads", type=int, default=2)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    if args.cmd == "bench":
-        print(json.dumps(bench(args.work_dir)))
-        return
     engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:

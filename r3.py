@@ -1,24 +1,14 @@
 """R3: rollout routing replay for the MoE actor (paper section "R3").
 
-Paper: the sampler records R[j, l, :], the top-k expert ids chosen at every MoE layer l for every
-position j (1.5 KiB per position at 48 layers x top-8 int32), and every trainer forward replays
-them: position j goes through exactly the experts that produced the sampled token, while the gate
-weights are the softmax of the *live* router logits gathered at the recorded k ids and renormalised
-over those k, so the router keeps its gradient. A missing capture aborts the step (never silently
-dropped); placeholder rows are allowed only where m[j+1] = 0 (positions whose next token is not
-trained on).
+The sampler records R[j, l, :], the top-k expert ids chosen at every MoE layer l for every position j (1.5 KiB per
+position at 48 layers x top-8 int32); every trainer forward replays them: position j goes through exactly the experts
+that produced the sampled token, with gate weights from the *live* router logits renormalised over the recorded k ids,
+so the router keeps its gradient. A missing capture aborts the step (never silently dropped); placeholder rows are
+allowed only where m[j+1] = 0 (`check_capture`, which also says what aborts).
 
     w[j, l, :] = softmax(router_l(h_j))[R[j, l, :]] / sum_k softmax(router_l(h_j))[R[j, l, k]]
 
-Policy (what aborts), with replay on (train_t1 --r3-mode replay): a trial with one turn's capture missing
-(an SGLang server started without --enable-return-routed-experts returns no routed_experts; the embedded
-engine, model.EngineServer, captures whenever the request sets return_routed_experts, as rollout.EngineClient
-does) -> tito.CaptureError naming the trial, the turn and the flag; a placeholder row where m[j+1] = 1 ->
-ValueError naming the trial and the row; a sample or batch without routing reaching the trainer ->
-ValueError (train_t1.pad_batch / batch_routing). None of them is dropped or trained with live routing.
-With replay off, routing is optional (only the expert_set_mismatch figure uses it).
-
-Use:
+Use (`python bench.py r3 --quick` measures |delta log p| engine vs trainer with replay off / on):
 
     r3.install(model)                                    # once, after building/loading the model
     with r3.routing(model, "record") as rec:             # sampler / engine side
@@ -27,58 +17,27 @@ Use:
     with r3.routing(model, "replay", experts):           # trainer side, every forward
         loss = f(model(ids).logits); loss.backward()     # backward (and recompute) inside
 
-Megatron-Core (cluster trainer, see mcore.py): the same `routing(actor, mode, experts)` call on an
-`mcore.MegatronActor` slices experts with `slice_for_megatron` (context-parallel chunks, sequence-
-parallel split, the pipeline stage's MoE layers, Megatron's [s, b] token order) and drives this model's
-native `RouterReplay` instances (RECORD / REPLAY_FORWARD; `ctx.backward_mode()` -> REPLAY_BACKWARD for
-recompute); router fusion is refused.
-
-    python r3.py measure --quick   # one JSON line: dlogp_off, dlogp_on, expert_set_mismatch_off,
-                                   # capture_overhead_ratio, bytes_per_position (~25 s on 2 cores)
-
-`mismatch(model, input_ids, attention_mask, experts, loss_mask)` is the per-step R3 figure: the
-fraction of (position, layer) pairs, over rows j with m[j+1] = 1, whose live expert set differs
-from the recorded one.
-
-`rec.forwards` keeps one (B, T_i, L, k) tensor per forward run inside the context (a KV-cached
-engine runs a prefill and then one forward per decode step); `rec.pop()` returns and clears them.
-The wire format of SGLang's `routed_experts` (base64 of little-endian int32 [N, L, k]) is
-`encode_routed_experts` / `decode_routed_experts`.
+On an mcore.MegatronActor the same call drives the model's native RouterReplay (`megatron_routing`, experts sliced by
+`slice_for_megatron`). `mismatch` is the per-step figure; SGLang's wire format is `encode_routed_experts` /
+`decode_routed_experts`.
 
 Departures from the paper:
-1. The embedded trainer is Hugging Face's Qwen3_5MoeForCausalLM (Megatron-Core's `RouterReplay` is
-   used only by mcore.py's backend); the router module `layer.mlp.gate` is swapped for `R3Router` (same weight Parameter, same
-   state-dict key), and a forward pre-hook on the MoE block tells the router the (B, T) of the
-   batch so that flattened token rows can be matched to recorded rows.
-2. A replay row of all -1 (a placeholder or padding) falls back to live top-k for that row. The
-   replay itself does not know the loss mask; train_t1.to_samples calls `check_capture(experts,
-   loss_mask)` on every assembled sample, which aborts on a missing capture and on placeholders where
-   m[j+1] = 1, and counts the placeholder rows (logged per step as r3_placeholder_frac; paper: 0.003%).
-   `routing` refuses malformed tensors (wrong shape, ids out of range, partly -1 rows).
-3. Activation recompute (gradient checkpointing): the recomputed forward reads the routers' replay
-   state when backward runs, so backward must run inside the `routing(..., "replay")` context.
-   Record mode is meant for forward-only use (no_grad); a recompute inside a record context would
-   append a second copy of the rows.
-4. One routing context per model at a time (nesting raises): the mode is an explicit argument held
-   by the routers only while the context is open, never a global or an environment variable.
-5. Megatron replay wraps each RouterReplay's `get_replay_topk` while the context is open: native
-   REPLAY_FORWARD / REPLAY_BACKWARD semantics, plus (a) all -1 rows fall back to live top-k as in the
-   HF path and (b) a slice whose row count differs from the router's tokens raises (the native gather
-   would silently route only the first rows). It drives the model's own instances, not the process-
-   wide static list, which also holds the critic's routers.
-6. The mismatch source at embedded scale is bf16-ROUNDED engine weights in fp32 compute vs fp32
-   trainer weights (model.py departure 4), on a random-init tiny model with near-uniform router logits;
-   the measured figures are this setup's, not the paper's 0.021 -> 0.013. Capture overhead is measured
-   as engine wave time with return_routed_experts on vs off (same requests, seeds, batch), interleaved.
+1. The embedded trainer is HF's Qwen3_5MoeForCausalLM: its router `layer.mlp.gate` is swapped for `R3Router` (same
+   Parameter, same state-dict key); a pre-hook on the MoE block gives the router the batch's (B, T).
+2. A replay row of all -1 (placeholder or padding) falls back to live top-k; the replay does not know the loss mask:
+   train_t1.to_samples calls `check_capture` on every sample. `routing` refuses malformed tensors.
+3. Backward (and activation recompute) must run inside the `routing(..., "replay")` context; record mode is
+   forward-only (a recompute inside it would append a second copy of the rows).
+4. One routing context per model at a time (nesting raises): the mode is an explicit argument held by the routers
+   only while the context is open, never a global or an environment variable.
+5. Megatron replay wraps each RouterReplay's `get_replay_topk`: all -1 rows fall back to live top-k as in the HF path,
+   and a slice whose row count differs from the router's tokens raises (the native gather would route the first rows).
+6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (model.py departure 4) on a
+   random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
 """
 
-import argparse
 import base64
 import contextlib
-import json
-import tempfile
-import threading
-import time
 
 import numpy as np
 import torch
@@ -161,7 +120,8 @@ def install(model):
 
 
 class Routing:
-    """What `routing()` yields. record: `forwards` (list of (B, T_i, L, k) int32), `experts`."""
+    """What `routing()` yields. record: `forwards` (list of (B, T_i, L, k) int32: a KV-cached engine runs a prefill
+    and then one forward per decode step), `experts`; `pop()` returns the forwards and clears them."""
 
     def __init__(self, mode, num_layers, top_k):
         self.mode, self.num_layers, self.top_k = mode, num_layers, top_k
@@ -254,6 +214,13 @@ def check_capture(experts, loss_mask) -> int:
     token j+1, so a placeholder row (-1 at any layer) is allowed only where m[j+1] = 0; the last row (j = T-1)
     predicts nothing and may be a placeholder. Returns the number of placeholder rows (the per-step figure
     r3_placeholder_frac = placeholder rows / rows; paper: 0.003%).
+
+    What aborts, with replay on (train_t1 --r3-mode replay): a turn's capture missing (an SGLang server started
+    without --enable-return-routed-experts returns no routed_experts; the embedded engine captures whenever the
+    request sets return_routed_experts, as rollout.EngineClient does) -> tito.CaptureError naming the trial, the turn
+    and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
+    the trainer -> ValueError (train_t1.pad_batch / batch_routing). None is dropped or trained with live routing.
+    With replay off, routing is optional (only the expert_set_mismatch figure uses it).
     """
     if experts is None:
         raise ValueError("experts: routing capture is missing (R3 never silently drops it; SGLang returns it only "
@@ -466,107 +433,3 @@ def megatron_routing(model, mode: str, layer_experts=None):
             rp.__dict__.pop("get_replay_topk", None)
             if mode != "record":
                 rp.clear_indices()
-
-
-# --- measurement: abs(delta log p) engine vs trainer with R3 off / on, capture overhead ---------------
-def _generate_wave(engine, bodies):
-    """POST every body while the engine is paused, then resume: one wave, same batch every time."""
-    import model as model_lib
-    outs = [None] * len(bodies)
-
-    def post(i):
-        outs[i] = model_lib._post(engine.url + "/generate", bodies[i])
-
-    engine.pause()
-    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
-    for t in threads:
-        t.start()
-    while True:  # every request queued before the wave starts
-        with engine.cv:
-            if len(engine.queue) == len(bodies):
-                break
-        time.sleep(0.005)
-    t0, c0 = time.perf_counter(), time.process_time()
-    engine.resume()
-    for t in threads:
-        t.join()
-    return outs, (time.perf_counter() - t0, time.process_time() - c0)  # (wall s, CPU s of this process)
-
-
-def measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
-    """The R3 figures on one set of rollouts from the embedded engine (bf16-rounded weights, default)."""
-    import model as model_lib
-    texts = [f"task {i}: list the files in /srv/data{i}, count lines of log{i}.txt, write the sum to out{i}"
-             for i in range(64)]
-    tok = model_lib.train_tokenizer(texts, 400)
-    work = tempfile.mkdtemp(prefix="r3_measure_")
-    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed), tok, work)
-    prompts = [model_lib.render_ids(tok, "user", texts[i * 7 % 64][: 20 + 9 * i]) + tok.encode(model_lib.ASSISTANT_PREFIX)
-               for i in range(n_requests)]
-
-    def bodies(capture):  # same requests and per-request seeds whether capture is on or off
-        return [{"input_ids": p, "return_logprob": True, "return_routed_experts": capture,
-                 "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
-                                     "seed": seed + i}} for i, p in enumerate(prompts)]
-
-    engine = model_lib.EngineServer(work, max_batch=n_requests, weight_dtype="bf16").start()
-    try:
-        outs, _ = _generate_wave(engine, bodies(True))
-        times = {True: [], False: []}  # capture -> [(wall s, CPU s)]
-        for r in range(repeats):  # interleaved, order alternating, to cancel drift on a shared machine
-            for capture in ((True, False) if r % 2 else (False, True)):
-                times[capture].append(_generate_wave(engine, bodies(capture))[1])
-        L, k = engine.num_layers, engine.top_k
-    finally:
-        engine.stop()
-
-    # trainer: fp32 master weights, the same checkpoint, the exact sampled token ids
-    trainer, _ = model_lib.load_actor(work)
-    trainer.eval()
-    B, T = len(outs), max(len(p) + len(o["output_ids"]) for p, o in zip(prompts, outs))
-    ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) right-padded
-    am, m, lp_rollout = torch.zeros(B, T, dtype=torch.long), torch.zeros(B, T), torch.zeros(B, T)
-    experts = torch.full((B, T, L, k), -1, dtype=torch.int32)  # (B, T, L, k)
-    for b, (p, o) in enumerate(zip(prompts, outs)):
-        n_in, n = len(p), len(p) + len(o["output_ids"])
-        ids[b, :n] = torch.tensor(p + o["output_ids"])
-        am[b, :n] = 1
-        m[b, n_in:n] = 1  # loss on sampled tokens only
-        lp_rollout[b, n_in:n] = torch.tensor([x[0] for x in o["meta_info"]["output_token_logprobs"]])
-        experts[b, :n - 1] = torch.from_numpy(decode_routed_experts(o["meta_info"]["routed_experts"], L, k))
-    check_capture(experts[0, :int(am[0].sum())], m[0, :int(am[0].sum())])
-
-    def dlogp(mode):
-        with torch.no_grad(), routing(trainer, mode, experts if mode == "replay" else None):
-            logits = trainer(input_ids=ids, attention_mask=am).logits.float()  # (B, T, V)
-        lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-        lp = F.pad(lp, (1, 0))  # lp[:, j] = log pi(tokens[j] | tokens[:j])
-        return float(((lp - lp_rollout).abs() * m).sum() / m.sum())  # mask-weighted mean |delta log p|
-
-    wall = {c: sum(x[0] for x in v) for c, v in times.items()}
-    cpu = {c: sum(x[1] for x in v) for c, v in times.items()}  # CPU time: robust to other jobs on the machine
-    return {"dlogp_off": dlogp("off"), "dlogp_on": dlogp("replay"),
-            "expert_set_mismatch_off": mismatch(trainer, ids, am, experts, m),
-            "capture_overhead_ratio": cpu[True] / cpu[False], "capture_overhead_ratio_wall": wall[True] / wall[False],
-            "bytes_per_position": L * k * 4, "bytes_per_position_paper": 48 * 8 * 4,
-            "num_layers": L, "top_k": k, "n_requests": B, "sampled_tokens": int(m.sum()),
-            "engine_weights": "bf16-rounded", "trainer_weights": "fp32",
-            "wave_cpu_s_on": cpu[True] / repeats, "wave_cpu_s_off": cpu[False] / repeats, "repeats": repeats}
-
-
-def main():
-    p = argparse.ArgumentParser(description="R3 measurement: engine vs trainer logprobs with replay off/on")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    s = sub.add_parser("measure", help="print one JSON line of R3 figures")
-    s.add_argument("--quick", action="store_true", help="8 requests x 24 tokens (under a minute on 2 cores)")
-    s.add_argument("--seed", type=int, default=0)
-    s.add_argument("--threads", type=int, default=2)
-    args = p.parse_args()
-    torch.set_num_threads(args.threads)
-    kw = dict(n_requests=8, new_tokens=24, repeats=8) if args.quick else dict(n_requests=16, new_tokens=96, repeats=6)
-    print(json.dumps(measure(seed=args.seed, **kw)))
-
-
-if __name__ == "__main__":
-    import r3  # run as the module `r3`, the one model.py installs routers from (one R3Router class)
-    r3.main()

@@ -1,12 +1,11 @@
-"""TITO: train on the exact sampled token ids. Trajectory assembly, four-case boundary repair, loss mask, audit.
+"""TITO: train on the exact sampled token ids (paper section "TITO"): trajectory assembly, boundary repair, audit.
 
-Paper section "TITO" (T1, arXiv 2609.11042): token fidelity T^t_j = T^r_j, the trainer conditions on
-the token ids the sampler actually produced. Encoding happens once per turn; the chat template is
-pinned so rendering is append-only; where a harness still forces a mismatch, every turn boundary is
-repaired by the first of four escalating cases that applies; sampled tokens get m = 1, tool output
-and template glue m = 0; an auditor relocates every completion in the training stream and reports
-token drift in the loss region ("0.0000% in the 1,402-sample production audit"). The harness's
-re-tokenized copy of a completion never enters the training stream.
+Token fidelity T^t_j = T^r_j: the trainer conditions on the token ids the sampler actually produced. Encoding happens
+once per turn with a pinned, append-only chat template; where a harness still forces a mismatch, every turn boundary
+is repaired by the first of four escalating cases that applies (strict, normalized, retokenized, split: "boundary
+classification" below); sampled tokens get m = 1, tool output and template glue m = 0; an auditor relocates every
+completion and reports token drift in the loss region (`audit`; paper: "0.0000% in the 1,402-sample production
+audit"). The harness's re-tokenized copy of a completion never enters the training stream.
 
 The loss-mask convention (stated once, used everywhere: critic.py, train_t1.py, r3.py):
     m[j] = 1  iff  token j of the sample was sampled by the policy (it has a rollout logprob);
@@ -15,69 +14,17 @@ The loss-mask convention (stated once, used everywhere: critic.py, train_t1.py, 
     R[j] is the router's choice when token j is the *input*, so it shapes the prediction of token j+1:
     a placeholder routing row is allowed only where m[j+1] = 0 (paper, R3).
 
-The four cases of a turn boundary (P_i = prompt ids of turn i, O_i = its sampled ids, P_{i+1} = the
-next prompt as the harness built it; the first case that applies wins):
-    strict       P_{i+1} extends P_i + O_i token for token.
-    normalized   P_{i+1} extends P_i, and the harness's copy X of the completion (the ids of P_{i+1}
-                 after P_i up to the first end-of-turn id) equals O_i after boundary normalisation:
-                 drop trailing end-of-turn ids (<|im_end|>, <|endoftext|>, eos), then whitespace-only
-                 tokens at both ends. (Clients strip the reply; the template re-adds <|im_end|>.)
-    retokenized  P_{i+1} extends P_i and decode(X).strip() == decode(O_i minus end-of-turn).strip(),
-                 with different ids: the harness re-encoded the text of the history.
-    split        anything else (P_{i+1} rewrote earlier history: summarisation, truncation, an edited
-                 reply): a new segment starts at P_{i+1}.
-Repair (strict, normalized, retokenized): the training stream continues with O_i exactly as sampled
-(m = 1), then the glue G = P_{i+1}[h:] (h = end of X in P_{i+1}; the harness's end-of-turn id is skipped
-when O_i already ends with one), m = 0. So one sample per segment holds the sampled ids in the loss
-region and the harness's own ids everywhere else; X itself (the re-encoded copy) is dropped. The turn
-i+1 completion was sampled conditioned on X, the trainer conditions it on O_i: for normalized and
-retokenized boundaries this is a small off-policy shift in the *context* (same text, other ids) that the
-PPO ratio absorbs, never a wrong token in the loss region. Routing rows follow the stream: rows of
-P_s and of O_i from the record that first forwarded them, glue rows from the prefill of P_{i+1}
-(the sampler's own choice at that token), and the row of O_i's last token (which predicts glue, m = 0)
-from P_{i+1}'s prefill at h-1 (exact when strict, the nearest analogue otherwise).
-
-Sample record (one per segment; one per trajectory unless a boundary split; `save_samples` /
-`load_samples` read back exactly):
-    task, tokens (T,), loss_mask (T,), rollout_logprobs (T,) (0 where m = 0),
-    routed_experts (T-1, L, k) int32 or None, reward, passed, total, reward_source, exit_reason,
-    turns, weight_version, cases {strict, normalized, retokenized, split} (boundaries inside the
-    segment, plus the split that opened it), segment, n_segments, spans [(start, end)] of each
-    completion, sampled [[ids]] (the engine's output ids), harness_drift_tokens (sampled ids the harness's
-    own copy got wrong: what naive retokenization would have trained on), and the auditor's reference:
-    turn_ids (every turn's prompt and output ids, `pack_turns`), boundaries [[case, h]] per boundary.
-The trajectory's reward goes on the last token of every segment.
-
-CLI:
     python tito.py audit SAMPLES_PATH [--json]   # cases, loss-region drift (4 decimals), relocation failures;
                                                  # exit 1 when a loss-region token drifted
-    python tito.py measure --quick               # naive vs TITO through the token gateway (gateway.py)
+    python bench.py tito --quick                 # naive vs TITO through the token gateway (gateway.py)
 
 Departures from the paper:
-  1. A split boundary yields one more sample (segment) carrying the trajectory's reward; the paper does
-     not say how a split trajectory is trained. `assemble(trial)` refuses a split (one sample per trial
-     is what train_t1.py expects); `assemble_segments(trial, tok)` returns every segment.
-  2. normalized / retokenized need the tokenizer (`tok`) to tell whitespace and text apart; without it
-     only strict is repaired and any other boundary is a split. The native harness (rollout.py) is
-     token-first, so every boundary there is strict by construction (the paper's future-work fix for
-     its residual 2.6% retokenized tokens).
-  3. Each sample carries its trial's turn ids (delta-encoded, O(T)) so that the auditor can run on
-     saved samples; the paper does not say where its auditor reads the records from.
-
-The auditor (`audit`, paper: "relocates every completion in the next prompt"): from the turn records the
-sample carries, completion i must appear in turn i+1's prompt where turn i's prompt ended (else a
-relocation failure is reported: the next turn saw other ids, e.g. a retokenized history), and the sampled
-ids are placed in the stream by the declared boundaries (the last completion inside the sample's tokens);
-drift = loss-region positions (m = 1) whose trained id is not the sampled id, plus sampled ids left at
-m = 0, over the loss-region tokens. `harness_drift_pct` reports what the naive stream would have drifted.
-
-Policy (what aborts):
-  - R3 replay on (`replay=True`): a turn without its routing capture, or with a capture that does not cover
-    prompt + output - 1 rows, raises CaptureError naming the trial, the turn and the engine flag
-    (SGLang's --enable-return-routed-experts); the trainer lets it abort the step, never drops the trial.
-    Replay off: an incomplete capture only leaves routed_experts None.
-  - The auditor refuses a sample without its turn records or with boundaries inconsistent with them;
-    `python tito.py audit` exits 1 on any loss-region drift; train_t1.py aborts the step on one.
+  1. A split boundary yields one more sample (segment) carrying the trajectory's reward (the paper does not say how a
+     split trajectory is trained); `assemble` refuses a split, `assemble_segments` returns every segment.
+  2. normalized / retokenized need the tokenizer (`tok`); without it only strict is repaired. The native harness
+     (rollout.py) is token-first: every boundary there is strict (the paper's future-work fix for its 2.6%).
+  3. Each sample carries its trial's turn ids (delta-encoded, O(T)) so that the auditor can run on saved samples;
+     the paper does not say where its auditor reads the records from.
 """
 from __future__ import annotations
 
@@ -93,6 +40,27 @@ CASES = ("strict", "normalized", "retokenized", "split")
 
 
 # --- boundary classification -------------------------------------------------------------------------
+# The four cases of a turn boundary (P_i = prompt ids of turn i, O_i = its sampled ids, P_{i+1} = the
+# next prompt as the harness built it; the first case that applies wins):
+#     strict       P_{i+1} extends P_i + O_i token for token.
+#     normalized   P_{i+1} extends P_i, and the harness's copy X of the completion (the ids of P_{i+1}
+#                  after P_i up to the first end-of-turn id) equals O_i after boundary normalisation:
+#                  drop trailing end-of-turn ids (<|im_end|>, <|endoftext|>, eos), then whitespace-only
+#                  tokens at both ends. (Clients strip the reply; the template re-adds <|im_end|>.)
+#     retokenized  P_{i+1} extends P_i and decode(X).strip() == decode(O_i minus end-of-turn).strip(),
+#                  with different ids: the harness re-encoded the text of the history.
+#     split        anything else (P_{i+1} rewrote earlier history: summarisation, truncation, an edited
+#                  reply): a new segment starts at P_{i+1}.
+# Repair (strict, normalized, retokenized): the training stream continues with O_i exactly as sampled
+# (m = 1), then the glue G = P_{i+1}[h:] (h = end of X in P_{i+1}; the harness's end-of-turn id is skipped
+# when O_i already ends with one), m = 0. So one sample per segment holds the sampled ids in the loss
+# region and the harness's own ids everywhere else; X itself (the re-encoded copy) is dropped. The turn
+# i+1 completion was sampled conditioned on X, the trainer conditions it on O_i: for normalized and
+# retokenized boundaries this is a small off-policy shift in the *context* (same text, other ids) that the
+# PPO ratio absorbs, never a wrong token in the loss region. Routing rows follow the stream: rows of
+# P_s and of O_i from the record that first forwarded them, glue rows from the prefill of P_{i+1}
+# (the sampler's own choice at that token), and the row of O_i's last token (which predicts glue, m = 0)
+# from P_{i+1}'s prefill at h-1 (exact when strict, the nearest analogue otherwise).
 
 def end_of_turn_ids(tok) -> set[int]:
     """Ids that close a turn: <|im_end|>, <|endoftext|> and the tokenizer's eos (those it has)."""
@@ -142,6 +110,24 @@ def _harness_drift(x: list[int], output: list[int]) -> int:
 
 
 # --- assembly ----------------------------------------------------------------------------------------
+# Sample record (one per segment; one per trajectory unless a boundary split; `save_samples` /
+# `load_samples` read back exactly):
+#     task, tokens (T,), loss_mask (T,), rollout_logprobs (T,) (0 where m = 0),
+#     routed_experts (T-1, L, k) int32 or None, reward, passed, total, reward_source, exit_reason,
+#     turns, weight_version, cases {strict, normalized, retokenized, split} (boundaries inside the
+#     segment, plus the split that opened it), segment, n_segments, spans [(start, end)] of each
+#     completion, sampled [[ids]] (the engine's output ids), harness_drift_tokens (sampled ids the harness's
+#     own copy got wrong: what naive retokenization would have trained on), and the auditor's reference:
+#     turn_ids (every turn's prompt and output ids, `pack_turns`), boundaries [[case, h]] per boundary.
+# The trajectory's reward goes on the last token of every segment.
+#
+# Policy (what aborts):
+#   - R3 replay on (`replay=True`): a turn without its routing capture, or with a capture that does not cover
+#     prompt + output - 1 rows, raises CaptureError naming the trial, the turn and the engine flag
+#     (SGLang's --enable-return-routed-experts); the trainer lets it abort the step, never drops the trial.
+#     Replay off: an incomplete capture only leaves routed_experts None.
+#   - The auditor refuses a sample without its turn records or with boundaries inconsistent with them;
+#     `python tito.py audit` exits 1 on any loss-region drift; train_t1.py aborts the step on one.
 
 class _Segment:
     """The training stream of one segment, built turn by turn; rows[j] = (record, row) of token j's routing."""
@@ -309,6 +295,12 @@ def case_counts(trial: dict, tok=None) -> dict:
 
 
 # --- audit -------------------------------------------------------------------------------------------
+# The auditor (`audit`, paper: "relocates every completion in the next prompt"): from the turn records the
+# sample carries, completion i must appear in turn i+1's prompt where turn i's prompt ended (else a
+# relocation failure is reported: the next turn saw other ids, e.g. a retokenized history), and the sampled
+# ids are placed in the stream by the declared boundaries (the last completion inside the sample's tokens);
+# drift = loss-region positions (m = 1) whose trained id is not the sampled id, plus sampled ids left at
+# m = 0, over the loss-region tokens. `harness_drift_pct` reports what the naive stream would have drifted.
 
 MAX_REPORTED = 20  # positions listed per kind in an audit report (the counts cover them all)
 
@@ -494,16 +486,7 @@ def main(argv=None):
     a = sub.add_parser("audit", help="audit samples written by a run (a .jsonl file or a directory of them)")
     a.add_argument("samples_path")
     a.add_argument("--json", action="store_true")
-    m = sub.add_parser("measure", help="naive retokenization vs TITO through the token gateway (one JSON line)")
-    m.add_argument("--quick", action="store_true", help="a few tasks and turns (minutes on 2 CPU cores)")
-    m.add_argument("--harness", choices=["client", "harbor"], default="client",
-                   help="client: a text client that re-renders the history like Terminus-2; harbor: Harbor's own")
-    m.add_argument("--work-dir", default=None)
     args = p.parse_args(argv)
-    if args.cmd == "measure":
-        import gateway
-        print(json.dumps(gateway.measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
-        return
     path = Path(args.samples_path)
     files = sorted(path.glob("**/*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):

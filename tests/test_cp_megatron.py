@@ -1,12 +1,13 @@
 """Context-parallel Megatron GatedDeltaNet (mcore_parallel.context_parallel_gdn): one tiny Megatron-Core GDN layer with
-its sequence split over kappa gloo ranks (spawned processes, infra.cp_split boundaries; conv1d halo exchange + infra's
-CP recurrence) against the same layer on one rank."""
+its sequence split over kappa gloo ranks (spawned processes, cp_gdn.cp_split boundaries; conv1d halo exchange +
+cp_gdn's CP recurrence) against the same layer on one rank."""
 import contextlib
 
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+import cp_gdn  # noqa: E402
 import infra  # noqa: E402
 import mcore  # noqa: E402
 import mcore_parallel  # noqa: E402
@@ -50,7 +51,7 @@ def _cp_rank(rank, kappa):
     parallel_state.initialize_model_parallel(context_parallel_size=kappa)  # the layer's pg_collection.cp
     mcore.init_cpu()
     x, dout = inputs()
-    s, e = infra.cp_split(S, kappa)[rank]
+    s, e = cp_gdn.cp_split(S, kappa)[rank]
     out, dx, grads = run_layer(gdn_layer(), x[s:e], dout[s:e], cp=True)
     return out.numpy(), dx.numpy(), {n: g.numpy() for n, g in grads.items()}
 

@@ -1,4 +1,4 @@
-"""infra.py: memory model (Proposition 7.1), planner, parameter counts, context-parallel Gated DeltaNet."""
+"""infra.py: memory model (Proposition 7.1), planner, parameter counts; cp_gdn.py: context-parallel Gated DeltaNet."""
 import json
 import math
 import subprocess
@@ -7,6 +7,8 @@ import sys
 import pytest
 import torch
 
+import bench
+import cp_gdn
 import infra
 from infra import GiB, PRESETS, Plan
 
@@ -133,25 +135,25 @@ def test_plan_cli_json_interface():
 
 # ----------------------------------------------------------------------------- context-parallel GDN
 def test_cp_split_on_chunk_boundaries():
-    assert infra.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
-    for s, e in infra.cp_split(1000, 8)[:-1]:
+    assert cp_gdn.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
+    for s, e in cp_gdn.cp_split(1000, 8)[:-1]:
         assert s % 64 == 0 and e % 64 == 0
 
 
 def test_single_rank_rule_bitwise_equals_transformers_reference():
     from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import torch_chunk_gated_delta_rule
-    (q, k, v, g, beta), _ = infra.gdn_inputs(S=200)  # a partial last chunk exercises the padding
+    (q, k, v, g, beta), _ = cp_gdn.gdn_inputs(S=200)  # a partial last chunk exercises the padding
     ref, ref_state = torch_chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True,
                                                   output_final_state=True)
-    out, state = infra.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
+    out, state = cp_gdn.chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)
     assert torch.equal(out, ref) and torch.equal(state, ref_state)
 
 
 @pytest.mark.parametrize("kappa", [2, 4])
 def test_cp_forward_bitwise_and_grad_error(kappa):
     shape = dict(B=1, S=300, nk=2, nv=4, dk=16, dv=16)  # 5 chunks, the last one partial
-    ref_out, ref_grads, ref_bytes = infra.reference_gdn(shape)
-    out, grads, nbytes = infra.run_cp(kappa, shape)
+    ref_out, ref_grads, ref_bytes = cp_gdn.reference_gdn(shape)
+    out, grads, nbytes = bench.run_cp(kappa, shape)
     assert torch.equal(out, ref_out)  # bitwise identical forward
     assert max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)) < 1e-6
     assert max(nbytes) < ref_bytes * (1 / kappa + 0.25)  # per-rank saved activations shrink ~1/kappa

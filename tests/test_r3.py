@@ -10,6 +10,7 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 
@@ -280,7 +281,7 @@ def test_replay_with_fp32_engine_weights_matches_rollout_logprobs(fp32_engine):
     bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
                "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": i}}
               for i, p in enumerate(prompts)]
-    outs, _ = r3._generate_wave(engine, bodies)  # one wave: left-padded batched prefill + decode
+    outs, _ = bench._generate_wave(engine, bodies)  # one wave: left-padded batched prefill + decode
     trainer, _ = model_lib.load_actor(path)
     trainer.eval()
     for p, o in zip(prompts, outs):
@@ -299,8 +300,8 @@ def test_capture_off_samples_the_same_tokens_and_returns_no_routing(fp32_engine)
     engine, tok, _ = fp32_engine
     body = {"input_ids": model_lib.render_ids(tok, "user", "echo line 5"), "return_logprob": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}}
-    (on,), _t = r3._generate_wave(engine, [dict(body, return_routed_experts=True)])
-    (off,), _t = r3._generate_wave(engine, [dict(body, return_routed_experts=False)])
+    (on,), _t = bench._generate_wave(engine, [dict(body, return_routed_experts=True)])
+    (off,), _t = bench._generate_wave(engine, [dict(body, return_routed_experts=False)])
     assert on["output_ids"] == off["output_ids"]
     assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
     assert "routed_experts" in on["meta_info"] and "routed_experts" not in off["meta_info"]
