@@ -796,6 +796,10 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
     eval_attempts per task, the eval turn and agent / verifier limits replacing the tasks' own. Every trial counts
     (gateway.evaluate_trials): n_trials = tasks x attempts, a trial that errored or was dropped scores 0 and is
     listed in `errors`. The native token-first harness stands in for Terminus-2 (rollout.py)."""
+    if args.eval_attempts == 0:  # --eval-attempts 0 turns evaluation off: no trial, said so, never a 0 solve rate
+        log(Path(run_dir), f"eval {tag}: skipped (--eval-attempts 0)")
+        return {"solve_rate": float("nan"), "reward_mean": float("nan"), "turns_mean": float("nan"), "n_trials": 0,
+                "n_errors": 0, "errors": [], "skipped": True}
     limits = {"max_turns": args.eval_max_turns, "trial_timeout_s": args.eval_agent_timeout_s,
               "agent_timeout_s": args.eval_agent_timeout_s, "verifier_timeout_s": args.eval_verifier_timeout_s}
 
