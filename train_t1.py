@@ -1,15 +1,14 @@
 """T1: PPO with a full-size critic that turns a Qwen3.5-MoE model into a terminal agent.
 
-Paper: "T1: Terminal Agent Reinforcement Learning for Long-Horizon Tasks" (arXiv 2609.11042), the
-optimisation section and the step of DESIGN.md section 3, read top to bottom:
+Paper: "T1: Terminal Agent Reinforcement Learning for Long-Horizon Tasks" (arXiv 2609.11042), the optimisation
+section; DESIGN.md section 3. One RL step (rl_loop), read top to bottom:
 
-    tasks -> rollout (Terminus-2 in a sandbox) -> reward r = P/S -> TITO samples -> V_old ->
-    GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> old logprobs with R3 replay ->
-    PPO actor update with R3 replay -> publish weights to the engine (one-step async: the rollout of
-    step t+1 overlaps the update of step t, staleness exactly 1, publish barrier between)
+    1-3. rollout (Terminus-2 in a sandbox, oversampled), reward r = P / S -> 4. TITO samples -> 5. V_old ->
+    GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> 6. old logprobs and PPO actor update, both with
+    R3 replay -> 7. checkpoint -> 8. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
 
-preceded by an SFT warm start on reference-solution trajectories (the paper starts RL from an SFT
-checkpoint) and one epoch of Critic Warm-Up, and followed by held-out evaluation.
+preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by held-out
+evaluation. Steps 5-7 run on the trainer actor (trainer.py) with this file's step functions.
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
@@ -17,78 +16,30 @@ Run:
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag
     python train_t1.py plot runs/x                # PNG curves of a run
 
-A run directory holds: tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, auditable
-with `python tito.py audit`), metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt.
-Running again with the same --run-dir continues after the last committed phase / RL step. state.json (written
-last, os.replace) is the commit point: RL step k is committed once ckpt/latest (its step.json says k), its metrics
-row and samples are written and state.json says step k; a kill before that discards the step's checkpoint (the
-one of step k-1, kept as ckpt/previous until the commit, is put back) and its rows, and redoes it: no step applied
-twice, none skipped (resume_run). SFT commits by renaming ckpt/sft into place, the critic warm-up in state.json;
-the rows of an uncommitted phase are dropped. Refused: a run dir with data but no state.json, a corrupt
-state.json / checkpoint (named); a torn last line of metrics.jsonl is dropped with a note.
+A run directory holds tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, `python tito.py audit`),
+metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt and state.json, the commit point: the same
+--run-dir resumes after the last committed phase / RL step, none applied twice or skipped (trainer.resume_run).
 
-Departures from the paper (numbered; each with its reason):
-  1. Scale. The embedded preset trains a ~2.5M-parameter Qwen3.5-MoE (same hybrid Gated DeltaNet +
-     gated attention MoE, random init) on synthesized shell tasks, with learning rates, batch sizes and
-     limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
-     `Args` and are used unchanged by the cluster preset. At this size SFT memorises the training pool
-     (30 epochs) so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
-  2. One-step async runs on Ray actors (infra.py "Ray layout": the Trainer below with actor + critic,
-     EngineActor(s), RolloutWorker(s), one placement group). This driver process runs the oversampling
-     loop of a rollout while the trainer actor updates; on a 2-core machine the actors share the cores,
-     so the overlap cannot give the paper's speed-up here (README: async vs sequential). The first step
-     of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1;
-     --sync-steps N makes the first N steps sequential to measure both modes in one run.
-  3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
-     paper's SFT data is not public).
-  4. Advantage normalisation, entropy bonus, KL and length shaping are off: the paper uses none of them ("no lr
-     schedule, no entropy bonus, no length shaping", KL terms off, MoE balancing 0). --kl-coef (k3 to a frozen SFT
-     copy, replayed with the batch's experts), --entropy-coef and --aux-loss-coef exist for ablations (hf backend).
-  5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
-     gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
-     local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
-     Adam. Over ranks (--plan '{"tp": 2}', '{"pp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp):
-     Megatron's own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per
-     rank, Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
-     refused by check_args, after naming what the node lacks. Context parallel runs contiguous sequence chunks
-     (GDN state passed, attention K / V all-gathered, outputs gathered; mcore_parallel.py departure 2; not with
-     pp); pipeline parallel runs as one autograd graph over the stages (mcore_parallel.py departure 1). The
-     publish over a process group (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank,
-     cluster.WeightPublisher) is wired and tested over gloo.
-  6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
-     + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
-     weights are on CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the
-     same minibatches and train their share; losses divide by the minibatch's global token count and
-     gradients are summed over the ranks before clipping, so a step equals the one-rank step
-     (tests/test_trainer_group.py, 2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps;
-     replicas bitwise identical). Rank 0 saves and publishes, every rank keeps the published copies. Losses,
-     clip fractions, EV and |dlogp| are over all ranks, expert_set_mismatch over rank 0's samples. Each rank
-     has its own bundle in the placement group.
-  7. --backend megatron over tp * pp * cp * dp ranks (Trainer.join_group): the ranks' default process group is carved
-     by Megatron's parallel_state per --plan (TP, PP, CP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
-     actor, behaviour copy and critic, read from the checkpoint's safetensors by slices (mcore_weights.
-     load_checkpoint_into_megatron: no rank holds the whole model) (sequence parallel with TP: Megatron's MoE refuses TP without it in
-     training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
-     sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
-     finalize_model_grads for the sequence-parallel norms) and mcore_parallel.ShardedAdam, the distributed
-     optimizer's sharding of the Adam state over DP (Megatron's own needs CUDA, mcore_parallel.py). Rows are
-     shared out over the DP ranks only, padded to equal shares with a dummy row of loss mask 0 (a forward is a
-     collective over the expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered
-     from every rank (mcore_weights.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic,
-     optimizer shards; the plan is checked on resume). Tested against the one-rank Megatron trainer
-     (tests/test_trainer_group.py, weights after warm-up + 2 steps: TP = 2 x EP = 2 with expert TP 1 actor within
-     1.7e-6, critic 1.2e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise; CP = 2 1.7e-6 / 1.2e-7, the CP ranks
-     of a DP rank running the same rows, grads summed over DP x CP by DDP; each rank's expert Adam state exactly
-     P_expert / 2, Proposition 7.1) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
-     a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
-     Megatron's behaviour.
-  8. Loss aggregation (paper silent): PPO and value losses are a per-token mean over the minibatch by default;
-     --loss-agg sample averages within each trajectory first (slime's default, without --calculate-per-token-loss).
-  9. Task draw: steps take consecutive n_launch tasks of a stream of per-epoch shuffles (launch_tasks), so each
-     epoch launches the whole pool once and no step is short; a step may straddle two epochs.
- 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness (not Terminus-2 via
-     Harbor: that is `gateway.py eval`); both count every trial (gateway.evaluate_trials). The embedded preset
-     runs 1 attempt, 8 turns, 120 s (EMBEDDED's comment).
+Departures from the paper (numbered; what and why):
+  1. Scale: the embedded preset trains a tiny random-init Qwen3.5-MoE on synthesized shell tasks, sized for 2 CPU
+     cores (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. SFT memorises the
+     training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
+  2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
+     speed-up (README). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
+  3. SFT data: scripted reference-solution trajectories of the training pool (the paper's is not public).
+  4. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
+     frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
+  5. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
+     the cluster model (TE layers, the Hub checkpoint per rank) is not wired: check_args refuses it by name.
+  6. --trainer-ranks N (hf): N full replicas, pure DP, sample i on rank i mod N, gradients summed before the clip,
+     so a step equals the one-rank step (trainer.py departure 1, tests/test_trainer_group.py).
+  7. --backend megatron --plan: Megatron's TP / PP / CP / EP / DP layout, each rank its shards, ShardedAdam over
+     DP, rows padded to equal shares (trainer.py departure 2, mcore_parallel.py); checked against one rank.
+  8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
+     trajectory first (slime's default).
+  9. Task draw: consecutive n_launch tasks of a stream of per-epoch shuffles, so no step is short (launch_tasks).
+ 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
+     Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
 from __future__ import annotations
 
@@ -691,8 +642,8 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
             n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
             st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
-            if mb:  # a rank without rows still joins the gradient sum
-                with batch_routing(actor, batch, args.r3_mode, mb):
+            if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
+                with batch_routing(actor, batch, args.r3_mode, mb):  # ALGO LOGIC: the clipped surrogate, R3 replay
                     newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
                                                               args.entropy_coef > 0, args.aux_loss_coef > 0)
                     logratio = newlogprob - old_logprobs[mb]
@@ -736,7 +687,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
     full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
-    # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+    # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
     old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
                   else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
     advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
@@ -745,7 +696,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
            for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
     cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
-    # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
+    # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
         old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
@@ -783,213 +734,267 @@ class TrainerGroup(trainer.TrainerGroup):
 
 
 
-# --- the run --------------------------------------------------------------------------------------------
+# --- the run: one function per phase ------------------------------------------------------------------
 
-def train(args: Args) -> dict:
-    check_args(args)
-    args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan sets the rank count
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state_path = run_dir / "state.json"
-    state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+class Run:
+    """The run directory: args, state.json (the commit point), metrics.jsonl + TensorBoard, log.txt."""
 
-    def save_state():  # the commit point (atomic): a kill at any moment leaves the old or the new state
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, state_path)
+    def __init__(self, args: Args):
+        check_args(args)
+        self.args = args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan: ranks
+        self.dir = run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
+        torch.manual_seed(args.seed)
+        random.seed(args.seed)
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        self.save_state()  # a fresh run dir has its state.json before any data
+        self.sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
+        for note in resume_run(run_dir, self.state, sft_done=(self.sft_dir / "config.json").exists()):
+            log(run_dir, "resume: " + note)
+        self.metrics = Metrics(run_dir)
 
-    save_state()  # a fresh run dir has its state.json before any data
-    sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
-    for note in resume_run(run_dir, state, sft_done=(sft_dir / "config.json").exists()):
-        log(run_dir, "resume: " + note)
-    metrics = Metrics(run_dir)
+    def save_state(self) -> None:  # the commit point (atomic): a kill at any moment leaves the old or the new state
+        path = self.dir / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        os.replace(tmp, path)
 
-    def timed(name, fn):
+    def timed(self, name, fn):
         t0 = time.time()
         out = fn()
-        state["phase_times"][name] = state["phase_times"].get(name, 0.0) + time.time() - t0
-        save_state()
+        self.state["phase_times"][name] = self.state["phase_times"].get(name, 0.0) + time.time() - t0
+        self.save_state()
         return out
 
-    # --- tasks: synthesize, audit by oracle, split train / held-out -----------------------------------
+
+def make_tasks(run: Run) -> tuple[list, list]:
+    """Tasks: synthesize, audit by oracle, split train / held-out (once per run directory)."""
+    args, state = run.args, run.state
     if "tasks" not in state:
-        train_dirs, heldout_dirs = timed("tasks", lambda: data.generate_tasks(
-            run_dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
+        train_dirs, heldout_dirs = run.timed("tasks", lambda: data.generate_tasks(
+            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
-        save_state()
+        run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
     heldout = state["tasks"]["heldout"]
-    log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+    return train_pool, heldout
 
-    # --- SFT warm start (its reference trajectories run in this process: no engine needed) -------------
-    if not (sft_dir / "config.json").exists():
-        def do_sft():
-            sft_pool = list(train_pool)
-            if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
-                extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
-                                               validate_tasks=False)
-                held = {data.load_task(d).instruction for d in heldout}
-                sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
-            tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
-            actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
-            trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
-            samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
-            log(run_dir, f"sft: {len(samples)} reference trajectories, "
-                         f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
-            sft(actor, samples, args, metrics)
-            tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
-            shutil.rmtree(tmp, ignore_errors=True)
-            M.save_checkpoint(actor, tokenizer, tmp)
-            shutil.rmtree(sft_dir, ignore_errors=True)
-            tmp.rename(sft_dir)
-        timed("sft", do_sft)
-    tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
-    latest = run_dir / "ckpt" / "latest"
 
-    # --- Ray actors: the trainer (actor + critic), the engines, the rollout workers ---------------------
+def warm_start(run: Run, train_pool: list, heldout: list) -> None:
+    """SFT warm start into ckpt/sft (its reference trajectories run in this process: no engine needed)."""
+    args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
+    sft_pool = list(train_pool)
+    if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
+        extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
+                                       validate_tasks=False)
+        held = {data.load_task(d).instruction for d in heldout}
+        sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
+    tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
+    actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
+    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
+    samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
+    log(run_dir, f"sft: {len(samples)} reference trajectories, "
+                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
+    sft(actor, samples, args, run.metrics)
+    tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
+    shutil.rmtree(tmp, ignore_errors=True)
+    M.save_checkpoint(actor, tokenizer, tmp)
+    shutil.rmtree(sft_dir, ignore_errors=True)
+    tmp.rename(sft_dir)
+
+
+def start_actors(run: Run, ax: SimpleNamespace) -> None:
+    """Ray actors: the trainer (actor + critic), the engines, the rollout workers; filled into ax as they start
+    (train() stops whatever started)."""
+    args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
+    ax.engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
+        sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
+    ax.trainer = TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
+    ax.workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
+                                           sft_dir, place["workers"])
+    infos = ray.get([e.info.remote() for e in ax.engines])
+    ax.urls = ax.ext_urls or [i["url"] for i in infos]
+    ranks = ray.get([t.pid.remote() for t in ax.trainer.ranks])
+    log(run.dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, "
+                 f"engines {infos or ax.urls}, rollout workers pids {ray.get([w.pid.remote() for w in ax.workers])}")
+    ax.sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
+    if ax.sizes:  # cluster: weights go from the trainer to every engine rank over one process group
+        ray.get(ax.trainer.connect_engines.remote(ax.urls, ax.sizes))
+
+
+def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
+    """Publish barrier: pause generation, push weights, resume; the trainer keeps a copy."""
+    if ax.sizes:
+        ax.ray.get(ax.trainer.publish.remote(version))
+    else:
+        infra.publish_from_disk(ax.urls, run.dir / "ckpt" / "latest", version)
+        ax.ray.get(ax.trainer.mark_published.remote(version))
+
+
+def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list, ck: str) -> None:
+    """Held-out evaluation (and on the first training tasks) of ck: "sft" once, "rl" after the last RL step
+    (again when a resume added steps); the engines serve its weights."""
+    args, state = run.args, run.state
+
+    def ev(dirs, tag):
+        return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+    if ck == "sft" and "eval_sft" not in state:
+        state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
+        state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
+        run.save_state()
+    if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
+        state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
+        state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
+        run.save_state()
+
+
+def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
+    """Critic Warm-Up on SFT-policy rollouts (step 0), or on resume the engines get the last step's weights."""
+    args, state = run.args, run.state
+    if state["step"] > 0:
+        publish(run, ax, state["step"])  # the engines serve the weights of the last finished step
+        log(run.dir, f"resumed at RL step {state['step']}")
+    else:
+        ax.ray.get(ax.trainer.mark_published.remote(0))  # the engines serve the SFT weights
+        if "critic_warmup" not in state:
+            def do_warmup():
+                if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
+                    return []
+                pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
+                trials, _, _ = run_rollouts(pool, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
+                                            desc="warm-up pool")
+                recs = ax.ray.get(ax.trainer.warmup.remote(to_samples(trials, run.dir, "warmup")))
+                for i, r in enumerate(recs):
+                    run.metrics.write(r, i + 1, "critic_warmup")
+                return [r["explained_variance"] for r in recs]
+            state["critic_warmup"] = {"explained_variance": run.timed("critic_warmup", do_warmup)}
+            run.save_state()
+    log(run.dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
+
+
+def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[list, dict, int]:
+    """4. TITO assembly of a step's trials -> samples on disk (audited), the oversampling's cut tasks recorded;
+    checks that every sample comes from one weight version, want_staleness behind the trainer."""
+    samples = to_samples(ro["trials"], run.dir, f"step{step}", replay=run.args.r3_mode == "replay")
+    with open(run.dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
+        for d in ro["dropped"]:
+            f.write(json.dumps({"step": step, **d}) + "\n")
+    tito.save_samples(run.dir / "samples" / f"step_{step:06d}.jsonl", samples)
+    audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
+    versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
+    staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
+    assert not versions or (len(versions) == 1 and staleness == want_staleness), \
+        f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want_staleness}"
+    if not samples:
+        log(run.dir, f"step {step}: no trainable trajectory; recorded, no update")
+    return samples, audit, staleness
+
+
+def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> dict:
+    """The metrics.jsonl row of an RL step (names in the README)."""
+    trials = ro["trials"]
+    return {"reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
+            "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
+            **stats, **audit, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(ro["dropped"]),
+            "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
+            "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
+            "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], **timing}
+
+
+def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
+    """RL: PPO steps, the paper's step list. One-step async: the rollout of step t+1 runs beside the update of
+    step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously."""
+    args, state = run.args, run.state
+    first_step = state["step"] + 1
+
+    def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
+        launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        t0 = time.time()
+        trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
+                                              n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial
+        return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
+                "t_rollout": time.time() - t0}
+
+    def overlapped(t):  # was step t sampled beside the update of step t-1? (then staleness is exactly 1)
+        return args.async_rollout and t > first_step and t > args.sync_steps
+
+    ro = None
+    while state["step"] < args.rl_steps:
+        step = state["step"] + 1
+        t_step = time.time()
+        # ALGO LOGIC: 1-3. rollout of step t (its reward r = P / S per trial), unless it ran beside the last update
+        if ro is None:  # sequential: sample with the weights of the last update
+            ro = rollout_step(step)
+        t_wait = time.time() - t_step
+        # ALGO LOGIC: 4. TITO samples (audited, on disk)
+        samples, audit, staleness = step_samples(run, ro, step, 1 if overlapped(step) else 0)
+        # ALGO LOGIC: 5-7. on the trainer actor: V_old -> GAE -> critic update -> old logprobs -> actor (R3 replay)
+        # One-step async (paper): the trainer actor updates on step t (5-7, checkpoint included) while the
+        # rollout workers sample step t+1 with weights t-1 (staleness 1); at the barrier (both done) weights t
+        # are published, so step t+2 samples with weights t.
+        update = ax.trainer.train_step.remote(samples, step)
+        ro_next = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
+        stats = ax.ray.get(update)
+        # ALGO LOGIC: 8. publish weights t to the engines (the barrier)
+        t0 = time.time()
+        publish(run, ax, step)
+        t_publish = time.time() - t0
+        # plumbing: the step's row, then the commit point
+        rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
+               "rollout_beside_update": ro_next is not None,
+               **step_record(ro, samples, stats, audit, time_rollout_wait=t_wait, time_publish=t_publish,
+                             time_step=time.time() - t_step)}
+        run.metrics.write(rec, step, "rl")
+        state["step"] = step
+        state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
+        run.save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
+        prune_previous(run.dir)
+        log(run.dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
+                     f"EV {rec.get('explained_variance', float('nan')):.3f} "
+                     f"|dlogp| {rec.get('dlogp', float('nan')):.4f} "
+                     f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} "
+                     f"{rec['time_step']:.0f}s")
+        ro = ro_next
+
+
+def train(args: Args) -> dict:
+    """The whole run: tasks -> SFT -> actors -> eval SFT -> critic warm-up -> RL -> eval RL; resumable."""
+    run = Run(args)
+    args, state = run.args, run.state
+    train_pool, heldout = make_tasks(run)
+    if not (run.sft_dir / "config.json").exists():
+        run.timed("sft", lambda: warm_start(run, train_pool, heldout))
+    tokenizer = AutoTokenizer.from_pretrained(str(run.sft_dir))
+
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
     ray = infra.ray_start(args.trainer_ranks + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
     pg, place = infra.ray_layout(n_eng, args.rollout_actors, n_trainers=args.trainer_ranks)
-    engines, trainer = [], None
+    ax = SimpleNamespace(ray=ray, place=place, ext_urls=ext_urls, n_eng=n_eng, engines=[], trainer=None)
     try:
-        engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
-            str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
-        trainer = TrainerGroup(ray, args, str(sft_dir), state["step"], place["trainers"])
-        workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
-                                            str(sft_dir), place["workers"])
-        infos = ray.get([e.info.remote() for e in engines])
-        urls = ext_urls or [i["url"] for i in infos]
-        ranks = ray.get([t.pid.remote() for t in trainer.ranks])
-        log(run_dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, engines {infos or urls}, "
-                     f"rollout workers pids {ray.get([w.pid.remote() for w in workers])}")
-
-        sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
-        if sizes:  # cluster: weights go from the trainer to every engine rank over one process group
-            ray.get(trainer.connect_engines.remote(urls, sizes))
-
-        def publish(version):  # publish barrier: pause generation, push weights, resume; the trainer keeps a copy
-            if sizes:
-                ray.get(trainer.publish.remote(version))
-            else:
-                infra.publish_from_disk(urls, latest, version)
-                ray.get(trainer.mark_published.remote(version))
-
-        # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
-        if "eval_sft" not in state:
-            state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "sft"))
-            state["eval_sft_train"] = timed("eval_sft", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "sft train"))
-            save_state()
-        log(run_dir, f"eval after SFT: {state['eval_sft']}")
-
-        # --- critic warm-up on SFT-policy rollouts (or resume) -----------------------------------------
-        if state["step"] > 0:
-            publish(state["step"])  # the engines serve the weights of the last finished step
-            log(run_dir, f"resumed at RL step {state['step']}")
-        else:
-            ray.get(trainer.mark_published.remote(0))  # the engines serve the SFT weights
-            if "critic_warmup" not in state:
-                def do_warmup():
-                    if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
-                        return []
-                    pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
-                    trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, workers, urls, desc="warm-up pool")
-                    recs = ray.get(trainer.warmup.remote(to_samples(trials, run_dir, "warmup")))
-                    for i, r in enumerate(recs):
-                        metrics.write(r, i + 1, "critic_warmup")
-                    return [r["explained_variance"] for r in recs]
-                state["critic_warmup"] = {"explained_variance": timed("critic_warmup", do_warmup)}
-                save_state()
-        log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
-
-        # --- RL: PPO steps ---------------------------------------------------------------------------
-        def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-            launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
-            t0 = time.time()
-            trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, workers, urls,
-                                                  n_keep=args.n_keep, desc=f"rollout step {step}")
-            return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
-                    "t_rollout": time.time() - t0}
-
-        first_step = state["step"] + 1
-
-        def overlapped(t):  # was step t sampled beside the update of step t-1? (then staleness is exactly 1)
-            return args.async_rollout and t > first_step and t > args.sync_steps
-
-        ro = None
-        while state["step"] < args.rl_steps:
-            step = state["step"] + 1
-            t_step = time.time()
-            if ro is None:  # sequential: sample with the weights of the last update
-                ro = rollout_step(step)
-            t_wait = time.time() - t_step
-            trials, dropped, n_launched, tok_s, t_rollout = (ro[k] for k in ("trials", "dropped", "n_launched", "tok_s", "t_rollout"))
-            # 4. TITO assembly -> samples on disk
-            samples = to_samples(trials, run_dir, f"step{step}", replay=args.r3_mode == "replay")
-            with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
-                for d in dropped:
-                    f.write(json.dumps({"step": step, **d}) + "\n")
-            tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
-            audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
-            versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
-            staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
-            want = 1 if overlapped(step) else 0
-            assert not versions or (len(versions) == 1 and staleness == want), \
-                f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want}"
-            if not samples:
-                log(run_dir, f"step {step}: no trainable trajectory; recorded, no update")
-            # One-step async (paper): the trainer actor updates on step t (5-7, checkpoint included) while the
-            # rollout workers sample step t+1 with weights t-1; at the barrier (both done) weights t are published.
-            update = trainer.train_step.remote(samples, step)
-            ro = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
-            stats = ray.get(update)
-            t0 = time.time()
-            publish(step)
-            t_publish = time.time() - t0
-            rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
-                   "rollout_beside_update": ro is not None,
-                   "reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
-                   "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
-                   **stats, **audit, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
-                   "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
-                   "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
-                   "rollout_tokens_per_s": tok_s, "time_rollout": t_rollout, "time_rollout_wait": t_wait,
-                   "time_publish": t_publish, "time_step": time.time() - t_step}
-            metrics.write(rec, step, "rl")
-            state["step"] = step
-            state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
-            save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
-            prune_previous(run_dir)
-            log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
-                         f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
-                         f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} {rec['time_step']:.0f}s")
-
-        # --- held-out evaluation after RL (the engines serve the final weights) ----------------------
-        if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
-            state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "rl")),
-                                "after_step": state["step"]}
-            state["eval_rl_train"] = timed("eval_rl", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "rl train"))
-            save_state()
+        start_actors(run, ax)
+        evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "sft")
+        log(run.dir, f"eval after SFT: {state['eval_sft']}")
+        warm_up_critic(run, ax, tokenizer, train_pool)
+        rl_loop(run, ax, tokenizer, train_pool)
+        evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "rl")  # the engines serve the final weights
     finally:
-        for h in engines + ([trainer] if trainer is not None else []):
+        for h in ax.engines + ([ax.trainer] if ax.trainer is not None else []):
             try:
-                ray.get((h.close if h is trainer else h.stop).remote(), timeout=30)
+                ray.get((h.close if h is ax.trainer else h.stop).remote(), timeout=30)
             except Exception:
                 pass
         infra.ray_stop(pg)
-        metrics.tb.close()
+        run.metrics.tb.close()
 
     summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(run_dir)
+               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run.dir)}
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(run.dir)
     print_table(summary)
     return summary
 
