@@ -5,10 +5,10 @@ section; DESIGN.md section 3. One RL step (rl_loop), read top to bottom:
 
     1-3. rollout (Terminus-2 in a sandbox, oversampled), reward r = P / S -> 4. TITO samples -> 5. V_old ->
     GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> 6. old logprobs and PPO actor update, both with
-    R3 replay -> 7. checkpoint -> 8. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
+    R3 replay, checkpoint -> 7. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
 
 preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by held-out
-evaluation. Steps 5-7 run on the trainer actor (trainer.py) with this file's step functions.
+evaluation. Steps 5-6 run on the trainer actor (trainer.py) with this file's step functions.
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
@@ -32,9 +32,9 @@ Departures from the paper (numbered; what and why):
   5. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
      the cluster model (TE layers, the Hub checkpoint per rank) is not wired: check_args refuses it by name.
   6. --trainer-ranks N (hf): N full replicas, pure DP, sample i on rank i mod N, gradients summed before the clip,
-     so a step equals the one-rank step (trainer.py departure 1, tests/test_trainer_group.py).
+     so a step equals the one-rank step (trainer.py departures 1-2, tests/test_trainer_group.py).
   7. --backend megatron --plan: Megatron's TP / PP / CP / EP / DP layout, each rank its shards, ShardedAdam over
-     DP, rows padded to equal shares (trainer.py departure 2, mcore_parallel.py); checked against one rank.
+     DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
   8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
   9. Task draw: consecutive n_launch tasks of a stream of per-epoch shuffles, so no step is short (launch_tasks).
@@ -931,14 +931,14 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
         t_wait = time.time() - t_step
         # ALGO LOGIC: 4. TITO samples (audited, on disk)
         samples, audit, staleness = step_samples(run, ro, step, 1 if overlapped(step) else 0)
-        # ALGO LOGIC: 5-7. on the trainer actor: V_old -> GAE -> critic update -> old logprobs -> actor (R3 replay)
-        # One-step async (paper): the trainer actor updates on step t (5-7, checkpoint included) while the
+        # ALGO LOGIC: 5-6. on the trainer actor: V_old -> GAE -> critic update -> old logprobs -> actor (R3 replay)
+        # One-step async (paper): the trainer actor updates on step t (5-6, checkpoint included) while the
         # rollout workers sample step t+1 with weights t-1 (staleness 1); at the barrier (both done) weights t
         # are published, so step t+2 samples with weights t.
         update = ax.trainer.train_step.remote(samples, step)
         ro_next = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
         stats = ax.ray.get(update)
-        # ALGO LOGIC: 8. publish weights t to the engines (the barrier)
+        # ALGO LOGIC: 7. publish weights t to the engines (the barrier)
         t0 = time.time()
         publish(run, ax, step)
         t_publish = time.time() - t0

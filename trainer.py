@@ -1,18 +1,29 @@
 """The trainer process: actor + critic co-resident (paper) on Ray actors, their checkpoints, rank sharing of rows.
 
-Machinery for train_t1.py's steps 5-7 (DESIGN.md section 3): `Trainer` holds the actor, the behaviour copy,
-the critic, both optimizers and the published weight versions, and runs the step functions it is given
-(`Trainer.steps`: train_t1 binds its critic_warmup and train_step); `TrainerGroup` fans the loop's calls out
-to N trainer ranks. The checkpoint of an RL step and the run directory's commit protocol (state.json) live
-here too: save_trainer writes it, resume_run brings a run directory back to what state.json committed.
+Machinery for train_t1.py's steps 5-6 and the checkpoint (DESIGN.md section 3): `Trainer` holds the actor, the
+behaviour copy, the critic, both optimizers and the published weight versions, and runs the step functions it
+is given (`Trainer.steps`: train_t1.Trainer binds its critic_warmup and train_step, so this file never imports
+the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint of an RL step and the run
+directory's commit point (state.json) live here too: save_trainer writes it, resume_run brings a run directory
+back to what state.json committed.
 
 Run: not by itself; `python train_t1.py` starts it (tests/test_trainer_group.py, tests/test_resume.py).
 
 Departures (numbered; what and why):
-  1. hf backend over N ranks: N full replicas (pure DP, no optimizer sharding), gradients summed before the
-     clip so that a step equals the one-rank step; train_t1.py departure 6.
-  2. megatron backend over ranks: Megatron's parallel layout of --plan, each rank its shards (train_t1.py
-     departure 7); an expert no token reached gets a zero gradient, as in Megatron.
+  1. hf backend over N ranks: full replicas (pure DP, no optimizer sharding) in their own process group (gloo;
+     nccl for CUDA weights). Sample i lives on rank i mod N; losses divide by the minibatch's global token count
+     and gradients are summed before the clip, so a step equals the one-rank step.
+  2. Rank 0 saves and publishes, every rank keeps the published copies; losses, clip fractions, EV and |dlogp|
+     are over all ranks, expert_set_mismatch over rank 0's samples.
+  3. megatron backend over tp * pp * cp * dp ranks (join_group): parallel_state carves the group per --plan; each
+     rank builds its shards, read from the checkpoint's safetensors by slices (no rank holds the whole model).
+  4. megatron gradients: Megatron DDP + mcore_parallel.ShardedAdam (the distributed optimizer's sharding over DP;
+     Megatron's own needs CUDA). Rows are shared over the DP ranks only, padded to equal shares with dummy rows
+     of mask 0 (a forward is a collective over the expert-parallel ranks).
+  5. megatron checkpoint: rank 0 writes the HF checkpoint gathered from every rank, each rank its shard file
+     trainer_rank{r}.pt (the plan is checked on resume).
+  6. An expert no token reached gets a zero gradient (Adam still moves it by its momentum) where the one-rank
+     torch Adam skips a grad of None: Megatron's behaviour.
 """
 from __future__ import annotations
 
