@@ -1,15 +1,14 @@
 """T1: PPO with a full-size critic that turns a Qwen3.5-MoE model into a terminal agent.
 
-Paper: "T1: Terminal Agent Reinforcement Learning for Long-Horizon Tasks" (arXiv 2609.11042), the
-optimisation section and the step of DESIGN.md section 3, read top to bottom:
+Paper: "T1: Terminal Agent Reinforcement Learning for Long-Horizon Tasks" (arXiv 2609.11042), the optimisation
+section; DESIGN.md section 3. One RL step (rl_loop), read top to bottom:
 
-    tasks -> rollout (Terminus-2 in a sandbox) -> reward r = P/S -> TITO samples -> V_old ->
-    GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> old logprobs with R3 replay ->
-    PPO actor update with R3 replay -> publish weights to the engine (one-step async: the rollout of
-    step t+1 overlaps the update of step t, staleness exactly 1, publish barrier between)
+    1-3. rollout (Terminus-2 in a sandbox, oversampled), reward r = P / S -> 4. TITO samples -> 5. V_old ->
+    GAE (gamma = lambda = 1) -> critic update (first, 30x lr) -> 6. old logprobs and PPO actor update, both with
+    R3 replay, checkpoint -> 7. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
 
-preceded by an SFT warm start on reference-solution trajectories (the paper starts RL from an SFT
-checkpoint) and one epoch of Critic Warm-Up, and followed by held-out evaluation.
+preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by held-out
+evaluation. Steps 5-6 run on the trainer actor (trainer.py) with this file's step functions.
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
@@ -17,83 +16,34 @@ Run:
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag
     python train_t1.py plot runs/x                # PNG curves of a run
 
-A run directory holds: tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, auditable
-with `python tito.py audit`), metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt.
-Running again with the same --run-dir continues after the last committed phase / RL step. state.json (written
-last, os.replace) is the commit point: RL step k is committed once ckpt/latest (its step.json says k), its metrics
-row and samples are written and state.json says step k; a kill before that discards the step's checkpoint (the
-one of step k-1, kept as ckpt/previous until the commit, is put back) and its rows, and redoes it: no step applied
-twice, none skipped (resume_run). SFT commits by renaming ckpt/sft into place, the critic warm-up in state.json;
-the rows of an uncommitted phase are dropped. Refused: a run dir with data but no state.json, a corrupt
-state.json / checkpoint (named); a torn last line of metrics.jsonl is dropped with a note.
+A run directory holds tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, `python tito.py audit`),
+metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt and state.json, the commit point: the same
+--run-dir resumes after the last committed phase / RL step, none applied twice or skipped (trainer.resume_run).
 
-Departures from the paper (numbered; each with its reason):
-  1. Scale. The embedded preset trains a ~2.5M-parameter Qwen3.5-MoE (same hybrid Gated DeltaNet +
-     gated attention MoE, random init) on synthesized shell tasks, with learning rates, batch sizes and
-     limits sized for 2 CPU cores (values in EMBEDDED below). The paper's values are the defaults of
-     `Args` and are used unchanged by the cluster preset. At this size SFT memorises the training pool
-     (30 epochs) so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
-  2. One-step async runs on Ray actors (infra.py "Ray layout": the Trainer below with actor + critic,
-     EngineActor(s), RolloutWorker(s), one placement group). This driver process runs the oversampling
-     loop of a rollout while the trainer actor updates; on a 2-core machine the actors share the cores,
-     so the overlap cannot give the paper's speed-up here (README: async vs sequential). The first step
-     of a process is sampled synchronously (staleness 0), every later one with staleness exactly 1;
-     --sync-steps N makes the first N steps sequential to measure both modes in one run.
-  3. The SFT warm start trains on scripted reference-solution trajectories of the training pool (the
-     paper's SFT data is not public).
-  4. Advantage normalisation, entropy bonus, KL and length shaping are off: the paper uses none of them ("no lr
-     schedule, no entropy bonus, no length shaping", KL terms off, MoE balancing 0). --kl-coef (k3 to a frozen SFT
-     copy, replayed with the batch's experts), --entropy-coef and --aux-loss-coef exist for ablations (hf backend).
-  5. `--backend megatron` trains Megatron-Core GPTModels (mcore.py: Gated DeltaNet + gated attention +
-     gated shared expert for Qwen3.5, or the Qwen3-MoE layout with --arch qwen3_moe) built from Megatron's
-     local modules (on a CPU through mcore's shims: torch GDN kernel, no Transformer Engine). One rank: torch's
-     Adam. Over ranks (--plan '{"tp": 2}', '{"pp": 2}', '{"ep": 2, "dp": 2}', ... or --trainer-ranks N = dp):
-     Megatron's own parallel layout, see 7. The cluster model (TE layers on GPUs, the Hub checkpoint loaded per
-     rank, Megatron's distributed optimizer) is not wired into Trainer: --model-path with --backend megatron is
-     refused by check_args, after naming what the node lacks. Context parallel runs contiguous sequence chunks
-     (GDN state passed, attention K / V all-gathered, outputs gathered; mcore_parallel.py departure 2; not with
-     pp); pipeline parallel runs as one autograd graph over the stages (mcore_parallel.py departure 1). The
-     publish over a process group (--engine-world-sizes: the Trainer is rank 0 with every SGLang rank,
-     cluster.WeightPublisher) is wired and tested over gloo.
-  6. --trainer-ranks N with the hf backend (TrainerGroup): N Trainer Ray actors, each a full replica of actor
-     + critic (pure DP, no optimizer sharding), in their own torch.distributed group (gloo; nccl when the
-     weights are on CUDA). Sample i lives on rank i mod N (its V_old, GAE, old logprobs); all ranks draw the
-     same minibatches and train their share; losses divide by the minibatch's global token count and
-     gradients are summed over the ranks before clipping, so a step equals the one-rank step
-     (tests/test_trainer_group.py, 2 ranks vs 1: weights within 8e-7 at lr 1e-4 after warm-up + 2 steps;
-     replicas bitwise identical). Rank 0 saves and publishes, every rank keeps the published copies. Losses,
-     clip fractions, EV and |dlogp| are over all ranks, expert_set_mismatch over rank 0's samples. Each rank
-     has its own bundle in the placement group.
-  7. --backend megatron over tp * pp * cp * dp ranks (Trainer.join_group): the ranks' default process group is carved
-     by Megatron's parallel_state per --plan (TP, PP, CP, EP, expert-TP, DP); each rank builds its TP / PP / EP shards of
-     actor, behaviour copy and critic, read from the checkpoint's safetensors by slices (mcore_weights.
-     load_checkpoint_into_megatron: no rank holds the whole model) (sequence parallel with TP: Megatron's MoE refuses TP without it in
-     training; T padded to a multiple of tp), logprobs straight from the vocab-parallel logits, R3 experts
-     sliced per rank and recordings gathered back. Gradients: Megatron DDP (reduce-scatter over DP / expert-DP,
-     finalize_model_grads for the sequence-parallel norms) and mcore_parallel.ShardedAdam, the distributed
-     optimizer's sharding of the Adam state over DP (Megatron's own needs CUDA, mcore_parallel.py). Rows are
-     shared out over the DP ranks only, padded to equal shares with a dummy row of loss mask 0 (a forward is a
-     collective over the expert-parallel ranks, which span DP ranks). Rank 0 writes the HF checkpoint gathered
-     from every rank (mcore_weights.gather_full_state) and each rank its shard file trainer_rank{r}.pt (critic,
-     optimizer shards; the plan is checked on resume). Tested against the one-rank Megatron trainer
-     (tests/test_trainer_group.py, weights after warm-up + 2 steps: TP = 2 x EP = 2 with expert TP 1 actor within
-     1.7e-6, critic 1.2e-7; EP = 2 x DP = 2 6.0e-7 / 1.2e-7; PP = 2 bitwise; CP = 2 1.7e-6 / 1.2e-7, the CP ranks
-     of a DP rank running the same rows, grads summed over DP x CP by DDP; each rank's expert Adam state exactly
-     P_expert / 2, Proposition 7.1) and end to end at TP = 2 with a resume (tests/test_e2e.py). An expert no token reached gets
-     a zero gradient (Adam still moves it by its momentum) where the one-rank torch Adam skips a grad of None:
-     Megatron's behaviour.
-  8. Loss aggregation (paper silent): PPO and value losses are a per-token mean over the minibatch by default;
-     --loss-agg sample averages within each trajectory first (slime's default, without --calculate-per-token-loss).
-  9. Task draw: steps take consecutive n_launch tasks of a stream of per-epoch shuffles (launch_tasks), so each
-     epoch launches the whole pool once and no step is short; a step may straddle two epochs.
- 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness (not Terminus-2 via
-     Harbor: that is `gateway.py eval`); both count every trial (gateway.evaluate_trials). The embedded preset
-     runs 1 attempt, 8 turns, 120 s (EMBEDDED's comment).
+Departures from the paper (numbered; what and why):
+  1. Scale: the embedded preset trains a tiny random-init Qwen3.5-MoE on synthesized shell tasks, sized for 2 CPU
+     cores (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. SFT memorises the
+     training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
+  2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
+     speed-up (README). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
+  3. SFT data: scripted reference-solution trajectories of the training pool (the paper's is not public).
+  4. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
+     frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
+  5. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
+     the cluster model (TE layers, the Hub checkpoint per rank) is not wired: check_args refuses it by name.
+  6. --trainer-ranks N (hf): N full replicas, pure DP, sample i on rank i mod N, gradients summed before the clip,
+     so a step equals the one-rank step (trainer.py departures 1-2, tests/test_trainer_group.py).
+  7. --backend megatron --plan: Megatron's TP / PP / CP / EP / DP layout, each rank its shards, ShardedAdam over
+     DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
+  8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
+     trajectory first (slime's default).
+  9. Task draw: consecutive n_launch tasks of a stream of per-epoch shuffles, so no step is short (launch_tasks).
+ 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
+     Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
 from __future__ import annotations
 
 import argparse
-import copy
 import dataclasses
 import json
 import math
@@ -120,6 +70,8 @@ import model as M
 import r3
 import rollout
 import tito
+import trainer
+from trainer import actor_threads, even, load_state, local_rows, parallel_plan, prune_previous, resume_run, share
 
 
 @dataclass
@@ -379,21 +331,6 @@ def check_loss_args(args: Args) -> None:
                 "copy for KL); use --backend hf or 0 (the paper's value)")
 
 
-def parallel_plan(args: Args) -> dict:
-    """The trainer's layout: --plan (infra.py's planner JSON: tp, pp, cp, ep, etp, dp) or --trainer-ranks N
-    full replicas (dp = N); world = tp * pp * cp * dp trainer ranks."""
-    try:
-        plan = json.loads(args.plan) if args.plan else {"dp": args.trainer_ranks}
-        p = {k: int(plan.get(k, 1)) for k in ("tp", "pp", "cp", "ep", "dp")}
-        p["etp"] = int(plan.get("etp", p["tp"]))
-    except (ValueError, TypeError, AttributeError) as e:
-        raise ValueError(f"--plan: expected JSON like '{{\"tp\": 2, \"ep\": 1, \"dp\": 1}}', got {args.plan!r} ({e})")
-    if min(p.values()) < 1:
-        raise ValueError(f"--plan: every size must be >= 1, got {p}")
-    p["world"] = p["tp"] * p["pp"] * p["cp"] * p["dp"]
-    return p
-
-
 # --- helpers ------------------------------------------------------------------------------------------
 
 def log(run_dir: Path, msg: str) -> None:
@@ -479,232 +416,10 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
         return token_logprobs(actor, batch, temperature, rows)
 
 
-def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", rank: int = 0,
-                 barrier=lambda: None) -> None:
-    """Checkpoint: the actor in HF layout (save_actor(dir)) and `state` (critic, both optimizers, step, RNG) as
-    `name`, then step.json ({"step": k}, written last: a directory without it is incomplete); swapped in with
-    renames. The checkpoint it replaces stays as `previous` until state.json commits step k (prune_previous):
-    a kill before the commit resumes from it (resume_run). Sharded trainer ranks (Megatron model parallel) all
-    call it: the actor save is their gather (rank 0 writes), each rank writes its own shard file, rank 0 swaps
-    once every rank is done."""
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    save_actor(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(state, tmp / name)
-    barrier()
-    if rank > 0:
-        return
-    (tmp / "step.json.tmp").write_text(json.dumps({"step": int(state["step"])}))
-    os.replace(tmp / "step.json.tmp", tmp / "step.json")  # the marker is whole or absent
-    prev = path.with_name("previous")
-    shutil.rmtree(prev, ignore_errors=True)  # state.json is at the step of `path` (the loop commits before saving)
-    if path.exists():
-        path.rename(prev)
-    tmp.rename(path)
-
-
-def prune_previous(run_dir: Path) -> None:
-    """After state.json committed the step of ckpt/latest: the checkpoint before it is no longer needed."""
-    shutil.rmtree(run_dir / "ckpt" / "previous", ignore_errors=True)
-
-
-def checkpoint_step(d: Path) -> int | None:
-    """The RL step a checkpoint directory holds (its step.json); None when absent or incomplete (no step.json)."""
-    f = d / "step.json"
-    if not f.is_file():
-        return None
-    try:
-        step = json.loads(f.read_text())["step"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{f}: corrupt checkpoint marker ({e}); expected {{\"step\": N}}") from e
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"{f}: corrupt checkpoint marker: step {step!r} is not a positive integer")
-    return step
-
-
-def load_trainer_file(path: Path) -> dict:
-    """A trainer checkpoint file (critic, optimizers, step, RNG); one that cannot be read is named in the error."""
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # a truncated zip, a pickle error, a missing file: all the same to the user
-        raise ValueError(f"{path}: corrupt or unreadable trainer checkpoint ({type(e).__name__}: {e})") from e
-
-
-def check_weights(d: Path) -> None:
-    """Every *.safetensors of a checkpoint directory has a readable header and the bytes it announces (a cheap
-    check: the header only); a bad one is named."""
-    from safetensors import safe_open
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{d}: checkpoint without any *.safetensors weights file")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                h.keys()
-        except Exception as e:
-            raise ValueError(f"{f}: corrupt weights file ({type(e).__name__}: {e})") from e
-
-
-def load_state(run_dir: Path) -> dict:
-    """state.json of a run directory: the commit point of the run (phases done, RL step committed).
-
-    A fresh directory gets one at once; a directory with checkpoints or metrics but no state.json is refused
-    (its data would be trained over); a state.json that does not parse is named in the error."""
-    path = run_dir / "state.json"
-    if not path.exists():
-        leftovers = [p.name for p in (run_dir / "ckpt", run_dir / "metrics.jsonl", run_dir / "samples") if p.exists()
-                     and (p.is_file() or any(p.iterdir()))]
-        if leftovers:
-            raise ValueError(f"--run-dir {run_dir}: holds {', '.join(leftovers)} but no state.json, so which phase and "
-                             "step they belong to is unknown; refusing to start over them (pick a new --run-dir, or "
-                             "remove that directory)")
-        return {"phase_times": {}, "step": 0}
-    try:
-        state = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt ({e}); the run cannot be resumed from it") from e
-    if (not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool)
-            or state["step"] < 0 or not isinstance(state.get("phase_times"), dict)):
-        raise ValueError(f"{path}: corrupt: expected an object with an integer 'step' >= 0 and 'phase_times', got "
-                         f"{json.dumps(state)[:200]}")
-    return state
-
-
-def read_jsonl(path: Path) -> tuple[list[dict], str]:
-    """Rows of a JSONL file a kill may have cut: a torn last line is dropped (the note says so); a bad line
-    before it is corruption, named with its line number."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    rows, note = [], ""
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            if i < len(lines) - 1:
-                raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); only the last line may be torn") from e
-            note = f"{path.name}: dropped a torn last line ({len(line)} chars: a kill mid-write)"
-            continue
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {i + 1} is not a JSON object: {line[:80]}")
-        rows.append(row)
-    return rows, note
-
-
-def rewrite_jsonl(path: Path, keep) -> list[str]:
-    """Keep the rows of path for which keep(row) holds (atomic: tmp + os.replace); notes on what was dropped."""
-    if not path.exists():
-        return []
-    rows, note = read_jsonl(path)
-    kept = [r for r in rows if keep(r)]
-    if note or len(kept) < len(rows) or not path.read_text().endswith("\n"):  # unended: joins the next row
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
-    return ([note] if note else []) + ([f"{path.name}: dropped {len(rows) - len(kept)} row(s) of uncommitted work"]
-                                       if len(kept) < len(rows) else [])
-
-
-def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
-    """Bring a run directory back to what state.json committed; returns notes for the log.
-
-    The commit point of each phase is one atomic write: SFT -> ckpt/sft renamed into place; critic warm-up ->
-    state.json with "critic_warmup"; RL step k -> state.json with step k (after ckpt/latest of step k, its
-    metrics row and samples). Work after the last commit point is discarded and redone, never adopted: a
-    checkpoint newer than state.json (a kill between the trainer's save and the commit) is deleted and
-    ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
-    failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once)."""
-    ckpt, want, notes = run_dir / "ckpt", state["step"], []
-    dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old") if (ckpt / n).is_dir()}
-    steps = {n: checkpoint_step(d) for n, d in dirs.items()}
-    if "latest" in dirs and steps["latest"] is None:  # a checkpoint saved before step.json existed (complete)
-        f = next(iter(sorted(dirs["latest"].glob("trainer*.pt"))), None)
-        steps["latest"] = None if f is None else int(load_trainer_file(f)["step"])
-    for n, st in steps.items():
-        if st is not None and st > want:
-            notes.append(f"ckpt/{n}: discarded the checkpoint of step {st}, never committed in state.json "
-                         f"(step {want}): that step is redone")
-    keep = next((n for n, st in steps.items() if want > 0 and st == want), None)
-    if want > 0 and keep is None:
-        raise ValueError(f"{run_dir / 'state.json'}: committed RL step {want}, but no checkpoint of that step in "
-                         f"{ckpt} (holds: {steps or 'none'}); the run cannot be resumed consistently")
-    for n, d in dirs.items():
-        if n != keep:
-            shutil.rmtree(d)
-    if keep is not None and keep != "latest":
-        dirs[keep].rename(ckpt / "latest")
-        notes.append(f"ckpt/latest: the checkpoint of committed step {want} put back from ckpt/{keep}")
-    if keep is not None:
-        check_weights(ckpt / "latest")
-    for f in sorted((run_dir / "samples").glob("step_*.jsonl")):  # an uncommitted step's samples: redone
-        if f.stem[5:].isdigit() and int(f.stem[5:]) > want:
-            f.unlink()
-            notes.append(f"samples/{f.name}: removed, step {f.stem[5:].lstrip('0')} was never committed")
-    warm = "critic_warmup" in state
-    if not warm:
-        for f in ckpt.glob("critic_warm*.pt"):  # would be loaded and warmed up a second time
-            f.unlink()
-            notes.append(f"ckpt/{f.name}: removed, the critic warm-up was never committed")
-    if not sft_done:
-        shutil.rmtree(ckpt / "sft.tmp", ignore_errors=True)
-
-    def committed(tag, step, name) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials ("step3")
-        tag = str(tag)
-        if tag.startswith("step") and tag[4:].isdigit():
-            return int(tag[4:]) <= want
-        if tag == "rl":
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
-            return step <= want
-        return {"sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
-
-    notes += rewrite_jsonl(run_dir / "metrics.jsonl",
-                           lambda r: committed(r.get("phase"), r.get("step"), "metrics.jsonl"))
-    notes += rewrite_jsonl(run_dir / "dropped.jsonl", lambda r: committed("rl", r.get("step"), "dropped.jsonl"))
-    notes += rewrite_jsonl(run_dir / "failed_trials.jsonl", lambda r: committed(r.get("tag"), None, ""))
-    return notes
-
-
 def minibatches(n: int, size: int, rng: random.Random):
     idx = list(range(n))
     rng.shuffle(idx)
     return [idx[i:i + size] for i in range(0, n, size)]
-
-
-def rank_world(group) -> tuple[int, int]:
-    """(rank, world size) of this trainer rank; (0, 1) without a group."""
-    return (0, 1) if group is None else (group.rank(), group.size())
-
-
-def share(mb: list[int], group, even: bool = False) -> list[int]:
-    """This rank's rows of minibatch mb: sample i lives on rank i % N, at row i // N of its local batch.
-    even (Megatron ranks: every forward is a collective over the expert-parallel ranks, with equal token counts):
-    padded to the largest rank's share with the local batch's last row, a dummy whose loss mask is 0."""
-    rank, world = rank_world(group)
-    rows = [i // world for i in mb if i % world == rank]
-    most = max(sum(1 for i in mb if i % world == r) for r in range(world))
-    return rows + [-1] * (most - len(rows)) if even else rows
-
-
-def even(args, group) -> bool:
-    """Megatron ranks (a forward is a collective over the expert-parallel ranks) take equal shares, padded."""
-    return args.backend == "megatron" and group is not None
-
-
-def local_rows(batch: dict, group, even: bool = False) -> dict:
-    """The rows of this rank's samples (i = rank mod N); the whole batch on one rank. even: every rank gets
-    ceil(B / N) + 1 rows, the extra ones dummies (copies of row 0 with every mask 0: they train nothing)."""
-    rank, world = rank_world(group)
-    out = {k: (v[rank::world] if torch.is_tensor(v) else v) for k, v in batch.items()}
-    if even and world > 1:
-        n_pad = -(-len(batch["mask"]) // world) + 1 - len(out["mask"])
-        dummy = {k: v[:1].expand(n_pad, *v.shape[1:]) for k, v in batch.items() if torch.is_tensor(v)}
-        dummy["mask"] = torch.zeros_like(dummy["mask"])  # m = 0: no loss, no statistic, no advantage
-        out.update({k: torch.cat([out[k], dummy[k]]) for k in dummy})
-    return out
 
 
 def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
@@ -931,8 +646,8 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_s
             n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
             st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
-            if mb:  # a rank without rows still joins the gradient sum
-                with batch_routing(actor, batch, args.r3_mode, mb):
+            if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
+                with batch_routing(actor, batch, args.r3_mode, mb):  # ALGO LOGIC: the clipped surrogate, R3 replay
                     newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
                                                               args.entropy_coef > 0, args.aux_loss_coef > 0)
                     logratio = newlogprob - old_logprobs[mb]
@@ -976,7 +691,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
     full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
-    # 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+    # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
     old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
                   else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
     advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
@@ -985,7 +700,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
            for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
     cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
-    # 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
+    # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
         old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
@@ -1010,444 +725,280 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: A
             "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
 
 
-# --- the trainer actor -------------------------------------------------------------------------------
+# --- the trainer actor (trainer.py) running the step functions above -----------------------------------
 
-def actor_threads(args: Args) -> int:
-    """torch threads of the trainer and of each engine (Args.torch_threads)."""
-    cores = os.cpu_count() or 1
-    return args.torch_threads or (max(1, cores // 2) if args.async_rollout else min(2, cores))
+class Trainer(trainer.Trainer):
+    """trainer.Trainer with this file's critic warm-up and steps 5-6 (a Ray actor: ray.remote(Trainer))."""
+    steps = SimpleNamespace(critic_warmup=critic_warmup, train_step=train_step)
 
 
-class Trainer:
-    """Actor + critic co-resident (paper), both optimizers, RNG, the behaviour copy of the actor, and the weights of
-    the last two versions the engines served (the behaviour policy of a batch; in host memory). Runs as a Ray actor;
-    its methods are steps 5-7.
-    Rank r of a TrainerGroup of `world` ranks: with the hf backend full replicas (pure data parallel; rank 0
-    saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
-    EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
-    and publishes, rank 0 writes). A multi-rank trainer builds its models once the group is joined."""
+class TrainerGroup(trainer.TrainerGroup):
+    """trainer.TrainerGroup whose ranks are the Trainer above."""
+    trainer = Trainer
 
-    def __init__(self, args: Args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
-        torch.set_num_threads(actor_threads(args))
+
+
+# --- the run: one function per phase ------------------------------------------------------------------
+
+class Run:
+    """The run directory: args, state.json (the commit point), metrics.jsonl + TensorBoard, log.txt."""
+
+    def __init__(self, args: Args):
+        check_args(args)
+        self.args = args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan: ranks
+        self.dir = run_dir = Path(args.run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
         torch.manual_seed(args.seed)
-        self.args, self.run_dir, self.sft_dir, self.step0 = args, Path(args.run_dir), sft_dir, step
-        self.latest = self.run_dir / "ckpt" / "latest"
-        self.rank, self.world, self.group = rank, world, None
-        self.sharded = args.backend == "megatron" and world > 1  # each rank holds shards (Megatron's layout)
-        self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
-        self.published = {}  # weight version -> the actor's state dict the engines were given
-        self.ref = None  # the frozen SFT actor (kl_coef > 0, hf backend)
-        self.publisher = None
-        if not self.sharded:
-            self._build()
+        random.seed(args.seed)
+        torch.set_num_threads(min(2, os.cpu_count() or 1))
+        (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
+        self.save_state()  # a fresh run dir has its state.json before any data
+        self.sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
+        for note in resume_run(run_dir, self.state, sft_done=(self.sft_dir / "config.json").exists()):
+            log(run_dir, "resume: " + note)
+        self.metrics = Metrics(run_dir)
 
-    def _build(self) -> None:
-        """Actor, behaviour copy, critic and their optimizers from the SFT (or latest) checkpoint; on resume the
-        critic, optimizers and RNG of this rank's checkpoint file."""
-        args, step = self.args, self.step0
-        src = self.latest if step > 0 else self.sft_dir
-        if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
-            import mcore
-            import mcore_parallel
-            import mcore_weights
-            cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
-            self.hf_config = cfg
-            self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
-            self.save_actor = lambda path: mcore_weights.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
-            self.hub_weights = lambda: M.hub_state_dict(mcore_weights.to_hf(self.actor, cfg))
-        else:
-            hf_actor, self.tokenizer = M.load_actor(src)
-            self.hf_config = hf_actor.config
-            self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
-            self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
-            if args.kl_coef > 0:  # the frozen SFT actor: the KL reference, built only when it is used
-                self.ref = M.load_actor(self.sft_dir)[0].eval().requires_grad_(False)
-            self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
-            self.hub_weights = lambda: M.hub_state_dict(self.actor)
-        if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore_parallel.py)
-            self.actor_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.actor), lr=args.actor_lr)
-            self.critic_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.critic), lr=args.critic_lr)
-        else:
-            self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
-            self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)
-        self.rng = random.Random(args.seed + 2)  # minibatch order; saved with every checkpoint
-        warm = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
-        if step > 0:
-            ck = self._load(self.latest / self.ckpt_name, step)
-            self.critic.load_state_dict(ck["critic"])
-            self.actor_opt.load_state_dict(ck["actor_opt"])
-            self.critic_opt.load_state_dict(ck["critic_opt"])
-            self.rng.setstate(ck["rng"])
-            torch.set_rng_state(ck["torch_rng"])
-        elif warm.exists():
-            ck = self._load(warm)
-            self.critic.load_state_dict(ck["critic"])
-            self.critic_opt.load_state_dict(ck["critic_opt"])
+    def save_state(self) -> None:  # the commit point (atomic): a kill at any moment leaves the old or the new state
+        path = self.dir / "state.json"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=1))
+        os.replace(tmp, path)
 
-    def _load(self, path: Path, step: int | None = None) -> dict:
-        ck = load_trainer_file(path)
-        if step is not None and ck.get("step") != step:  # resume_run keeps ckpt/latest at the committed step
-            raise ValueError(f"{path}: holds RL step {ck.get('step')}, state.json committed step {step}")
-        plan = parallel_plan(self.args)
-        if self.sharded and ck.get("plan") != plan:  # the shards of another layout do not fit this one
-            raise ValueError(f"--plan: {path} holds shards of the layout {ck.get('plan')}, this run asks for {plan}")
-        return ck
-
-    def _state(self, step: int) -> dict:
-        """What this rank checkpoints besides the actor (HF layout): critic, optimizers, step, RNG (and the plan)."""
-        return {"critic": self.critic.state_dict(), "actor_opt": self.actor_opt.state_dict(),
-                "critic_opt": self.critic_opt.state_dict(), "step": step, "rng": self.rng.getstate(),
-                "torch_rng": torch.get_rng_state(), "plan": parallel_plan(self.args) if self.sharded else None}
-
-    def _barrier(self) -> None:
-        if self.sharded:
-            import torch.distributed as dist
-            dist.barrier()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def address(self) -> tuple[str, int]:
-        """Where the trainer ranks meet: this (rank 0's) node and a free port on it."""
-        import ray
-        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), infra.free_port()
-
-    def join_group(self, address: str, port: int) -> None:
-        """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights). hf: apart from any other, for
-        the replicas' gradient sums. megatron: the default group of this process, carved by parallel_state into
-        Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
-        import cluster
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if not self.sharded:
-            self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
-            return
-        import datetime
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(minutes=30))
-        p = parallel_plan(self.args)
-        ps.initialize_model_parallel(tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"],
-                                     context_parallel_size=p["cp"], expert_model_parallel_size=p["ep"],
-                                     expert_tensor_parallel_size=p["etp"])
-        self.group = ps.get_data_parallel_group()  # rows of a batch are shared out over the DP ranks only
-        self._build()
-
-    def state_dicts(self) -> dict:
-        """Actor and critic weights of this rank (tests compare ranks); megatron: the whole TP = EP = 1 GPTModel
-        state dicts, gathered over the ranks when sharded (a collective: every rank calls it)."""
-        if self.args.backend == "megatron":
-            import mcore_weights
-            return {part: mcore_weights.gather_full_state(m.gpt, self.hf_config)
-                    for part, m in (("actor", self.actor), ("critic", self.critic))}
-        return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
-
-    def optimizer_state_numel(self) -> dict:
-        """Adam elements per moment this rank holds for the actor ({"dense", "expert"}; sharded trainers only)."""
-        return self.actor_opt.state_numel()
-
-    def mark_published(self, version: int) -> None:
-        """Keep the weights of `version` (the behaviour policy of the next batches) in host memory, pinned when the
-        actor is on a GPU, as slime's TensorBackuper keeps its actor / ref snapshots: the device holds only the
-        actor and the behaviour copy (infra.device_memory counts both; the published versions are its `host`)."""
-        def host_copy(v):
-            if not torch.is_tensor(v):
-                return v
-            return torch.empty_like(v, device="cpu", pin_memory=v.is_cuda).copy_(v.detach())
-        self.published[version] = {k: host_copy(v) for k, v in self.actor.state_dict().items()}
-        for old in [v for v in self.published if v < version - 1]:
-            del self.published[old]
-
-    def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
-        """Cluster publish: this process becomes rank 0 of one group with every engine rank (NCCL; gloo on CPU)."""
-        if self.rank > 0:  # trainer rank 0 alone speaks to the engines
-            return
-        import cluster
-        if not master_address:
-            import ray
-            master_address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.publisher = cluster.WeightPublisher(
-            [cluster.SGLangClient(u) for u in urls], world_sizes, master_address,
-            backend="nccl" if torch.cuda.is_available() else "gloo").connect()
-
-    def publish(self, version: int) -> int:
-        """Publish barrier over the group: pause every engine, broadcast the weights (Hub names), resume."""
-        weights = self.hub_weights() if self.rank == 0 or self.sharded else None  # sharded: every rank gathers
-        n = self.publisher.publish(list(weights.items()), version) if self.rank == 0 else 0
-        self.mark_published(version)
-        return n
-
-    def close(self) -> None:
-        if self.publisher is not None:
-            self.publisher.close()
-            self.publisher = None
-        if self.group is not None:
-            import torch.distributed as dist
-            if self.sharded:
-                from megatron.core import parallel_state as ps
-                ps.destroy_model_parallel()
-                dist.destroy_process_group()
-            else:
-                dist.destroy_process_group(self.group)
-            self.group = None
-
-    def warmup(self, samples: list[dict]) -> list[dict]:
-        recs = critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
-        if self.rank == 0 or self.sharded:  # replicas: one file; shards: one per rank
-            torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                        "plan": parallel_plan(self.args) if self.sharded else None},
-                       self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm"))
-        return recs
-
-    def train_step(self, samples: list[dict], step: int) -> dict:
-        """Steps 5-7 on this step's samples, then the checkpoint (actor, critic, optimizers, step, RNG)."""
-        t0 = time.time()
-        versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
-        if versions:
-            self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
-        stats = (train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt, samples,
-                            self.args, self.rng, self.run_dir, step, self.group, self.ref)
-                 if samples else {})
-        if self.rank == 0 or self.sharded:  # replicas are identical: one checkpoint; shards: every rank
-            save_trainer(self.latest, self.save_actor, self._state(step), self.ckpt_name, self.rank, self._barrier)
-        return {**stats, "time_train": time.time() - t0}
-
-
-class TrainerGroup:
-    """The trainer ranks behind the one handle the loop talks to: `group.method.remote(*a)` runs the method
-    on every rank (in the same order on each) and returns rank 0's ObjectRef. The ranks move in lockstep
-    through their collectives; an error of another rank surfaces at the next call (or hangs rank 0 in a
-    collective until the group's timeout, 30 min, if that rank stays alive)."""
-
-    def __init__(self, ray, args: Args, sft_dir: str, step: int, options: list[dict]):
-        self.ray, world = ray, len(options)
-        self.ranks = [ray.remote(Trainer).options(**o).remote(args, sft_dir, step, r, world)
-                      for r, o in enumerate(options)]
-        self.others = []  # the other ranks' refs of the last call
-        if world > 1:
-            address, port = ray.get(self.ranks[0].address.remote())
-            ray.get([t.join_group.remote(address, port) for t in self.ranks])
-
-    def __getattr__(self, name: str):
-        if name.startswith("_"):  # pickle / copy probes: not a Trainer method
-            raise AttributeError(name)
-
-        def remote(*a, **kw):
-            done, _ = self.ray.wait(self.others, num_returns=len(self.others), timeout=0) if self.others else ([], [])
-            self.ray.get(done)  # raises the error of another rank in the last call
-            refs = [getattr(t, name).remote(*a, **kw) for t in self.ranks]
-            self.others = refs[1:]
-            return refs[0]
-        return SimpleNamespace(remote=remote)
-
-
-# --- the run --------------------------------------------------------------------------------------------
-
-def train(args: Args) -> dict:
-    check_args(args)
-    args = dataclasses.replace(args, trainer_ranks=parallel_plan(args)["world"])  # --plan sets the rank count
-    run_dir = Path(args.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    state_path = run_dir / "state.json"
-    state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
-    torch.manual_seed(args.seed)
-    random.seed(args.seed)
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    (run_dir / "args.json").write_text(json.dumps(dataclasses.asdict(args), indent=1))
-
-    def save_state():  # the commit point (atomic): a kill at any moment leaves the old or the new state
-        tmp = state_path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(state, indent=1))
-        os.replace(tmp, state_path)
-
-    save_state()  # a fresh run dir has its state.json before any data
-    sft_dir = Path(args.model_path) if args.model_path else run_dir / "ckpt" / "sft"
-    for note in resume_run(run_dir, state, sft_done=(sft_dir / "config.json").exists()):
-        log(run_dir, "resume: " + note)
-    metrics = Metrics(run_dir)
-
-    def timed(name, fn):
+    def timed(self, name, fn):
         t0 = time.time()
         out = fn()
-        state["phase_times"][name] = state["phase_times"].get(name, 0.0) + time.time() - t0
-        save_state()
+        self.state["phase_times"][name] = self.state["phase_times"].get(name, 0.0) + time.time() - t0
+        self.save_state()
         return out
 
-    # --- tasks: synthesize, audit by oracle, split train / held-out -----------------------------------
+
+def make_tasks(run: Run) -> tuple[list, list]:
+    """Tasks: synthesize, audit by oracle, split train / held-out (once per run directory)."""
+    args, state = run.args, run.state
     if "tasks" not in state:
-        train_dirs, heldout_dirs = timed("tasks", lambda: data.generate_tasks(
-            run_dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
+        train_dirs, heldout_dirs = run.timed("tasks", lambda: data.generate_tasks(
+            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
-        save_state()
+        run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
     heldout = state["tasks"]["heldout"]
-    log(run_dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+    return train_pool, heldout
 
-    # --- SFT warm start (its reference trajectories run in this process: no engine needed) -------------
-    if not (sft_dir / "config.json").exists():
-        def do_sft():
-            sft_pool = list(train_pool)
-            if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
-                extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
-                                               validate_tasks=False)
-                held = {data.load_task(d).instruction for d in heldout}
-                sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
-            tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
-            actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
-            trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
-            samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
-            log(run_dir, f"sft: {len(samples)} reference trajectories, "
-                         f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
-            sft(actor, samples, args, metrics)
-            tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
-            shutil.rmtree(tmp, ignore_errors=True)
-            M.save_checkpoint(actor, tokenizer, tmp)
-            shutil.rmtree(sft_dir, ignore_errors=True)
-            tmp.rename(sft_dir)
-        timed("sft", do_sft)
-    tokenizer = AutoTokenizer.from_pretrained(str(sft_dir))
-    latest = run_dir / "ckpt" / "latest"
 
-    # --- Ray actors: the trainer (actor + critic), the engines, the rollout workers ---------------------
+def warm_start(run: Run, train_pool: list, heldout: list) -> None:
+    """SFT warm start into ckpt/sft (its reference trajectories run in this process: no engine needed)."""
+    args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
+    sft_pool = list(train_pool)
+    if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
+        extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
+                                       validate_tasks=False)
+        held = {data.load_task(d).instruction for d in heldout}
+        sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
+    tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
+    actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
+    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
+    samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
+    log(run_dir, f"sft: {len(samples)} reference trajectories, "
+                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
+    sft(actor, samples, args, run.metrics)
+    tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
+    shutil.rmtree(tmp, ignore_errors=True)
+    M.save_checkpoint(actor, tokenizer, tmp)
+    shutil.rmtree(sft_dir, ignore_errors=True)
+    tmp.rename(sft_dir)
+
+
+def start_actors(run: Run, ax: SimpleNamespace) -> None:
+    """Ray actors: the trainer (actor + critic), the engines, the rollout workers; filled into ax as they start
+    (train() stops whatever started)."""
+    args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
+    ax.engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
+        sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
+    ax.trainer = TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
+    ax.workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
+                                           sft_dir, place["workers"])
+    infos = ray.get([e.info.remote() for e in ax.engines])
+    ax.urls = ax.ext_urls or [i["url"] for i in infos]
+    ranks = ray.get([t.pid.remote() for t in ax.trainer.ranks])
+    log(run.dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, "
+                 f"engines {infos or ax.urls}, rollout workers pids {ray.get([w.pid.remote() for w in ax.workers])}")
+    ax.sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
+    if ax.sizes:  # cluster: weights go from the trainer to every engine rank over one process group
+        ray.get(ax.trainer.connect_engines.remote(ax.urls, ax.sizes))
+
+
+def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
+    """Publish barrier: pause generation, push weights, resume; the trainer keeps a copy."""
+    if ax.sizes:
+        ax.ray.get(ax.trainer.publish.remote(version))
+    else:
+        infra.publish_from_disk(ax.urls, run.dir / "ckpt" / "latest", version)
+        ax.ray.get(ax.trainer.mark_published.remote(version))
+
+
+def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list, ck: str) -> None:
+    """Held-out evaluation (and on the first training tasks) of ck: "sft" once, "rl" after the last RL step
+    (again when a resume added steps); the engines serve its weights."""
+    args, state = run.args, run.state
+
+    def ev(dirs, tag):
+        return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+    if ck == "sft" and "eval_sft" not in state:
+        state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
+        state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
+        run.save_state()
+    if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
+        state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
+        state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
+        run.save_state()
+
+
+def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
+    """Critic Warm-Up on SFT-policy rollouts (step 0), or on resume the engines get the last step's weights."""
+    args, state = run.args, run.state
+    if state["step"] > 0:
+        publish(run, ax, state["step"])  # the engines serve the weights of the last finished step
+        log(run.dir, f"resumed at RL step {state['step']}")
+    else:
+        ax.ray.get(ax.trainer.mark_published.remote(0))  # the engines serve the SFT weights
+        if "critic_warmup" not in state:
+            def do_warmup():
+                if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
+                    return []
+                pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
+                trials, _, _ = run_rollouts(pool, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
+                                            desc="warm-up pool")
+                recs = ax.ray.get(ax.trainer.warmup.remote(to_samples(trials, run.dir, "warmup")))
+                for i, r in enumerate(recs):
+                    run.metrics.write(r, i + 1, "critic_warmup")
+                return [r["explained_variance"] for r in recs]
+            state["critic_warmup"] = {"explained_variance": run.timed("critic_warmup", do_warmup)}
+            run.save_state()
+    log(run.dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
+
+
+def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[list, dict, int]:
+    """4. TITO assembly of a step's trials -> samples on disk (audited), the oversampling's cut tasks recorded;
+    checks that every sample comes from one weight version, want_staleness behind the trainer."""
+    samples = to_samples(ro["trials"], run.dir, f"step{step}", replay=run.args.r3_mode == "replay")
+    with open(run.dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
+        for d in ro["dropped"]:
+            f.write(json.dumps({"step": step, **d}) + "\n")
+    tito.save_samples(run.dir / "samples" / f"step_{step:06d}.jsonl", samples)
+    audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
+    versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
+    staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
+    assert not versions or (len(versions) == 1 and staleness == want_staleness), \
+        f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want_staleness}"
+    if not samples:
+        log(run.dir, f"step {step}: no trainable trajectory; recorded, no update")
+    return samples, audit, staleness
+
+
+def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> dict:
+    """The metrics.jsonl row of an RL step (names in the README)."""
+    trials = ro["trials"]
+    return {"reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
+            "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
+            **stats, **audit, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(ro["dropped"]),
+            "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
+            "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
+            "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], **timing}
+
+
+def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
+    """RL: PPO steps, the paper's step list. One-step async: the rollout of step t+1 runs beside the update of
+    step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously."""
+    args, state = run.args, run.state
+    first_step = state["step"] + 1
+
+    def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
+        launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        t0 = time.time()
+        trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
+                                              n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial
+        return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
+                "t_rollout": time.time() - t0}
+
+    def overlapped(t):  # was step t sampled beside the update of step t-1? (then staleness is exactly 1)
+        return args.async_rollout and t > first_step and t > args.sync_steps
+
+    ro = None
+    while state["step"] < args.rl_steps:
+        step = state["step"] + 1
+        t_step = time.time()
+        # ALGO LOGIC: 1-3. rollout of step t (its reward r = P / S per trial), unless it ran beside the last update
+        if ro is None:  # sequential: sample with the weights of the last update
+            ro = rollout_step(step)
+        t_wait = time.time() - t_step
+        # ALGO LOGIC: 4. TITO samples (audited, on disk)
+        samples, audit, staleness = step_samples(run, ro, step, 1 if overlapped(step) else 0)
+        # ALGO LOGIC: 5-6. on the trainer actor: V_old -> GAE -> critic update -> old logprobs -> actor (R3 replay)
+        # One-step async (paper): the trainer actor updates on step t (5-6, checkpoint included) while the
+        # rollout workers sample step t+1 with weights t-1 (staleness 1); at the barrier (both done) weights t
+        # are published, so step t+2 samples with weights t.
+        update = ax.trainer.train_step.remote(samples, step)
+        ro_next = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
+        stats = ax.ray.get(update)
+        # ALGO LOGIC: 7. publish weights t to the engines (the barrier)
+        t0 = time.time()
+        publish(run, ax, step)
+        t_publish = time.time() - t0
+        # plumbing: the step's row, then the commit point
+        rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
+               "rollout_beside_update": ro_next is not None,
+               **step_record(ro, samples, stats, audit, time_rollout_wait=t_wait, time_publish=t_publish,
+                             time_step=time.time() - t_step)}
+        run.metrics.write(rec, step, "rl")
+        state["step"] = step
+        state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
+        run.save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
+        prune_previous(run.dir)
+        log(run.dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
+                     f"EV {rec.get('explained_variance', float('nan')):.3f} "
+                     f"|dlogp| {rec.get('dlogp', float('nan')):.4f} "
+                     f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} "
+                     f"{rec['time_step']:.0f}s")
+        ro = ro_next
+
+
+def train(args: Args) -> dict:
+    """The whole run: tasks -> SFT -> actors -> eval SFT -> critic warm-up -> RL -> eval RL; resumable."""
+    run = Run(args)
+    args, state = run.args, run.state
+    train_pool, heldout = make_tasks(run)
+    if not (run.sft_dir / "config.json").exists():
+        run.timed("sft", lambda: warm_start(run, train_pool, heldout))
+    tokenizer = AutoTokenizer.from_pretrained(str(run.sft_dir))
+
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
     ray = infra.ray_start(args.trainer_ranks + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
     pg, place = infra.ray_layout(n_eng, args.rollout_actors, n_trainers=args.trainer_ranks)
-    engines, trainer = [], None
+    ax = SimpleNamespace(ray=ray, place=place, ext_urls=ext_urls, n_eng=n_eng, engines=[], trainer=None)
     try:
-        engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
-            str(sft_dir), args.engine_weight_dtype, actor_threads(args)) for i in range(n_eng)]
-        trainer = TrainerGroup(ray, args, str(sft_dir), state["step"], place["trainers"])
-        workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
-                                            str(sft_dir), place["workers"])
-        infos = ray.get([e.info.remote() for e in engines])
-        urls = ext_urls or [i["url"] for i in infos]
-        ranks = ray.get([t.pid.remote() for t in trainer.ranks])
-        log(run_dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, engines {infos or urls}, "
-                     f"rollout workers pids {ray.get([w.pid.remote() for w in workers])}")
-
-        sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
-        if sizes:  # cluster: weights go from the trainer to every engine rank over one process group
-            ray.get(trainer.connect_engines.remote(urls, sizes))
-
-        def publish(version):  # publish barrier: pause generation, push weights, resume; the trainer keeps a copy
-            if sizes:
-                ray.get(trainer.publish.remote(version))
-            else:
-                infra.publish_from_disk(urls, latest, version)
-                ray.get(trainer.mark_published.remote(version))
-
-        # --- held-out evaluation of the SFT checkpoint -----------------------------------------------
-        if "eval_sft" not in state:
-            state["eval_sft"] = timed("eval_sft", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "sft"))
-            state["eval_sft_train"] = timed("eval_sft", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "sft train"))
-            save_state()
-        log(run_dir, f"eval after SFT: {state['eval_sft']}")
-
-        # --- critic warm-up on SFT-policy rollouts (or resume) -----------------------------------------
-        if state["step"] > 0:
-            publish(state["step"])  # the engines serve the weights of the last finished step
-            log(run_dir, f"resumed at RL step {state['step']}")
-        else:
-            ray.get(trainer.mark_published.remote(0))  # the engines serve the SFT weights
-            if "critic_warmup" not in state:
-                def do_warmup():
-                    if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
-                        return []
-                    pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
-                    trials, _, _ = run_rollouts(pool, "model", args, run_dir, tokenizer, workers, urls, desc="warm-up pool")
-                    recs = ray.get(trainer.warmup.remote(to_samples(trials, run_dir, "warmup")))
-                    for i, r in enumerate(recs):
-                        metrics.write(r, i + 1, "critic_warmup")
-                    return [r["explained_variance"] for r in recs]
-                state["critic_warmup"] = {"explained_variance": timed("critic_warmup", do_warmup)}
-                save_state()
-        log(run_dir, f"critic warm-up EV per update: {state.get('critic_warmup', {}).get('explained_variance')}")
-
-        # --- RL: PPO steps ---------------------------------------------------------------------------
-        def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-            launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
-            t0 = time.time()
-            trials, dropped, tok_s = run_rollouts(launch, "model", args, run_dir, tokenizer, workers, urls,
-                                                  n_keep=args.n_keep, desc=f"rollout step {step}")
-            return {"trials": trials, "dropped": dropped, "tok_s": tok_s, "n_launched": len(launch),
-                    "t_rollout": time.time() - t0}
-
-        first_step = state["step"] + 1
-
-        def overlapped(t):  # was step t sampled beside the update of step t-1? (then staleness is exactly 1)
-            return args.async_rollout and t > first_step and t > args.sync_steps
-
-        ro = None
-        while state["step"] < args.rl_steps:
-            step = state["step"] + 1
-            t_step = time.time()
-            if ro is None:  # sequential: sample with the weights of the last update
-                ro = rollout_step(step)
-            t_wait = time.time() - t_step
-            trials, dropped, n_launched, tok_s, t_rollout = (ro[k] for k in ("trials", "dropped", "n_launched", "tok_s", "t_rollout"))
-            # 4. TITO assembly -> samples on disk
-            samples = to_samples(trials, run_dir, f"step{step}", replay=args.r3_mode == "replay")
-            with open(run_dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
-                for d in dropped:
-                    f.write(json.dumps({"step": step, **d}) + "\n")
-            tito.save_samples(run_dir / "samples" / f"step_{step:06d}.jsonl", samples)
-            audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
-            versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
-            staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
-            want = 1 if overlapped(step) else 0
-            assert not versions or (len(versions) == 1 and staleness == want), \
-                f"step {step}: samples of weight versions {versions}, staleness {staleness}, expected {want}"
-            if not samples:
-                log(run_dir, f"step {step}: no trainable trajectory; recorded, no update")
-            # One-step async (paper): the trainer actor updates on step t (5-7, checkpoint included) while the
-            # rollout workers sample step t+1 with weights t-1; at the barrier (both done) weights t are published.
-            update = trainer.train_step.remote(samples, step)
-            ro = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
-            stats = ray.get(update)
-            t0 = time.time()
-            publish(step)
-            t_publish = time.time() - t0
-            rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),
-                   "rollout_beside_update": ro is not None,
-                   "reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
-                   "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
-                   **stats, **audit, "n_launched": n_launched, "n_kept": len(trials), "n_dropped": len(dropped),
-                   "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
-                   "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
-                   "rollout_tokens_per_s": tok_s, "time_rollout": t_rollout, "time_rollout_wait": t_wait,
-                   "time_publish": t_publish, "time_step": time.time() - t_step}
-            metrics.write(rec, step, "rl")
-            state["step"] = step
-            state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
-            save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
-            prune_previous(run_dir)
-            log(run_dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
-                         f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
-                         f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} {rec['time_step']:.0f}s")
-
-        # --- held-out evaluation after RL (the engines serve the final weights) ----------------------
-        if state.get("eval_rl", {}).get("after_step") != state["step"]:  # re-evaluate when a resume added steps
-            state["eval_rl"] = {**timed("eval_rl", lambda: evaluate(heldout, args, run_dir, tokenizer, workers, urls, "rl")),
-                                "after_step": state["step"]}
-            state["eval_rl_train"] = timed("eval_rl", lambda: evaluate(
-                train_pool[:args.eval_train_tasks], args, run_dir, tokenizer, workers, urls, "rl train"))
-            save_state()
+        start_actors(run, ax)
+        evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "sft")
+        log(run.dir, f"eval after SFT: {state['eval_sft']}")
+        warm_up_critic(run, ax, tokenizer, train_pool)
+        rl_loop(run, ax, tokenizer, train_pool)
+        evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "rl")  # the engines serve the final weights
     finally:
-        for h in engines + ([trainer] if trainer is not None else []):
+        for h in ax.engines + ([ax.trainer] if ax.trainer is not None else []):
             try:
-                ray.get((h.close if h is trainer else h.stop).remote(), timeout=30)
+                ray.get((h.close if h is ax.trainer else h.stop).remote(), timeout=30)
             except Exception:
                 pass
         infra.ray_stop(pg)
-        metrics.tb.close()
+        run.metrics.tb.close()
 
     summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run_dir)}
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(run_dir)
+               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run.dir)}
+    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    plot(run.dir)
     print_table(summary)
     return summary
 

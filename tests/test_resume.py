@@ -1,4 +1,4 @@
-"""Resume never duplicates or loses (train_t1.resume_run, the commit point state.json).
+"""Resume never duplicates or loses (trainer.resume_run, the commit point state.json).
 
 Fast tests on the save / load helpers and on an in-process Trainer: a checkpoint newer than state.json (a kill
 between the trainer's save and the commit) is discarded and its step redone exactly once; a kill between the
@@ -21,6 +21,7 @@ from safetensors.torch import save_file
 
 import model as M
 import train_t1 as T
+import trainer as TR
 from test_trainer_group import fake_samples
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,15 +76,15 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
     rl_step(killed, 1)
     state = {"phase_times": {}, "step": 1, "critic_warmup": {}}
     (run / "state.json").write_text(json.dumps(state))  # step 1 committed
-    T.prune_previous(run)
+    TR.prune_previous(run)
     rl_step(killed, 2)  # step 2 checkpointed, then the kill: state.json still says step 1
     latest, previous = run / "ckpt" / "latest", run / "ckpt" / "previous"
-    assert T.checkpoint_step(latest) == 2 and T.checkpoint_step(previous) == 1
+    assert TR.checkpoint_step(latest) == 2 and TR.checkpoint_step(previous) == 1
     with pytest.raises(ValueError, match="holds RL step 2, state.json committed step 1"):
         T.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, 1)  # loading it would apply step 2 twice
-    notes = T.resume_run(run, T.load_state(run), sft_done=True)
+    notes = TR.resume_run(run, TR.load_state(run), sft_done=True)
     assert any("discarded the checkpoint of step 2" in n for n in notes), notes
-    assert T.checkpoint_step(latest) == 1 and not previous.exists()
+    assert TR.checkpoint_step(latest) == 1 and not previous.exists()
     resumed = trainer(run, 1)
     rl_step(resumed, 2)
     want, got = ref.state_dicts(), resumed.state_dicts()
@@ -96,32 +97,32 @@ def test_kill_between_checkpoint_renames_puts_the_committed_one_back(tmp_path):
     ck = tmp_path / "ckpt"
     fake_ckpt(ck / "previous", 1)  # latest renamed to previous, the new one not yet renamed to latest
     fake_ckpt(ck / "latest.tmp", 2)
-    notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
-    assert T.checkpoint_step(ck / "latest") == 1 and sorted(p.name for p in ck.iterdir()) == ["latest"]
+    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    assert TR.checkpoint_step(ck / "latest") == 1 and sorted(p.name for p in ck.iterdir()) == ["latest"]
     assert any("put back from ckpt/previous" in n for n in notes)
     fake_ckpt(ck / "latest.tmp", None)  # killed while writing: no step.json
-    T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert sorted(p.name for p in ck.iterdir()) == ["latest"]
 
 
 def test_first_step_checkpoint_without_commit_is_discarded(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 1)
-    notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
+    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
     assert not (tmp_path / "ckpt" / "latest").exists() and "step 1" in notes[0]
 
 
 def test_committed_step_keeps_latest_and_prunes_previous(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 2)
     fake_ckpt(tmp_path / "ckpt" / "previous", 1)  # killed after the commit, before prune_previous
-    notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 2, "critic_warmup": {}}, sft_done=True)
-    assert notes == [] and T.checkpoint_step(tmp_path / "ckpt" / "latest") == 2
+    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 2, "critic_warmup": {}}, sft_done=True)
+    assert notes == [] and TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 2
     assert not (tmp_path / "ckpt" / "previous").exists()
 
 
 def test_committed_step_without_its_checkpoint_is_refused(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 2)
     with pytest.raises(ValueError, match=r"state\.json: committed RL step 3, but no checkpoint of that step"):
-        T.resume_run(tmp_path, {"phase_times": {}, "step": 3, "critic_warmup": {}}, sft_done=True)
+        TR.resume_run(tmp_path, {"phase_times": {}, "step": 3, "critic_warmup": {}}, sft_done=True)
 
 
 def test_run_dir_with_checkpoints_but_no_state_is_refused(tmp_path):
@@ -133,53 +134,53 @@ def test_run_dir_with_checkpoints_but_no_state_is_refused(tmp_path):
         T.train(dataclasses.replace(T.QUICK, run_dir=str(run)))
     assert not (run / "state.json").exists() and not (run / "args.json").exists()  # nothing started over it
     assert rows(run / "metrics.jsonl") == [{"phase": "sft", "step": 1, "sft_loss": 3.0}]
-    assert T.load_state(tmp_path / "fresh") == {"phase_times": {}, "step": 0}
+    assert TR.load_state(tmp_path / "fresh") == {"phase_times": {}, "step": 0}
 
 
 def test_torn_last_metrics_line_is_dropped_with_a_note(tmp_path):
     good = [{"phase": "sft", "step": 1, "sft_loss": 2.0}, {"phase": "rl", "step": 1, "reward_mean": 0.1}]
     write_jsonl(tmp_path / "metrics.jsonl", good, tail='{"phase": "rl", "step": 2, "rew')
     fake_ckpt(tmp_path / "ckpt" / "latest", 1)
-    notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == good and notes == ["metrics.jsonl: dropped a torn last line "
                                                                   "(31 chars: a kill mid-write)"]
     write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail=json.dumps(good[1]))  # killed before its newline
-    T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n") and rows(tmp_path / "metrics.jsonl") == good
     write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail="{not json\n" + json.dumps(good[1]) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not JSON"):
-        T.rewrite_jsonl(tmp_path / "metrics.jsonl", lambda r: True)
+        TR.rewrite_jsonl(tmp_path / "metrics.jsonl", lambda r: True)
     write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": "2"}])
     with pytest.raises(ValueError, match=r"metrics.jsonl: an RL row without an integer step \('2'\)"):
-        T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
 
 
 def test_corrupt_state_and_checkpoint_files_are_named(tmp_path):
     (tmp_path / "state.json").write_text('{"step": 3, "phase_ti')
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "state.json")) + ": corrupt"):
-        T.load_state(tmp_path)
+        TR.load_state(tmp_path)
     (tmp_path / "state.json").write_text('{"step": "3", "phase_times": {}}')
     with pytest.raises(ValueError, match="state.json: corrupt: expected an object with an integer 'step'"):
-        T.load_state(tmp_path)
+        TR.load_state(tmp_path)
     (tmp_path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "trainer.pt")) + ": corrupt or unreadable"):
-        T.load_trainer_file(tmp_path / "trainer.pt")
+        TR.load_trainer_file(tmp_path / "trainer.pt")
     latest = fake_ckpt(tmp_path / "ckpt" / "latest", 1)
     (latest / "step.json").write_text("{")
     with pytest.raises(ValueError, match="latest/step.json: corrupt checkpoint marker"):
-        T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     (latest / "step.json").write_text('{"step": 1}')
     data = (latest / "model.safetensors").read_bytes()
     (latest / "model.safetensors").write_bytes(data[: len(data) // 2])  # killed mid-copy / disk full
     with pytest.raises(ValueError, match="latest/model.safetensors: corrupt weights file"):
-        T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
 
 
 def test_unfinished_sft_and_warmup_leave_no_rows_to_duplicate(tmp_path):
     sft_rows = [{"phase": "sft", "step": i, "sft_loss": 1.0 / i} for i in (1, 2, 3)]
     write_jsonl(tmp_path / "metrics.jsonl", sft_rows)
     (tmp_path / "ckpt" / "sft.tmp").mkdir(parents=True)  # killed while saving the SFT checkpoint
-    T.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=False)  # SFT is redone from its start
+    TR.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=False)  # SFT is redone from its start
     assert rows(tmp_path / "metrics.jsonl") == [] and not (tmp_path / "ckpt" / "sft.tmp").exists()
     # SFT done, warm-up killed after its critic file and rows, before state.json recorded it
     warm = [{"phase": "critic_warmup", "step": i, "explained_variance": 0.1} for i in (1, 2)]
@@ -187,7 +188,7 @@ def test_unfinished_sft_and_warmup_leave_no_rows_to_duplicate(tmp_path):
     write_jsonl(tmp_path / "failed_trials.jsonl", [{"tag": "sft", "task": "a", "reason": "x"},
                                                    {"tag": "warmup", "task": "b", "reason": "y"}])
     torch.save({"critic": {}}, tmp_path / "ckpt" / "critic_warm.pt")
-    notes = T.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=True)
+    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == sft_rows and not (tmp_path / "ckpt" / "critic_warm.pt").exists()
     assert [r["tag"] for r in rows(tmp_path / "failed_trials.jsonl")] == ["sft"]
     assert any("critic warm-up was never committed" in n for n in notes)
@@ -204,12 +205,12 @@ def test_uncommitted_rl_step_rows_and_samples_are_dropped(tmp_path):
     (tmp_path / "samples").mkdir()
     for k in (1, 2):
         (tmp_path / "samples" / f"step_{k:06d}.jsonl").write_text("")
-    T.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == rl[:1]
     assert rows(tmp_path / "dropped.jsonl") == [{"step": 1, "task": "a"}]
     assert [r["tag"] for r in rows(tmp_path / "failed_trials.jsonl")] == ["step1"]
     assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_000001.jsonl"]
-    assert T.checkpoint_step(tmp_path / "ckpt" / "latest") == 1
+    assert TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 1
 
 
 def run(run_dir, kill_at=None, timeout=600):

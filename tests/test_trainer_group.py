@@ -12,6 +12,7 @@ import infra
 import model as M
 import r3
 import train_t1 as T
+import trainer as TR
 
 N_SAMPLES = 7  # minibatches of 3, 3, 1: uneven shares, and a rank with no row in the last one
 
@@ -120,7 +121,7 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
         T.check_args(two_args)
-        assert T.parallel_plan(two_args)["world"] == 2
+        assert TR.parallel_plan(two_args)["world"] == 2
         group = T.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * 2)
         warm2 = ray.get(group.warmup.remote(samples))
         ray.get(group.mark_published.remote(0))
@@ -168,6 +169,6 @@ def test_bad_plans_are_refused_naming_the_flag(flags, error, match):
 
 
 def test_plan_sets_the_trainer_ranks():
-    assert T.parallel_plan(T.parse_args(["--quick", "--trainer-ranks", "3"]))["world"] == 3  # replicas: dp = 3
-    p = T.parallel_plan(T.parse_args(["--quick", "--backend", "megatron", "--plan", '{"tp": 2, "ep": 2, "dp": 2}']))
+    assert TR.parallel_plan(T.parse_args(["--quick", "--trainer-ranks", "3"]))["world"] == 3  # replicas: dp = 3
+    p = TR.parallel_plan(T.parse_args(["--quick", "--backend", "megatron", "--plan", '{"tp": 2, "ep": 2, "dp": 2}']))
     assert (p["world"], p["etp"]) == (4, 2)
