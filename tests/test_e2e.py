@@ -76,7 +76,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     # TITO samples on disk audit clean
     samples = tito.load_samples(run_dir / "samples" / "step_000001.jsonl")
     assert samples and tito.audit(samples)["loss_region_drift_pct"] == 0.0
-    assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1 for s in samples)
+    assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1
+               for s in samples)
 
     # resume: the same run dir continues at step 3 (redone from its start), nothing repeated; this time against
     # an engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
@@ -93,7 +94,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
-    assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == len([r for r in recs if r["phase"] == "sft"])
+    n_sft = len([r for r in recs if r["phase"] == "sft"])
+    assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == n_sft
     assert json.loads((run_dir / "state.json").read_text())["step"] == 3
     assert sorted(p.name for p in (run_dir / "samples").glob("*.jsonl")) == [f"step_{i:06d}.jsonl" for i in (1, 2, 3)]
     log = (run_dir / "log.txt").read_text()
