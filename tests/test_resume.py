@@ -14,9 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import model as M
 import train_t1 as T
-from test_trainer_group import fake_samples
 
 
 ARGS = dataclasses.replace(T.EMBEDDED, minibatch_size=3, ppo_epochs=1, actor_lr=1e-3, critic_lr=1e-3,
@@ -40,12 +38,8 @@ def rows(path: Path) -> list:
     return [json.loads(l) for l in path.read_text().splitlines()]
 
 
-def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_path):
-    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
-    sft = str(tmp_path / "sft")
-    M.save_checkpoint(actor, tok, sft)
-    samples = fake_samples(actor, len(tok))
+def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_path, tiny_sft):
+    sft, samples = str(tiny_sft.sft), tiny_sft.samples
 
     def trainer(run, step):
         (run / "ckpt").mkdir(parents=True, exist_ok=True)

@@ -1,49 +1,24 @@
 """train_t1.TrainerGroup: critic warm-up + one train_step over 2 data-parallel Ray ranks (gloo) equal the
 1-rank ones (weights within 1e-5 at lr 1e-4; the replicas bitwise identical), then a step on one sample
-(rank 1 holds none and still joins every gradient sum)."""
+(rank 1 holds none and still joins every gradient sum); the same under Megatron model-parallel plans. The
+tiny actor's checkpoint and its fake samples: conftest.tiny_sft."""
 import dataclasses
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 import infra
-import model as M
-import r3
 import train_t1 as T
 
-N_SAMPLES = 7  # minibatches of 3, 3, 1: uneven shares, and a rank with no row in the last one
 
-
-def fake_samples(actor, vocab: int) -> list[dict]:
-    """Valid TITO-like samples: random tokens, loss on two 'turns', experts recorded by the actor (R3 replay)."""
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(N_SAMPLES):
-        n = 20 + 3 * i
-        tokens = torch.randint(3, vocab, (n,), generator=g)
-        mask = np.zeros(n, dtype=np.int8)
-        mask[6:11] = mask[14:] = 1  # two model replies with tool output between
-        with r3.routing(actor, "record") as rec, torch.no_grad():
-            actor(input_ids=tokens[None])
-        samples.append({"tokens": tokens.numpy(), "loss_mask": mask,
-                        "rollout_logprobs": (-torch.rand(n, generator=g) * torch.from_numpy(mask)).double().numpy(),
-                        "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": (i % 4) / 20, "passed": i % 4,
-                        "total": 4, "reward_source": "ctrf", "weight_version": 0, "turns": 2})
-    return samples
-
-
-def test_two_rank_step_equals_one_rank_step(tmp_path):
-    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
-    M.save_checkpoint(actor, tok, tmp_path / "sft")
-    samples = fake_samples(actor, len(tok))
+def test_two_rank_step_equals_one_rank_step(tmp_path, tiny_sft):
+    sft, samples = tiny_sft.sft, tiny_sft.samples
     base = dataclasses.replace(T.EMBEDDED, minibatch_size=3, ppo_epochs=2, actor_lr=1e-4, critic_lr=1e-4,
                                torch_threads=1)
 
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
+    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(sft), 0)
     before = {k: v.clone() for k, v in one.actor.state_dict().items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
@@ -55,7 +30,7 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
     try:
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), trainer_ranks=2)
-        group = T.TrainerGroup(ray, two_args, str(tmp_path / "sft"), 0, [{"num_cpus": 1}] * 2)
+        group = T.TrainerGroup(ray, two_args, str(sft), 0, [{"num_cpus": 1}] * 2)
         warm2 = ray.get(group.warmup.remote(samples))  # the loop's calls: fan out, rank 0's answer
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -83,24 +58,21 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def megatron_one_rank(tmp_path_factory):
+def megatron_one_rank(tmp_path_factory, tiny_sft):
     """The one-rank Megatron trainer (torch Adam) after critic warm-up and two train_steps: the reference every
     plan is held to (computed once for the module)."""
     tmp_path = tmp_path_factory.mktemp("megatron")
-    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
-    M.save_checkpoint(actor, tok, tmp_path / "sft")
-    samples = fake_samples(actor, len(tok))
+    samples = tiny_sft.samples
     base = dataclasses.replace(T.EMBEDDED, backend="megatron", minibatch_size=3, ppo_epochs=2, actor_lr=1e-4,
                                critic_lr=1e-4, torch_threads=1)
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
+    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tiny_sft.sft), 0)
     before = {k: v.clone() for k, v in one.state_dicts()["actor"].items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
     stats1 = one.train_step(samples, 1)
     one.train_step(samples[:1], 2)
-    return SimpleNamespace(sft=tmp_path / "sft", samples=samples, base=base, before=before, warm1=warm1,
+    return SimpleNamespace(sft=tiny_sft.sft, samples=samples, base=base, before=before, warm1=warm1,
                            stats1=stats1, ref=one.state_dicts())
 
 
