@@ -63,7 +63,7 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   test)
     shift
-    exec .venv/bin/python -m pytest -q tests "$@"
+    exec .venv/bin/python -m pytest -q --durations=10 tests "$@"  # the 10 slowest tests at the end
     ;;
   qwen35-122b-a10b|qwen35-35b-a3b)
     preset=$1; shift

@@ -1,10 +1,49 @@
+"""What the test files share: the repo on sys.path, two torch threads, and the tiny trainer fixture (an SFT
+checkpoint of the tiny actor and fake TITO samples it recorded) of tests/test_trainer_group.py and
+tests/test_resume.py, built once per session."""
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import numpy as np
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(2)
+
+import model as M  # noqa: E402
+import r3  # noqa: E402
+
+N_SAMPLES = 7  # minibatches of 3, 3, 1: uneven shares, and a rank with no row in the last one
+
+
+def fake_samples(actor, vocab: int) -> list[dict]:
+    """Valid TITO-like samples: random tokens, loss on two 'turns', experts recorded by the actor (R3 replay)."""
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(N_SAMPLES):
+        n = 20 + 3 * i
+        tokens = torch.randint(3, vocab, (n,), generator=g)
+        mask = np.zeros(n, dtype=np.int8)
+        mask[6:11] = mask[14:] = 1  # two model replies with tool output between
+        with r3.routing(actor, "record") as rec, torch.no_grad():
+            actor(input_ids=tokens[None])
+        samples.append({"tokens": tokens.numpy(), "loss_mask": mask,
+                        "rollout_logprobs": (-torch.rand(n, generator=g) * torch.from_numpy(mask)).double().numpy(),
+                        "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": (i % 4) / 20, "passed": i % 4,
+                        "total": 4, "reward_source": "ctrf", "weight_version": 0, "turns": 2})
+    return samples
+
+
+@pytest.fixture(scope="session")
+def tiny_sft(tmp_path_factory):
+    """-> (sft: the tiny actor's checkpoint dir, samples: fake_samples of that actor); read only."""
+    tmp_path = tmp_path_factory.mktemp("tiny_sft")
+    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
+    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
+    M.save_checkpoint(actor, tok, tmp_path / "sft")
+    return SimpleNamespace(sft=tmp_path / "sft", samples=fake_samples(actor, len(tok)))

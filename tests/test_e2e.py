@@ -1,6 +1,14 @@
 """One tiny end-to-end run of the real pipeline: tasks -> SFT -> engine -> critic warm-up -> PPO -> eval,
-then a resume of the same run directory that adds exactly one more RL step."""
+killed with SIGKILL in the middle of an RL step, then a resume of the same run directory that redoes exactly
+that step (the same for --backend megatron, without the kill)."""
 import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import numpy as np
 
@@ -9,6 +17,7 @@ import rollout
 import tito
 import train_t1
 
+ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
         "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2"]
@@ -18,10 +27,42 @@ def read_metrics(run_dir):
     return [json.loads(line) for line in open(run_dir / "metrics.jsonl")]
 
 
-def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
+def run(run_dir, flags, kill_at=None, timeout=600):
+    """train_t1.py in its own process; SIGKILL once `kill_at` shows in log.txt -> the log then."""
+    proc = subprocess.Popen([sys.executable, "train_t1.py", "--run-dir", str(run_dir)] + flags, cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    t0 = time.time()
+    while proc.poll() is None and time.time() - t0 < timeout:
+        log = (run_dir / "log.txt").read_text() if (run_dir / "log.txt").exists() else ""
+        if kill_at and kill_at in log:
+            os.kill(proc.pid, signal.SIGKILL)  # the trainer only: the engine and sandboxes must die with it
+            proc.wait()
+            return log
+        time.sleep(0.2)
+    assert proc.wait(timeout=max(1, timeout - (time.time() - t0))) == 0
+    return (run_dir / "log.txt").read_text()
+
+
+def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
+    """The whole pipeline in its own process, killed with SIGKILL inside step 3's PPO update (step 4 sampled
+    beside it); then a resume of the same run directory that loses and repeats nothing (train_t1.resume_run,
+    the commit point state.json): every step's metrics and samples exist exactly once."""
     run_dir = tmp_path / "run"
-    summary = train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "2"]))
-    recs = read_metrics(run_dir)
+    log = run(run_dir, TINY + ["--rl-steps", "4"], kill_at="step 3: actor update")  # killed inside step 3's update
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["step"] == 2  # step 3 never checkpointed
+    # the Ray actors (trainer, engine, rollout workers) and their sandboxes die with the killed driver
+    pids = [int(p) for p in re.findall(r"pid'?:? (\d+)", log.split("ray actors:")[1].splitlines()[0])]
+    pids += [int(p) for p in re.findall(r"\[([\d, ]+)\]", log.split("rollout workers pids")[1])[0].split(",")]
+    assert len(pids) >= 4
+    deadline = time.time() + 30
+    while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
+        time.sleep(0.5)
+    assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an actor outlived the killed driver"
+    jails = subprocess.run(["pgrep", "-f", f"bwrap.*{run_dir}"], capture_output=True)
+    assert jails.returncode == 1, "a sandbox outlived the killed driver"
+
+    recs = read_metrics(run_dir)  # the two committed steps, as the run wrote them
     assert {r["phase"] for r in recs} == {"sft", "critic_warmup", "rl"}
     rl = [r for r in recs if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
@@ -29,31 +70,37 @@ def test_tiny_pipeline_end_to_end_and_resume(tmp_path):
     assert [r["staleness"] for r in rl] == [0, 1]  # one-step async: step 2 was sampled while step 1 trained
     assert np.isfinite(rl[0]["dlogp"])
     assert 0.0 <= rl[0]["reward_mean"] <= 1.0
-    for phase in ("eval_sft", "eval_rl"):
-        assert summary[phase]["n_trials"] == 3 and 0.0 <= summary[phase]["solve_rate"] <= 1.0
-    assert (run_dir / "curves.png").stat().st_size > 0
     assert (run_dir / "ckpt" / "latest" / "model.safetensors").exists()
     # critic before actor, observable in the log
-    log = (run_dir / "log.txt").read_text()
     assert log.index("step 1: critic update") < log.index("step 1: actor update")
     # TITO samples on disk audit clean
     samples = tito.load_samples(run_dir / "samples" / "step_000001.jsonl")
     assert samples and tito.audit(samples)["loss_region_drift_pct"] == 0.0
-    assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1 for s in samples)
+    assert all(s["routed_experts"] is not None and s["routed_experts"].shape[0] == len(s["tokens"]) - 1
+               for s in samples)
 
-    # resume: the same run dir with more steps continues at step 3, nothing repeated; this time against an
-    # engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
+    # resume: the same run dir continues at step 3 (redone from its start), nothing repeated; this time against
+    # an engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
     engine = M.EngineServer(str(run_dir / "ckpt" / "sft"), port=0).start()
     try:
-        train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3",
-                                                   "--engine-urls", engine.url]))
+        summary = train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3",
+                                                             "--engine-urls", engine.url]))
         assert rollout.EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
     finally:
         engine.stop()
+    for phase in ("eval_sft", "eval_rl"):
+        assert summary[phase]["n_trials"] == 3 and 0.0 <= summary[phase]["solve_rate"] <= 1.0
+    assert (run_dir / "curves.png").stat().st_size > 0
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
-    assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == len([r for r in recs if r["phase"] == "sft"])
+    n_sft = len([r for r in recs if r["phase"] == "sft"])
+    assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == n_sft
+    assert json.loads((run_dir / "state.json").read_text())["step"] == 3
+    assert sorted(p.name for p in (run_dir / "samples").glob("*.jsonl")) == [f"step_{i:06d}.jsonl" for i in (1, 2, 3)]
+    log = (run_dir / "log.txt").read_text()
+    assert "resumed at RL step 2" in log
+    assert log.count("step 3: critic update") == 2  # the killed step was redone once, from its start
 
 
 def test_boolean_flags_parse_false():

@@ -69,7 +69,8 @@ def reference():
     return actor_checks()
 
 
-@pytest.mark.parametrize("tp,ep,pp,cp", [(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2)])
+# TP alone is covered by TP x CP, EP and PP alone by EP x PP (4 ranks); CP alone keeps the summed-grads check
+@pytest.mark.parametrize("tp,ep,pp,cp", [(1, 2, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2)])
 def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep, pp, cp):
     """Every rank: token_logprobs from the vocab shards = one-rank logprobs; the recording gathered over the
     sequence-parallel (and context-parallel) ranks = the one-rank recording (same routing); replaying a perturbed

@@ -222,7 +222,7 @@ def assert_bit_equal(got, want):
         assert g.dtype == want[k].dtype and torch.equal(g, want[k]), k
 
 
-@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2), (2, 2)])
+@pytest.mark.parametrize("tp,ep", [(2, 2)])  # TP alone and EP alone: both gathers run here, on 4 ranks
 def test_gather_full_state_gives_back_the_hf_checkpoint(tp, ep, tmp_path):
     """tp * ep gloo ranks (TP with sequence parallel), the HF weights loaded sharded: on every rank the gathered
     state converts back to the original HF state dict bit for bit (megatron_to_hf and to_hf), a MegatronCritic's

@@ -1,50 +1,25 @@
 """train_t1.TrainerGroup: critic warm-up + one train_step over 2 data-parallel Ray ranks (gloo) equal the
 1-rank ones (weights within 1e-5 at lr 1e-4; the replicas bitwise identical), then a step on one sample
-(rank 1 holds none and still joins every gradient sum)."""
+(rank 1 holds none and still joins every gradient sum); the same under Megatron model-parallel plans. The
+tiny actor's checkpoint and its fake samples: conftest.tiny_sft."""
 import dataclasses
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 import torch
 
 import infra
-import model as M
-import r3
 import train_t1 as T
 import trainer as TR
 
-N_SAMPLES = 7  # minibatches of 3, 3, 1: uneven shares, and a rank with no row in the last one
 
-
-def fake_samples(actor, vocab: int) -> list[dict]:
-    """Valid TITO-like samples: random tokens, loss on two 'turns', experts recorded by the actor (R3 replay)."""
-    g = torch.Generator().manual_seed(0)
-    samples = []
-    for i in range(N_SAMPLES):
-        n = 20 + 3 * i
-        tokens = torch.randint(3, vocab, (n,), generator=g)
-        mask = np.zeros(n, dtype=np.int8)
-        mask[6:11] = mask[14:] = 1  # two model replies with tool output between
-        with r3.routing(actor, "record") as rec, torch.no_grad():
-            actor(input_ids=tokens[None])
-        samples.append({"tokens": tokens.numpy(), "loss_mask": mask,
-                        "rollout_logprobs": (-torch.rand(n, generator=g) * torch.from_numpy(mask)).double().numpy(),
-                        "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": (i % 4) / 20, "passed": i % 4,
-                        "total": 4, "reward_source": "ctrf", "weight_version": 0, "turns": 2})
-    return samples
-
-
-def test_two_rank_step_equals_one_rank_step(tmp_path):
-    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
-    M.save_checkpoint(actor, tok, tmp_path / "sft")
-    samples = fake_samples(actor, len(tok))
+def test_two_rank_step_equals_one_rank_step(tmp_path, tiny_sft):
+    sft, samples = tiny_sft.sft, tiny_sft.samples
     base = dataclasses.replace(T.EMBEDDED, minibatch_size=3, ppo_epochs=2, actor_lr=1e-4, critic_lr=1e-4,
                                torch_threads=1)
 
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
+    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(sft), 0)
     before = {k: v.clone() for k, v in one.actor.state_dict().items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
@@ -56,7 +31,7 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
     try:
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), trainer_ranks=2)
-        group = T.TrainerGroup(ray, two_args, str(tmp_path / "sft"), 0, [{"num_cpus": 1}] * 2)
+        group = T.TrainerGroup(ray, two_args, str(sft), 0, [{"num_cpus": 1}] * 2)
         warm2 = ray.get(group.warmup.remote(samples))  # the loop's calls: fan out, rank 0's answer
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -84,45 +59,44 @@ def test_two_rank_step_equals_one_rank_step(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def megatron_one_rank(tmp_path_factory):
+def megatron_one_rank(tmp_path_factory, tiny_sft):
     """The one-rank Megatron trainer (torch Adam) after critic warm-up and two train_steps: the reference every
     plan is held to (computed once for the module)."""
     tmp_path = tmp_path_factory.mktemp("megatron")
-    tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
-    M.save_checkpoint(actor, tok, tmp_path / "sft")
-    samples = fake_samples(actor, len(tok))
+    samples = tiny_sft.samples
     base = dataclasses.replace(T.EMBEDDED, backend="megatron", minibatch_size=3, ppo_epochs=2, actor_lr=1e-4,
                                critic_lr=1e-4, torch_threads=1)
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tmp_path / "sft"), 0)
+    one = T.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tiny_sft.sft), 0)
     before = {k: v.clone() for k, v in one.state_dicts()["actor"].items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
     stats1 = one.train_step(samples, 1)
     one.train_step(samples[:1], 2)
-    return SimpleNamespace(sft=tmp_path / "sft", samples=samples, base=base, before=before, warm1=warm1,
+    return SimpleNamespace(sft=tiny_sft.sft, samples=samples, base=base, before=before, warm1=warm1,
                            stats1=stats1, ref=one.state_dicts())
 
 
-# {"tp": 2} alone is covered by the TP x EP plan here and end to end in tests/test_e2e.py
-@pytest.mark.parametrize("plan", ['{"tp": 2, "etp": 1, "ep": 2}', '{"ep": 2, "dp": 2}', '{"pp": 2}', '{"cp": 2}'])
+# {"tp": 2} alone is covered by the TP x PP x EP plan here and end to end in tests/test_e2e.py; cp with pp is
+# refused (test_bad_plans_are_refused_naming_the_flag): two 4-rank plans cover every axis
+@pytest.mark.parametrize("plan", ['{"tp": 2, "pp": 2, "etp": 1, "ep": 2}', '{"cp": 2, "dp": 2, "ep": 2}'])
 def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_rank, plan):
-    """--backend megatron --plan over 2 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel and
-    EP = 2 over the same ranks with expert TP 1; EP = 2 over 2 data-parallel ranks; 2 pipeline stages; 2 context-
-    parallel ranks; Megatron DDP + mcore_parallel.ShardedAdam, the distributed optimizer): critic warm-up and two
+    """--backend megatron --plan over 4 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel x 2
+    pipeline stages, EP = 2 over the TP ranks with expert TP 1; 2 context-parallel x 2 data-parallel ranks with
+    EP = 2 over them; Megatron DDP + mcore_parallel.ShardedAdam, the distributed optimizer): critic warm-up and two
     train_steps (the second on one sample: another DP rank trains a dummy row) give the weights of the one-rank
     Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1; rank 0 writes the HF checkpoint and every
     rank its shard file."""
     o = megatron_one_rank
     samples, base, ref, before, warm1, stats1 = o.samples, o.base, o.ref, o.before, o.warm1, o.stats1
-    ray = infra.ray_start(2, "", 1)
+    world = 4
+    ray = infra.ray_start(world, "", 1)
     try:
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
         T.check_args(two_args)
-        assert TR.parallel_plan(two_args)["world"] == 2
-        group = T.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * 2)
+        assert TR.parallel_plan(two_args)["world"] == world
+        group = T.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * world)
         warm2 = ray.get(group.warmup.remote(samples))
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -136,9 +110,10 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
     for part in ("actor", "critic"):
         assert reps[0][part].keys() == ref[part].keys()
         for k in ref[part]:
-            assert torch.equal(reps[0][part][k], reps[1][part][k]), f"{part}.{k}: ranks gathered different weights"
+            for r in range(1, world):
+                assert torch.equal(reps[0][part][k], reps[r][part][k]), f"{part}.{k}: ranks gathered different weights"
         diff = max((reps[0][part][k] - v).abs().max().item() for k, v in ref[part].items())
-        print(f"{plan} {part}: max |2 ranks - 1 rank| = {diff:.2e}")
+        print(f"{plan} {part}: max |{world} ranks - 1 rank| = {diff:.2e}")
         assert diff < 1e-5, f"{part}: {plan} step differs from the 1-rank step by {diff}"
     moved = max((ref["actor"][k] - v).abs().max().item() for k, v in before.items())
     assert moved > 1e-4
@@ -148,12 +123,13 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
     for r1, r2 in zip(warm1, warm2):
         assert r2 == pytest.approx(r1, rel=1e-4, abs=1e-6, nan_ok=True)
     p_expert = sum(v.numel() for k, v in ref["actor"].items() if ".local_experts." in k)
-    for n in numel:  # Proposition 7.1 on the real optimizer: expert Adam state P_expert / W on each of W = 2 ranks
-        print(f"{plan} Adam state per moment: experts {n['expert']} (P_expert / 2 = {p_expert // 2}), dense {n['dense']}")
-        assert n["expert"] == p_expert // 2
+    for n in numel:  # Proposition 7.1 on the real optimizer: expert Adam state P_expert / W on each of W = 4 ranks
+        print(f"{plan} Adam state per moment: experts {n['expert']} (P_expert / {world} = {p_expert // world}), "
+              f"dense {n['dense']}")
+        assert n["expert"] == p_expert // world
     latest = tmp_path / "two" / "ckpt" / "latest"
     assert (latest / "config.json").exists()  # rank 0 wrote the gathered HF actor
-    assert {p.name for p in latest.glob("trainer_rank*.pt")} == {"trainer_rank0.pt", "trainer_rank1.pt"}
+    assert {p.name for p in latest.glob("trainer_rank*.pt")} == {f"trainer_rank{r}.pt" for r in range(world)}
 
 
 @pytest.mark.parametrize("flags, error, match", [
