@@ -23,9 +23,9 @@ metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt and state.js
 Departures from the paper (numbered; what and why):
   1. Scale: the embedded preset trains a tiny random-init Qwen3.5-MoE on synthesized shell tasks, sized for 2 CPU
      cores (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. SFT memorises the
-     training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (README).
+     training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (RESULTS.md).
   2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
-     speed-up (README). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
+     speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories of the training pool (the paper's is not public).
   4. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
      frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
