@@ -46,23 +46,37 @@ def run_layer(layer, x, dout, cp=False):
     return out.detach(), x.grad, {n: p.grad.clone() for n, p in layer.named_parameters()}
 
 
-def _cp_rank(rank, kappa):
+def _cp_rank(rank, world):
+    """One spawn for both kappas: the 4 ranks as one CP group of 4, then as DP 2 x CP 2 (two CP groups of 2)."""
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(context_parallel_size=kappa)  # the layer's pg_collection.cp
     mcore.init_cpu()
     x, dout = inputs()
-    s, e = cp_gdn.cp_split(S, kappa)[rank]
-    out, dx, grads = run_layer(gdn_layer(), x[s:e], dout[s:e], cp=True)
-    return out.numpy(), dx.numpy(), {n: g.numpy() for n, g in grads.items()}
+    res = {}
+    for kappa in (world, 2):
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(context_parallel_size=kappa)  # the layer's pg_collection.cp
+        if rank >= kappa:  # the second CP group of 2 (a DP replica of the first) would only repeat its work
+            continue
+        cp_rank = parallel_state.get_context_parallel_rank()
+        s, e = cp_gdn.cp_split(S, kappa)[cp_rank]
+        out, dx, grads = run_layer(gdn_layer(), x[s:e], dout[s:e], cp=True)
+        res[kappa] = out.numpy(), dx.numpy(), {n: g.numpy() for n, g in grads.items()}
+    return res
 
 
-def run_cp_layer(kappa):
-    """Spawn kappa ranks -> (out [S, B, H], dx [S, B, H] concatenated on the sequence, parameter grads summed)."""
-    res = infra.gloo_ranks(_cp_rank, kappa, timeout_s=120)
-    out = torch.cat([torch.from_numpy(r[0]) for r in res])
-    dx = torch.cat([torch.from_numpy(r[1]) for r in res])
-    grads = {n: sum(torch.from_numpy(r[2][n]) for r in res) for n in res[0][2]}  # Megatron: DP x CP all-reduce
-    return out, dx, grads
+@pytest.fixture(scope="module")
+def cp_runs():
+    """Spawn 4 ranks once -> {kappa: (out [S, B, H], dx [S, B, H] concatenated on the sequence, parameter grads
+    summed over the CP group)} for kappa = 4 and 2 (the first CP group of 2: ranks 0 and 1)."""
+    res = infra.gloo_ranks(_cp_rank, 4, timeout_s=120)
+    runs = {}
+    for kappa in (4, 2):
+        group = [r[kappa] for r in res[:kappa]]
+        out = torch.cat([torch.from_numpy(r[0]) for r in group])
+        dx = torch.cat([torch.from_numpy(r[1]) for r in group])
+        grads = {n: sum(torch.from_numpy(r[2][n]) for r in group) for n in group[0][2]}  # Megatron: DP x CP all-reduce
+        runs[kappa] = out, dx, grads
+    return runs
 
 
 @pytest.fixture(scope="module")
@@ -93,9 +107,9 @@ def test_cp_path_at_one_rank_matches_megatron_kernel(references):
 
 
 @pytest.mark.parametrize("kappa", [2, 4])
-def test_cp_megatron_gdn_layer_matches_single_rank(references, kappa):
+def test_cp_megatron_gdn_layer_matches_single_rank(references, cp_runs, kappa):
     (out_m, dx_m, g_m), (out_1, dx_1, g_1) = references
-    out, dx, grads = run_cp_layer(kappa)
+    out, dx, grads = cp_runs[kappa]
     dw_scale = max(g.abs().max().item() for g in g_1.values())
     print(f"kappa={kappa}: out bitwise {torch.equal(out, out_1)} (vs Megatron kernel {max_diff(out, out_m):.1e}), "
           f"dx {max_diff(dx, dx_1):.1e}, dW {max_diff(grads, g_1):.1e} (|dW| up to {dw_scale:.1f})")
