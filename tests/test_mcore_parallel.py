@@ -54,13 +54,29 @@ def actor_checks(tp=1, ep=1, pp=1, replay=None):
     return lp, lp_full, recorded, lp_replay.detach(), grads, values
 
 
-def _rank(rank, world, tp, ep, pp, cp, replay):
+PLANS = [(1, 2, 2, 1), (2, 1, 1, 2), (1, 1, 1, 2)]  # (tp, ep, pp, cp)
+
+
+def _rank(rank, world, replay):
+    """One spawn of 4 ranks for every plan: Megatron's parallel state rebuilt per plan (a plan of 2 ranks runs on
+    ranks 0 and 1, the others only join the group creation), then the Qwen3-MoE CP = 2 run on ranks 0 and 1."""
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                             pipeline_model_parallel_size=pp, context_parallel_size=cp)
     mcore.init_cpu()
-    *out, grads, values = actor_checks(tp, ep, pp, replay)
-    return [x.numpy() for x in out] + [{k: g.numpy() for k, g in grads.items()}, values.numpy()]
+    res = {}
+    for tp, ep, pp, cp in PLANS:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                                 pipeline_model_parallel_size=pp, context_parallel_size=cp)
+        if rank < tp * ep * pp * cp:
+            *out, grads, values = actor_checks(tp, ep, pp, replay)
+            res[tp, ep, pp, cp] = [x.numpy() for x in out] + [{k: g.numpy() for k, g in grads.items()},
+                                                              values.numpy()]
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(context_parallel_size=2)
+    if rank < 2:
+        lp, grads = qwen3_moe_checks()
+        res["qwen3"] = lp.numpy(), {k: g.numpy() for k, g in grads.items()}
+    return res
 
 
 @pytest.fixture(scope="module")
@@ -69,19 +85,37 @@ def reference():
     return actor_checks()
 
 
+@pytest.fixture(scope="module")
+def shifted(reference):
+    return (reference[2] + 1) % 8  # a routing the live routers would not choose
+
+
+@pytest.fixture(scope="module")
+def one_rank_replay(shifted):
+    """One rank replaying the shifted routing: actor_checks(replay=shifted), once for every plan."""
+    mcore.init_cpu()
+    return actor_checks(replay=shifted)
+
+
+@pytest.fixture(scope="module")
+def ranks(shifted):
+    """Every plan's and the Qwen3-MoE run's results from one spawn of 4 gloo ranks: {plan or "qwen3": [per rank]}."""
+    res = infra.gloo_ranks(_rank, 4, shifted.numpy(), timeout_s=480)
+    return {key: [r[key] for r in res if key in r] for key in PLANS + ["qwen3"]}
+
+
 # TP alone is covered by TP x CP, EP and PP alone by EP x PP (4 ranks); CP alone keeps the summed-grads check
 @pytest.mark.parametrize("tp,ep,pp,cp", [(1, 2, 2, 1), (1, 1, 1, 2), (2, 1, 1, 2)])
-def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, tp, ep, pp, cp):
+def test_parallel_actor_logprobs_and_r3_match_one_rank(reference, one_rank_replay, ranks, tp, ep, pp, cp):
     """Every rank: token_logprobs from the vocab shards = one-rank logprobs; the recording gathered over the
     sequence-parallel (and context-parallel) ranks = the one-rank recording (same routing); replaying a perturbed
     routing (every expert id shifted by one) gives the one-rank replay of that routing on every rank. CP = 2: the
     critic's values = one rank's, and (TP = 1) the parameter grads summed over the CP ranks (what DDP's reduce over
     DP x CP does) = the one-rank grads."""
     lp1, _, rec1, _, _, _ = reference
-    shifted = (rec1 + 1) % 8  # a routing the live routers would not choose
-    mcore.init_cpu()
-    _, _, _, want_replay, want_grads, want_values = actor_checks(replay=shifted)
-    res = infra.gloo_ranks(_rank, tp * ep * pp * cp, tp, ep, pp, cp, shifted.numpy(), timeout_s=240)
+    _, _, _, want_replay, want_grads, want_values = one_rank_replay
+    res = ranks[tp, ep, pp, cp]
+    assert len(res) == tp * ep * pp * cp
     m = batch()[1][:, 1:].bool()
     d_lp = d_full = d_rep = 0.0
     for lp, lp_full, rec, rep in ([torch.from_numpy(x) for x in r[:4]] for r in res):
@@ -123,20 +157,13 @@ def qwen3_moe_checks():
     return lp.detach(), {k: p.grad.clone() for k, p in actor.gpt.named_parameters() if p.grad is not None}
 
 
-def _qwen3_rank(rank, world):
-    from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
-    mcore.init_cpu()
-    lp, grads = qwen3_moe_checks()
-    return lp.numpy(), {k: g.numpy() for k, g in grads.items()}
-
-
-def test_qwen3_moe_context_parallel_matches_one_rank():
+def test_qwen3_moe_context_parallel_matches_one_rank(ranks):
     """CP = 2 without GDN (T = 11 -> 12, chunks of 6): every layer's attention reads the other chunk's K / V and
     the rotary positions of the second chunk start at 6; logprobs and grads summed over the CP ranks = one rank."""
     mcore.init_cpu()
     lp1, g1 = qwen3_moe_checks()
-    res = infra.gloo_ranks(_qwen3_rank, 2, timeout_s=240)
+    res = ranks["qwen3"]
+    assert len(res) == 2
     m = batch()[1][:, 1:].bool()
     d_lp = max((torch.from_numpy(lp) - lp1)[m].abs().max().item() for lp, _ in res)
     scale = max(g.abs().max().item() for g in g1.values())
