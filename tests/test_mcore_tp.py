@@ -54,20 +54,30 @@ def run_model(tp=1, ep=1, etp=None):
                                                                     if getattr(p, "sequence_parallel", False)}
 
 
-def _parallel_rank(rank, world, tp, ep, etp=None):
+PARALLEL_PLANS = [(2, 1, None), (1, 2, None), (2, 2, 1)]  # (tp, ep, etp) on 2 ranks each
+
+
+def _parallel_rank(rank, world):
+    """Every plan of PARALLEL_PLANS on the same 2 ranks, Megatron's parallel state rebuilt for each."""
     from megatron.core import parallel_state
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                             expert_tensor_parallel_size=etp)
-    mcore.init_cpu()  # shims only: the group and parallel state above are kept
-    out, grads, sp = run_model(tp, ep, etp)
-    return out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp
+    mcore.init_cpu()  # shims only: the group and parallel state below are kept
+    res = {}
+    for tp, ep, etp in PARALLEL_PLANS:
+        parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                                 expert_tensor_parallel_size=etp)
+        out, grads, sp = run_model(tp, ep, etp)
+        res[tp, ep, etp] = out.numpy(), {n: g.numpy() for n, g in grads.items()}, sp
+    return res
 
 
-def run_parallel(tp=1, ep=1, etp=None, world=None):
-    """Spawn `world` (None: tp * ep) ranks -> each rank's (gathered logits (B, T, V), {param name: grad},
-    sequence-parallel names)."""
-    res = infra.gloo_ranks(_parallel_rank, world or tp * ep, tp, ep, etp, timeout_s=120)
-    return [(torch.from_numpy(out), {n: torch.from_numpy(g) for n, g in grads.items()}, sp) for out, grads, sp in res]
+@pytest.fixture(scope="module")
+def parallel_runs():
+    """One spawn of 2 ranks -> {(tp, ep, etp): each rank's (gathered logits (B, T, V), {param name: grad},
+    sequence-parallel names)}."""
+    res = infra.gloo_ranks(_parallel_rank, 2, timeout_s=240)
+    return {plan: [(torch.from_numpy(r[plan][0]), {n: torch.from_numpy(g) for n, g in r[plan][1].items()}, r[plan][2])
+                   for r in res] for plan in PARALLEL_PLANS}
 
 
 @pytest.fixture(scope="module")
@@ -99,14 +109,14 @@ def max_diff(a, b):
 
 
 @pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
-def test_parallel_model_matches_one_rank(reference, tp, ep):
+def test_parallel_model_matches_one_rank(reference, parallel_runs, tp, ep):
     """Logits equal on every rank; TP (with sequence parallel: MoELayer refuses to train TP > 1 without it): each
     rank's grads are the TP = 1 grads sharded the same way, replicated ones summed over ranks; EP: both ranks ran
     the same batch, so a local expert's grad is twice the TP = 1 one (the allgather dispatcher brings it both
     ranks' tokens) and every other grad is the TP = 1 one (before DDP)."""
     hf = mcore.tiny_qwen35_hf_config(V)
     ref_out, ref_g, _ = reference
-    results = run_parallel(tp, ep)
+    results = parallel_runs[tp, ep, None]
     d_out = max((out - ref_out).abs().max().item() for out, _, _ in results)
     d_g = 0.0
     for rank, (_, grads, sp) in enumerate(results):
@@ -270,7 +280,7 @@ def test_unshard_inverts_shard_with_expert_tp(layout, tp, etp, ep):
         assert back[n].dtype == sd[n].dtype and torch.equal(back[n], sd[n]), n
 
 
-def test_expert_tp_1_under_tp_2_matches_one_rank(reference):
+def test_expert_tp_1_under_tp_2_matches_one_rank(reference, parallel_runs):
     """2 gloo ranks, TP = 2 with sequence parallel, ETP = 1, EP = 2 (dp = 1: the experts split over the two TP
     ranks, each whole on its rank). Logits equal on both ranks. Grads: dense tensors as in the TP = 2 test (this
     rank's TP shard, replicated ones summed over the TP ranks); expert tensors whole (ETP = 1), this rank's E / 2
@@ -280,7 +290,7 @@ def test_expert_tp_1_under_tp_2_matches_one_rank(reference):
     hf = mcore.tiny_qwen35_hf_config(V)
     ref_out, ref_g, _ = reference
     tp, etp, ep = 2, 1, 2
-    results = run_parallel(tp, ep, etp, world=2)
+    results = parallel_runs[tp, ep, etp]
     d_out = max((out - ref_out).abs().max().item() for out, _, _ in results)
     d_dense = d_experts = 0.0
     for rank, (_, grads, sp) in enumerate(results):
