@@ -71,10 +71,23 @@ def train(actor, opt, dp, dp_rank, steps):
     return norms
 
 
-def _rank(rank, world, tp, ep, resume):
+PLANS = [(1, 1), (1, 2), (2, 1)]  # (tp, ep) on 2 ranks: dp2, ep2, tp2sp
+
+
+def _ranks(rank, world):
+    """Every plan on the same 2 ranks (one spawn), Megatron's parallel state rebuilt for each; DP = 2 resumes."""
+    from megatron.core import parallel_state as ps
+    mcore.init_cpu()
+    res = {}
+    for tp, ep in PLANS:
+        ps.destroy_model_parallel()
+        res[tp, ep] = _rank(tp, ep, (tp, ep) == (1, 1))
+    return res
+
+
+def _rank(tp, ep, resume):
     from megatron.core import parallel_state as ps
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
-    mcore.init_cpu()
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     actor = make_actor(tp, ep)
     ddp = mcore_parallel.wrap_ddp(actor)
@@ -124,6 +137,13 @@ def reference():
     return {dp: run_reference(dp) for dp in (1, 2)}
 
 
+@pytest.fixture(scope="module")
+def parallel_runs():
+    """One spawn of 2 gloo ranks -> {(tp, ep): each rank's (grad norms, {"params", "resumed"}, sizes)}."""
+    res = infra.gloo_ranks(_ranks, 2, timeout_s=600)
+    return {plan: [r[plan] for r in res] for plan in PLANS}
+
+
 def test_wrap_ddp_needs_per_token_loss():
     mcore.init_cpu()
     gpt = mcore.build_tiny(mcore.tiny_qwen35_hf_config(V))
@@ -132,7 +152,7 @@ def test_wrap_ddp_needs_per_token_loss():
 
 
 @pytest.mark.parametrize("tp,ep", [(1, 1), (1, 2), (2, 1)], ids=["dp2", "ep2", "tp2sp"])
-def test_sharded_adam_matches_one_rank_adam(reference, tp, ep):
+def test_sharded_adam_matches_one_rank_adam(reference, parallel_runs, tp, ep):
     """2 ranks (DP = 2 / EP = 2 with dense DP = 2 / TP = 2 + SP): after 3 clipped steps every rank's parameters are
     the reference's, sharded the same way; the reported grad norm is the one-rank norm of the global batch; each
     rank's Adam state is its 1/dp of every DDP bucket (dense over DP, experts over expert-DP); DP = 2 also resumes
@@ -142,7 +162,8 @@ def test_sharded_adam_matches_one_rank_adam(reference, tp, ep):
     ref_norms, ref_params, init = reference[world // tp]  # the dense data-parallel size
     n_params = sum(p.numel() for p in ref_params.values())  # the whole model
     assert (ref_norms > MAX_NORM).all()  # clipping active at every step
-    results = infra.gloo_ranks(_rank, world, tp, ep, (tp, ep) == (1, 1), timeout_s=600)
+    results = parallel_runs[tp, ep]
+    assert len(results) == world
     d_norm, d_param, moved, scale = 0.0, 0.0, 0.0, 0.0
     for rank, (norms, out, sizes) in enumerate(results):
         d_norm = max(d_norm, np.abs(norms / ref_norms - 1).max())
