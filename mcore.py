@@ -32,6 +32,7 @@ import types
 
 import torch
 
+import infra
 import mcore_parallel
 import mcore_weights
 import r3
@@ -535,18 +536,17 @@ def embedded_models(hf_actor, path=None):
 
 
 # --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
-QWEN35_PRESETS = {  # paper model and its smaller sibling (num layers, hidden, heads, experts, ...)
-    "qwen35-122b-a10b": dict(num_layers=48, hidden_size=3072, num_attention_heads=32, num_query_groups=2,
-                             kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=1024,
-                             moe_shared_expert_intermediate_size=1024, linear_num_key_heads=16,
-                             linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
-                             vocab_size=248320),
-    "qwen35-35b-a3b": dict(num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
-                           kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=512,
-                           moe_shared_expert_intermediate_size=512, linear_num_key_heads=16,
-                           linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                           vocab_size=248320),
-}
+def megatron_shape(c: infra.ModelConfig) -> dict:
+    """Megatron's names for a model shape of infra.py's memory model (the one source of the Qwen3.5 shapes)."""
+    return dict(num_layers=c.n_layers, hidden_size=c.hidden, num_attention_heads=c.n_heads,
+                num_query_groups=c.n_kv_heads, kv_channels=c.head_dim, num_moe_experts=c.n_experts,
+                moe_router_topk=c.top_k, moe_ffn_hidden_size=c.moe_ffn,
+                moe_shared_expert_intermediate_size=c.shared_ffn,
+                linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
+                linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab)
+
+
+QWEN35_PRESETS = {name: megatron_shape(c) for name, c in infra.PRESETS.items()}  # paper model and its sibling
 
 
 def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
