@@ -40,9 +40,8 @@ import subprocess
 import sys
 import time
 
+import infra
 import rollout
-
-GiB = 1024**3
 
 
 # --- presets ---------------------------------------------------------------------------------------
@@ -126,7 +125,6 @@ def check_model_path(path, preset):
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         return errs + [f"model path: {cfg_path}: unreadable ({e})"]
-    import infra
     want = infra.PRESETS[preset.model]
     text = cfg.get("text_config", cfg)  # Qwen3.5 checkpoints nest the language model under text_config
     for key, expect in (("num_hidden_layers", want.n_layers), ("hidden_size", want.hidden),
@@ -171,14 +169,12 @@ def check_preset(preset, env, gpus, model_path, packages=None):
 
 def choose_plan(preset, seq_len=0):
     """(first feasible row of infra.py's planner or None, all rows) for the trainer's W GPUs."""
-    import infra
     rows = infra.plan_table(infra.PRESETS[preset.model], preset.train_gpus, preset.tokens, preset.mem_gib, seq_len)
     feas = [r for r in rows if r["feasible"]]
     return (feas[0] if feas else None), rows
 
 
 def print_plan(preset, row, rows):
-    import infra
     print(f"[cluster] {preset.name}: {preset.nodes} node(s) x {preset.gpus_per_node} GPUs; trainer W = "
           f"{preset.train_gpus}, T = {preset.tokens} tokens/device, M = {preset.mem_gib:g} GiB; "
           f"{preset.n_engines} SGLang server(s) x {preset.engine_tp} GPUs" + (" (colocated)" if preset.colocate else ""))
@@ -265,17 +261,11 @@ def sglang_command(model_path, port, tp, ep=None, host="0.0.0.0", mem_fraction=0
     return cmd + list(extra)
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
-
-
 class SGLangServer:
     """One SGLang server process; run as a Ray actor (`ray.remote(num_gpus=tp)(SGLangServer)`), or locally."""
 
     def __init__(self, model_path, tp, log_dir, mem_fraction=0.8, context_length=None, extra=()):
-        self.port, self.proc = _free_port(), None
+        self.port, self.proc = infra.free_port(host=""), None
         self.cmd = sglang_command(model_path, self.port, tp, mem_fraction=mem_fraction,
                                   context_length=context_length, extra=extra)
         os.makedirs(log_dir, exist_ok=True)
@@ -474,11 +464,11 @@ class WeightPublisher:
     pause -> buckets (HTTP metadata to every engine, broadcast of each tensor) -> resume."""
 
     def __init__(self, clients, engine_world_sizes, master_address, master_port=None,
-                 group_name="t1_weight_update", backend="nccl", bucket_bytes=1 << 30):
+                 group_name="t1_weight_update", backend="nccl", bucket_bytes=infra.GiB):
         if len(clients) != len(engine_world_sizes):
             raise ValueError("engine_world_sizes: one entry per client")
         self.clients, self.sizes = list(clients), [int(s) for s in engine_world_sizes]
-        self.master_address, self.master_port = master_address, master_port or _free_port()
+        self.master_address, self.master_port = master_address, master_port or infra.free_port(host="")
         self.group_name, self.backend, self.bucket_bytes = group_name, backend, bucket_bytes
         self.group = None
         self.pool = cf.ThreadPoolExecutor(max_workers=max(len(self.clients), 1))
@@ -540,7 +530,6 @@ class WeightPublisher:
 # --- GPU check ---------------------------------------------------------------------------------------
 def probe_config():
     """A small member of the Qwen3.5-MoE family for one GPU (infra.ModelConfig)."""
-    import infra
     return infra.ModelConfig("probe", n_layers=4, hidden=1024, n_experts=16, top_k=4, moe_ffn=512, shared_ffn=512,
                              n_gdn=3, n_attn=1, vocab=32768, n_heads=8, n_kv_heads=2, head_dim=128,
                              lin_k_heads=4, lin_v_heads=8, lin_k_dim=128, lin_v_dim=128)
@@ -583,7 +572,6 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
     the static terms (params + grads + optimizer) on the real allocation, and activations (no recompute)
     from peak - static of one forward + backward of the HF model (torch reference GDN path, not FLA)."""
     import torch
-    import infra
     if not torch.cuda.is_available():
         raise SystemExit("[gpu-check] no CUDA device visible")
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": []}

@@ -103,10 +103,10 @@ import uuid
 from pathlib import Path
 
 import sandbox
+from chat_tokens import IM_END
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
-IM_END = "<|im_end|>"
 # The paper's evaluation protocol, the one source of it (train_t1.Args' eval_* defaults read it). Seeds (000):
 # "评测协议（Terminus-2，60 轮/3600s agent/900s verifier，温度 0.1、top-p 0.95、3 次尝试）" = Terminus-2, 60 turns,
 # 3600 s agent / 900 s verifier (overriding the tasks' own timeouts), temperature 0.1, top-p 0.95, 3 attempts.

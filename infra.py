@@ -316,9 +316,10 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
 
 
 # ----------------------------------------------------------------------------- free_port, gloo ranks (tests, bench)
-def free_port() -> int:
+def free_port(host="127.0.0.1") -> int:
+    """A free TCP port on host ("" binds every interface: the cluster's servers and weight group)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -32,9 +32,12 @@ import types
 
 import torch
 
+import infra
 import mcore_parallel
 import mcore_weights
 import r3
+from mcore_parallel import _ValueHead, cpu_shims, stage_layers
+from mcore_weights import is_qwen35
 
 # --- CPU shims (megatron-core 0.16.1 on a CUDA-less torch) -------------------------------------------
 _CPU_READY = False
@@ -109,20 +112,6 @@ class _RMSNorm(torch.nn.Module):
         return (y * w).type_as(x)
 
 
-@contextlib.contextmanager
-def cpu_shims():
-    """torch.cuda.current_device -> "cpu" inside the block (rotary embedding, router weight moves)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = saved
-
-
 # --- tiny standard-attention MoE: HF config and the Megatron-Core GPTModel ------------------------------
 def tiny_hf_config(vocab_size=96):
     """Qwen3-MoE at toy size: 2 layers, hidden 32, 4 heads (2 KV groups), 4 experts top-2, aux loss 0."""
@@ -146,11 +135,6 @@ def tiny_qwen35_hf_config(vocab_size=96):
                                 num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
                                 shared_expert_intermediate_size=16, router_aux_loss_coef=0.0, rms_norm_eps=1e-6,
                                 max_position_embeddings=256, tie_word_embeddings=False)
-
-
-def is_qwen35(hf):
-    """Qwen3.5 layout (GDN + gated attention + gated shared expert) vs Qwen3-MoE (standard attention)."""
-    return getattr(hf, "model_type", "").startswith("qwen3_5")
 
 
 def _rope_theta(hf):
@@ -249,18 +233,6 @@ def build_tiny(hf, seed=0, **overrides):
                         share_embeddings_and_output_weights=hf.tie_word_embeddings,
                         pre_process=ps.is_pipeline_first_stage() if pp else True,
                         post_process=ps.is_pipeline_last_stage() if pp else True)
-
-
-def stage_layers(cfg) -> tuple:
-    """(first, last + 1) global decoder layers of this pipeline stage (all of them without PP)."""
-    if cfg.pipeline_model_parallel_size == 1:
-        return 0, cfg.num_layers
-    from megatron.core import parallel_state as ps
-    from megatron.core.transformer.transformer_block import get_num_layers_to_build
-    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
-    rank = ps.get_pipeline_model_parallel_rank()
-    first = get_transformer_layer_offset(cfg, pp_rank=rank)
-    return first, first + get_num_layers_to_build(cfg, pp_rank=rank)
 
 
 # --- the training-step interface of the embedded backend ----------------------------------------------
@@ -440,23 +412,6 @@ class MegatronActor(torch.nn.Module):
 
 
 # --- the critic: the actor's GPTModel with a scalar value head (paper: full-size critic) -------------------
-class _ValueHead(torch.nn.Module):
-    """Scalar head in GPTModel's output_layer slot: (S, B, H) -> ((S, B, 1), None). Replicated on every TP
-    rank; under sequence parallel it gathers the sequence, backward only splits (no reduce: grads are whole)."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))  # zero init,
-        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))  # as critic.Critic: V = 0 at start
-        self.sequence_parallel = config.sequence_parallel
-
-    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
-        if self.sequence_parallel:
-            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
-            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
-        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
-
-
 def _same_architecture(gpt, **config_overrides):
     """A fresh GPTModel built like `gpt` (its config with overrides, layer spec, sizes, rope, stage, groups)."""
     import dataclasses
@@ -535,18 +490,17 @@ def embedded_models(hf_actor, path=None):
 
 
 # --- the cluster model: Qwen3.5 with Megatron-Core (GPU nodes only) ------------------------------------
-QWEN35_PRESETS = {  # paper model and its smaller sibling (num layers, hidden, heads, experts, ...)
-    "qwen35-122b-a10b": dict(num_layers=48, hidden_size=3072, num_attention_heads=32, num_query_groups=2,
-                             kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=1024,
-                             moe_shared_expert_intermediate_size=1024, linear_num_key_heads=16,
-                             linear_num_value_heads=64, linear_key_head_dim=128, linear_value_head_dim=128,
-                             vocab_size=248320),
-    "qwen35-35b-a3b": dict(num_layers=40, hidden_size=2048, num_attention_heads=16, num_query_groups=2,
-                           kv_channels=256, num_moe_experts=256, moe_router_topk=8, moe_ffn_hidden_size=512,
-                           moe_shared_expert_intermediate_size=512, linear_num_key_heads=16,
-                           linear_num_value_heads=32, linear_key_head_dim=128, linear_value_head_dim=128,
-                           vocab_size=248320),
-}
+def megatron_shape(c: infra.ModelConfig) -> dict:
+    """Megatron's names for a model shape of infra.py's memory model (the one source of the Qwen3.5 shapes)."""
+    return dict(num_layers=c.n_layers, hidden_size=c.hidden, num_attention_heads=c.n_heads,
+                num_query_groups=c.n_kv_heads, kv_channels=c.head_dim, num_moe_experts=c.n_experts,
+                moe_router_topk=c.top_k, moe_ffn_hidden_size=c.moe_ffn,
+                moe_shared_expert_intermediate_size=c.shared_ffn,
+                linear_num_key_heads=c.lin_k_heads, linear_num_value_heads=c.lin_v_heads,
+                linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab)
+
+
+QWEN35_PRESETS = {name: megatron_shape(c) for name, c in infra.PRESETS.items()}  # paper model and its sibling
 
 
 def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):

@@ -33,7 +33,38 @@ import contextlib
 import torch
 
 import cp_gdn
-import mcore
+
+# --- helpers of mcore.py and mcore_weights.py: the CPU device shim, the critic's value head ---------------
+@contextlib.contextmanager
+def cpu_shims():
+    """torch.cuda.current_device -> "cpu" inside the block (rotary embedding, router weight moves)."""
+    if torch.cuda.is_available():
+        yield
+        return
+    saved = torch.cuda.current_device
+    torch.cuda.current_device = lambda: "cpu"
+    try:
+        yield
+    finally:
+        torch.cuda.current_device = saved
+
+
+class _ValueHead(torch.nn.Module):
+    """Scalar head in GPTModel's output_layer slot: (S, B, H) -> ((S, B, 1), None). Replicated on every TP
+    rank; under sequence parallel it gathers the sequence, backward only splits (no reduce: grads are whole)."""
+
+    def __init__(self, config):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, config.hidden_size, dtype=config.params_dtype))  # zero init,
+        self.bias = torch.nn.Parameter(torch.zeros(1, dtype=config.params_dtype))  # as critic.Critic: V = 0 at start
+        self.sequence_parallel = config.sequence_parallel
+
+    def forward(self, hidden_states, weight=None, runtime_gather_output=None):
+        if self.sequence_parallel:
+            from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+            hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+        return torch.nn.functional.linear(hidden_states, self.weight, self.bias), None
+
 
 # --- context parallel: contiguous sequence chunks over parallel_state's CP group (departure 2) -----------------
 # Context parallel without Megatron's CP attention: TransformerConfig.context_parallel_size stays 1 (0.16.1 asserts
@@ -292,6 +323,18 @@ def pipe_result(gpt, out, shape, dtype=torch.float32):
     return _PipeBroadcast.apply(out if gpt.post_process else gpt.pipe_link, shape, dtype)
 
 
+def stage_layers(cfg) -> tuple:
+    """(first, last + 1) global decoder layers of this pipeline stage (all of them without PP)."""
+    if cfg.pipeline_model_parallel_size == 1:
+        return 0, cfg.num_layers
+    from megatron.core import parallel_state as ps
+    from megatron.core.transformer.transformer_block import get_num_layers_to_build
+    from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
+    rank = ps.get_pipeline_model_parallel_rank()
+    first = get_transformer_layer_offset(cfg, pp_rank=rank)
+    return first, first + get_num_layers_to_build(cfg, pp_rank=rank)
+
+
 # --- the distributed optimizer on CPU: ZeRO-1 as Megatron shards it (DDP grad buffers, gloo) ----------------
 # Megatron's DistributedOptimizer (get_megatron_optimizer(use_distributed_optimizer=True), what mcore.build_qwen35 /
 # mcore._ddp_and_optimizer use on the cluster) is ZeRO-1 over DDP's contiguous grad buffers: each bucket is cut into dp
@@ -323,7 +366,7 @@ def wrap_ddp(model):
                          "normalised loss by the data-parallel size")
     cfg = DistributedDataParallelConfig(use_distributed_optimizer=True, overlap_grad_reduce=False,
                                         grad_reduce_in_fp32=True)
-    with mcore.cpu_shims():  # the buffers are allocated on torch.cuda.current_device()
+    with cpu_shims():  # the buffers are allocated on torch.cuda.current_device()
         return DistributedDataParallel(gpt.config, cfg, gpt)
 
 
@@ -399,7 +442,7 @@ class ShardedAdam:
         """finalize_model_grads (reduce-scatter over DP / expert-DP, sequence-parallel grads all-reduced over TP),
         clip by the global norm, Adam on this rank's shards, all-gather the params. -> grad norm before clipping."""
         from megatron.core.distributed import finalize_model_grads
-        with mcore.cpu_shims():
+        with cpu_shims():
             finalize_model_grads([self.ddp])
         norm = self.grad_norm()
         if max_grad_norm is not None and max_grad_norm > 0:  # as torch's clip_grad_norm_ (fp32 coefficient)
@@ -416,7 +459,7 @@ class ShardedAdam:
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = b2 v + (1 - b2) g^2
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)  # sqrt(v_hat) + eps
             s["param"].addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
-        with mcore.cpu_shims():
+        with cpu_shims():
             self.ddp.start_param_sync(force_sync=True)  # all-gather every bucket's param shards
         return norm.item()
 

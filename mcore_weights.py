@@ -29,9 +29,14 @@ import os
 
 import torch
 
-import mcore
+import mcore_parallel
 
 # --- HF <-> Megatron weights (Qwen3-MoE and Qwen3.5-MoE layouts, TP = EP = 1, local module names) -----------
+def is_qwen35(hf):
+    """Qwen3.5 layout (GDN + gated attention + gated shared expert) vs Qwen3-MoE (standard attention)."""
+    return getattr(hf, "model_type", "").startswith("qwen3_5")
+
+
 def _qkv_pack(q, k, v, n_heads, n_groups, d, gate=None):
     """q (nh*d, H), k/v (ng*d, H) [, gate (nh*d, H)] -> Megatron linear_qkv: per query group [q.., gate.., k, v]
     ((nh + 2 ng) * d rows; (2 nh + 2 ng) * d with the attention output gate)."""
@@ -83,7 +88,7 @@ def _hf_layer_to_megatron(sd, hf, i, experts=None) -> dict:
     """hf_to_megatron for decoder layer i alone (its HF tensors in `sd`; tensors not copied). `experts`: the global
     ids of the routed experts whose rows the fused mlp.experts tensors hold, in order (None: all E)."""
     nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
-    q35 = mcore.is_qwen35(hf)
+    q35 = is_qwen35(hf)
     out = {}
     h, m = f"model.layers.{i}.", f"decoder.layers.{i}."
     out[m + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
@@ -120,7 +125,7 @@ def _hf_layer_to_megatron(sd, hf, i, experts=None) -> dict:
 def megatron_to_hf(sd, hf) -> dict:
     """GPTModel state dict -> HF Qwen3MoeForCausalLM / Qwen3_5MoeForCausalLM state dict (inverse of hf_to_megatron)."""
     nh, ng, d, E = hf.num_attention_heads, hf.num_key_value_heads, hf.head_dim, hf.num_experts
-    q35 = mcore.is_qwen35(hf)
+    q35 = is_qwen35(hf)
     out = {"model.embed_tokens.weight": sd["embedding.word_embeddings.weight"],
            "model.norm.weight": sd["decoder.final_layernorm.weight"], "lm_head.weight": sd["output_layer.weight"]}
     for i in range(hf.num_hidden_layers):
@@ -197,7 +202,7 @@ def critic_megatron_to_hf(sd, hf) -> dict:
 # (fp8 metadata) only, and TEDotProductAttention nothing else (softmax_offset only with softmax_type "learnable").
 def _fused_input_norm(hf, i):
     """Where the TE layout keeps layer i's input norm: GDN in_proj or attention linear_qkv (rule 1)."""
-    gdn = mcore.is_qwen35(hf) and hf.layer_types[i] == "linear_attention"
+    gdn = is_qwen35(hf) and hf.layer_types[i] == "linear_attention"
     return f"decoder.layers.{i}.self_attention.{'in_proj' if gdn else 'linear_qkv'}.layer_norm_weight"
 
 
@@ -256,7 +261,7 @@ def _tp_cuts(hf):
     """shard_for_tp's rules: {key suffix: part count or part row sizes} for tensors column-cut per part, then the
     suffixes of whole column-parallel (dim 0) and row-parallel (dim 1) tensors; any other key is replicated."""
     parts = {"linear_fc1.weight": 2}  # [gate; up]
-    if mcore.is_qwen35(hf):
+    if is_qwen35(hf):
         qk, v, nv = hf.linear_num_key_heads * hf.linear_key_head_dim, hf.linear_num_value_heads * \
             hf.linear_value_head_dim, hf.linear_num_value_heads
         parts.update({"in_proj.weight": [qk, qk, v, v, nv, nv], "conv1d.weight": [qk, qk, v]})
@@ -398,7 +403,7 @@ def load_hf_into_megatron(gpt, hf_state_dict, hf):
         sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size,
                           ps.get_expert_tensor_parallel_rank(), c.expert_tensor_parallel_size)
     if c.pipeline_model_parallel_size > 1:  # this stage's layers
-        sd = shard_for_pp(sd, *mcore.stage_layers(c), gpt.pre_process, gpt.post_process)
+        sd = shard_for_pp(sd, *mcore_parallel.stage_layers(c), gpt.pre_process, gpt.post_process)
     missing, unexpected = gpt.load_state_dict(sd, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
@@ -499,7 +504,7 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
         etp_rank = ps.get_expert_tensor_parallel_rank()
     per = hf.num_experts // ep
     experts = range(ep_rank * per, (ep_rank + 1) * per)  # shard_for_ep's contiguous block
-    first, last = mcore.stage_layers(c)
+    first, last = mcore_parallel.stage_layers(c)
     _, cols, rows = _tp_cuts(hf)
     cut_on_read = tuple(k for k in cols + rows if k != "linear_qkv.weight")  # Megatron names of CUT_ON_READ's
     expected = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
@@ -550,7 +555,7 @@ def gather_full_state(gpt, hf) -> dict:
         return sd
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
-    value_head = isinstance(getattr(gpt, "output_layer", None), mcore._ValueHead)
+    value_head = isinstance(getattr(gpt, "output_layer", None), mcore_parallel._ValueHead)
     head = {k: sd.pop(k) for k in list(sd) if value_head and k.startswith("output_layer.")}
     experts = {k: sd.pop(k) for k in list(sd) if ".local_experts." in k}
 
@@ -577,7 +582,8 @@ def gather_full_state(gpt, hf) -> dict:
     out = {**sd, **experts, **head}
     if c.pipeline_model_parallel_size > 1:  # every stage's layers (the stage's first global layer numbers them)
         stages = [None] * c.pipeline_model_parallel_size
-        dist.all_gather_object(stages, (mcore.stage_layers(c)[0], out), group=ps.get_pipeline_model_parallel_group())
+        dist.all_gather_object(stages, (mcore_parallel.stage_layers(c)[0], out),
+                               group=ps.get_pipeline_model_parallel_group())
         out = unshard_pp(stages)
     return out
 

@@ -53,16 +53,15 @@ from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX a
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
 import r3
+from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START, PAD
 
 # --- chat format (Qwen ChatML) -----------------------------------------------------------------
-PAD, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"  # ids 0, 1, 2
-SPECIAL_TOKENS = [PAD, IM_START, IM_END]
-ASSISTANT_PREFIX = "<|im_start|>assistant\n"
+SPECIAL_TOKENS = [PAD, IM_START, IM_END]  # ids 0, 1, 2
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{{ '" + IM_START + "' + message['role'] + '\\n' + message['content'] + '" + IM_END + "' + '\\n' }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    "{% if add_generation_prompt %}{{ '" + IM_START + "assistant\\n' }}{% endif %}"
 )
 
 # --- tiny preset: the Qwen3.5 hybrid MoE at embedded scale ---------------------------------------

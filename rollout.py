@@ -41,6 +41,7 @@ import urllib.request
 import uuid
 
 import data
+from chat_tokens import IM_END
 import reward
 from daytona_sandbox import DaytonaSandbox
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
@@ -173,7 +174,7 @@ def _scripted_policy(task, tok):
     if not isinstance(replies, list) or not replies:
         raise ValueError(f"{path}: expected a non-empty JSON list of replies")
     it = iter(replies)
-    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    im_end = tok.convert_tokens_to_ids(IM_END)
 
     def policy(prompt_ids, max_new, rid):
         reply = next(it, None)
@@ -193,7 +194,7 @@ def _model_policy(engine_url, tok, sampling, stop_event, done):
         raise ValueError("engine_url: required for agent 'model'")
     client, current = EngineClient(engine_url), {"rid": None}
     params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
-    params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or []) | {tok.convert_tokens_to_ids("<|im_end|>")})
+    params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or []) | {tok.convert_tokens_to_ids(IM_END)})
 
     def policy(prompt_ids, room, rid):
         current["rid"] = rid

@@ -36,6 +36,8 @@ from pathlib import Path
 
 import numpy as np
 
+from chat_tokens import IM_END, PAD
+
 CASES = ("strict", "normalized", "retokenized", "split")
 
 
@@ -64,7 +66,7 @@ CASES = ("strict", "normalized", "retokenized", "split")
 
 def end_of_turn_ids(tok) -> set[int]:
     """Ids that close a turn: <|im_end|>, <|endoftext|> and the tokenizer's eos (those it has)."""
-    ids = {tok.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")}
+    ids = {tok.convert_tokens_to_ids(t) for t in (IM_END, PAD)}
     if tok.eos_token_id is not None:
         ids.add(tok.eos_token_id)
     return {int(i) for i in ids if i is not None and i != tok.unk_token_id}

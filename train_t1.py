@@ -68,6 +68,7 @@ import gateway
 import infra
 import model as M
 import r3
+import reward
 import rollout
 import tito
 import trainer
@@ -130,7 +131,7 @@ class Args:
     eval_train_tasks: int = 0
     """also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)"""
     # --- reward
-    reward_scale: float = 20.0
+    reward_scale: float = float(reward.SCALE)
     """S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)"""
     # --- SFT warm start
     sft_epochs: int = 1
