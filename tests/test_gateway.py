@@ -227,13 +227,15 @@ def test_stop_string_cuts_the_reply_and_the_records_keep_the_sampled_ids(gw, tok
 
 
 def test_sessions_are_evicted_after_an_idle_time_and_past_a_count(engine, tok):
-    g = gateway.Gateway(engine.url, tok, max_new_tokens=2, max_sessions=2, session_idle_s=1.0).start()
+    # idle window long while the count is tested (a loaded machine can take > 1 s per completion), then short
+    g = gateway.Gateway(engine.url, tok, max_new_tokens=2, max_sessions=2, session_idle_s=600.0).start()
     try:
         for sid in ("a", "b", "c"):
             gateway.chat_completion(g.url, MSGS, sid, max_tokens=2)
         assert list(g.sessions) == ["b", "c"]
         with pytest.raises(gateway.SessionEvicted, match="max_sessions"):
             g.pop("a")
+        g.session_idle_s = 1.0
         time.sleep(1.2)
         gateway.chat_completion(g.url, MSGS, "d", max_tokens=2)
         assert list(g.sessions) == ["d"]
