@@ -18,6 +18,8 @@ Run:
     # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
     # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
+Steps of train_t1's RL loop: launch_tasks (a step's tasks), to_samples (trials -> TITO samples), audit_samples
+(the step's TITO / R3 audit).
 
 Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
 1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model

@@ -37,7 +37,7 @@ Departures from the paper (numbered; what and why):
      DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
   8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
-  9. Task draw: consecutive n_launch tasks of a stream of per-epoch shuffles, so no step is short (rollout.launch_tasks).
+  9. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (rollout.launch_tasks).
  10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
