@@ -25,7 +25,7 @@ Departures from the paper:
 1. The embedded trainer is HF's Qwen3_5MoeForCausalLM: its router `layer.mlp.gate` is swapped for `R3Router` (same
    Parameter, same state-dict key); a pre-hook on the MoE block gives the router the batch's (B, T).
 2. A replay row of all -1 (placeholder or padding) falls back to live top-k; the replay does not know the loss mask:
-   train_t1.to_samples calls `check_capture` on every sample. `routing` refuses malformed tensors.
+   rollout.to_samples calls `check_capture` on every sample. `routing` refuses malformed tensors.
 3. Backward (and activation recompute) must run inside the `routing(..., "replay")` context; record mode is
    forward-only (a recompute inside it would append a second copy of the rows).
 4. One routing context per model at a time (nesting raises): the mode is an explicit argument held by the routers

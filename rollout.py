@@ -18,6 +18,8 @@ Run:
     # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
     # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
+Steps of train_t1's RL loop: launch_tasks (a step's tasks), to_samples (trials -> TITO samples), audit_samples
+(the step's TITO / R3 audit).
 
 Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
 1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model
@@ -39,10 +41,13 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from pathlib import Path
 
 import data
-from chat_tokens import IM_END
+import r3
 import reward
+import tito
+from chat_tokens import IM_END
 from daytona_sandbox import DaytonaSandbox
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
@@ -411,6 +416,65 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
             pool.shutdown(wait=True)
         bar.close()
     return kept, dropped
+
+
+# --- steps of the RL loop: the tasks of a step, trials -> samples, the step's audit ---------------
+
+def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
+    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
+    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
+    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
+    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
+    if not pool or n_launch < 1 or step < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
+                         f"n_launch {n_launch}, step {step}")
+    orders = {}
+    out = []
+    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
+        epoch, pos = divmod(i, len(pool))
+        if epoch not in orders:
+            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
+        out.append(orders[epoch][pos])
+    return out
+
+
+def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False) -> list[dict]:
+    """TITO assembly; a trial that cannot be assembled is recorded with its reason and skipped, except under R3
+    replay, where a turn without its routing capture (tito.CaptureError) or a placeholder routing row that feeds
+    a trained token (r3.check_capture) aborts the step: never silently dropped (paper, R3)."""
+    samples = []
+    for t in trials:
+        if not t.get("records"):
+            continue
+        try:
+            s = tito.assemble(t, replay=replay)
+        except tito.CaptureError:
+            raise
+        except ValueError as e:
+            with open(run_dir / "failed_trials.jsonl", "a") as f:
+                f.write(json.dumps({"tag": tag, "task": t.get("task"), "reason": str(e)}) + "\n")
+            continue
+        if s["routed_experts"] is not None:
+            try:
+                s["placeholder_rows"] = r3.check_capture(s["routed_experts"], s["loss_mask"])
+            except ValueError as e:
+                if replay:
+                    raise ValueError(f"trial {s['task']!r}: {e}") from None
+                s["routed_experts"] = None  # R3 off: routing only feeds the expert_set_mismatch figure
+        samples.append(s)
+    return samples
+
+
+def audit_samples(samples: list[dict], step: int) -> dict:
+    """The step's TITO audit (a drifted loss-region token aborts the step) and R3 placeholder fraction."""
+    rep = tito.audit(samples)
+    if rep["drifted_tokens"]:
+        raise RuntimeError(f"step {step}: TITO audit: {rep['drifted_tokens']} of {rep['loss_tokens']} loss-region "
+                           f"tokens are not the sampled ids (first {rep['drift'][:3]}); `python tito.py audit` on "
+                           f"samples/step_{step:06d}.jsonl lists them")
+    rows = sum(len(s["tokens"]) - 1 for s in samples if s.get("routed_experts") is not None)
+    return {"tito_drift_pct": rep["loss_region_drift_pct"], "tito_relocation_failures": rep["relocation_failures"],
+            "r3_placeholder_frac": sum(s.get("placeholder_rows", 0) for s in samples) / rows if rows else float("nan")}
 
 
 CLI_FIELDS = ("task", "reward", "resolved", "passed", "total", "reward_source", "reward_reason", "turns",

@@ -37,7 +37,7 @@ Departures from the paper (numbered; what and why):
      DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
   8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
-  9. Task draw: consecutive n_launch tasks of a stream of per-epoch shuffles, so no step is short (launch_tasks).
+  9. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (rollout.launch_tasks).
  10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
@@ -423,24 +423,6 @@ def minibatches(n: int, size: int, rng: random.Random):
     return [idx[i:i + size] for i in range(0, n, size)]
 
 
-def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
-    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
-    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
-    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
-    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
-    if not pool or n_launch < 1 or step < 1:
-        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
-                         f"n_launch {n_launch}, step {step}")
-    orders = {}
-    out = []
-    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
-        epoch, pos = divmod(i, len(pool))
-        if epoch not in orders:
-            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
-        out.append(orders[epoch][pos])
-    return out
-
-
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout", limits=None):
     """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
@@ -466,45 +448,6 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
                              f"--reward-scale is {args.reward_scale}")
     n_tok = sum(len(r["output_ids"]) for t in kept for r in t.get("records", []))
     return kept, dropped, n_tok / max(time.time() - t0, 1e-9)
-
-
-def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False) -> list[dict]:
-    """TITO assembly; a trial that cannot be assembled is recorded with its reason and skipped, except under R3
-    replay, where a turn without its routing capture (tito.CaptureError) or a placeholder routing row that feeds
-    a trained token (r3.check_capture) aborts the step: never silently dropped (paper, R3)."""
-    samples = []
-    for t in trials:
-        if not t.get("records"):
-            continue
-        try:
-            s = tito.assemble(t, replay=replay)
-        except tito.CaptureError:
-            raise
-        except ValueError as e:
-            with open(run_dir / "failed_trials.jsonl", "a") as f:
-                f.write(json.dumps({"tag": tag, "task": t.get("task"), "reason": str(e)}) + "\n")
-            continue
-        if s["routed_experts"] is not None:
-            try:
-                s["placeholder_rows"] = r3.check_capture(s["routed_experts"], s["loss_mask"])
-            except ValueError as e:
-                if replay:
-                    raise ValueError(f"trial {s['task']!r}: {e}") from None
-                s["routed_experts"] = None  # R3 off: routing only feeds the expert_set_mismatch figure
-        samples.append(s)
-    return samples
-
-
-def audit_samples(samples: list[dict], step: int) -> dict:
-    """The step's TITO audit (a drifted loss-region token aborts the step) and R3 placeholder fraction."""
-    rep = tito.audit(samples)
-    if rep["drifted_tokens"]:
-        raise RuntimeError(f"step {step}: TITO audit: {rep['drifted_tokens']} of {rep['loss_tokens']} loss-region "
-                           f"tokens are not the sampled ids (first {rep['drift'][:3]}); `python tito.py audit` on "
-                           f"samples/step_{step:06d}.jsonl lists them")
-    rows = sum(len(s["tokens"]) - 1 for s in samples if s.get("routed_experts") is not None)
-    return {"tito_drift_pct": rep["loss_region_drift_pct"], "tito_relocation_failures": rep["relocation_failures"],
-            "r3_placeholder_frac": sum(s.get("placeholder_rows", 0) for s in samples) / rows if rows else float("nan")}
 
 
 def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
@@ -800,7 +743,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
     actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
-    samples = to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
+    samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories, "
                  f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
     sft(actor, samples, args, run.metrics)
@@ -871,7 +814,7 @@ def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -
                 pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
                 trials, _, _ = run_rollouts(pool, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                             desc="warm-up pool")
-                recs = ax.ray.get(ax.trainer.warmup.remote(to_samples(trials, run.dir, "warmup")))
+                recs = ax.ray.get(ax.trainer.warmup.remote(rollout.to_samples(trials, run.dir, "warmup")))
                 for i, r in enumerate(recs):
                     run.metrics.write(r, i + 1, "critic_warmup")
                 return [r["explained_variance"] for r in recs]
@@ -883,12 +826,12 @@ def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -
 def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[list, dict, int]:
     """4. TITO assembly of a step's trials -> samples on disk (audited), the oversampling's cut tasks recorded;
     checks that every sample comes from one weight version, want_staleness behind the trainer."""
-    samples = to_samples(ro["trials"], run.dir, f"step{step}", replay=run.args.r3_mode == "replay")
+    samples = rollout.to_samples(ro["trials"], run.dir, f"step{step}", replay=run.args.r3_mode == "replay")
     with open(run.dir / "dropped.jsonl", "a") as f:  # oversampling: which tasks were cut, after how long
         for d in ro["dropped"]:
             f.write(json.dumps({"step": step, **d}) + "\n")
     tito.save_samples(run.dir / "samples" / f"step_{step:06d}.jsonl", samples)
-    audit = audit_samples(samples, step)  # after the save, so that a failing audit can be read back
+    audit = rollout.audit_samples(samples, step)  # after the save, so that a failing audit can be read back
     versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
     staleness = (step - 1) - versions[0] if versions else 0  # trainer version minus sample version
     assert not versions or (len(versions) == 1 and staleness == want_staleness), \
@@ -916,7 +859,7 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
     first_step = state["step"] + 1
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-        launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        launch = rollout.launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
         t0 = time.time()
         trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                               n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial

@@ -372,35 +372,36 @@ def _trial(actor, name="task-a", turns=2, seed=0):
 
 
 def test_replay_refuses_a_trial_with_one_turn_capture_missing(actor, tmp_path):
+    import rollout
     import tito
-    import train_t1
     trial = _trial(actor)
     trial["records"][1]["routed_experts"] = None  # this turn's engine ran without capture
     with pytest.raises(tito.CaptureError, match=r"trial 'task-a' turn 1.*--enable-return-routed-experts"):
-        train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+        rollout.to_samples([trial], tmp_path, "step1", replay=True)
     assert not (tmp_path / "failed_trials.jsonl").exists()  # never silently dropped
-    (s,) = train_t1.to_samples([trial], tmp_path, "step1")  # R3 off: the trial trains, without routing
+    (s,) = rollout.to_samples([trial], tmp_path, "step1")  # R3 off: the trial trains, without routing
     assert s["routed_experts"] is None
 
 
 def test_replay_refuses_a_placeholder_row_that_feeds_a_trained_token(actor, tmp_path):
-    import train_t1
+    import rollout
     trial = _trial(actor)
     n0 = len(trial["records"][0]["prompt_ids"])
     trial["records"][0]["routed_experts"][n0 - 1] = -1  # the row that predicts the first sampled token
     with pytest.raises(ValueError, match=r"trial 'task-a'.*placeholder routing at row 3 but m\[4\] = 1"):
-        train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+        rollout.to_samples([trial], tmp_path, "step1", replay=True)
     trial = _trial(actor)
     trial["records"][0]["routed_experts"][0] = -1  # row 0 predicts a prompt token: allowed, counted
-    (s,) = train_t1.to_samples([trial], tmp_path, "step1", replay=True)
+    (s,) = rollout.to_samples([trial], tmp_path, "step1", replay=True)
     assert s["placeholder_rows"] == 1
-    assert train_t1.audit_samples([s], 1)["r3_placeholder_frac"] == 1 / (len(s["tokens"]) - 1)
+    assert rollout.audit_samples([s], 1)["r3_placeholder_frac"] == 1 / (len(s["tokens"]) - 1)
 
 
 def test_replay_refuses_a_batch_or_sample_without_routing(actor, tmp_path):
+    import rollout
     import train_t1
-    with_routing = train_t1.to_samples([_trial(actor, "task-a")], tmp_path, "s", replay=True)
-    without = train_t1.to_samples([_trial(actor, "task-b", seed=1)], tmp_path, "s")
+    with_routing = rollout.to_samples([_trial(actor, "task-a")], tmp_path, "s", replay=True)
+    without = rollout.to_samples([_trial(actor, "task-b", seed=1)], tmp_path, "s")
     without[0]["routed_experts"] = None
     batch = train_t1.pad_batch(without, 20.0)
     with pytest.raises(ValueError, match=r"R3 replay: the batch carries no routing.*--enable-return-routed-experts"):
@@ -414,11 +415,11 @@ def test_replay_refuses_a_batch_or_sample_without_routing(actor, tmp_path):
 
 
 def test_step_audit_aborts_on_a_drifted_loss_region_token(actor, tmp_path):
-    import train_t1
-    samples = train_t1.to_samples([_trial(actor)], tmp_path, "s", replay=True)
-    figs = train_t1.audit_samples(samples, 3)
+    import rollout
+    samples = rollout.to_samples([_trial(actor)], tmp_path, "s", replay=True)
+    figs = rollout.audit_samples(samples, 3)
     assert figs == {"tito_drift_pct": 0.0, "tito_relocation_failures": 0, "r3_placeholder_frac": 0.0}
     j = int(np.flatnonzero(samples[0]["loss_mask"])[0])
     samples[0]["tokens"][j] += 1
     with pytest.raises(RuntimeError, match=rf"step 3: TITO audit: 1 of 6 loss-region tokens.*'position': {j}"):
-        train_t1.audit_samples(samples, 3)
+        rollout.audit_samples(samples, 3)
