@@ -53,7 +53,8 @@ Run:
         # prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts (a failed trial counts 0), errors
     python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
-run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (rollout.py's hook).
+run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (the text / Harbor
+harnesses beside rollout.run_trial's native one).
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
@@ -103,6 +104,7 @@ import uuid
 from pathlib import Path
 
 import sandbox
+import task_io
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
@@ -493,7 +495,6 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
                    stop_event=None, reward_scale=None) -> dict:
     """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway.
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    import data
     import rollout
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
@@ -502,7 +503,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
               "weight_versions": [], "records": [], "session_id": session_id}
     root = box = None
     try:
-        task = data.load_task(task_dir)
+        task = task_io.load_task(task_dir)
         result["task"] = task.name
         rollout.check_runs_here(task)
         t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
@@ -807,7 +808,6 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
                      agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None) -> dict:
     """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    import data
     import reward
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
@@ -846,7 +846,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         scale = reward.SCALE if reward_scale is None else reward_scale
         # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
         v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
-                           n_assertions=data.load_task(task_dir).n_assertions)
+                           n_assertions=task_io.load_task(task_dir).n_assertions)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                       resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
                       error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)
@@ -859,7 +859,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
     return result
 
 
-# --- rollout.py's harness hook -------------------------------------------------------------------------
+# --- the text / Harbor harnesses: run_trial beside rollout.run_trial's native one --------------------------
 _GATEWAYS: dict = {}  # (engine_url, id(tokenizer), mode) -> a started Gateway, shared by the trials of a process
 _GW_LOCK = threading.Lock()
 

@@ -24,7 +24,7 @@ Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
    trained from scratch, Terminus-2's long prompt would dominate its context.
 2. Oversampling counts a trial as "finished" when it ended without a crash; crashed and cancelled
    trials go to `dropped` with their reason and seconds run.
-3. With sandbox "bwrap", a task that needs its image built (data.image_needs) is refused at the start of run_trial
+3. With sandbox "bwrap", a task that needs its image built (task_io.image_needs) is refused at the start of run_trial
    (exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker environment", the reasons):
    run here it would fail for want of a tool and score 0 silently.
 """
@@ -40,8 +40,8 @@ import urllib.error
 import urllib.request
 import uuid
 
-import data
 import reward
+import task_io
 from daytona_sandbox import DaytonaSandbox
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
@@ -262,9 +262,9 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
 
 
 def check_runs_here(task) -> None:
-    """Refuse up front a task the local jail cannot run (data.image_needs): here it would fail for want of a tool
+    """Refuse up front a task the local jail cannot run (task_io.image_needs): here it would fail for want of a tool
     and score 0 silently."""
-    needs = data.image_needs(task)
+    needs = task_io.image_needs(task)
     if needs:
         raise ValueError(f"{task.path}: needs its image: use --sandbox daytona or Harbor's docker environment "
                          f"({'; '.join(needs)})")
@@ -280,12 +280,9 @@ def score(box, result: dict, reward_scale=None) -> None:
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, harness="native", sandbox="bwrap", reward_scale=None) -> dict:
-    """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
-
-    harness: "native" (this token-first loop) | "text" (a client re-sending the history as text, like
-    Terminus-2) | "harbor" (Harbor's stock Terminus-2 from its own venv); the last two go through
-    gateway.py's token gateway, which records the same per-turn token records.
+              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None) -> dict:
+    """One trial (sandbox, agent, verifier) with this token-first loop; never raises: a crash returns
+    exit_reason 'error'. The text and Harbor Terminus-2 harnesses are gateway.run_trial (same result and records).
 
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
@@ -293,18 +290,13 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S in r = P / S (train_t1's
     --reward-scale; None: reward.SCALE, the paper's 20).
     """
-    if harness != "native":
-        import gateway
-        return gateway.run_trial(task_dir, agent, harness=harness, engine_url=engine_url, tokenizer=tokenizer,
-                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event,
-                                 reward_scale=reward_scale)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
               "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [], "records": []}
     root, box, done = None, None, threading.Event()
     try:
-        task = data.load_task(task_dir)
+        task = task_io.load_task(task_dir)
         result["task"] = task.name
         if agent not in ("oracle", "nop", "model", "scripted"):
             raise ValueError(f"agent: expected oracle|nop|model|scripted, got {agent!r}")

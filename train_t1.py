@@ -69,6 +69,7 @@ import infra
 import model as M
 import r3
 import rollout
+import task_io
 import tito
 import trainer
 from trainer import actor_threads, even, load_state, local_rows, parallel_plan, prune_previous, resume_run, share
@@ -794,8 +795,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
                                        validate_tasks=False)
-        held = {data.load_task(d).instruction for d in heldout}
-        sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
+        held = {task_io.load_task(d).instruction for d in heldout}
+        sft_pool += [d for d in extra if task_io.load_task(d).instruction not in held]
     tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
     actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
