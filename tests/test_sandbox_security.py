@@ -13,6 +13,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import harbor_env  # noqa: E402
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
 import task_io  # noqa: E402
@@ -224,17 +225,16 @@ def test_seccomp_filter_is_built_for_each_known_machine():
         sandbox.seccomp_filter("riscv64")
 
 
-# --- the Harbor path (gateway.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------------
+# --- the Harbor path (harbor_env.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------
 
 def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_path):
     import types
 
-    import gateway
     host_file = canary(tmp_path)
     task = make_task(tmp_path)
     t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
                               name="harbor")
-    with gateway._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
+    with harbor_env._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
         rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
