@@ -40,6 +40,7 @@ import shutil
 import tarfile
 import time
 
+import model
 import reward
 import rollout
 import task_io
@@ -530,7 +531,6 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     tokenizer, scripted_note = None, "off"
     if validate_tasks and scripted:
         try:
-            import model
             tokenizer, scripted_note = model.train_tokenizer(corpus(list(specs.values()))), "on"
         except (ImportError, AttributeError) as e:
             scripted_note = f"skipped: no tokenizer ({e})"

@@ -40,9 +40,11 @@ import urllib.error
 import urllib.request
 import uuid
 
+import r3
 import reward
 import task_io
 from daytona_sandbox import DaytonaSandbox
+from model import ASSISTANT_PREFIX, IM_END, render_ids
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
 
@@ -125,7 +127,6 @@ class EngineClient:
         ids = [int(x[1]) for x in lps] if ids is None else [int(t) for t in ids]
         routed = meta.get("routed_experts")
         if routed is not None:
-            import r3
             if self._shape is None:
                 info = self.model_info()
                 self._shape = (int(info["num_moe_layers"]), int(info["top_k"]))
@@ -214,7 +215,6 @@ def _model_policy(engine_url, tok, sampling, stop_event, done):
 
 def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
     """Terminus-2 turns on token ids; fills result['records'], returns the exit_reason."""
-    from model import ASSISTANT_PREFIX, IM_END, render_ids
     im_end = tok.convert_tokens_to_ids(IM_END)
     nl, gen_prefix = tok.encode("\n", add_special_tokens=False), tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     first = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
