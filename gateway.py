@@ -41,7 +41,7 @@ Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprob
 Harbor path (Harbor >= 0.25, Python >= 3.12, its own venv `.venv-harbor`):
     harbor trial start -c CONFIG.json      # what run_harbor_trial writes and runs: agent terminus-2,
         model openai/t1 at api_base=<gateway>/v1, enable_summarize=false, collect_rollout_details=true,
-        session_id=<trial name>; environment import_path "gateway:BwrapEnvironment" (PYTHONPATH=repo)
+        session_id=<trial name>; environment import_path "harbor_env:BwrapEnvironment" (PYTHONPATH=repo)
     The trial dir holds verifier/ctrf.json + verifier/reward.txt (read with reward.compute),
     agent/ (Terminus-2 logs), result.json.
 
@@ -53,7 +53,8 @@ Run:
         # prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts (a failed trial counts 0), errors
     python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
-run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (rollout.py's hook).
+run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (the text / Harbor
+harnesses beside rollout.run_trial's native one).
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
@@ -89,8 +90,6 @@ import collections
 import json
 import math
 import os
-import shutil
-import stat
 import subprocess
 import sys
 import tempfile
@@ -102,7 +101,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import model
+import reward
+import rollout
 import sandbox
+import task_io
 from chat_tokens import IM_END
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -253,8 +256,6 @@ class Gateway:
         if max_sessions < 1 or not session_idle_s > 0:
             raise ValueError(f"max_sessions / session_idle_s: must be >= 1 / > 0, got {max_sessions} / "
                              f"{session_idle_s}")
-        import model  # lazily: Harbor's own Python imports this module without torch
-        import rollout
         self.client, self.tok, self.mode = rollout.EngineClient(engine_url), tokenizer, mode
         self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
         self.max_sessions, self.session_idle_s = max_sessions, session_idle_s
@@ -418,8 +419,6 @@ def _model_object():
 
 
 def _make_handler(gw: Gateway):
-    import model  # lazily: Harbor's own Python imports this module without torch
-
     class Handler(model.JSONHandler):
         def send_error_json(self, e):
             kind = "invalid_request_error" if e.status < 500 else "server_error"
@@ -493,8 +492,6 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
                    stop_event=None, reward_scale=None) -> dict:
     """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway.
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    import data
-    import rollout
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
@@ -502,7 +499,7 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
               "weight_versions": [], "records": [], "session_id": session_id}
     root = box = None
     try:
-        task = data.load_task(task_dir)
+        task = task_io.load_task(task_dir)
         result["task"] = task.name
         rollout.check_runs_here(task)
         t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
@@ -556,222 +553,6 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
     return result
 
 
-# --- Harbor: environment class (imported by Harbor from its own venv) ---------------------------------
-try:  # only inside Harbor's venv (Python >= 3.12); the main venv never imports harbor
-    from harbor.environments.base import BaseEnvironment, ExecResult
-    from harbor.environments.capabilities import EnvironmentCapabilities
-except ImportError:
-    BaseEnvironment = None
-
-if BaseEnvironment is not None:
-    import asyncio
-    import base64
-
-    class BwrapEnvironment(BaseEnvironment):
-        """Harbor environment = sandbox.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
-        mounted read-only and first on PATH, e.g. the main .venv for `pytest --ctrf`), max_procs."""
-
-        def __init__(self, *args, tools_prefix=None, max_procs=256, **kwargs):
-            self.tools_prefix = os.path.abspath(tools_prefix) if tools_prefix else None
-            self.max_procs = int(max_procs)
-            self.box = self.root = None
-            super().__init__(*args, **kwargs)
-
-        @staticmethod
-        def type() -> str:
-            return "bwrap"
-
-        @property
-        def capabilities(self) -> EnvironmentCapabilities:
-            return EnvironmentCapabilities(disable_internet=True)
-
-        def _validate_definition(self):
-            if not Path(self.environment_dir).is_dir():
-                raise FileNotFoundError(f"{self.environment_dir}: no environment dir")
-
-        async def start(self, force_build: bool) -> None:
-            import types
-            task = types.SimpleNamespace(env_dir=str(self.environment_dir), solution_dir=None, config={},
-                                         tests_dir=None, name=self.environment_name)
-            self.root = tempfile.mkdtemp(prefix=f"harbor-{self.environment_name}-")
-            limits = sandbox.Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
-            self.box = _ToolsSandbox(task, self.root, limits, tools_prefix=self.tools_prefix).start()
-            os.makedirs(f"{self.root}/logs/artifacts", exist_ok=True)
-
-        async def stop(self, delete: bool):
-            if self.box is not None:
-                self.box.close()
-            if delete and self.root:
-                err = sandbox.remove_tree(self.root)
-                if err:
-                    print(f"[BwrapEnvironment] {err}", file=sys.stderr)
-
-        def _host(self, path: str) -> str | None:
-            """Host path behind a jail path (/app, /logs, /tests are host dirs), None elsewhere."""
-            p = os.path.normpath("/" + str(path).lstrip("/"))
-            for top in ("/app", "/logs", "/tests"):
-                if p == top or p.startswith(top + "/"):
-                    return os.path.join(self.root, top[1:], os.path.relpath(p, top)) if p != top else os.path.join(self.root, top[1:])
-            return None
-
-        async def exec(self, command, cwd=None, env=None, timeout_sec=None, user=None) -> ExecResult:
-            user = self._resolve_user(user)
-            cmd = f"cd {cwd} && {command}" if cwd else command
-            rc, out = await asyncio.to_thread(self.box.exec, cmd, timeout_sec or None, self._merge_env(env),
-                                              user in ("root", 0, "0"))  # a root exec ends the agent phase
-            return ExecResult(stdout=out, stderr="", return_code=rc)
-
-        async def _internal_exec(self, cmd):
-            """A file transfer through the jail (paths outside /app, /logs, /tests), as the jail's root: not a root
-            exec of Harbor's, so it does not end the agent phase (Terminus-2 uploads its pastes this way)."""
-            rc, out = await asyncio.to_thread(self.box.exec, cmd, None, None, True, True)
-            return ExecResult(stdout=out, stderr="", return_code=rc)
-
-        def _host_rel(self, path):
-            """(host dir behind a jail top dir, path relative to it) or None outside /app, /logs, /tests."""
-            host = self._host(path)
-            if host is None:
-                return None
-            top = next(t for t in ("app", "logs", "tests") if host == os.path.join(self.root, t) or
-                       host.startswith(os.path.join(self.root, t) + "/"))
-            return os.path.join(self.root, top), os.path.relpath(host, os.path.join(self.root, top)), top
-
-        async def upload_file(self, source_path, target_path):
-            hr = self._host_rel(target_path)
-            if hr is not None:  # the jail can write these dirs: no link of theirs is followed (write_beneath)
-                base, rel, top = hr
-                if top == "tests":  # the tests come in only for the verifier: the agent phase ends
-                    await asyncio.to_thread(self.box.end_agent_phase)
-                with open(source_path, "rb") as f:  # a host file Harbor chose (upload_dir passes a checked copy)
-                    data = f.read()
-                sandbox.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
-                                      uid=self.box.uid if top == "app" else None)
-                return
-            data = base64.b64encode(Path(source_path).read_bytes()).decode()  # elsewhere: through the shell
-            await self._internal_exec(f"mkdir -p $(dirname '{target_path}') && : > '{target_path}'")
-            for i in range(0, len(data), 64 << 10):
-                await self._internal_exec(f"echo '{data[i:i + (64 << 10)]}' | base64 -d >> '{target_path}'")
-
-        async def upload_dir(self, source_dir, target_dir):
-            stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
-            try:  # the source is a task's dir (untrusted): checked and copied without following links first
-                sandbox.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
-                                       self.box.limits.task_files, links=False)
-                for d, _, files in os.walk(os.path.join(stage, "t")):
-                    for f in files:
-                        src = os.path.join(d, f)
-                        await self.upload_file(src, os.path.join(str(target_dir),
-                                                                 os.path.relpath(src, os.path.join(stage, "t"))))
-            finally:
-                shutil.rmtree(stage, ignore_errors=True)
-
-        async def download_file(self, source_path, target_path):
-            hr = self._host_rel(source_path)
-            Path(target_path).parent.mkdir(parents=True, exist_ok=True)
-            if hr is not None:  # written by the jail: read without following links, capped
-                Path(target_path).write_bytes(sandbox.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
-                return
-            res = await self._internal_exec(f"base64 -w0 '{source_path}'")
-            if res.return_code != 0:
-                raise FileNotFoundError(f"{source_path}: {res.stdout}")
-            Path(target_path).write_bytes(base64.b64decode(res.stdout.strip()))
-
-        async def download_dir(self, source_dir, target_dir):
-            host = self._host(source_dir)
-            if host is None:
-                raise NotImplementedError(f"bwrap environment: download_dir outside /app, /logs, /tests: {source_dir}")
-            if os.path.lexists(host):  # written by the jail: no link kept or followed, capped (copy_task_tree)
-                stage = tempfile.mkdtemp(prefix="download-", dir=self.root)
-                try:
-                    sandbox.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
-                                           self.box.limits.task_files, links=False)
-                    shutil.copytree(os.path.join(stage, "t"), target_dir, dirs_exist_ok=True)  # our own copy
-                finally:
-                    shutil.rmtree(stage, ignore_errors=True)
-
-
-def _tools_sandbox_class():
-    class ToolsSandbox(sandbox.Sandbox):
-        """sandbox.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
-        venv (the main .venv: pytest, pytest-ctrf) mounted read-only and first on PATH."""
-
-        def __init__(self, *args, tools_prefix=None, **kw):
-            super().__init__(*args, **kw)
-            self.tools_prefix = tools_prefix
-            self.agent_ran = False  # a command of the agent's uid ran since the agent phase last ended
-
-        def exec(self, cmd, timeout=None, env=None, as_root=False, transfer=False):
-            """Sandbox.exec; a root exec (not a file transfer) that follows the agent's commands ends the agent
-            phase first (end_agent_phase)."""
-            if as_root and not transfer:
-                self.end_agent_phase()
-            elif not as_root:
-                self.agent_ran = True
-            return super().exec(cmd, timeout, env, as_root)
-
-        def end_agent_phase(self):
-            """After agent commands ran: SIGKILL every process of the agent's uid (RuntimeError if one survives),
-            then give /logs/verifier a fresh dir, so nothing the agent left there (a forged report, a link, a
-            process rewriting it) is read. The dir is owned by the agent's uid: Harbor's verifier runs as the
-            environment's default user (the agent's uid) unless the task names a verifier user."""
-            if not self.agent_ran:
-                return
-            self.kill_uid(self.uid)
-            self.agent_ran = False
-            logs = os.path.join(self.root, "logs")
-            fd = os.open(logs, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-            try:
-                try:
-                    st = os.lstat("verifier", dir_fd=fd)
-                    if stat.S_ISDIR(st.st_mode):  # rm -rf: fts, never follows a link inside, any depth
-                        err = sandbox.remove_tree(os.path.join(logs, "verifier"))
-                        if err:
-                            raise RuntimeError(f"sandbox: {err}")
-                    else:
-                        os.unlink("verifier", dir_fd=fd)
-                except FileNotFoundError:
-                    pass
-                os.mkdir("verifier", 0o755, dir_fd=fd)
-                os.chown("verifier", self.uid, self.uid, dir_fd=fd, follow_symlinks=False)
-            finally:
-                os.close(fd)
-
-        def _bwrap_args(self, phase="agent"):
-            a = super()._bwrap_args(phase)
-            i = a.index(f"{self.root}/tests")
-            a[i - 1] = "--bind"  # root-owned 0755: the agent's uid still cannot write it
-            for p in self._tool_paths():
-                parts = p.strip("/").split("/")
-                for k in range(1, len(parts)):  # intermediate dirs readable, nothing else of them
-                    a += ["--perms", "0755", "--dir", "/" + "/".join(parts[:k])]
-                a += ["--ro-bind", p, p]
-            return a
-
-        def _tool_paths(self):
-            if not self.tools_prefix:
-                return []
-            cfg = os.path.join(self.tools_prefix, "pyvenv.cfg")
-            home = None
-            if os.path.isfile(cfg):
-                for line in open(cfg):
-                    if line.split("=")[0].strip() == "home":
-                        home = os.path.dirname(line.split("=", 1)[1].strip())
-            real = os.path.realpath(self.tools_prefix)  # a venv reached through a link (a worktree's): its scripts'
-            # shebangs name the real path
-            return sorted({p for p in (self.tools_prefix, real, home) if p and not p.startswith("/usr/")})
-
-        def _env(self, extra=None):
-            env = super()._env(extra)
-            if self.tools_prefix:
-                env["PATH"] = f"{self.tools_prefix}/bin:" + env["PATH"]
-            return env
-    return ToolsSandbox
-
-
-def _ToolsSandbox(*args, **kw):  # noqa: N802  (a factory: built lazily while Sandbox lived in rollout.py)
-    return _tools_sandbox_class()(*args, **kw)
-
-
 # --- Harbor: the runner (main venv side) --------------------------------------------------------------
 def harbor_python():
     return os.path.join(HARBOR_VENV, "bin", "python")
@@ -798,7 +579,7 @@ def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperatu
     return {"task": {"path": os.path.abspath(task_dir)}, "trial_name": trial_name, "trials_dir": os.path.abspath(trials_dir),
             "agent": {"name": "terminus-2", "model_name": "openai/t1", "kwargs": kwargs,
                       **({"override_timeout_sec": agent_timeout_s} if agent_timeout_s else {})},
-            "environment": {"import_path": "gateway:BwrapEnvironment", "delete": True,
+            "environment": {"import_path": "harbor_env:BwrapEnvironment", "delete": True,
                             "kwargs": {"tools_prefix": sys.prefix}},
             "verifier": {**({"override_timeout_sec": verifier_timeout_s} if verifier_timeout_s else {})}}
 
@@ -807,8 +588,6 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
                      agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None) -> dict:
     """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    import data
-    import reward
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
     name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
@@ -846,7 +625,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         scale = reward.SCALE if reward_scale is None else reward_scale
         # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
         v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
-                           n_assertions=data.load_task(task_dir).n_assertions)
+                           n_assertions=task_io.load_task(task_dir).n_assertions)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                       resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
                       error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)
@@ -859,7 +638,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
     return result
 
 
-# --- rollout.py's harness hook -------------------------------------------------------------------------
+# --- the text / Harbor harnesses: run_trial beside rollout.run_trial's native one --------------------------
 _GATEWAYS: dict = {}  # (engine_url, id(tokenizer), mode) -> a started Gateway, shared by the trials of a process
 _GW_LOCK = threading.Lock()
 

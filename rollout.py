@@ -18,7 +18,7 @@ Run:
     # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
     # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
-Steps of train_t1's RL loop: launch_tasks (a step's tasks), to_samples (trials -> TITO samples), audit_samples
+Steps of train_t1's RL loop: to_samples (trials -> TITO samples), audit_samples
 (the step's TITO / R3 audit).
 
 Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
@@ -26,7 +26,7 @@ Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
    trained from scratch, Terminus-2's long prompt would dominate its context.
 2. Oversampling counts a trial as "finished" when it ended without a crash; crashed and cancelled
    trials go to `dropped` with their reason and seconds run.
-3. With sandbox "bwrap", a task that needs its image built (data.image_needs) is refused at the start of run_trial
+3. With sandbox "bwrap", a task that needs its image built (task_io.image_needs) is refused at the start of run_trial
    (exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker environment", the reasons):
    run here it would fail for want of a tool and score 0 silently.
 """
@@ -43,12 +43,12 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import data
 import r3
 import reward
+import task_io
 import tito
-from chat_tokens import IM_END
 from daytona_sandbox import DaytonaSandbox
+from model import ASSISTANT_PREFIX, IM_END, render_ids
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
 
@@ -131,7 +131,6 @@ class EngineClient:
         ids = [int(x[1]) for x in lps] if ids is None else [int(t) for t in ids]
         routed = meta.get("routed_experts")
         if routed is not None:
-            import r3
             if self._shape is None:
                 info = self.model_info()
                 self._shape = (int(info["num_moe_layers"]), int(info["top_k"]))
@@ -220,7 +219,6 @@ def _model_policy(engine_url, tok, sampling, stop_event, done):
 
 def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
     """Terminus-2 turns on token ids; fills result['records'], returns the exit_reason."""
-    from model import ASSISTANT_PREFIX, IM_END, render_ids
     im_end = tok.convert_tokens_to_ids(IM_END)
     nl, gen_prefix = tok.encode("\n", add_special_tokens=False), tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     first = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
@@ -268,9 +266,9 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
 
 
 def check_runs_here(task) -> None:
-    """Refuse up front a task the local jail cannot run (data.image_needs): here it would fail for want of a tool
+    """Refuse up front a task the local jail cannot run (task_io.image_needs): here it would fail for want of a tool
     and score 0 silently."""
-    needs = data.image_needs(task)
+    needs = task_io.image_needs(task)
     if needs:
         raise ValueError(f"{task.path}: needs its image: use --sandbox daytona or Harbor's docker environment "
                          f"({'; '.join(needs)})")
@@ -286,12 +284,9 @@ def score(box, result: dict, reward_scale=None) -> None:
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, harness="native", sandbox="bwrap", reward_scale=None) -> dict:
-    """One trial (sandbox, agent, verifier); never raises: a crash returns exit_reason 'error'.
-
-    harness: "native" (this token-first loop) | "text" (a client re-sending the history as text, like
-    Terminus-2) | "harbor" (Harbor's stock Terminus-2 from its own venv); the last two go through
-    gateway.py's token gateway, which records the same per-turn token records.
+              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None) -> dict:
+    """One trial (sandbox, agent, verifier) with this token-first loop; never raises: a crash returns
+    exit_reason 'error'. The text and Harbor Terminus-2 harnesses are gateway.run_trial (same result and records).
 
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
@@ -299,18 +294,13 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S in r = P / S (train_t1's
     --reward-scale; None: reward.SCALE, the paper's 20).
     """
-    if harness != "native":
-        import gateway
-        return gateway.run_trial(task_dir, agent, harness=harness, engine_url=engine_url, tokenizer=tokenizer,
-                                 sampling=sampling, limits=limits, work_root=work_root, stop_event=stop_event,
-                                 reward_scale=reward_scale)
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
               "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [], "records": []}
     root, box, done = None, None, threading.Event()
     try:
-        task = data.load_task(task_dir)
+        task = task_io.load_task(task_dir)
         result["task"] = task.name
         if agent not in ("oracle", "nop", "model", "scripted"):
             raise ValueError(f"agent: expected oracle|nop|model|scripted, got {agent!r}")
@@ -419,24 +409,6 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
 
 
 # --- steps of the RL loop: the tasks of a step, trials -> samples, the step's audit ---------------
-
-def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
-    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
-    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
-    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
-    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
-    if not pool or n_launch < 1 or step < 1:
-        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
-                         f"n_launch {n_launch}, step {step}")
-    orders = {}
-    out = []
-    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
-        epoch, pos = divmod(i, len(pool))
-        if epoch not in orders:
-            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
-        out.append(orders[epoch][pos])
-    return out
-
 
 def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False) -> list[dict]:
     """TITO assembly; a trial that cannot be assembled is recorded with its reason and skipped, except under R3

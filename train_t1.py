@@ -37,7 +37,7 @@ Departures from the paper (numbered; what and why):
      DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
   8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
-  9. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (rollout.launch_tasks).
+  9. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
  10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
@@ -70,6 +70,7 @@ import model as M
 import r3
 import reward
 import rollout
+import task_io
 import tito
 import trainer
 from trainer import actor_threads, even, load_state, local_rows, parallel_plan, prune_previous, resume_run, share
@@ -423,6 +424,24 @@ def minibatches(n: int, size: int, rng: random.Random):
     return [idx[i:i + size] for i in range(0, n, size)]
 
 
+def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
+    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
+    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
+    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
+    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
+    if not pool or n_launch < 1 or step < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
+                         f"n_launch {n_launch}, step {step}")
+    orders = {}
+    out = []
+    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
+        epoch, pos = divmod(i, len(pool))
+        if epoch not in orders:
+            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
+        out.append(orders[epoch][pos])
+    return out
+
+
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout", limits=None):
     """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
@@ -738,8 +757,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     if args.n_sft_tasks:  # a larger pool of reference trajectories, disjoint from the held-out pool
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
                                        validate_tasks=False)
-        held = {data.load_task(d).instruction for d in heldout}
-        sft_pool += [d for d in extra if data.load_task(d).instruction not in held]
+        held = {task_io.load_task(d).instruction for d in heldout}
+        sft_pool += [d for d in extra if task_io.load_task(d).instruction not in held]
     tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
     actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
@@ -859,7 +878,7 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
     first_step = state["step"] + 1
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-        launch = rollout.launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
         t0 = time.time()
         trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                               n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial

@@ -23,6 +23,7 @@ import data
 import model as model_lib
 import daytona_sandbox
 import rollout
+import task_io
 
 # --- helpers: a validating fake SGLang server in its own process --------------------------------------
 INIT_FIELDS = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
@@ -302,7 +303,7 @@ def _task(tmp_path, env_extra=""):
     (d / "instruction.md").write_text("Do it.\n")
     (d / "task.toml").write_text('[verifier]\ntimeout_sec = 60.0\n[agent]\ntimeout_sec = 300.0\n'
                                  f'[environment]\ncpus = 2\nmemory_mb = 3072\nstorage_mb = 10240\n{env_extra}')
-    return data.load_task(str(d))
+    return task_io.load_task(str(d))
 
 
 class FakeDaytona:

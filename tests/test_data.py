@@ -10,6 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import data  # noqa: E402
+import task_io  # noqa: E402
 
 S = data.SCALE
 
@@ -36,7 +37,7 @@ def test_every_family_generates_valid_harbor_dirs(pool):
     _, train, heldout = pool
     families = {}
     for d in train + heldout:
-        t = data.load_task(d)
+        t = task_io.load_task(d)
         meta = t.config["metadata"]
         families[meta["family"]] = families.get(meta["family"], 0) + 1
         assert meta["split"] == ("train" if d in train else "heldout")
@@ -63,7 +64,7 @@ def test_every_family_generates_valid_harbor_dirs(pool):
 def _one_per_family(dirs):
     seen = {}
     for d in dirs:
-        seen.setdefault(data.load_task(d).config["metadata"]["family"], d)
+        seen.setdefault(task_io.load_task(d).config["metadata"]["family"], d)
     return [seen[f] for f in data.FAMILIES]
 
 
@@ -74,7 +75,7 @@ def test_oracle_resolves_and_nop_scores_zero_for_every_family(pool, tmp_path):
     with cf.ThreadPoolExecutor(2) as ex:
         res = list(ex.map(lambda j: rollout.run_trial(j[0], j[1], work_root=str(tmp_path)), jobs))
     for (d, agent), r in zip(jobs, res):
-        n = data.load_task(d).config["metadata"]["n_assertions"]
+        n = task_io.load_task(d).config["metadata"]["n_assertions"]
         assert r["total"] == n and r["reward_source"] == "ctrf", (d, agent, r)
         if agent == "oracle":  # every assertion passes; r = P / S
             assert r["resolved"] and r["passed"] == n and r["reward"] == pytest.approx(n / S), (d, r)
@@ -104,8 +105,8 @@ def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
 
 def test_train_and_heldout_are_disjoint(tmp_path):
     train, heldout = data.generate_tasks(str(tmp_path), 60, 30, seed=0, validate_tasks=False)
-    ins_train = {data.load_task(d).instruction for d in train}
-    ins_held = {data.load_task(d).instruction for d in heldout}
+    ins_train = {task_io.load_task(d).instruction for d in train}
+    ins_held = {task_io.load_task(d).instruction for d in heldout}
     assert len(ins_train) == 60 and len(ins_held) == 30 and not ins_train & ins_held
     assert all("/train/" in d for d in train) and all("/heldout/" in d for d in heldout)
 
@@ -166,7 +167,7 @@ def _tb2_task(root):
 def test_terminal_bench2_style_task_loads_unchanged(tmp_path):
     d = _tb2_task(tmp_path / "rotate-logs")
     before = _tree(d)
-    t = data.load_task(str(d))
+    t = task_io.load_task(str(d))
     assert t.name == "rotate-logs" and t.instruction.startswith("Rotate the logs")
     assert t.config["metadata"]["category"] == "system-administration"
     assert t.config["environment"]["memory"] == "2G" and t.config["verifier"]["timeout_sec"] == 900.0
@@ -187,9 +188,9 @@ def test_malformed_task_dir_raises_naming_the_file(tmp_path, breakage, needle):
     d = _tb2_task(tmp_path / "t")
     breakage(d)
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
-        data.load_task(str(d))
+        task_io.load_task(str(d))
     with pytest.raises(ValueError, match="does not exist"):
-        data.load_task(str(tmp_path / "nope"))
+        task_io.load_task(str(tmp_path / "nope"))
 
 
 def test_static_audit_rejects_hidden_requirement_leakage_and_weak_verifier():
@@ -206,7 +207,7 @@ def test_static_audit_rejects_hidden_requirement_leakage_and_weak_verifier():
 def test_ordered_pool_by_quality_and_reshuffled_per_epoch(pool):
     _, train, _ = pool
     ordered = data.ordered_pool(train)
-    q = [data.load_task(d).config["metadata"]["quality"] for d in ordered]
+    q = [task_io.load_task(d).config["metadata"]["quality"] for d in ordered]
     assert sorted(ordered) == sorted(train) and q == sorted(q, reverse=True)
     assert data.ordered_pool(train, n=4) == ordered[:4]
     e0, e0b, e1 = data.epoch_order(ordered, 0, 1), data.epoch_order(ordered, 0, 1), data.epoch_order(ordered, 1, 1)
@@ -216,7 +217,7 @@ def test_ordered_pool_by_quality_and_reshuffled_per_epoch(pool):
 def test_corpus_holds_instructions_replies_and_terminal_text(pool):
     _, train, _ = pool
     texts = data.corpus(train)
-    t = data.load_task(train[0])
+    t = task_io.load_task(train[0])
     assert t.instruction in texts
     reply = json.load(open(os.path.join(t.solution_dir, "terminus2.json")))[0]
     assert json.dumps(reply) in texts
@@ -239,7 +240,7 @@ def test_audit_rejects_broken_oracle_and_weak_verifier(pool, tmp_path):
     shutil.copytree(src, broken)
     shutil.copytree(src, weak)
     (broken / "solution" / "solve.sh").write_text("#!/bin/bash\ntrue\n")
-    n = data.load_task(src).n_assertions  # as many trivial tests as the task records: the count check passes
+    n = task_io.load_task(src).n_assertions  # as many trivial tests as the task records: the count check passes
     (weak / "tests" / "test_outputs.py").write_text("".join(f"def test_{i}():\n    assert True\n" for i in range(n)))
     assert data.validate(src, work_root=str(tmp_path)) is None
     assert data.validate(str(broken), work_root=str(tmp_path)).startswith("oracle not resolved: 0/")
@@ -259,7 +260,7 @@ def _with_toml(root, text):
 def test_task_toml_timeouts_must_be_positive_finite_seconds(tmp_path, table, key, value):
     d = _with_toml(tmp_path / "t", f"[{table}]\n{key} = {value}\n")
     with pytest.raises(ValueError) as e:
-        data.load_task(str(d))
+        task_io.load_task(str(d))
     msg = str(e.value)
     assert str(d / "task.toml") in msg and f"[{table}] {key}" in msg, msg
 
@@ -267,7 +268,7 @@ def test_task_toml_timeouts_must_be_positive_finite_seconds(tmp_path, table, key
 def test_task_toml_finite_timeouts_load(tmp_path):
     d = _with_toml(tmp_path / "t", "[verifier]\ntimeout_sec = 900\n[agent]\ntimeout_sec = 0.5\n"
                                    "[environment]\nbuild_timeout_sec = 600.0\n")
-    t = data.load_task(str(d))
+    t = task_io.load_task(str(d))
     assert t.config["verifier"]["timeout_sec"] == 900 and t.config["agent"]["timeout_sec"] == 0.5
 
 
@@ -288,29 +289,29 @@ def test_task_toml_finite_timeouts_load(tmp_path):
 def test_task_toml_numeric_fields_refused_by_name(tmp_path, text, needle):
     d = _with_toml(tmp_path / "t", text)
     with pytest.raises(ValueError) as e:
-        data.load_task(str(d))
+        task_io.load_task(str(d))
     assert str(d / "task.toml") in str(e.value) and needle in str(e.value), str(e.value)
 
 
 def test_n_assertions_parsed_from_metadata_or_audit_file(tmp_path, pool):
     gen = pool[1][0]
-    assert data.load_task(gen).n_assertions == data.load_task(gen).config["metadata"]["n_assertions"] >= 3
+    assert task_io.load_task(gen).n_assertions == task_io.load_task(gen).config["metadata"]["n_assertions"] >= 3
     d = _tb2_task(tmp_path / "tb2")
-    assert data.load_task(str(d)).n_assertions is None  # a Terminal-Bench task: not audited yet
-    (d / data.AUDIT_FILE).write_text('{"n_assertions": 7}')
-    assert data.load_task(str(d)).n_assertions == 7
+    assert task_io.load_task(str(d)).n_assertions is None  # a Terminal-Bench task: not audited yet
+    (d / task_io.AUDIT_FILE).write_text('{"n_assertions": 7}')
+    assert task_io.load_task(str(d)).n_assertions == 7
     (d / "task.toml").write_text(TB2_TOML.replace('[metadata]\n', '[metadata]\nn_assertions = 6\n'))
     with pytest.raises(ValueError, match="n_assertions = 6 but t1_audit.json records 7"):
-        data.load_task(str(d))
+        task_io.load_task(str(d))
     for bad in ('{"n_assertions": 0}', '{"n_assertions": true}', '{"tests": 7}', "[" * 100000, "x" * 5000):
-        (d / data.AUDIT_FILE).write_text(bad)
+        (d / task_io.AUDIT_FILE).write_text(bad)
         with pytest.raises(ValueError, match="t1_audit.json"):
-            data.load_task(str(d))
-    (d / data.AUDIT_FILE).unlink()
+            task_io.load_task(str(d))
+    (d / task_io.AUDIT_FILE).unlink()
     (tmp_path / "forged.json").write_text('{"n_assertions": 6}')
-    (d / data.AUDIT_FILE).symlink_to(tmp_path / "forged.json")
+    (d / task_io.AUDIT_FILE).symlink_to(tmp_path / "forged.json")
     with pytest.raises(ValueError, match="without following a link"):
-        data.load_task(str(d))
+        task_io.load_task(str(d))
 
 
 def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
@@ -318,19 +319,19 @@ def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
     import re
     import shutil
     src = _one_per_family(pool[1])[1]
-    n = data.load_task(src).n_assertions
+    n = task_io.load_task(src).n_assertions
     fewer, unrecorded = tmp_path / "fewer", tmp_path / "unrecorded"
     shutil.copytree(src, fewer)
     shutil.copytree(src, unrecorded)
     toml = (fewer / "task.toml").read_text()
     (fewer / "task.toml").write_text(re.sub(r"n_assertions = \d+", f"n_assertions = {n - 1}", toml))
     (unrecorded / "task.toml").write_text(re.sub(r"n_assertions = \d+\n", "", toml))
-    assert data.load_task(str(unrecorded)).n_assertions is None
+    assert task_io.load_task(str(unrecorded)).n_assertions is None
     # the oracle's report has n tests, one more than recorded: the audit rejects it (whether the jail's
     # reward.compute already refused the report or the count check here catches it)
     why = data.validate(str(fewer), work_root=str(tmp_path / "w"))
     assert why is not None and why.startswith(("assertion count", "oracle has no usable CTRF")), why
-    assert not (fewer / data.AUDIT_FILE).exists()
+    assert not (fewer / task_io.AUDIT_FILE).exists()
     assert data.validate(str(unrecorded), work_root=str(tmp_path / "w")) is None
-    assert json.loads((unrecorded / data.AUDIT_FILE).read_text())["n_assertions"] == n
-    assert data.load_task(str(unrecorded)).n_assertions == n
+    assert json.loads((unrecorded / task_io.AUDIT_FILE).read_text())["n_assertions"] == n
+    assert task_io.load_task(str(unrecorded)).n_assertions == n

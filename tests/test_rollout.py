@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
+import task_io  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
@@ -84,7 +85,7 @@ def task(tmp_path):
 @pytest.fixture
 def box(task, tmp_path):
     limits = sandbox.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
-    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         yield b
 
 
@@ -342,7 +343,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
     """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
     import threading
     stop = threading.Event()
-    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32), stop_event=stop) as b:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32), stop_event=stop) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "y\n" * (1 << 20))
         time.sleep(1)
@@ -356,7 +357,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
 def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
     """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
     limits = sandbox.Limits(max_procs=32, max_duration_s=2.0)
-    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial", limits) as b:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "z\n" * (1 << 19))
         th.join(60)
@@ -424,7 +425,7 @@ def test_image_needs_names_what_the_jail_lacks(tmp_path):
         "guarded": dict(dockerfile="FROM ghcr.io/laude-institute/t-bench/python-3-13:20250620\nWORKDIR /app\n",
                         test_sh=PYTEST_ONLY_TEST_SH),
     }
-    got = {k: data.image_needs(data.load_task(_with(make_task(tmp_path, k), **kw))) for k, kw in cases.items()}
+    got = {k: task_io.image_needs(task_io.load_task(_with(make_task(tmp_path, k), **kw))) for k, kw in cases.items()}
     assert got["image"] == ["task.toml [environment] docker_image = 'ghcr.io/x/y:1'"]
     assert [r.split("`")[1].split()[0] if "`" in r else r.split()[1] for r in got["build"]] == ["apt-get", "cargo",
                                                                                                  "COPY"]
@@ -509,19 +510,19 @@ def test_image_needs_refuses_hostile_task_files(tmp_path):
     (task / "tests/test.sh").unlink()
     (task / "tests/test.sh").symlink_to("/dev/zero")
     with pytest.raises(ValueError, match="test.sh: not a regular file inside the task dir"):
-        data.image_needs(data.load_task(task))
+        task_io.image_needs(task_io.load_task(task))
     (task / "tests/test.sh").unlink()
     (task / "tests/test.sh").symlink_to("/etc/passwd")
     with pytest.raises(ValueError, match="not a regular file inside the task dir"):
-        data.image_needs(data.load_task(task))
+        task_io.image_needs(task_io.load_task(task))
     (task / "tests/test.sh").unlink()
     (task / "tests/test.sh").write_text("pytest /tests\n" * 100_000)  # 1.4 MB
-    assert data.image_needs(data.load_task(task)) == [f"tests/test.sh larger than {data.CHECK_BYTES} bytes: "
+    assert task_io.image_needs(task_io.load_task(task)) == [f"tests/test.sh larger than {task_io.CHECK_BYTES} bytes: "
                                                       "not checked"]
     other = make_task(tmp_path, "other")
     (other / "task.toml").write_text('environment = "x"\n' + (other / "task.toml").read_text())
     with pytest.raises(ValueError, match=r"\[environment\] must be a table"):
-        data.image_needs(data.load_task(other))
+        task_io.image_needs(task_io.load_task(other))
     rc, out, err = _cli("--task", make_task(tmp_path, "third"), "--agent", "nop", "--keep", other / "task.toml")
     assert rc == 2 and "is not a directory" in err
 

@@ -13,9 +13,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import data  # noqa: E402
+import harbor_env  # noqa: E402
 import rollout  # noqa: E402
 import sandbox  # noqa: E402
+import task_io  # noqa: E402
 from test_rollout import TEST_SH, make_task  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -64,7 +65,7 @@ def canary(tmp_path, name="canary.txt"):
 
 def test_agent_commands_cannot_open_by_handle_or_make_a_user_namespace(tmp_path):
     task = make_task(tmp_path)
-    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial") as box:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         rc, out = box.exec("python3 /app/probe.py nowhere; unshare -U true; echo unshare=$?")
     assert "name_to_handle_at -1 Operation not permitted" in out, out
@@ -224,17 +225,16 @@ def test_seccomp_filter_is_built_for_each_known_machine():
         sandbox.seccomp_filter("riscv64")
 
 
-# --- the Harbor path (gateway.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------------
+# --- the Harbor path (harbor_env.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------
 
 def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_path):
     import types
 
-    import gateway
     host_file = canary(tmp_path)
     task = make_task(tmp_path)
     t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
                               name="harbor")
-    with gateway._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
+    with harbor_env._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
         rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
@@ -264,7 +264,7 @@ print("i386 name_to_handle_at", int80(341), "getpid", int80(20))
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 syscall ABI exists on x86_64 only")
 def test_i386_syscall_abi_cannot_name_a_handle(tmp_path):
     task = make_task(tmp_path)
-    with sandbox.Sandbox(data.load_task(task), tmp_path / "trial") as box:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(I386_PROBE)
         rc, out = box.exec("python3 /app/probe.py")
     # -1 (EPERM): refused by the filter; unfiltered it gets -14 (EFAULT: the NULL name), -38 without IA32 emulation

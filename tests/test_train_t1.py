@@ -202,8 +202,8 @@ def test_parse_args_takes_the_new_flags():
 def test_every_task_is_launched_once_per_epoch(n_pool, n_launch):
     pool = [f"task{i}" for i in range(n_pool)]
     steps = 3 * n_pool  # covers n_launch * steps / n_pool >= 3 epochs
-    stream = [t for s in range(1, steps + 1) for t in rollout.launch_tasks(pool, s, n_launch, seed=1)]
-    assert all(len(rollout.launch_tasks(pool, s, n_launch, 1)) == n_launch for s in (1, 2, steps))  # no short step
+    stream = [t for s in range(1, steps + 1) for t in T.launch_tasks(pool, s, n_launch, seed=1)]
+    assert all(len(T.launch_tasks(pool, s, n_launch, 1)) == n_launch for s in (1, 2, steps))  # no short step
     for e in range(len(stream) // n_pool):
         assert Counter(stream[e * n_pool:(e + 1) * n_pool]) == Counter(pool), f"epoch {e}"
     orders = [stream[e * n_pool:(e + 1) * n_pool] for e in range(2)]
