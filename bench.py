@@ -4,6 +4,7 @@
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
     python bench.py cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation peak vs kappa
+    python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
 
 Each one writes what it measures to stdout (one JSON line, or a table for cp); the figures measured so far are in
 RESULTS.md. Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests.
@@ -16,7 +17,9 @@ import threading
 import time
 import urllib.request
 import uuid
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -226,6 +229,76 @@ def cp_bench(kappas=(1, 2, 4, 8), shape=None):
               f" {gerr:>15.3e} {grel:>9.2e} {peak / 2**20:>14.2f} {peak / base:>10.3f}")
 
 # --- CLI ------------------------------------------------------------------------------------------------
+# --- a run's report (train_t1.train prints it at the end): async vs sequential, the table, curves --------------
+def async_vs_sequential(run_dir) -> dict:
+    """Step time with the next rollout beside the update (async) vs rollout then update (sequential).
+
+    Goal (issue): async step <= 1.15 x max(rollout, update), both measured in sequential steps of the run.
+    """
+    rl = [json.loads(l) for l in open(Path(run_dir) / "metrics.jsonl") if json.loads(l)["phase"] == "rl"]
+    nxt = {r["step"] - 1: r for r in rl}
+    seq = [r for r in rl if not r.get("rollout_beside_update") and not r.get("sampled_beside_update")
+           and "time_train" in r]  # rollout, then update, nothing beside
+    asy = [r for r in rl if r.get("rollout_beside_update") and r.get("sampled_beside_update") and r["step"] in nxt
+           and "time_train" in r]  # steady state: own rollout ran beside the last update, the next beside this one
+    out = {"n_sequential": len(seq), "n_async": len(asy)}
+    if seq:
+        out.update(sequential_step_s=float(np.mean([r["time_step"] for r in seq])),
+                   sequential_rollout_s=float(np.mean([r["time_rollout"] for r in seq])),
+                   sequential_train_s=float(np.mean([r["time_train"] for r in seq])))
+    if asy:
+        out.update(async_step_s=float(np.mean([r["time_step"] for r in asy])),
+                   async_over_own_max=float(np.mean([r["time_step"] / max(nxt[r["step"]]["time_rollout"], r["time_train"])
+                                                     for r in asy])))
+    if seq and asy:
+        out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"], out["sequential_train_s"])
+    return out
+
+
+def print_table(summary: dict) -> None:
+    print("\n| pool | checkpoint | solve rate | mean reward (P/S) | mean turns | trials |\n|---|---|---|---|---|---|")
+    for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
+        for ck in ("sft", "rl"):
+            e = summary[key.format(ck)]
+            print(f"| {pool} | after {ck.upper()} | {e['solve_rate']:.3f} | {e['reward_mean']:.3f} | "
+                  f"{e['turns_mean']:.1f} | {e['n_trials']} |")
+    print("\n| phase | wall time (s) |\n|---|---|")
+    for k, v in summary["phase_times"].items():
+        print(f"| {k} | {v:.0f} |")
+
+
+def plot(run_dir) -> Path:
+    """PNG curves of a run: reward, solve rate, EV (warm-up and RL), |dlogp|, turns, phase times."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    run_dir = Path(run_dir)
+    recs = [json.loads(l) for l in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
+    rl = [r for r in recs if r["phase"] == "rl"]
+    panels = [("reward_mean", "reward (P/S)"), ("solve_rate", "solve rate"), ("explained_variance", "explained variance"),
+              ("dlogp", "|dlogp| (R3 on)"), ("turns_mean", "turns"), ("time_step", "step time (s)")]
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
+    axes = axes.ravel()
+    for ax, (k, title) in zip(axes, panels):
+        ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o")
+        if k == "dlogp":
+            ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")
+            ax.legend()
+        ax.set_title(title)
+        ax.set_xlabel("RL step")
+    warm = [r for r in recs if r["phase"] == "critic_warmup"]
+    axes[6].plot([r["step"] for r in warm], [r["explained_variance"] for r in warm], marker=".")
+    axes[6].set_title("critic warm-up EV")
+    sft_recs = [r for r in recs if r["phase"] == "sft"]
+    axes[7].plot([r["step"] for r in sft_recs], [r["sft_loss"] for r in sft_recs])
+    axes[7].set_title("SFT loss")
+    fig.tight_layout()
+    out = run_dir / "curves.png"
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -244,6 +317,8 @@ def main(argv=None):
     cb = sub.add_parser("cp", help="CP Gated DeltaNet: exactness and activation peak vs kappa")
     cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8])
     cb.add_argument("--seq-len", type=int, default=1024)
+    pl = sub.add_parser("plot", help="PNG curves of a run directory (reward, solve rate, EV, |dlogp|, ...)")
+    pl.add_argument("run_dir")
     args = p.parse_args(argv)
     if args.cmd == "engine":
         torch.set_num_threads(args.threads)
@@ -255,6 +330,8 @@ def main(argv=None):
         print(json.dumps(r3_measure(seed=args.seed, **kw)))
     elif args.cmd == "tito":
         print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
+    elif args.cmd == "plot":
+        print(plot(args.run_dir))
     else:
         cp_bench(args.kappas, dict(B=1, S=args.seq_len, nk=2, nv=4, dk=32, dv=32))
 

@@ -585,6 +585,24 @@ def epoch_order(pool, epoch, seed):
     return order
 
 
+def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
+    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
+    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
+    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
+    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
+    if not pool or n_launch < 1 or step < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
+                         f"n_launch {n_launch}, step {step}")
+    orders = {}
+    out = []
+    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
+        epoch, pos = divmod(i, len(pool))
+        if epoch not in orders:
+            orders[epoch] = epoch_order(pool, epoch, seed)  # reshuffled per epoch
+        out.append(orders[epoch][pos])
+    return out
+
+
 def corpus(task_dirs):
     """Texts for the tokenizer: instructions, expert replies (as the harness serialises them),
     the commands and typical terminal output (file names, file contents)."""

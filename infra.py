@@ -13,7 +13,7 @@ folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as EP x E
                                                          optimizer table: "bf16 param, fp32 grads")
     optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
     expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
-    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (train_t1.Trainer.behaviour:
+    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (ppo.Trainer.behaviour:
                                          the weights that sampled the batch, version t-1, for the old logprobs)
     host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions (t-1, t)
                                          Trainer.mark_published keeps, as slime's TensorBackuper keeps its snapshots
@@ -184,7 +184,7 @@ def layer_activation_bytes(c: ModelConfig, p: Plan) -> dict:
     return dict(gdn=boundary + gdn + moe, attn=boundary + attn + moe, boundary_in=2 * h / sp)
 
 
-PUBLISHED_VERSIONS = 2  # train_t1.Trainer.mark_published keeps the last two published versions (t-1, t)
+PUBLISHED_VERSIONS = 2  # ppo.Trainer.mark_published keeps the last two published versions (t-1, t)
 
 
 def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", stage: int = 0,
@@ -365,7 +365,7 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 
 # ----------------------------------------------------------------------------- Ray layout
 # One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
-# co-resident, train_t1.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
+# co-resident, ppo.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
 # workers (RolloutWorker: trials in sandboxes). One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core

@@ -307,7 +307,7 @@ def _gpt_forward(gpt, input_ids, attention_mask=None):
 class MegatronActor(torch.nn.Module):
     """GPTModel behind the embedded backend's interface: forward(input_ids, attention_mask) -> .logits.
 
-    attention_mask (B, T) 1/0 (right padding, as train_t1.pad_batch); logits (B, T, V) fp32 (gathered over the
+    attention_mask (B, T) 1/0 (right padding, as ppo.pad_batch); logits (B, T, V) fp32 (gathered over the
     TP ranks when the output layer is vocab-parallel). `token_logprobs` is the training path: log pi of the next
     token straight from the vocab-parallel logits (Megatron's vocab-parallel cross entropy), never the (B, T, V)
     gather. `r3.routing(actor, mode, experts)` works as for the HF actor: it calls `self.routing`, which slices

@@ -219,7 +219,7 @@ def check_capture(experts, loss_mask) -> int:
     without --enable-return-routed-experts returns no routed_experts; the embedded engine captures whenever the
     request sets return_routed_experts, as rollout.EngineClient does) -> tito.CaptureError naming the trial, the turn
     and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
-    the trainer -> ValueError (train_t1.pad_batch / batch_routing). None is dropped or trained with live routing.
+    the trainer -> ValueError (ppo.pad_batch / batch_routing). None is dropped or trained with live routing.
     With replay off, routing is optional (only the expert_set_mismatch figure uses it).
     """
     if experts is None:

@@ -8,7 +8,7 @@ section; DESIGN.md section 3. One RL step (rl_loop), read top to bottom:
     R3 replay, checkpoint -> 7. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
 
 preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by held-out
-evaluation. Steps 5-6 run on the trainer actor (trainer.py) with this file's step functions.
+evaluation. Steps 5-6 run on the trainer actor (trainer.py) with ppo.py's step functions.
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
@@ -20,25 +20,17 @@ A run directory holds tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO
 metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt and state.json, the commit point: the same
 --run-dir resumes after the last committed phase / RL step, none applied twice or skipped (trainer.resume_run).
 
-Departures from the paper (numbered; what and why):
+Departures from the paper (numbered; what and why; the update's own are in ppo.py, the trainer's in trainer.py):
   1. Scale: the embedded preset trains a tiny random-init Qwen3.5-MoE on synthesized shell tasks, sized for 2 CPU
      cores (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. SFT memorises the
      training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (RESULTS.md).
   2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
      speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories of the training pool (the paper's is not public).
-  4. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
-     frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
-  5. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
+  4. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
      the cluster model (TE layers, the Hub checkpoint per rank) is not wired: check_args refuses it by name.
-  6. --trainer-ranks N (hf): N full replicas, pure DP, sample i on rank i mod N, gradients summed before the clip,
-     so a step equals the one-rank step (trainer.py departures 1-2, tests/test_trainer_group.py).
-  7. --backend megatron --plan: Megatron's TP / PP / CP / EP / DP layout, each rank its shards, ShardedAdam over
-     DP (trainer.py departures 3-6, mcore_parallel.py); checked against the one-rank trainer (same test).
-  8. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
-     trajectory first (slime's default).
-  9. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
- 10. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
+  5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
+  6. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
 """
 from __future__ import annotations
@@ -58,160 +50,118 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-from tqdm import tqdm
 from transformers import AutoTokenizer
 
+import bench
 import critic as C
 import data
 import gateway
 import infra
 import model as M
-import r3
+import ppo
 import reward
 import rollout
 import task_io
 import tito
-import trainer
-from trainer import actor_threads, even, load_state, local_rows, parallel_plan, prune_previous, resume_run, share
+from trainer import Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run
 
 
 @dataclass
 class Args:
     """Defaults are the paper's values (cluster scale); EMBEDDED / QUICK below override what must shrink."""
-    run_dir: str = "runs/embedded"
-    """where checkpoints, samples and metrics go; the same dir resumes"""
-    seed: int = 1
-    """seed for task synthesis, init, sampling and data order"""
+    run_dir: str = "runs/embedded"  # where checkpoints, samples and metrics go; the same dir resumes
+    seed: int = 1  # seed for task synthesis, init, sampling and data order
     # --- data (paper: T1-15k, quality-ordered, reshuffled per epoch)
-    n_train_tasks: int = 15000
-    """training pool size (paper: T1-15k)"""
+    n_train_tasks: int = 15000  # training pool size (paper: T1-15k)
+    # held-out pool size (paper evaluates on Terminal-Bench 2.1, 89 tasks, disjoint from training)
     n_heldout_tasks: int = 89
-    """held-out pool size (paper evaluates on Terminal-Bench 2.1, 89 tasks, disjoint from training)"""
+    # extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the verifier resolves
+    # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
-    """extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the
-    verifier resolves them); 0 = SFT on the training pool's reference trajectories"""
     # --- model
+    # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention MoE) | qwen3_moe (standard attention MoE,
+    # Qwen3-MoE)
     arch: str = "qwen3_5_moe"
-    """embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention MoE) | qwen3_moe (standard
-    attention MoE, Qwen3-MoE)"""
-    vocab_size: int = 2048
-    """embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)"""
+    vocab_size: int = 2048  # embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)
     # --- rollout (paper: 1 trajectory per task; launch 560, keep the first 512 finished)
-    n_launch: int = 560
-    """trials launched per RL step (paper: 560)"""
-    n_keep: int = 512
-    """first finished trials kept per RL step (paper: 512)"""
-    temperature: float = 1.0
-    """sampling temperature of training rollouts"""
-    top_p: float = 1.0
-    """nucleus sampling of training rollouts"""
-    max_turns: int = 300
-    """turn limit of one trial (paper: 300+ tool-call turns per task)"""
-    max_new_tokens: int = 8192
-    """tokens per model reply (paper evaluation: 8,192 output tokens)"""
-    max_total_tokens: int = 56000
-    """context budget of one trajectory (paper evaluation: 56k input)"""
-    trial_timeout_s: float = 3600.0
-    """agent wall-clock limit (paper evaluation protocol: 3600 s agent)"""
-    rollout_workers: int = 64
-    """concurrent trials"""
+    n_launch: int = 560  # trials launched per RL step (paper: 560)
+    n_keep: int = 512  # first finished trials kept per RL step (paper: 512)
+    temperature: float = 1.0  # sampling temperature of training rollouts
+    top_p: float = 1.0  # nucleus sampling of training rollouts
+    max_turns: int = 300  # turn limit of one trial (paper: 300+ tool-call turns per task)
+    max_new_tokens: int = 8192  # tokens per model reply (paper evaluation: 8,192 output tokens)
+    max_total_tokens: int = 56000  # context budget of one trajectory (paper evaluation: 56k input)
+    trial_timeout_s: float = 3600.0  # agent wall-clock limit (paper evaluation protocol: 3600 s agent)
+    rollout_workers: int = 64  # concurrent trials
     # --- evaluation (paper protocol, one source: gateway.EVAL; every trial counts, gateway.evaluate_trials)
-    eval_temperature: float = gateway.EVAL["temperature"]
-    """evaluation temperature (paper: 0.1)"""
-    eval_top_p: float = gateway.EVAL["top_p"]
-    """evaluation top-p (paper: 0.95)"""
+    eval_temperature: float = gateway.EVAL["temperature"]  # evaluation temperature (paper: 0.1)
+    eval_top_p: float = gateway.EVAL["top_p"]  # evaluation top-p (paper: 0.95)
+    # attempts per held-out task (paper: 3); n_trials = tasks x attempts, a failed trial counts 0
     eval_attempts: int = gateway.EVAL["attempts"]
-    """attempts per held-out task (paper: 3); n_trials = tasks x attempts, a failed trial counts 0"""
-    eval_max_turns: int = gateway.EVAL["max_turns"]
-    """turn limit of an evaluation trial (paper: 60)"""
+    eval_max_turns: int = gateway.EVAL["max_turns"]  # turn limit of an evaluation trial (paper: 60)
+    # agent wall-clock limit of an evaluation trial, replacing the task's own (paper: 3600 s)
     eval_agent_timeout_s: float = gateway.EVAL["agent_timeout_s"]
-    """agent wall-clock limit of an evaluation trial, replacing the task's own (paper: 3600 s)"""
+    # verifier limit of an evaluation trial, replacing the task's own (paper: 900 s)
     eval_verifier_timeout_s: float = gateway.EVAL["verifier_timeout_s"]
-    """verifier limit of an evaluation trial, replacing the task's own (paper: 900 s)"""
+    # also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)
     eval_train_tasks: int = 0
-    """also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)"""
     # --- reward
+    # S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)
     reward_scale: float = float(reward.SCALE)
-    """S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)"""
     # --- SFT warm start
-    sft_epochs: int = 1
-    """epochs over the scripted reference trajectories"""
-    sft_lr: float = 1e-5
-    """SFT learning rate"""
-    sft_batch_size: int = 8
-    """trajectories per SFT step"""
+    sft_epochs: int = 1  # epochs over the scripted reference trajectories
+    sft_lr: float = 1e-5  # SFT learning rate
+    sft_batch_size: int = 8  # trajectories per SFT step
     # --- critic (paper: full-size, warm-up one epoch, 30x actor lr, updated first, value clip 0.2)
-    critic_warmup_epochs: int = 1
-    """critic-only epochs before RL (paper: Critic Warm-Up, one epoch)"""
-    critic_warmup_trials: int = 512
-    """rollouts of the SFT policy that form the warm-up pool"""
-    critic_lr: float = 1.5e-5
-    """critic learning rate (paper: 1.5e-5 = 30x the actor's)"""
-    clip_eps_v: float = 0.2
-    """value clip around V_old (paper: eps_v = 0.2)"""
+    critic_warmup_epochs: int = 1  # critic-only epochs before RL (paper: Critic Warm-Up, one epoch)
+    critic_warmup_trials: int = 512  # rollouts of the SFT policy that form the warm-up pool
+    critic_lr: float = 1.5e-5  # critic learning rate (paper: 1.5e-5 = 30x the actor's)
+    clip_eps_v: float = 0.2  # value clip around V_old (paper: eps_v = 0.2)
     # --- PPO (paper: clip 0.2, gamma = lambda = 1, KL off, load balancing off, no schedule/entropy/shaping)
-    rl_steps: int = 58
-    """RL steps (paper: 58 logged steps in the production run)"""
-    actor_lr: float = 1.0e-6
-    """actor learning rate (paper: 1.0e-6, constant)"""
-    clip_eps: float = 0.2
-    """PPO ratio clip (paper: 0.2)"""
-    gamma: float = 1.0
-    """discount (paper: 1)"""
-    lam: float = 1.0
-    """GAE lambda (paper: 1)"""
+    rl_steps: int = 58  # RL steps (paper: 58 logged steps in the production run)
+    actor_lr: float = 1.0e-6  # actor learning rate (paper: 1.0e-6, constant)
+    clip_eps: float = 0.2  # PPO ratio clip (paper: 0.2)
+    gamma: float = 1.0  # discount (paper: 1)
+    lam: float = 1.0  # GAE lambda (paper: 1)
+    # KL to the frozen SFT reference, k3 estimator on the m = 1 tokens, added to the actor loss (paper: both KL terms
+    # off: the reference routes with its own experts); > 0 builds the reference copy (hf backend)
     kl_coef: float = 0.0
-    """KL to the frozen SFT reference, k3 estimator on the m = 1 tokens, added to the actor loss (paper: both KL
-    terms off: the reference routes with its own experts); > 0 builds the reference copy (hf backend)"""
+    # MoE load-balancing (Switch / Qwen-MoE aux) loss of the actor's routers, added to the actor loss (paper: 0,
+    # balancing would move the routing R3 replays; hf backend)
     aux_loss_coef: float = 0.0
-    """MoE load-balancing (Switch / Qwen-MoE aux) loss of the actor's routers, added to the actor loss (paper: 0,
-    balancing would move the routing R3 replays; hf backend)"""
+    # entropy bonus: the actor loss minus coef x the mean entropy of pi on the m = 1 tokens (paper: none; hf)
     entropy_coef: float = 0.0
-    """entropy bonus: the actor loss minus coef x the mean entropy of pi on the m = 1 tokens (paper: none; hf)"""
+    # PPO and value loss reduction: token (mean over every m = 1 token of a minibatch) | sample (mean within each
+    # trajectory, then over trajectories: slime's default) (paper silent; token was the only one before this flag)
     loss_agg: str = "token"
-    """PPO and value loss reduction: token (mean over every m = 1 token of a minibatch) | sample (mean within each
-    trajectory, then over trajectories: slime's default) (paper silent; token was the only one before this flag)"""
-    ppo_epochs: int = 1
-    """passes over each step's batch (not stated in the paper)"""
-    minibatch_size: int = 64
-    """trajectories per optimizer step"""
-    max_grad_norm: float = 1.0
-    """gradient clipping"""
-    async_rollout: bool = True
-    """one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)"""
-    sync_steps: int = 0
-    """run the first sync_steps RL steps sequentially (async vs sequential step time within one run)"""
-    r3_mode: str = "replay"
-    """routing in the trainer: replay (R3, paper) | off"""
+    ppo_epochs: int = 1  # passes over each step's batch (not stated in the paper)
+    minibatch_size: int = 64  # trajectories per optimizer step
+    max_grad_norm: float = 1.0  # gradient clipping
+    async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)
+    sync_steps: int = 0  # run the first sync_steps RL steps sequentially (async vs sequential step time within one run)
+    r3_mode: str = "replay"  # routing in the trainer: replay (R3, paper) | off
     # --- engine, sandboxes, Ray
-    engine_weight_dtype: str = "bf16"
-    """engine weights: bf16-rounded (production-like mismatch) or fp32"""
-    n_engines: int = 1
-    """embedded engines started as Ray actors (ignored with engine_urls)"""
+    engine_weight_dtype: str = "bf16"  # engine weights: bf16-rounded (production-like mismatch) or fp32
+    n_engines: int = 1  # embedded engines started as Ray actors (ignored with engine_urls)
+    # comma-separated SGLang-protocol servers already running (cluster.py launch); empty: start n_engines
     engine_urls: str = ""
-    """comma-separated SGLang-protocol servers already running (cluster.py launch); empty: start n_engines"""
-    rollout_actors: int = 8
-    """Ray rollout-worker actors; rollout_workers concurrent trials are spread over them"""
-    sandbox: str = "bwrap"
-    """bwrap (local jail) | daytona (cluster; needs DAYTONA_API_KEY)"""
-    ray_address: str = ""
-    """Ray cluster to join (or $RAY_ADDRESS); empty: start one on this machine for this run"""
+    rollout_actors: int = 8  # Ray rollout-worker actors; rollout_workers concurrent trials are spread over them
+    sandbox: str = "bwrap"  # bwrap (local jail) | daytona (cluster; needs DAYTONA_API_KEY)
+    ray_address: str = ""  # Ray cluster to join (or $RAY_ADDRESS); empty: start one on this machine for this run
+    # CPU threads of the trainer and of each embedded engine; 0: half the cores each when async (the overlapped rollout
+    # and update then do not fight over the same cores), all of them (max 2) otherwise
     torch_threads: int = 0
-    """CPU threads of the trainer and of each embedded engine; 0: half the cores each when async (the
-    overlapped rollout and update then do not fight over the same cores), all of them (max 2) otherwise"""
     # --- cluster (the flags `cluster.py launch` passes)
-    backend: str = "hf"
-    """trainer backend: hf (transformers, this machine) | megatron (mcore.py; GPU nodes only)"""
+    backend: str = "hf"  # trainer backend: hf (transformers, this machine) | megatron (mcore.py; GPU nodes only)
+    # start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start
     model_path: str = ""
-    """start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start"""
+    # trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / cp / ep / etp
+    # / dp run over tp * pp * cp * dp trainer ranks, on this CPU too (gloo); cp not with pp
     plan: str = ""
-    """trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / cp / ep /
-    etp / dp run over tp * pp * cp * dp trainer ranks, on this CPU too (gloo); cp not with pp"""
+    # GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)
     engine_world_sizes: str = ""
-    """GPUs of each server in engine_urls (cluster: weights are broadcast over NCCL, cluster.WeightPublisher)"""
+    # data-parallel trainer ranks (Ray actors under one torch.distributed group; TrainerGroup) when no --plan
     trainer_ranks: int = 1
-    """data-parallel trainer ranks (Ray actors under one torch.distributed group; TrainerGroup) when no --plan"""
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
@@ -335,113 +285,6 @@ def check_loss_args(args: Args) -> None:
 
 # --- helpers ------------------------------------------------------------------------------------------
 
-def log(run_dir: Path, msg: str) -> None:
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    with open(run_dir / "log.txt", "a") as f:
-        f.write(line + "\n")
-
-
-class Metrics:
-    """metrics.jsonl (one object per record) + TensorBoard; names are listed in the README."""
-
-    def __init__(self, run_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = SummaryWriter(str(run_dir / "tb"))
-
-    def write(self, rec: dict, step: int, phase: str) -> None:
-        rec = {"phase": phase, "step": step, **rec}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
-                self.tb.add_scalar(f"{phase}/{k}", v, step)
-        self.tb.flush()
-
-
-def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
-    """Right-pad samples into (B, T) tensors; the trial's reward r = P / S placed on the last sampled token.
-
-    One reward: r is the one reward.compute gave the trial (rollout.run_trial's reward_scale = --reward-scale);
-    a CTRF sample whose r is not P / scale was scored with another S and is refused.
-    replay (R3 on): every sample must carry its routing; one without is refused, never trained with live routing."""
-    lacking = [s.get("task", "?") for s in samples if s.get("routed_experts") is None]
-    if replay and lacking:
-        raise ValueError(f"R3 replay: {len(lacking)} of {len(samples)} samples carry no routing (trials "
-                         f"{lacking[:5]}): {tito.ENGINE_CAPTURE_HINT}; or run with --r3-mode off")
-    B, T = len(samples), max(len(s["tokens"]) for s in samples)
-    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "attention_mask": torch.zeros(B, T, dtype=torch.long),
-           "mask": torch.zeros(B, T), "rollout_logprobs": torch.zeros(B, T), "rewards": torch.zeros(B, T)}
-    re0 = next((s["routed_experts"] for s in samples if s.get("routed_experts") is not None), None)
-    out["experts"] = None if re0 is None else torch.full((B, T) + re0.shape[1:], -1, dtype=torch.int32)
-    for b, s in enumerate(samples):
-        n = len(s["tokens"])
-        out["input_ids"][b, :n] = torch.tensor(np.asarray(s["tokens"]))  # copies (Ray hands over read-only arrays)
-        out["attention_mask"][b, :n] = 1
-        out["mask"][b, :n] = torch.tensor(np.asarray(s["loss_mask"]), dtype=torch.float32)
-        out["rollout_logprobs"][b, :n] = torch.tensor(np.asarray(s["rollout_logprobs"]), dtype=torch.float32)
-        last = int(np.flatnonzero(s["loss_mask"])[-1])
-        if s.get("reward_source") == "ctrf" and abs(s["reward"] - s["passed"] / scale) > 1e-9:
-            raise ValueError(f"sample of task {s.get('task')!r}: reward {s['reward']} is not P / S = {s['passed']} / "
-                             f"{scale} (--reward-scale): the trial was scored with another S")
-        out["rewards"][b, last] = s["reward"]  # r = P / S, as reward.compute gave it
-        if out["experts"] is not None and s.get("routed_experts") is not None:
-            out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))  # row n-1 stays -1 (no next token)
-    return out
-
-
-def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
-    """logprobs (B, T): logprobs[:, j] = log pi(tokens[j] | tokens[:j]); column 0 is 0.
-
-    Runs inside the caller's `r3.routing` context; backward must run inside it too (recompute replays).
-    """
-    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
-    if hasattr(actor, "token_logprobs"):  # mcore.MegatronActor: from the vocab-parallel logits, no (B, T, V) gather
-        return F.pad(actor.token_logprobs(ids, am, temperature), (1, 0))
-    logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
-    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
-    return F.pad(lp, (1, 0))
-
-
-def batch_routing(actor, batch, mode, rows=slice(None)):
-    """The R3 context for rows of a batch: replay its recorded experts (a batch without them is refused), or off."""
-    if mode == "replay" and batch["experts"] is None:
-        raise ValueError(f"R3 replay: the batch carries no routing: {tito.ENGINE_CAPTURE_HINT}; "
-                         f"or run with --r3-mode off")
-    return r3.routing(actor, mode, experts=batch["experts"][rows] if mode == "replay" else None)
-
-
-def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=False):
-    """token_logprobs under the batch's R3 context."""
-    with batch_routing(actor, batch, mode, rows), torch.set_grad_enabled(grad):
-        return token_logprobs(actor, batch, temperature, rows)
-
-
-def minibatches(n: int, size: int, rng: random.Random):
-    idx = list(range(n))
-    rng.shuffle(idx)
-    return [idx[i:i + size] for i in range(0, n, size)]
-
-
-def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
-    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
-    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
-    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
-    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
-    if not pool or n_launch < 1 or step < 1:
-        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
-                         f"n_launch {n_launch}, step {step}")
-    orders = {}
-    out = []
-    for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
-        epoch, pos = divmod(i, len(pool))
-        if epoch not in orders:
-            orders[epoch] = data.epoch_order(pool, epoch, seed)  # reshuffled per epoch
-        out.append(orders[epoch][pos])
-    return out
-
-
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout", limits=None):
     """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
@@ -491,214 +334,6 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
         log(Path(run_dir), f"eval {tag}: {rep['n_errors']} of {rep['n_trials']} trials failed and count 0: "
                            f"{rep['errors'][:5]}")
     return {k: v for k, v in rep.items() if k != "trials"}
-
-
-# --- phases -----------------------------------------------------------------------------------------
-
-def sft(actor, samples: list[dict], args: Args, metrics: Metrics) -> None:
-    """SFT warm start: cross-entropy on the sampled (m = 1) tokens of reference trajectories."""
-    opt = torch.optim.AdamW(actor.parameters(), lr=args.sft_lr, weight_decay=0.0)
-    rng = random.Random(args.seed)
-    step = 0
-    actor.train()
-    for epoch in range(args.sft_epochs):
-        bar = tqdm(minibatches(len(samples), args.sft_batch_size, rng), desc=f"sft epoch {epoch + 1}/{args.sft_epochs}")
-        for mb in bar:
-            batch = pad_batch([samples[i] for i in mb], args.reward_scale)
-            lp = forward_logprobs(actor, batch, "off", 1.0, grad=True)
-            loss = -C.masked_mean(lp, batch["mask"])  # NLL of the reference actions
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
-            opt.step()
-            step += 1
-            bar.set_postfix(loss=f"{loss.item():.3f}")
-            metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
-
-
-def critic_warmup(critic, opt, samples, args: Args, group=None) -> list[dict]:
-    """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV of every update from the first."""
-    rng = random.Random(args.seed + 1)
-    recs = []
-    for epoch in range(args.critic_warmup_epochs):
-        for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
-            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group, even(args, group))
-            old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
-                   else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
-            _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
-            batch.update(old_values=old, returns=returns)
-            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
-            recs.append({"explained_variance": stats["charts/explained_variance"],
-                         "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
-    return recs
-
-
-def ppo_loss(logp, old_logp, adv, mask, clip_eps: float, agg: str = "token", n=None) -> torch.Tensor:
-    """The paper's clipped surrogate over the m = 1 tokens (all (B, T)); agg / n as in critic.aggregate.
-
-    old_logp are the behaviour policy's (the weights that sampled the batch), logp the actor's being trained."""
-    ratio = (logp - old_logp).exp()  # r_j = pi_theta(a_j | s_j) / pi_old(a_j | s_j)
-    pg_loss1 = -adv * ratio
-    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
-    # L = -E_j[min(r_j A_j, clip(r_j, 1 - eps, 1 + eps) A_j)]
-    return C.aggregate(torch.max(pg_loss1, pg_loss2), mask, agg, n)
-
-
-def kl_k3(logp, ref_logp) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || pi_ref) from the sampled tokens (B, T): unbiased, >= 0."""
-    log_r = ref_logp - logp  # log pi_ref / pi_theta at the sampled token
-    return log_r.exp() - log_r - 1  # k3 = r - log r - 1
-
-
-def load_balancing_loss(router_logits: list, experts: list, token_mask: torch.Tensor) -> torch.Tensor:
-    """The Switch / Qwen-MoE auxiliary loss of the routers, mean over layers (what HF adds with
-    router_aux_loss_coef): aux_l = E * sum_e f_e * P_e over the tokens of token_mask (N,) where f_e is the fraction
-    of tokens dispatched to expert e (over the k choices; the replayed experts under R3) and P_e the mean router
-    probability of e. router_logits[l] (N, E), experts[l] (N, k)."""
-    m = token_mask.reshape(-1).float()  # (N,)
-    out = []
-    for logits, idx in zip(router_logits, experts):
-        E = logits.shape[-1]
-        probs = F.softmax(logits.float(), dim=-1)  # (N, E)
-        counts = F.one_hot(idx.long(), E).float().sum(1)  # (N, E): how many of the token's k slots chose e
-        f = (counts * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,), sums to k
-        P = (probs * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,)
-        out.append(E * (f * P).sum())  # aux_l = E * sum_e f_e P_e (k with a uniform router)
-    return torch.stack(out).mean()
-
-
-def policy_forward(actor, batch: dict, temperature: float, rows, entropy: bool = False, aux: bool = False):
-    """(logprobs (B, T), entropy (B, T) or None, load-balancing loss or None) of the rows, in the caller's R3 context.
-
-    entropy[:, j] is the entropy of pi(. | tokens[:j]) (aligned with logprobs[:, j]); aux from the routers' logits
-    of this forward (hf actor: r3.routers' outputs). Neither asked: token_logprobs unchanged."""
-    if not (entropy or aux):
-        return token_logprobs(actor, batch, temperature, rows), None, None
-    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
-    seen = []
-    hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append((out[0], out[2]))) for r in r3.routers(actor)]
-    try:
-        logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
-    finally:
-        for h in hooks:
-            h.remove()
-    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V)
-    lp = F.pad(logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))  # (B, T)
-    ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) if entropy else None  # H = -sum_v p log p
-    lb = load_balancing_loss([l for l, _ in seen], [i for _, i in seen], am) if aux else None
-    return lp, ent, lb
-
-
-def ppo_update(actor, opt, batch, advantages, old_logprobs, args: Args, rng, n_samples: int, group=None,
-               ref_logprobs=None) -> dict:
-    """PPO clipped surrogate on the m = 1 tokens (ppo_loss), with R3 replay in every forward (and its recompute),
-    plus the optional terms, all off in the paper: kl_coef x k3 KL to the SFT reference (ref_logprobs),
-    - entropy_coef x entropy, aux_loss_coef x the routers' load-balancing loss.
-
-    batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
-    all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
-    if args.kl_coef > 0 and ref_logprobs is None:
-        raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
-    actor.train()
-    stats = {"pg_loss": [], "approx_kl": [], "clipfrac": [], "losses/kl": [], "losses/entropy": [], "losses/aux": []}
-    for _ in range(args.ppo_epochs):
-        for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
-            mb = share(mb, group, even(args, group))
-            m = batch["mask"][mb]
-            n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
-            n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
-            opt.zero_grad()
-            st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
-            if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
-                with batch_routing(actor, batch, args.r3_mode, mb):  # ALGO LOGIC: the clipped surrogate, R3 replay
-                    newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
-                                                              args.entropy_coef > 0, args.aux_loss_coef > 0)
-                    logratio = newlogprob - old_logprobs[mb]
-                    ratio = logratio.exp()
-                    pg_loss = ppo_loss(newlogprob, old_logprobs[mb], advantages[mb], m, args.clip_eps, args.loss_agg, n)
-                    loss, extra = pg_loss, torch.zeros(3)
-                    if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
-                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb]), m, args.loss_agg, n)
-                        loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
-                    if args.entropy_coef > 0:  # entropy bonus
-                        ent = C.aggregate(entropy, m, args.loss_agg, n)
-                        loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
-                    if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
-                        am = batch["attention_mask"][mb].sum().float()
-                        aux = aux if group is None else aux * am / C.dp_sum(am, group)
-                        loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
-                    loss.backward()  # inside the routing context: recompute replays the same experts
-                with torch.no_grad():
-                    st = torch.cat([torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n_tok),
-                                                 C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]),
-                                    extra])
-            elif args.aux_loss_coef > 0 and group is not None:  # the same collectives as the ranks with rows
-                C.dp_sum(torch.zeros(()), group)
-            C.optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
-            for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
-                stats[k].append(v)
-    return {k: float(np.mean(v)) for k, v in stats.items()}
-
-
-def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args: Args, rng, run_dir: Path,
-               step: int, group=None, ref=None) -> dict:
-    """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
-
-    `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
-    one-step async): the trainer's old logprobs pi^t_{t-1} come from it, so the PPO ratio compares two
-    versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
-    With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
-    only, and trains its share of every minibatch. ref: the frozen SFT actor (kl_coef > 0 only).
-    Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
-    """
-    full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
-    batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
-    no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
-    # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
-    old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
-                  else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
-    advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
-    mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
-            {**batch, "old_values": old_values, "returns": returns}.items()}
-           for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
-    log(run_dir, f"step {step}: critic update")
-    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
-    # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
-    m = batch["mask"]
-    with torch.no_grad():
-        old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
-            forward_logprobs(behaviour, batch, args.r3_mode, args.temperature),  # pi^t_{t-1}, R3 replay
-            forward_logprobs(behaviour, batch, "off", args.temperature))
-        if args.kl_coef > 0 and ref is None:
-            raise ValueError("--kl-coef > 0: train_step needs the SFT reference actor (ref)")
-        ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None  # pi_SFT, under the same
-                        else forward_logprobs(ref, batch, args.r3_mode, args.temperature))  # R3 replay as pi_old
-    mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
-                if batch["experts"] is not None and no_rows is None else float("nan"))  # sets live routing would change
-    log(run_dir, f"step {step}: actor update")
-    t0 = time.time()
-    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,
-                        ref_logprobs)
-    return {"reward_mean": float(full["rewards"].sum(1).mean()),  # the rewards trained on: one per sample
-            "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
-            "value_clipfrac": cstats["losses/value_clipfrac"],
-            "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
-            "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
-            "expert_set_mismatch": mismatch, **astats,  # mismatch: over rank 0's samples only
-            "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
-
-
-# --- the trainer actor (trainer.py) running the step functions above -----------------------------------
-
-class Trainer(trainer.Trainer):
-    """trainer.Trainer with this file's critic warm-up and steps 5-6 (a Ray actor: ray.remote(Trainer))."""
-    steps = SimpleNamespace(critic_warmup=critic_warmup, train_step=train_step)
-
-
-class TrainerGroup(trainer.TrainerGroup):
-    """trainer.TrainerGroup whose ranks are the Trainer above."""
-    trainer = Trainer
-
 
 
 # --- the run: one function per phase ------------------------------------------------------------------
@@ -765,7 +400,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories, "
                  f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
-    sft(actor, samples, args, run.metrics)
+    ppo.sft(actor, samples, args, run.metrics)
     tmp = sft_dir.with_name(sft_dir.name + ".tmp")  # renamed into place: ckpt/sft exists only complete
     shutil.rmtree(tmp, ignore_errors=True)
     M.save_checkpoint(actor, tokenizer, tmp)
@@ -779,7 +414,7 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
     ax.engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
         sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
-    ax.trainer = TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
+    ax.trainer = ppo.TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
     ax.workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
                                            sft_dir, place["workers"])
     infos = ray.get([e.info.remote() for e in ax.engines])
@@ -878,7 +513,7 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
     first_step = state["step"] + 1
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-        launch = launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        launch = data.launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
         t0 = time.time()
         trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                               n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial
@@ -959,80 +594,11 @@ def train(args: Args) -> dict:
 
     summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "rl_steps": state["step"], "async_vs_sequential": async_vs_sequential(run.dir)}
+               "rl_steps": state["step"], "async_vs_sequential": bench.async_vs_sequential(run.dir)}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
-    plot(run.dir)
-    print_table(summary)
+    bench.plot(run.dir)
+    bench.print_table(summary)
     return summary
-
-
-def async_vs_sequential(run_dir) -> dict:
-    """Step time with the next rollout beside the update (async) vs rollout then update (sequential).
-
-    Goal (issue): async step <= 1.15 x max(rollout, update), both measured in sequential steps of the run.
-    """
-    rl = [json.loads(l) for l in open(Path(run_dir) / "metrics.jsonl") if json.loads(l)["phase"] == "rl"]
-    nxt = {r["step"] - 1: r for r in rl}
-    seq = [r for r in rl if not r.get("rollout_beside_update") and not r.get("sampled_beside_update")
-           and "time_train" in r]  # rollout, then update, nothing beside
-    asy = [r for r in rl if r.get("rollout_beside_update") and r.get("sampled_beside_update") and r["step"] in nxt
-           and "time_train" in r]  # steady state: own rollout ran beside the last update, the next beside this one
-    out = {"n_sequential": len(seq), "n_async": len(asy)}
-    if seq:
-        out.update(sequential_step_s=float(np.mean([r["time_step"] for r in seq])),
-                   sequential_rollout_s=float(np.mean([r["time_rollout"] for r in seq])),
-                   sequential_train_s=float(np.mean([r["time_train"] for r in seq])))
-    if asy:
-        out.update(async_step_s=float(np.mean([r["time_step"] for r in asy])),
-                   async_over_own_max=float(np.mean([r["time_step"] / max(nxt[r["step"]]["time_rollout"], r["time_train"])
-                                                     for r in asy])))
-    if seq and asy:
-        out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"], out["sequential_train_s"])
-    return out
-
-
-def print_table(summary: dict) -> None:
-    print("\n| pool | checkpoint | solve rate | mean reward (P/S) | mean turns | trials |\n|---|---|---|---|---|---|")
-    for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
-        for ck in ("sft", "rl"):
-            e = summary[key.format(ck)]
-            print(f"| {pool} | after {ck.upper()} | {e['solve_rate']:.3f} | {e['reward_mean']:.3f} | "
-                  f"{e['turns_mean']:.1f} | {e['n_trials']} |")
-    print("\n| phase | wall time (s) |\n|---|---|")
-    for k, v in summary["phase_times"].items():
-        print(f"| {k} | {v:.0f} |")
-
-
-def plot(run_dir) -> Path:
-    """PNG curves of a run: reward, solve rate, EV (warm-up and RL), |dlogp|, turns, phase times."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    run_dir = Path(run_dir)
-    recs = [json.loads(l) for l in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
-    rl = [r for r in recs if r["phase"] == "rl"]
-    panels = [("reward_mean", "reward (P/S)"), ("solve_rate", "solve rate"), ("explained_variance", "explained variance"),
-              ("dlogp", "|dlogp| (R3 on)"), ("turns_mean", "turns"), ("time_step", "step time (s)")]
-    fig, axes = plt.subplots(2, 4, figsize=(16, 7))
-    axes = axes.ravel()
-    for ax, (k, title) in zip(axes, panels):
-        ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o")
-        if k == "dlogp":
-            ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")
-            ax.legend()
-        ax.set_title(title)
-        ax.set_xlabel("RL step")
-    warm = [r for r in recs if r["phase"] == "critic_warmup"]
-    axes[6].plot([r["step"] for r in warm], [r["explained_variance"] for r in warm], marker=".")
-    axes[6].set_title("critic warm-up EV")
-    sft_recs = [r for r in recs if r["phase"] == "sft"]
-    axes[7].plot([r["step"] for r in sft_recs], [r["sft_loss"] for r in sft_recs])
-    axes[7].set_title("SFT loss")
-    fig.tight_layout()
-    out = run_dir / "curves.png"
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-    return out
 
 
 def parse_args(argv=None) -> Args:
@@ -1062,6 +628,6 @@ def parse_args(argv=None) -> Args:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "plot":
-        print(plot(sys.argv[2]))
+        print(bench.plot(sys.argv[2]))
     else:
         train(parse_args())

@@ -1,9 +1,9 @@
 """The trainer process: actor + critic co-resident (paper) on Ray actors, their checkpoints, rank sharing of rows.
 
-Machinery for train_t1.py's steps 5-6 and the checkpoint (DESIGN.md section 3): `Trainer` holds the actor, the
-behaviour copy, the critic, both optimizers and the published weight versions, and runs the step functions it
-is given (`Trainer.steps`: train_t1.Trainer binds its critic_warmup and train_step, so this file never imports
-the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint of an RL step and the run
+Machinery for steps 5-6 and the checkpoint (DESIGN.md section 3): `Trainer` holds the actor, the behaviour copy,
+the critic, both optimizers and the published weight versions, and runs the step functions it is given
+(`Trainer.steps`: ppo.Trainer binds ppo's critic_warmup and train_step, which use this file's row sharing, so this
+file imports neither ppo nor the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint of an RL step and the run
 directory's commit point (state.json) live here too: save_trainer writes it, resume_run brings a run directory
 back to what state.json committed.
 
@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 import random
 import shutil
@@ -41,6 +42,34 @@ import torch
 import critic as C
 import infra
 import model as M
+
+# --- the run directory's log.txt and metrics.jsonl ---------------------------------------------------
+
+def log(run_dir: Path, msg: str) -> None:
+    """A timestamped line on stdout and in the run directory's log.txt."""
+    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+    print(line, flush=True)
+    with open(run_dir / "log.txt", "a") as f:
+        f.write(line + "\n")
+
+
+class Metrics:
+    """metrics.jsonl (one object per record) + TensorBoard; names are listed in the README."""
+
+    def __init__(self, run_dir: Path):
+        from torch.utils.tensorboard import SummaryWriter
+        self.path = run_dir / "metrics.jsonl"
+        self.tb = SummaryWriter(str(run_dir / "tb"))
+
+    def write(self, rec: dict, step: int, phase: str) -> None:
+        rec = {"phase": phase, "step": step, **rec}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        for k, v in rec.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
+                self.tb.add_scalar(f"{phase}/{k}", v, step)
+        self.tb.flush()
+
 
 # --- the trainer's layout ---------------------------------------------------------------------------
 
@@ -301,11 +330,11 @@ class Trainer:
     saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
     EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
     and publishes, rank 0 writes). A multi-rank trainer builds its models once the group is joined.
-    It runs the step functions of `steps` (a subclass sets them: train_t1.Trainer), so that this file never
-    imports the loop: critic_warmup(critic, opt, samples, args, group) and train_step(actor, behaviour, critic,
+    It runs the step functions of `steps` (a subclass sets them: ppo.Trainer), so that this file imports
+    neither ppo nor the loop: critic_warmup(critic, opt, samples, args, group) and train_step(actor, behaviour, critic,
     actor_opt, critic_opt, samples, args, rng, run_dir, step, group, ref)."""
 
-    steps = None  # SimpleNamespace(critic_warmup=..., train_step=...): the loop's step functions
+    steps = None  # SimpleNamespace(critic_warmup=..., train_step=...): ppo's step functions
 
     def __init__(self, args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
         torch.set_num_threads(actor_threads(args))
@@ -498,7 +527,7 @@ class TrainerGroup:
     on every rank (in the same order on each) and returns rank 0's ObjectRef. The ranks move in lockstep
     through their collectives; an error of another rank surfaces at the next call (or hangs rank 0 in a
     collective until the group's timeout, 30 min, if that rank stays alive). `trainer`: the class of a rank
-    (a subclass sets it: train_t1.TrainerGroup runs train_t1.Trainer, with the loop's step functions)."""
+    (a subclass sets it: ppo.TrainerGroup runs ppo.Trainer, with ppo's step functions)."""
 
     trainer = Trainer
 

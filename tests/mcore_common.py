@@ -23,7 +23,7 @@ def actor(hf, hf_cfg):
 def batch():
     ids = torch.randint(3, V, (B, T), generator=torch.Generator().manual_seed(1))  # (B, T)
     am = torch.ones(B, T, dtype=torch.long)
-    am[1, 9:] = 0  # right padding, as train_t1.pad_batch
+    am[1, 9:] = 0  # right padding, as ppo.pad_batch
     return ids, am
 
 

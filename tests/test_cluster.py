@@ -11,7 +11,6 @@ sandbox's calls go to a fake client that implements the SDK's method names (the 
 import contextlib
 import json
 import multiprocessing as mp
-import os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -459,8 +458,9 @@ def test_run_trial_selects_the_daytona_sandbox(tmp_path, monkeypatch):
 
 
 def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
-    """train_t1.Trainer with --engine-world-sizes: rank 0 of one group with the (fake) SGLang server; the
+    """ppo.Trainer with --engine-world-sizes: rank 0 of one group with the (fake) SGLang server; the
     server receives every weight under the checkpoint's names, bit-exact, then weight_version."""
+    import ppo
     import train_t1
     tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort"] * 20, vocab_size=300)
     path = str(tmp_path / "sft")
@@ -468,7 +468,7 @@ def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
     with fake_sglang_server() as (url, result_q):
         args = train_t1.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--engine-urls", url,
                                     "--engine-world-sizes", "1"])
-        trainer = train_t1.Trainer(args, path, 0)
+        trainer = ppo.Trainer(args, path, 0)
         trainer.connect_engines([url], [1], "127.0.0.1")
         trainer.publish(5)
         want = model_lib.hub_state_dict(trainer.actor)

@@ -90,7 +90,7 @@ def test_recompute_and_tp_shrink_activations():
 def test_memory_model_counts_the_behaviour_copy_and_keeps_published_versions_on_host():
     p = Plan(2, 1, 1, 64, 1, 32, recompute=True)
     a = infra.memory(C122, p, 16384)
-    assert a["behaviour"] == a["params"] > 8 * GiB  # train_t1.Trainer.behaviour: one bf16 copy of the shard
+    assert a["behaviour"] == a["params"] > 8 * GiB  # ppo.Trainer.behaviour: one bf16 copy of the shard
     assert a["host"] == infra.PUBLISHED_VERSIONS * a["params"]  # Trainer.mark_published: versions t-1, t on host
     assert a["total"] == sum(v for k, v in a.items() if k not in ("total", "host"))
     assert infra.memory(C122, p, 16384, "critic")["behaviour"] == 0
@@ -109,11 +109,12 @@ def test_memory_model_counts_the_behaviour_copy_and_keeps_published_versions_on_
 def test_trainer_keeps_published_versions_as_host_copies(tmp_path):
     import dataclasses
     import model as M
+    import ppo
     import train_t1 as T
     tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
     M.save_checkpoint(M.build_actor(M.tiny_config(len(tok)), seed=0), tok, tmp_path / "sft")
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
-    tr = T.Trainer(dataclasses.replace(T.EMBEDDED, run_dir=str(tmp_path / "run"), torch_threads=1),
+    tr = ppo.Trainer(dataclasses.replace(T.EMBEDDED, run_dir=str(tmp_path / "run"), torch_threads=1),
                    str(tmp_path / "sft"), 0)
     for v in (0, 1, 2):
         tr.mark_published(v)

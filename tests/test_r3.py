@@ -399,19 +399,19 @@ def test_replay_refuses_a_placeholder_row_that_feeds_a_trained_token(actor, tmp_
 
 def test_replay_refuses_a_batch_or_sample_without_routing(actor, tmp_path):
     import rollout
-    import train_t1
+    import ppo
     with_routing = rollout.to_samples([_trial(actor, "task-a")], tmp_path, "s", replay=True)
     without = rollout.to_samples([_trial(actor, "task-b", seed=1)], tmp_path, "s")
     without[0]["routed_experts"] = None
-    batch = train_t1.pad_batch(without, 20.0)
+    batch = ppo.pad_batch(without, 20.0)
     with pytest.raises(ValueError, match=r"R3 replay: the batch carries no routing.*--enable-return-routed-experts"):
-        train_t1.forward_logprobs(actor, batch, "replay", 1.0)  # before: live routing, silently
+        ppo.forward_logprobs(actor, batch, "replay", 1.0)  # before: live routing, silently
     with pytest.raises(ValueError, match=r"1 of 2 samples carry no routing \(trials \['task-b'\]\).*"
                                          r"--enable-return-routed-experts"):
-        train_t1.pad_batch(with_routing + without, 20.0, replay=True)  # before: -1 rows, replayed live
-    lp = train_t1.forward_logprobs(actor, train_t1.pad_batch(with_routing, 20.0, replay=True), "replay", 1.0)
+        ppo.pad_batch(with_routing + without, 20.0, replay=True)  # before: -1 rows, replayed live
+    lp = ppo.forward_logprobs(actor, ppo.pad_batch(with_routing, 20.0, replay=True), "replay", 1.0)
     assert lp.shape == (1, len(with_routing[0]["tokens"]))
-    assert train_t1.forward_logprobs(actor, batch, "off", 1.0).shape == (1, len(without[0]["tokens"]))  # R3 off
+    assert ppo.forward_logprobs(actor, batch, "off", 1.0).shape == (1, len(without[0]["tokens"]))  # R3 off
 
 
 def test_step_audit_aborts_on_a_drifted_loss_region_token(actor, tmp_path):

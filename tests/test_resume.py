@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import ppo
 import train_t1 as T
 import trainer as TR
 
@@ -44,7 +45,7 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
 
     def trainer(run, step):
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
-        t = T.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, step)
+        t = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, step)
         t.mark_published(step)  # the engines serve the weights of the last committed step
         return t
 
@@ -65,7 +66,7 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
     latest, previous = run / "ckpt" / "latest", run / "ckpt" / "previous"
     assert TR.checkpoint_step(latest) == 2 and TR.checkpoint_step(previous) == 1
     with pytest.raises(ValueError, match="holds RL step 2, state.json committed step 1"):
-        T.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, 1)  # loading it would apply step 2 twice
+        ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, 1)  # loading it would apply step 2 twice
     notes = TR.resume_run(run, TR.load_state(run), sft_done=True)
     assert any("discarded the checkpoint of step 2" in n for n in notes), notes
     assert TR.checkpoint_step(latest) == 1 and not previous.exists()

@@ -12,8 +12,10 @@ import pytest
 import torch
 
 import critic as C
+import data
 import gateway
 import model as M
+import ppo
 import rollout
 import train_t1 as T
 
@@ -31,9 +33,9 @@ def test_ppo_loss_matches_hand_computation_with_behaviour_not_actor():
     # token 1: r = 0.5, A = -1: min(-0.5, 0.8 * -1 = -0.8) = -0.8 -> loss 0.8
     # token 2: r = 1, A = 0.5 -> loss -0.5
     want = (-2.4 + 0.8 - 0.5) / 3
-    got = T.ppo_loss(logp, old, adv, mask, 0.2, "token")
+    got = ppo.ppo_loss(logp, old, adv, mask, 0.2, "token")
     assert got.item() == pytest.approx(want, abs=1e-6)
-    assert T.ppo_loss(logp, old, adv, mask, 0.2, "sample").item() == pytest.approx(want, abs=1e-6)  # one sample
+    assert ppo.ppo_loss(logp, old, adv, mask, 0.2, "sample").item() == pytest.approx(want, abs=1e-6)  # one sample
 
 
 def test_loss_aggregation_token_vs_sample_by_hand():
@@ -84,7 +86,7 @@ def test_kl_k3_by_hand():
     logp = torch.tensor([math.log(0.5), math.log(0.2)])
     ref = torch.tensor([math.log(0.25), math.log(0.2)])
     # k3 = r - log r - 1 with r = pi_ref / pi: r = 0.5 -> 0.5 + log 2 - 1; r = 1 -> 0
-    assert torch.allclose(T.kl_k3(logp, ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
+    assert torch.allclose(ppo.kl_k3(logp, ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
 
 
 def test_load_balancing_loss_matches_transformers():
@@ -96,10 +98,10 @@ def test_load_balancing_loss_matches_transformers():
     idx = torch.topk(torch.softmax(logits, -1), k, -1).indices
     am = torch.ones(B, S)
     am[1, 3:] = 0
-    ours = T.load_balancing_loss([logits], [idx], am)
+    ours = ppo.load_balancing_loss([logits], [idx], am)
     theirs = load_balancing_loss_func((logits,), E, k, am)
     assert ours.item() == pytest.approx(theirs.item(), rel=1e-5)
-    uniform = T.load_balancing_loss([torch.zeros(4, E)], [torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])],
+    uniform = ppo.load_balancing_loss([torch.zeros(4, E)], [torch.tensor([[0, 1], [2, 3], [4, 5], [6, 7]])],
                                     torch.ones(4))
     assert uniform.item() == pytest.approx(k)  # a balanced router: aux = k
 
@@ -118,8 +120,8 @@ def tiny():
     mask[0, 8:] = 1
     batch = {"input_ids": ids, "attention_mask": am, "mask": mask, "experts": None}
     with torch.no_grad():
-        old = T.token_logprobs(actor, batch) + 0.05 * torch.randn(B, Tn, generator=g)  # behaviour != actor
-        ref = T.token_logprobs(actor, batch) - 0.1 * torch.rand(B, Tn, generator=g)
+        old = ppo.token_logprobs(actor, batch) + 0.05 * torch.randn(B, Tn, generator=g)  # behaviour != actor
+        ref = ppo.token_logprobs(actor, batch) - 0.1 * torch.rand(B, Tn, generator=g)
     adv = torch.randn(B, Tn, generator=g) * mask
     return actor, batch, old, ref, adv
 
@@ -130,7 +132,7 @@ def _update(tiny, **over):
     actor.load_state_dict(actor0.state_dict())
     args = dataclasses.replace(T.Args(), minibatch_size=2, ppo_epochs=1, r3_mode="off", actor_lr=1e-3, **over)
     opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
-    stats = T.ppo_update(actor, opt, batch, adv, old, args, random.Random(0), 4, None, ref)
+    stats = ppo.ppo_update(actor, opt, batch, adv, old, args, random.Random(0), 4, None, ref)
     return actor.state_dict(), stats
 
 
@@ -141,10 +143,10 @@ def _reference_update(tiny):
     actor.load_state_dict(actor0.state_dict())
     opt = torch.optim.Adam(actor.parameters(), lr=1e-3)
     actor.train()
-    for mb in T.minibatches(4, 2, random.Random(0)):
+    for mb in ppo.minibatches(4, 2, random.Random(0)):
         m = batch["mask"][mb]
         opt.zero_grad()
-        lp = T.token_logprobs(actor, batch, 1.0, rows=mb)
+        lp = ppo.token_logprobs(actor, batch, 1.0, rows=mb)
         ratio = (lp - old[mb]).exp()
         loss = C.masked_mean(torch.max(-adv[mb] * ratio, -adv[mb] * torch.clamp(ratio, 0.8, 1.2)), m)
         loss.backward()
@@ -202,8 +204,8 @@ def test_parse_args_takes_the_new_flags():
 def test_every_task_is_launched_once_per_epoch(n_pool, n_launch):
     pool = [f"task{i}" for i in range(n_pool)]
     steps = 3 * n_pool  # covers n_launch * steps / n_pool >= 3 epochs
-    stream = [t for s in range(1, steps + 1) for t in T.launch_tasks(pool, s, n_launch, seed=1)]
-    assert all(len(T.launch_tasks(pool, s, n_launch, 1)) == n_launch for s in (1, 2, steps))  # no short step
+    stream = [t for s in range(1, steps + 1) for t in data.launch_tasks(pool, s, n_launch, seed=1)]
+    assert all(len(data.launch_tasks(pool, s, n_launch, 1)) == n_launch for s in (1, 2, steps))  # no short step
     for e in range(len(stream) // n_pool):
         assert Counter(stream[e * n_pool:(e + 1) * n_pool]) == Counter(pool), f"epoch {e}"
     orders = [stream[e * n_pool:(e + 1) * n_pool] for e in range(2)]
@@ -226,17 +228,17 @@ def test_train_step_logs_the_reward_it_trains_on(tmp_path, tiny):
     critic = C.Critic.from_actor(actor)
     args = dataclasses.replace(T.Args(), reward_scale=10.0, minibatch_size=2, r3_mode="off")
     samples = [_sample(P, 10.0) for P in (0, 3, 7)]
-    stats = T.train_step(actor, behaviour, critic, torch.optim.Adam(actor.parameters()),
+    stats = ppo.train_step(actor, behaviour, critic, torch.optim.Adam(actor.parameters()),
                          torch.optim.Adam(critic.parameters()), samples, args, random.Random(0), tmp_path, 1)
     assert stats["reward_mean"] == pytest.approx((0 + 0.3 + 0.7) / 3)
-    batch = T.pad_batch(samples, 10.0)
+    batch = ppo.pad_batch(samples, 10.0)
     assert stats["reward_mean"] == pytest.approx(float(batch["rewards"].sum(1).mean()))
 
 
 def test_pad_batch_refuses_a_reward_scored_with_another_scale():
     with pytest.raises(ValueError, match="another S"):
-        T.pad_batch([_sample(4, 20.0)], 10.0)  # r = 4 / 20 computed with S = 20, the run's S is 10
-    assert T.pad_batch([_sample(4, 10.0)], 10.0)["rewards"].sum().item() == pytest.approx(0.4)
+        ppo.pad_batch([_sample(4, 20.0)], 10.0)  # r = 4 / 20 computed with S = 20, the run's S is 10
+    assert ppo.pad_batch([_sample(4, 10.0)], 10.0)["rewards"].sum().item() == pytest.approx(0.4)
 
 
 needs_jail = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),

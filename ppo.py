@@ -1,0 +1,303 @@
+"""The update of one RL step, on the trainer (paper: the optimisation section; DESIGN.md section 3, steps 5-6).
+
+What the trainer process (trainer.py) runs, given as step functions: train_step = V_old -> GAE (gamma = lambda = 1)
+-> critic update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy -> PPO actor update
+(ppo_loss, clip eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and
+the Critic Warm-Up (critic_warmup). The loop that calls them is train_t1.py; the critic's math is critic.py.
+
+Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
+
+Departures from the paper (numbered; what and why):
+  1. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
+     frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
+  2. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
+     trajectory first (slime's default).
+"""
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import critic as C
+import r3
+import tito
+import trainer
+from trainer import even, local_rows, log, share
+
+
+def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
+    """Right-pad samples into (B, T) tensors; the trial's reward r = P / S placed on the last sampled token.
+
+    One reward: r is the one reward.compute gave the trial (rollout.run_trial's reward_scale = --reward-scale);
+    a CTRF sample whose r is not P / scale was scored with another S and is refused.
+    replay (R3 on): every sample must carry its routing; one without is refused, never trained with live routing."""
+    lacking = [s.get("task", "?") for s in samples if s.get("routed_experts") is None]
+    if replay and lacking:
+        raise ValueError(f"R3 replay: {len(lacking)} of {len(samples)} samples carry no routing (trials "
+                         f"{lacking[:5]}): {tito.ENGINE_CAPTURE_HINT}; or run with --r3-mode off")
+    B, T = len(samples), max(len(s["tokens"]) for s in samples)
+    out = {"input_ids": torch.zeros(B, T, dtype=torch.long), "attention_mask": torch.zeros(B, T, dtype=torch.long),
+           "mask": torch.zeros(B, T), "rollout_logprobs": torch.zeros(B, T), "rewards": torch.zeros(B, T)}
+    re0 = next((s["routed_experts"] for s in samples if s.get("routed_experts") is not None), None)
+    out["experts"] = None if re0 is None else torch.full((B, T) + re0.shape[1:], -1, dtype=torch.int32)
+    for b, s in enumerate(samples):
+        n = len(s["tokens"])
+        out["input_ids"][b, :n] = torch.tensor(np.asarray(s["tokens"]))  # copies (Ray hands over read-only arrays)
+        out["attention_mask"][b, :n] = 1
+        out["mask"][b, :n] = torch.tensor(np.asarray(s["loss_mask"]), dtype=torch.float32)
+        out["rollout_logprobs"][b, :n] = torch.tensor(np.asarray(s["rollout_logprobs"]), dtype=torch.float32)
+        last = int(np.flatnonzero(s["loss_mask"])[-1])
+        if s.get("reward_source") == "ctrf" and abs(s["reward"] - s["passed"] / scale) > 1e-9:
+            raise ValueError(f"sample of task {s.get('task')!r}: reward {s['reward']} is not P / S = {s['passed']} / "
+                             f"{scale} (--reward-scale): the trial was scored with another S")
+        out["rewards"][b, last] = s["reward"]  # r = P / S, as reward.compute gave it
+        if out["experts"] is not None and s.get("routed_experts") is not None:
+            out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))  # row n-1 stays -1 (no next token)
+    return out
+
+
+def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
+    """logprobs (B, T): logprobs[:, j] = log pi(tokens[j] | tokens[:j]); column 0 is 0.
+
+    Runs inside the caller's `r3.routing` context; backward must run inside it too (recompute replays).
+    """
+    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
+    if hasattr(actor, "token_logprobs"):  # mcore.MegatronActor: from the vocab-parallel logits, no (B, T, V) gather
+        return F.pad(actor.token_logprobs(ids, am, temperature), (1, 0))
+    logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+    lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
+    return F.pad(lp, (1, 0))
+
+
+def batch_routing(actor, batch, mode, rows=slice(None)):
+    """The R3 context for rows of a batch: replay its recorded experts (a batch without them is refused), or off."""
+    if mode == "replay" and batch["experts"] is None:
+        raise ValueError(f"R3 replay: the batch carries no routing: {tito.ENGINE_CAPTURE_HINT}; "
+                         f"or run with --r3-mode off")
+    return r3.routing(actor, mode, experts=batch["experts"][rows] if mode == "replay" else None)
+
+
+def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=False):
+    """token_logprobs under the batch's R3 context."""
+    with batch_routing(actor, batch, mode, rows), torch.set_grad_enabled(grad):
+        return token_logprobs(actor, batch, temperature, rows)
+
+
+def minibatches(n: int, size: int, rng: random.Random):
+    idx = list(range(n))
+    rng.shuffle(idx)
+    return [idx[i:i + size] for i in range(0, n, size)]
+
+
+
+
+def sft(actor, samples: list[dict], args, metrics) -> None:
+    """SFT warm start: cross-entropy on the sampled (m = 1) tokens of reference trajectories."""
+    opt = torch.optim.AdamW(actor.parameters(), lr=args.sft_lr, weight_decay=0.0)
+    rng = random.Random(args.seed)
+    step = 0
+    actor.train()
+    for epoch in range(args.sft_epochs):
+        bar = tqdm(minibatches(len(samples), args.sft_batch_size, rng), desc=f"sft epoch {epoch + 1}/{args.sft_epochs}")
+        for mb in bar:
+            batch = pad_batch([samples[i] for i in mb], args.reward_scale)
+            lp = forward_logprobs(actor, batch, "off", 1.0, grad=True)
+            loss = -C.masked_mean(lp, batch["mask"])  # NLL of the reference actions
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
+            opt.step()
+            step += 1
+            bar.set_postfix(loss=f"{loss.item():.3f}")
+            metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
+
+
+def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:
+    """Critic Warm-Up: critic-only epochs on SFT-policy rollouts; EV of every update from the first."""
+    rng = random.Random(args.seed + 1)
+    recs = []
+    for epoch in range(args.critic_warmup_epochs):
+        for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
+            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group, even(args, group))
+            old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
+                   else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
+            _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
+            batch.update(old_values=old, returns=returns)
+            stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
+            recs.append({"explained_variance": stats["charts/explained_variance"],
+                         "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
+    return recs
+
+
+def ppo_loss(logp, old_logp, adv, mask, clip_eps: float, agg: str = "token", n=None) -> torch.Tensor:
+    """The paper's clipped surrogate over the m = 1 tokens (all (B, T)); agg / n as in critic.aggregate.
+
+    old_logp are the behaviour policy's (the weights that sampled the batch), logp the actor's being trained."""
+    ratio = (logp - old_logp).exp()  # r_j = pi_theta(a_j | s_j) / pi_old(a_j | s_j)
+    pg_loss1 = -adv * ratio
+    pg_loss2 = -adv * torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps)
+    # L = -E_j[min(r_j A_j, clip(r_j, 1 - eps, 1 + eps) A_j)]
+    return C.aggregate(torch.max(pg_loss1, pg_loss2), mask, agg, n)
+
+
+def kl_k3(logp, ref_logp) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) from the sampled tokens (B, T): unbiased, >= 0."""
+    log_r = ref_logp - logp  # log pi_ref / pi_theta at the sampled token
+    return log_r.exp() - log_r - 1  # k3 = r - log r - 1
+
+
+def load_balancing_loss(router_logits: list, experts: list, token_mask: torch.Tensor) -> torch.Tensor:
+    """The Switch / Qwen-MoE auxiliary loss of the routers, mean over layers (what HF adds with
+    router_aux_loss_coef): aux_l = E * sum_e f_e * P_e over the tokens of token_mask (N,) where f_e is the fraction
+    of tokens dispatched to expert e (over the k choices; the replayed experts under R3) and P_e the mean router
+    probability of e. router_logits[l] (N, E), experts[l] (N, k)."""
+    m = token_mask.reshape(-1).float()  # (N,)
+    out = []
+    for logits, idx in zip(router_logits, experts):
+        E = logits.shape[-1]
+        probs = F.softmax(logits.float(), dim=-1)  # (N, E)
+        counts = F.one_hot(idx.long(), E).float().sum(1)  # (N, E): how many of the token's k slots chose e
+        f = (counts * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,), sums to k
+        P = (probs * m[:, None]).sum(0) / m.sum().clamp(min=1.0)  # (E,)
+        out.append(E * (f * P).sum())  # aux_l = E * sum_e f_e P_e (k with a uniform router)
+    return torch.stack(out).mean()
+
+
+def policy_forward(actor, batch: dict, temperature: float, rows, entropy: bool = False, aux: bool = False):
+    """(logprobs (B, T), entropy (B, T) or None, load-balancing loss or None) of the rows, in the caller's R3 context.
+
+    entropy[:, j] is the entropy of pi(. | tokens[:j]) (aligned with logprobs[:, j]); aux from the routers' logits
+    of this forward (hf actor: r3.routers' outputs). Neither asked: token_logprobs unchanged."""
+    if not (entropy or aux):
+        return token_logprobs(actor, batch, temperature, rows), None, None
+    ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
+    seen = []
+    hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append((out[0], out[2]))) for r in r3.routers(actor)]
+    try:
+        logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+    finally:
+        for h in hooks:
+            h.remove()
+    logp_all = torch.log_softmax(logits[:, :-1], dim=-1)  # (B, T-1, V)
+    lp = F.pad(logp_all.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))  # (B, T)
+    ent = F.pad(-(logp_all.exp() * logp_all).sum(-1), (1, 0)) if entropy else None  # H = -sum_v p log p
+    lb = load_balancing_loss([l for l, _ in seen], [i for _, i in seen], am) if aux else None
+    return lp, ent, lb
+
+
+def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples: int, group=None,
+               ref_logprobs=None) -> dict:
+    """PPO clipped surrogate on the m = 1 tokens (ppo_loss), with R3 replay in every forward (and its recompute),
+    plus the optional terms, all off in the paper: kl_coef x k3 KL to the SFT reference (ref_logprobs),
+    - entropy_coef x entropy, aux_loss_coef x the routers' load-balancing loss.
+
+    batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
+    all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
+    if args.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
+    actor.train()
+    stats = {"pg_loss": [], "approx_kl": [], "clipfrac": [], "losses/kl": [], "losses/entropy": [], "losses/aux": []}
+    for _ in range(args.ppo_epochs):
+        for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
+            mb = share(mb, group, even(args, group))
+            m = batch["mask"][mb]
+            n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
+            n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
+            opt.zero_grad()
+            st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
+            if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
+                with batch_routing(actor, batch, args.r3_mode, mb):  # ALGO LOGIC: the clipped surrogate, R3 replay
+                    newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
+                                                              args.entropy_coef > 0, args.aux_loss_coef > 0)
+                    logratio = newlogprob - old_logprobs[mb]
+                    ratio = logratio.exp()
+                    pg_loss = ppo_loss(newlogprob, old_logprobs[mb], advantages[mb], m, args.clip_eps, args.loss_agg, n)
+                    loss, extra = pg_loss, torch.zeros(3)
+                    if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
+                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb]), m, args.loss_agg, n)
+                        loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
+                    if args.entropy_coef > 0:  # entropy bonus
+                        ent = C.aggregate(entropy, m, args.loss_agg, n)
+                        loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
+                    if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
+                        am = batch["attention_mask"][mb].sum().float()
+                        aux = aux if group is None else aux * am / C.dp_sum(am, group)
+                        loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
+                    loss.backward()  # inside the routing context: recompute replays the same experts
+                with torch.no_grad():
+                    st = torch.cat([torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n_tok),
+                                                 C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]),
+                                    extra])
+            elif args.aux_loss_coef > 0 and group is not None:  # the same collectives as the ranks with rows
+                C.dp_sum(torch.zeros(()), group)
+            C.optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
+            for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
+                stats[k].append(v)
+    return {k: float(np.mean(v)) for k, v in stats.items()}
+
+
+def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, rng, run_dir: Path,
+               step: int, group=None, ref=None) -> dict:
+    """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
+
+    `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
+    one-step async): the trainer's old logprobs pi^t_{t-1} come from it, so the PPO ratio compares two
+    versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
+    With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
+    only, and trains its share of every minibatch. ref: the frozen SFT actor (kl_coef > 0 only).
+    Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
+    """
+    full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
+    batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
+    no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
+    # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+    old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
+                  else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
+    advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
+    mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
+            {**batch, "old_values": old_values, "returns": returns}.items()}
+           for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
+    log(run_dir, f"step {step}: critic update")
+    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
+    # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
+    m = batch["mask"]
+    with torch.no_grad():
+        old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
+            forward_logprobs(behaviour, batch, args.r3_mode, args.temperature),  # pi^t_{t-1}, R3 replay
+            forward_logprobs(behaviour, batch, "off", args.temperature))
+        if args.kl_coef > 0 and ref is None:
+            raise ValueError("--kl-coef > 0: train_step needs the SFT reference actor (ref)")
+        ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None  # pi_SFT, under the same
+                        else forward_logprobs(ref, batch, args.r3_mode, args.temperature))  # R3 replay as pi_old
+    mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
+                if batch["experts"] is not None and no_rows is None else float("nan"))  # sets live routing would change
+    log(run_dir, f"step {step}: actor update")
+    t0 = time.time()
+    astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,
+                        ref_logprobs)
+    return {"reward_mean": float(full["rewards"].sum(1).mean()),  # the rewards trained on: one per sample
+            "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
+            "value_clipfrac": cstats["losses/value_clipfrac"],
+            "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
+            "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
+            "expert_set_mismatch": mismatch, **astats,  # mismatch: over rank 0's samples only
+            "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
+
+
+# --- the trainer actor (trainer.py) bound to the step functions above ------------------------------
+
+class Trainer(trainer.Trainer):
+    """trainer.Trainer with this file's critic warm-up and steps 5-6 (a Ray actor: ray.remote(Trainer))."""
+    steps = SimpleNamespace(critic_warmup=critic_warmup, train_step=train_step)
+
+
+class TrainerGroup(trainer.TrainerGroup):
+    """trainer.TrainerGroup whose ranks are the Trainer above."""
+    trainer = Trainer
