@@ -1,5 +1,4 @@
-"""The embedded inference engine: a small torch server that speaks SGLang's HTTP protocol (paper: rollout
-infrastructure).
+"""The embedded inference engine: a small torch server speaking SGLang's HTTP protocol (paper: rollout infrastructure).
 
 T1 samples from SGLang servers started with routed-expert capture. The embedded scale serves model.py's tiny
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
