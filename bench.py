@@ -31,6 +31,7 @@ import model
 import r3
 import rollout
 import tito
+from engine import EngineServer
 
 
 # --- engine: decode tokens/s, 1 request vs 8 concurrent ---------------------------------------------------
@@ -44,7 +45,7 @@ def engine_bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
     """Decode tokens/s of the tiny model: 1 request vs n_concurrent requests in one wave."""
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, work_dir)
-    engine = model.EngineServer(work_dir, max_batch=n_concurrent).start()
+    engine = EngineServer(work_dir, max_batch=n_concurrent).start()
     body = {"input_ids": model.render_ids(tok, "user", "list the files") + tok.encode(model.ASSISTANT_PREFIX),
             "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
             "return_logprob": True, "return_routed_experts": True}
@@ -107,7 +108,7 @@ def r3_measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
                  "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True,
                                      "seed": seed + i}} for i, p in enumerate(prompts)]
 
-    engine = model.EngineServer(work, max_batch=n_requests, weight_dtype="bf16").start()
+    engine = EngineServer(work, max_batch=n_requests, weight_dtype="bf16").start()
     try:
         outs, _ = _generate_wave(engine, bodies(True))
         times = {True: [], False: []}  # capture -> [(wall s, CPU s)]
@@ -162,7 +163,7 @@ def tito_measure(quick=True, harness="client", work_dir=None, seed=0) -> dict:
     tok = model.train_tokenizer(data.corpus(train), vocab_size=1024)
     ckpt = os.path.join(work, "ckpt")
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=seed), tok, ckpt)
-    eng = model.EngineServer(ckpt, port=0).start()
+    eng = EngineServer(ckpt, port=0).start()
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": new_tokens}
     limits = {"max_turns": max_turns, "max_total_tokens": 8192, "trial_timeout_s": 300}
     out = {"harness": harness, "tasks": len(train)}

@@ -18,7 +18,7 @@ Sessions are bounded: one idle past SESSION_IDLE_S (7200 s, longer than the pape
 verifier timeouts) or the least recently used past MAX_SESSIONS (2048, > 2 steps of the paper's 560 trials)
 is evicted with a line on stderr; trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
 
-Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is model.JSONHandler):
+Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is engine.JSONHandler):
 400 for any invalid field (body not an object, model missing, messages not a non-empty list of
 {role: system|user|assistant, content: str | null | text parts}, temperature outside OpenAI's [0, 2], top_p outside
 (0, 1], max_tokens / max_completion_tokens not an int >= 1, stop not 1-4 non-empty strings, seed outside
@@ -101,7 +101,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import model
+import engine
 import reward
 import rollout
 import sandbox
@@ -265,7 +265,7 @@ class Gateway:
         self.evicted: dict[str, str] = collections.OrderedDict()  # session id -> why (the last max_sessions)
         self.disconnects = collections.deque(maxlen=1024)  # rids aborted because the client hung up
         self.lock = threading.Lock()
-        self.httpd = model.JSONServer((host, port), _make_handler(self))
+        self.httpd = engine.JSONServer((host, port), _make_handler(self))
         self.thread = None
 
     @property
@@ -419,7 +419,7 @@ def _model_object():
 
 
 def _make_handler(gw: Gateway):
-    class Handler(model.JSONHandler):
+    class Handler(engine.JSONHandler):
         def send_error_json(self, e):
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             self._send(e.status, {"error": {"message": str(e), "type": kind, "param": getattr(e, "param", None),
@@ -463,7 +463,7 @@ def _make_handler(gw: Gateway):
                         return
                     raise
                 self._send(200, resp)
-            except (APIError, model.HTTPError) as e:
+            except (APIError, engine.HTTPError) as e:
                 self.send_error_json(e)
             except OSError as e:  # the engine cannot be reached
                 self.send_error_json(APIError(503, f"engine: unreachable ({e})", None, "engine_unavailable"))

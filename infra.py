@@ -425,21 +425,6 @@ def ray_stop(pg) -> None:
         ray.shutdown()
 
 
-class EngineActor:
-    """The embedded engine (model.EngineServer) inside a Ray actor; spoken to only over HTTP, like SGLang."""
-
-    def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1"):
-        import model as M
-        torch.set_num_threads(threads)
-        self.server = M.EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype).start()
-
-    def info(self) -> dict:
-        return {"url": self.server.url, "pid": os.getpid()}
-
-    def stop(self) -> None:
-        self.server.stop()
-
-
 def publish_from_disk(urls, model_path, version: int) -> None:
     """Publish barrier over every engine: pause all, load the weights of `version` from disk, resume all.
 

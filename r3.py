@@ -32,7 +32,7 @@ Departures from the paper:
    only while the context is open, never a global or an environment variable.
 5. Megatron replay wraps each RouterReplay's `get_replay_topk`: all -1 rows fall back to live top-k as in the HF path,
    and a slice whose row count differs from the router's tokens raises (the native gather would route the first rows).
-6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (model.py departure 4) on a
+6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (engine.py departure 2) on a
    random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
 """
 

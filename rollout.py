@@ -101,7 +101,7 @@ def parse_reply(text: str):
 
 # --- engine client (SGLang protocol) --------------------------------------------------------------
 class EngineClient:
-    """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by model.py too."""
+    """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by engine.py too."""
 
     def __init__(self, url, timeout=600.0):
         self.url, self.timeout, self._shape = url.rstrip("/"), timeout, None
@@ -459,7 +459,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
-    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. model.py's")
+    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. engine.py's")
     p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
     p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "daytona"],
                    help="bwrap: the local jail (root); daytona: the task's image on Daytona (DAYTONA_API_KEY)")

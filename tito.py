@@ -171,7 +171,7 @@ class CaptureError(ValueError):
 
 
 ENGINE_CAPTURE_HINT = ("the engine returned no routed experts: start SGLang with --enable-return-routed-experts "
-                       "(cluster.sglang_command passes it); the embedded engine (model.EngineServer) captures "
+                       "(cluster.sglang_command passes it); the embedded engine (engine.EngineServer) captures "
                        "when the request sets return_routed_experts, as rollout.EngineClient always does")
 
 

@@ -55,6 +55,7 @@ from transformers import AutoTokenizer
 import bench
 import critic as C
 import data
+import engine
 import gateway
 import infra
 import model as M
@@ -412,7 +413,7 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     """Ray actors: the trainer (actor + critic), the engines, the rollout workers; filled into ax as they start
     (train() stops whatever started)."""
     args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
-    ax.engines = [ray.remote(infra.EngineActor).options(**place["engines"][i]).remote(
+    ax.engines = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(
         sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
     ax.trainer = ppo.TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
     ax.workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),

@@ -1,6 +1,6 @@
 """cluster.py (presets, checks, SGLang client + weight publish) and daytona_sandbox.DaytonaSandbox, on CPU.
 
-SGLang request bodies are checked two ways: against the embedded engine (model.py) where the protocol
+SGLang request bodies are checked two ways: against the embedded engine (engine.py) where the protocol
 is shared, and, for the distributed weight update the embedded engine does not serve, against a small
 HTTP server here that validates the bodies as SGLang's io_struct.py declares them (main at 001067f:
 InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, PauseGenerationReqInput) and
@@ -23,6 +23,7 @@ import model as model_lib
 import daytona_sandbox
 import rollout
 import task_io
+from engine import EngineServer
 
 # --- helpers: a validating fake SGLang server in its own process --------------------------------------
 INIT_FIELDS = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
@@ -119,7 +120,7 @@ def engine(tmp_path_factory):
     tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort", "echo done"] * 20, vocab_size=300)
     path = str(tmp_path_factory.mktemp("ckpt"))
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
-    eng = model_lib.EngineServer(path, port=0, max_batch=4).start()
+    eng = EngineServer(path, port=0, max_batch=4).start()
     yield eng, path, tok
     eng.stop()
 

@@ -10,6 +10,7 @@ import gateway
 import model
 import rollout
 import tito
+from engine import EngineServer
 
 TEXTS = ['{"analysis": "hello world", "plan": "sort the lines", "commands": [], "task_complete": false}',
          "New terminal output:\n$ ls -la\nin.txt out.txt\n"] * 20
@@ -24,7 +25,7 @@ def tok():
 def engine(tok, tmp_path_factory):
     path = str(tmp_path_factory.mktemp("ckpt") / "actor")
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, path)
-    eng = model.EngineServer(path, port=0, max_batch=4).start()
+    eng = EngineServer(path, port=0, max_batch=4).start()
     yield eng
     eng.stop()
 

@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bench  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
+from engine import EngineServer  # noqa: E402
 
 torch.set_num_threads(2)
 B, T = 2, 24
@@ -269,7 +270,7 @@ def fp32_engine(tmp_path_factory):
     tok = model_lib.train_tokenizer([f"echo line {i} > f{i}.txt && wc -l f{i}.txt" for i in range(40)], 300)
     path = str(tmp_path_factory.mktemp("r3_engine"))
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=3), tok, path)
-    engine = model_lib.EngineServer(path, max_batch=4, weight_dtype="fp32").start()
+    engine = EngineServer(path, max_batch=4, weight_dtype="fp32").start()
     yield engine, tok, path
     engine.stop()
 

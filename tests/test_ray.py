@@ -10,6 +10,7 @@ import pytest
 import infra
 import model
 import rollout
+from engine import EngineActor
 from test_rollout import SCRIPT, make_task
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -49,7 +50,7 @@ def test_engine_actor_publish_barrier_sets_weight_version(tmp_path, layout):
     tok = model.train_tokenizer([str(r) for r in SCRIPT] * 4, vocab_size=300)
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
-    engine = ray.remote(infra.EngineActor).options(**place["engines"][0]).remote(str(path), "fp32")
+    engine = ray.remote(EngineActor).options(**place["engines"][0]).remote(str(path), "fp32")
     info = ray.get(engine.info.remote())
     assert info["pid"] != os.getpid()
     client = rollout.EngineClient(info["url"])

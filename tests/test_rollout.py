@@ -281,9 +281,10 @@ def test_run_trials_keeps_first_finished_and_cancels_rest(tmp_path):
 
 def test_model_agent_against_embedded_engine(task, tok, tmp_path):
     model = pytest.importorskip("model")
+    engine_lib = pytest.importorskip("engine")
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
-    engine = model.EngineServer(str(path), port=0).start()
+    engine = engine_lib.EngineServer(str(path), port=0).start()
     try:
         client = rollout.EngineClient(engine.url)
         info = client.model_info()

@@ -1,0 +1,679 @@
+"""The embedded inference engine: a small torch server speaking SGLang's HTTP protocol (paper: rollout infrastructure).
+
+T1 samples from SGLang servers started with routed-expert capture. The embedded scale serves model.py's tiny
+Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
+and the same weight and pause endpoints, so rollout.py has one client for both scales. gateway.py shares its HTTP layer.
+
+    python engine.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
+    python bench.py engine         # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
+
+In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a Ray actor
+(EngineActor). How the engine batches and what it refuses: EngineServer's docstring.
+
+Departures from the paper:
+1. Static waves instead of SGLang's continuous batching and radix cache; no prefix reuse.
+2. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32 compute
+   (--weight-dtype bf16), a cheap emulation of the bf16-inference vs fp32-trainer mismatch PPO and R3 must absorb.
+3. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p truncation; top-p
+   only changes which token is drawn.
+4. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends a queued or
+   running request with finish_reason "abort".
+5. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
+   installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
+"""
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import queue
+import re
+import select
+import socket
+import sys
+import threading
+import time
+import urllib.request
+import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+
+import r3
+from model import load_actor, load_weights_from_disk, round_to_bf16
+
+# --- HTTP layer shared by this engine and gateway.py ----------------------------------------------
+LISTEN_BACKLOG = 1024  # listen(2) queue: >= the paper's 560 trials launched per step, one request in flight each
+MAX_BODY_BYTES = 8 * 2**20  # a 131k-token prompt is ~1 MB as JSON ids; a longer body is refused unread (413)
+READ_TIMEOUT_S = 30.0  # one socket read (request line, a header, the body) waiting longer: 408 / connection closed
+DISCONNECT_POLL_S = 1.0  # a disconnect watcher wakes at once on a hang-up; this only bounds its life after the reply
+
+
+class HTTPError(ValueError):
+    """A client error answered with `status`; the message starts with the field / header at fault."""
+
+    def __init__(self, status, message, param=None, code=None):
+        super().__init__(message)
+        self.status, self.param, self.code = status, param, code
+
+
+class BadRequest(HTTPError):
+    def __init__(self, message, param=None, code=None):
+        super().__init__(400, message, param, code)
+
+
+class JSONServer(ThreadingHTTPServer):
+    """ThreadingHTTPServer with a listen backlog that holds the rollout fan-out (socketserver's default is 5)."""
+    request_queue_size = LISTEN_BACKLOG
+    daemon_threads = True
+
+
+class JSONHandler(BaseHTTPRequestHandler):
+    """Quiet HTTP/1.1 handler with JSON replies (the engine's and the gateway's servers): strict body framing,
+    a read timeout, and a disconnect watcher."""
+    protocol_version = "HTTP/1.1"
+    timeout = READ_TIMEOUT_S  # socketserver sets it on the connection: a silent client cannot hold a thread forever
+
+    def log_message(self, *args):  # quiet
+        pass
+
+    def _send(self, code, obj):
+        data = json.dumps(obj).encode()
+        try:
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            if self.close_connection:
+                self.send_header("Connection", "close")
+            self.end_headers()
+            self.wfile.write(data)
+        except OSError:  # the client hung up: nobody to answer
+            self.close_connection = True
+
+    def send_error(self, code, message=None, explain=None):
+        """http.server's own refusals (malformed request line, oversized headers, unknown method) as JSON too."""
+        self.close_connection = True
+        self.send_error_json(HTTPError(code, f"request: {message or 'refused'}"))
+
+    def send_error_json(self, err: HTTPError):
+        """Engine error shape {"error": "field: message"}; gateway.py answers in OpenAI's shape instead."""
+        self._send(err.status, {"error": str(err)})
+
+    def read_json(self):
+        """The request body parsed as JSON, None when there is none (RFC 9112 6.3: a request without
+        Content-Length has an empty body). HTTPError: chunked 411, bad Content-Length 400, over MAX_BODY_BYTES
+        413, body shorter than announced 400 (closed) / 408 (stalled), not JSON 400. Any of these closes the
+        connection afterwards (its framing is lost)."""
+        def fail(status, message):
+            self.close_connection = True
+            return HTTPError(status, message)
+        if self.headers.get("Transfer-Encoding"):
+            raise fail(411, "Content-Length: required (a Transfer-Encoding body is not accepted)")
+        values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
+        if not values:
+            return None
+        if len(set(values)) > 1 or not re.fullmatch(r"[0-9]+", values[0]):
+            raise fail(400, f"Content-Length: expected one non-negative integer, got {', '.join(values)[:100]!r}")
+        if len(values[0]) > 12 or int(values[0]) > MAX_BODY_BYTES:
+            raise fail(413, f"Content-Length: {values[0][:20]} bytes is over the limit of {MAX_BODY_BYTES}")
+        n = int(values[0])
+        try:
+            data = self.rfile.read(n)
+        except TimeoutError:
+            raise fail(408, f"body: Content-Length is {n} but the body stalled for {self.timeout:g} s") from None
+        if len(data) < n:
+            raise fail(400, f"body: Content-Length is {n} but the client closed after {len(data)} bytes")
+        if not data.strip():
+            return None
+        try:
+            return json.loads(data)
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, > 4300-digit ints, deep nesting
+            raise HTTPError(400, f"body: invalid JSON ({str(e)[:200]})") from None
+
+    @contextlib.contextmanager
+    def on_disconnect(self, callback):
+        """While the block runs, watch the client's socket; call callback() (once) if the client hangs up.
+        A hang-up is end-of-file (or a reset) on the socket; bytes from the client mean it is still there."""
+        done, lock, sock = threading.Event(), threading.Lock(), self.connection
+
+        def watch():
+            poller = select.poll()
+            poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
+            while not done.is_set():
+                if not poller.poll(DISCONNECT_POLL_S * 1000):
+                    continue
+                try:
+                    gone = not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                except OSError:
+                    gone = True
+                with lock:
+                    if gone and not done.is_set():
+                        callback()
+                return
+        threading.Thread(target=watch, daemon=True, name="disconnect-watch").start()
+        try:
+            yield
+        finally:
+            with lock:
+                done.set()
+
+
+# --- embedded engine ----------------------------------------------------------------------------
+GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
+GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "stream")
+DISCONNECT_LOG = 1024  # the last requests aborted because their client hung up (EngineServer.disconnects)
+
+
+def sample_token(logits, temperature, top_p, gen, top_k=-1):
+    """logits (V,) -> (token id, logprob under log_softmax(logits / temperature)); ValueError when the
+    distribution is not finite (a row's failure, reported to that request only)."""
+    if temperature == 0:
+        logp = F.log_softmax(logits.float(), dim=-1)  # (V,)
+        tok = int(torch.argmax(logp))
+        return tok, float(logp[tok])
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (V,)
+    probs = logp.exp()
+    if not torch.isfinite(probs).all():
+        raise ValueError(f"sampling: non-finite probabilities at temperature {temperature}")
+    if 0 < top_k < probs.numel():
+        probs = torch.zeros_like(probs).scatter(0, torch.topk(probs, top_k).indices, probs)  # keep the top k
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # keep the smallest prefix reaching top_p
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(logp[tok])
+
+
+class Request:
+    def __init__(self, rid, input_ids, temperature, top_p, max_new_tokens, stop_ids, seed, top_k=-1):
+        self.rid, self.input_ids = rid, input_ids
+        self.temperature, self.top_p, self.top_k, self.max_new_tokens = temperature, top_p, top_k, max_new_tokens
+        self.stop_ids, self.seed = stop_ids, seed
+        self.want_routing = True  # return_routed_experts: a wave records routing if any request asks
+        self.done = threading.Event()
+        self.aborted, self.weight_version = False, None  # weight_version: set when the request finishes in a wave
+        self.reset()
+
+    def reset(self):
+        """Back to not started (a batch that failed as a whole re-runs its requests one by one)."""
+        self.output_ids, self.logprobs, self.routing = [], [], []
+        self.finish, self.error = None, None  # error: this request's own failure inside the engine (-> HTTP 500)
+
+    def fail(self, e):
+        self.error = f"{type(e).__name__}: {e}"
+        self.finish = {"type": "abort", "message": f"engine error: {self.error}"}
+        self.done.set()
+
+
+def _field(d, name, types, default=None, required=False, where=""):
+    if name not in d or d[name] is None:
+        if required:
+            raise BadRequest(f"{where}{name}: required")
+        return default
+    v = d[name]
+    if isinstance(v, bool) and bool not in types or not isinstance(v, types):
+        raise BadRequest(f"{where}{name}: expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
+    return v
+
+
+def _finite(d, name, default, where=""):
+    v = _field(d, name, (int, float), default, where=where)
+    try:
+        f = float(v)
+    except OverflowError:
+        raise BadRequest(f"{where}{name}: out of range (an integer of {v.bit_length()} bits)") from None
+    if not math.isfinite(f):
+        raise BadRequest(f"{where}{name}: must be a finite number, got {f}")
+    return f
+
+
+def _is_int(v):
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def parse_generate(body, vocab_size, max_positions, eos_id):
+    """Validate a /generate body -> Request; BadRequest names the offending field. Every check happens here,
+    before the request can join a batch."""
+    if body is None:
+        raise BadRequest("body: empty (is Content-Length missing?); expected a JSON object")
+    if not isinstance(body, dict):
+        raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+    for k in body:
+        if k not in GENERATE_FIELDS:
+            raise BadRequest(f"{str(k)[:50]}: not supported by this engine (fields: {', '.join(GENERATE_FIELDS)})")
+    ids = _field(body, "input_ids", (list,), required=True)
+    if not ids or not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
+        raise BadRequest(f"input_ids: expected a non-empty list of token ids in [0, {vocab_size})")
+    if _field(body, "stream", (bool,), False):
+        raise BadRequest("stream: not supported by this engine")
+    sp = _field(body, "sampling_params", (dict,), default={})
+    w = "sampling_params."
+    for k in sp:
+        if k not in SAMPLING_FIELDS:
+            raise BadRequest(f"{w}{str(k)[:50]}: not supported by this engine (fields: {', '.join(SAMPLING_FIELDS)})")
+    temperature = _finite(sp, "temperature", 1.0, where=w)
+    if temperature < 0 or 0 < temperature < sys.float_info.min:
+        raise BadRequest(f"{w}temperature: must be 0 or a normal float > 0, got {temperature!r}")
+    if temperature < GREEDY_BELOW:
+        temperature = 0.0  # greedy, as SGLang
+    top_p = _finite(sp, "top_p", 1.0, where=w)
+    if not 0 < top_p <= 1:
+        raise BadRequest(f"{w}top_p: must be in (0, 1], got {top_p}")
+    top_k = _field(sp, "top_k", (int,), -1, where=w)
+    if top_k != -1 and top_k < 1:
+        raise BadRequest(f"{w}top_k: must be -1 (off) or >= 1, got {top_k}")
+    max_new = _field(sp, "max_new_tokens", (int,), 128, where=w)
+    if max_new < 1 or len(ids) + max_new > max_positions:
+        raise BadRequest(f"{w}max_new_tokens: must be >= 1 and len(input_ids) + max_new_tokens "
+                         f"<= {max_positions}, got {max_new} with {len(ids)} input ids")
+    stop = _field(sp, "stop_token_ids", (list,), [], where=w)
+    if not all(_is_int(i) and 0 <= i < vocab_size for i in stop):
+        raise BadRequest(f"{w}stop_token_ids: expected a list of token ids in [0, {vocab_size})")
+    seed = _field(sp, "seed", (int,), None, where=w)
+    if seed is not None and not 0 <= seed <= MAX_SEED:
+        raise BadRequest(f"{w}seed: must be in [0, 2**64 - 1], got {seed}")
+    stop_ids = set(stop)
+    if not _field(sp, "ignore_eos", (bool,), False, where=w):
+        stop_ids.add(eos_id)
+    rid = _field(body, "rid", (str,), None) or uuid.uuid4().hex
+    for flag in ("return_logprob", "return_routed_experts"):
+        _field(body, flag, (bool,), False)
+    req = Request(rid, ids, temperature, top_p, max_new, stop_ids, seed, top_k)
+    req.want_routing = bool(body.get("return_routed_experts", False))
+    return req
+
+
+class EngineServer:
+    """SGLang-protocol server over a tiny Qwen3.5-MoE: HTTP threads + one batching scheduler thread.
+
+    Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
+    them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
+    padded positions so their recurrent state starts clean), then decode together with a hybrid
+    DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
+    Weight reloads and pauses take effect between waves, so one request sees one weight_version.
+    Routed experts are recorded with r3 in every forward of a wave in which any request sets
+    `return_routed_experts` (SGLang's --enable-return-routed-experts; off otherwise): row j = experts chosen
+    when token j was the input (prompt rows from prefill, output rows from decode steps; the last output token
+    is never forwarded, so a request returns len(input) + len(output) - 1 rows).
+
+    Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
+    - /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
+      input_ids not a non-empty list of ints in [0, vocab); temperature not finite, negative or denormal
+      (0 <= t < GREEDY_BELOW = 1e-6 is greedy, SGLang's rule); top_p outside (0, 1]; top_k not -1 or >= 1;
+      max_new_tokens < 1 or past the context; stop_token_ids not ids in [0, vocab); seed outside [0, 2**64 - 1];
+      a rid already queued or running; stream; any field SGLang has that this engine does not implement
+      (GENERATE_FIELDS / SAMPLING_FIELDS list what is served: an unknown field is refused, never ignored).
+    - A request that still fails inside a batch fails alone: a row whose sampling fails stops with its own error,
+      and a wave that fails as a whole re-runs its requests one by one; the failed request gets HTTP 500.
+    - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
+      (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
+      not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
+    - Listen backlog LISTEN_BACKLOG = 1024 (>= the paper's 560 trials per step); a client that hangs up mid-request
+      has its generation aborted (EngineServer.disconnects logs each such request); /health answers 503 when the
+      scheduler thread is not running.
+    """
+
+    def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=16, weight_dtype="bf16", seed=0):
+        if weight_dtype not in ("bf16", "fp32"):
+            raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
+        if max_batch < 1:
+            raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        self.model_path, self.host, self.port = model_path, host, port
+        self.max_batch, self.weight_dtype = max_batch, weight_dtype
+        self.model, self.tokenizer = load_actor(model_path)
+        self.model.eval()
+        if weight_dtype == "bf16":
+            round_to_bf16(self.model)
+        cfg = self.model.config
+        self.num_layers, self.top_k = len(r3.routers(self.model)), cfg.num_experts_per_tok
+        self.weight_version, self.n_updates = "0", 0
+        self.gen = torch.Generator().manual_seed(seed)
+        self.queue = []  # waiting Requests
+        self.commands = queue.Queue()  # (fn, result dict, Event) run between waves
+        self.cv = threading.Condition()
+        self.paused, self.in_wave, self.stopping = False, False, False
+        self.running = {}  # rid -> Request of the current wave
+        self.disconnects = collections.deque(maxlen=DISCONNECT_LOG)  # {rid, finish, completion_tokens} per hang-up
+        self.httpd, self.threads = None, []
+
+    # -- lifecycle --
+    @property
+    def url(self):
+        return f"http://{self.host}:{self.httpd.server_address[1]}"
+
+    def start(self):
+        self.httpd = JSONServer((self.host, self.port), _make_handler(self))
+        self.threads = [threading.Thread(target=self.httpd.serve_forever, daemon=True),
+                        threading.Thread(target=self._scheduler, daemon=True)]
+        for t in self.threads:
+            t.start()
+        deadline = time.time() + 30
+        while True:  # return when healthy
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return self
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError(f"engine at {self.url} did not become healthy")
+                time.sleep(0.05)
+
+    def stop(self):
+        with self.cv:
+            self.stopping = True
+            self.cv.notify_all()
+        if self.httpd is not None:
+            self.httpd.shutdown()
+            self.httpd.server_close()
+        for t in self.threads:
+            t.join(timeout=30)
+
+    def health(self):
+        """None when serving, else why not (/health answers 503 with it)."""
+        if self.stopping:
+            return "engine is stopping"
+        if len(self.threads) < 2 or not self.threads[1].is_alive():
+            return "the scheduler thread is not running"
+        return None
+
+    # -- called from HTTP threads --
+    def submit(self, req):
+        with self.cv:
+            if self.stopping:
+                req.finish = {"type": "abort", "message": "engine is stopping"}
+                return req
+            if req.rid in self.running or any(r.rid == req.rid for r in self.queue):
+                raise BadRequest(f"rid: {req.rid!r} is already queued or running")
+            if req.aborted:  # its client hung up before it was queued
+                req.finish = {"type": "abort"}
+                return req
+            self.queue.append(req)
+            self.cv.notify_all()
+        req.done.wait()
+        return req
+
+    def run_between_waves(self, fn):
+        """Run fn() on the scheduler thread between waves; returns its result or raises its error."""
+        box, ev = {}, threading.Event()
+        with self.cv:
+            self.commands.put((fn, box, ev))
+            self.cv.notify_all()
+        ev.wait()
+        if "error" in box:
+            raise box["error"]
+        return box["result"]
+
+    def update_weights(self, path, version=None):
+        def load():
+            load_weights_from_disk(self.model, path)
+            if self.weight_dtype == "bf16":
+                round_to_bf16(self.model)
+            self.model_path = path
+            self.n_updates += 1
+            self.weight_version = str(version) if version is not None else str(self.n_updates)
+            return self.weight_version
+        return self.run_between_waves(load)
+
+    def pause(self):
+        with self.cv:
+            self.paused = True
+            while self.in_wave:
+                self.cv.wait()
+
+    def resume(self):
+        with self.cv:
+            self.paused = False
+            self.cv.notify_all()
+
+    def abort(self, rid):
+        with self.cv:
+            for req in [r for r in self.queue if r.rid == rid]:
+                self.queue.remove(req)
+                req.finish = {"type": "abort"}
+                req.done.set()
+                return True
+            if rid in self.running:
+                self.running[rid].aborted = True
+                return True
+        return False
+
+    # -- scheduler thread --
+    def _scheduler(self):
+        while True:
+            with self.cv:
+                while not self.stopping and self.commands.empty() and (self.paused or not self.queue):
+                    self.cv.wait(timeout=0.1)
+                if self.stopping:
+                    for req in self.queue:
+                        req.finish = {"type": "abort"}
+                        req.done.set()
+                    return
+                batch = []
+                if self.commands.empty():
+                    batch, self.queue = self.queue[:self.max_batch], self.queue[self.max_batch:]
+                    self.in_wave = True
+                    self.running = {r.rid: r for r in batch}
+            while not self.commands.empty():
+                fn, box, ev = self.commands.get()
+                try:
+                    box["result"] = fn()
+                except Exception as e:  # reported to the caller
+                    box["error"] = e
+                ev.set()
+            if batch:
+                self._run_batch(batch)
+                with self.cv:
+                    self.in_wave, self.running = False, {}
+                    self.cv.notify_all()
+
+    def _run_batch(self, batch):
+        """One wave; if it fails as a whole (a forward error), its unfinished requests re-run one by one, so only
+        the request that fails alone gets the error. Never leaves a client hanging."""
+        try:
+            self._wave(batch)
+            return
+        except Exception as e:
+            left = [r for r in batch if not r.done.is_set()]
+            if len(left) == 1:
+                left[0].fail(e)
+                return
+        for r in left:
+            r.reset()
+            try:
+                self._wave([r])
+            except Exception as e:
+                r.fail(e)
+
+    @torch.inference_mode()
+    def _wave(self, batch):
+        """Prefill the batch together (left-padded), then decode together until every row stops.
+        A row whose sampling fails stops with its own error; the other rows go on."""
+        B, version = len(batch), self.weight_version
+        lens = [len(r.input_ids) for r in batch]
+        T = max(lens)
+        ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) left-padded with <|endoftext|>
+        mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
+        for b, r in enumerate(batch):
+            ids[b, T - lens[b]:] = torch.tensor(r.input_ids)
+            mask[b, T - lens[b]:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) explicit position ids
+        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self.gen for r in batch]
+        active = [True] * B
+        cache = DynamicCache(config=self.model.config)
+        capture = any(r.want_routing for r in batch)  # capture off only when no request asks for it
+        with r3.routing(self.model, "record" if capture else "off") as rec:
+            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
+                             use_cache=True, logits_to_keep=1)
+            if capture:
+                (routed,) = rec.pop()  # (B, T, L, k)
+                for b, r in enumerate(batch):
+                    r.routing.append(routed[b, T - lens[b]:])  # prompt rows
+            next_pos = torch.tensor(lens)  # (B,)
+            while True:
+                logits = out.logits[:, -1]  # (B, V)
+                step_ids = torch.zeros(B, 1, dtype=torch.long)
+                for b, r in enumerate(batch):
+                    if not active[b]:
+                        continue
+                    if r.aborted:
+                        active[b], r.finish = False, {"type": "abort"}
+                        continue
+                    try:
+                        tok, lp = sample_token(logits[b], r.temperature, r.top_p, gens[b], r.top_k)
+                    except Exception as e:  # this row only
+                        active[b] = False
+                        r.fail(e)
+                        continue
+                    r.output_ids.append(tok)
+                    r.logprobs.append(lp)
+                    step_ids[b, 0] = tok
+                    if tok in r.stop_ids:
+                        active[b], r.finish = False, {"type": "stop", "matched": tok}
+                    elif len(r.output_ids) >= r.max_new_tokens:
+                        active[b], r.finish = False, {"type": "length", "length": r.max_new_tokens}
+                for b, r in enumerate(batch):
+                    if not active[b] and not r.done.is_set():
+                        r.weight_version = version
+                        r.done.set()
+                if not any(active):
+                    return
+                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)  # (B, T + s)
+                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=next_pos[:, None],
+                                 cache=cache, use_cache=True)
+                next_pos += 1
+                if capture:
+                    (routed,) = rec.pop()  # (B, 1, L, k)
+                    for b, r in enumerate(batch):
+                        if active[b]:
+                            r.routing.append(routed[b])  # row of the token just fed
+
+    def response(self, req, want_logprob=True, want_routing=True):
+        n_in, n_out = len(req.input_ids), len(req.output_ids)
+        meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": n_in,
+                "completion_tokens": n_out, "weight_version": req.weight_version or self.weight_version}
+        if want_logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
+        if want_routing:
+            rows = torch.cat(req.routing, dim=0)[:max(n_in + n_out - 1, 0)] if req.routing else \
+                torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32)
+            meta["routed_experts"] = r3.encode_routed_experts(rows.numpy())  # (n_in + n_out - 1, L, k)
+        return {"text": self.tokenizer.decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
+
+
+def _make_handler(engine):
+    class Handler(JSONHandler):
+        def do_GET(self):
+            if self.path == "/health":
+                why = engine.health()
+                self._send(503 if why else 200, {"status": "unhealthy", "error": why} if why else {"status": "ok"})
+            elif self.path == "/get_model_info":
+                self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
+                                 "num_moe_layers": engine.num_layers, "top_k": engine.top_k,
+                                 "vocab_size": engine.model.config.vocab_size})
+            else:
+                self._send(404, {"error": f"path: unknown endpoint {self.path[:200]}"})
+
+        def generate(self, body):
+            cfg = engine.model.config
+            req = parse_generate(body, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
+            gone = []
+
+            def hung_up():  # the client closed its connection: stop generating for it
+                req.aborted = True  # (if it has not reached the queue yet, submit() ends it)
+                gone.append(engine.abort(req.rid))
+            with self.on_disconnect(hung_up):
+                engine.submit(req)
+            if gone:
+                engine.disconnects.append({"rid": req.rid, "finish": (req.finish or {}).get("type"),
+                                           "completion_tokens": len(req.output_ids)})
+                self.close_connection = True
+                return
+            if req.error:
+                return self._send(500, {"error": f"engine: {req.error}"})
+            self._send(200, engine.response(req, bool(body.get("return_logprob", False)),
+                                            bool(body.get("return_routed_experts", False))))
+
+        def do_POST(self):
+            try:
+                body = self.read_json()
+                if self.path == "/generate":
+                    return self.generate(body)
+                body = {} if body is None else body
+                if not isinstance(body, dict):
+                    raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
+                if self.path == "/update_weights_from_disk":
+                    path = _field(body, "model_path", (str,), required=True)
+                    if not os.path.isdir(path):
+                        raise BadRequest(f"model_path: not a directory: {path!r}")
+                    version = _field(body, "weight_version", (str, int), None)
+                    try:
+                        v = engine.update_weights(path, version)
+                    except Exception as e:
+                        self._send(400, {"success": False, "error": f"model_path: {e}", "message": str(e)})
+                        return
+                    self._send(200, {"success": True, "message": f"loaded {path}", "weight_version": v})
+                elif self.path == "/pause_generation":
+                    engine.pause()
+                    self._send(200, {"success": True})
+                elif self.path == "/continue_generation":
+                    engine.resume()
+                    self._send(200, {"success": True})
+                elif self.path == "/abort_request":
+                    rid = _field(body, "rid", (str,), required=True)
+                    self._send(200, {"success": engine.abort(rid)})
+                else:
+                    self._send(404, {"error": f"path: unknown endpoint {self.path[:200]}"})
+            except HTTPError as e:
+                self.send_error_json(e)
+            except Exception as e:  # a server fault: named, never a dropped connection
+                self._send(500, {"error": f"engine: {type(e).__name__}: {e}"})
+
+    return Handler
+
+
+class EngineActor:
+    """The embedded engine (EngineServer) inside a Ray actor; spoken to only over HTTP, like SGLang."""
+
+    def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1"):
+        torch.set_num_threads(threads)
+        self.server = EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype).start()
+
+    def info(self) -> dict:
+        return {"url": self.server.url, "pid": os.getpid()}
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+# --- CLI ----------------------------------------------------------------------------------------
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    s = sub.add_parser("serve", help="serve SGLang's /generate protocol")
+    s.add_argument("--model-path", required=True)
+    s.add_argument("--port", type=int, required=True)
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--max-batch", type=int, default=16)
+    s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
+    s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype).start()
+    print(f"engine serving {args.model_path} at {engine.url}", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        engine.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,491 @@
+"""Tests for engine.py: the embedded engine over real HTTP (wire format, batching, weight updates, the CLI, and
+requests refused before they join a batch)."""
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import engine as engine_lib  # noqa: E402
+import infra  # noqa: E402
+import model as model_lib  # noqa: E402
+import r3  # noqa: E402
+from test_model import TEXTS, prompt  # noqa: E402
+
+torch.set_num_threads(2)
+
+
+def post(url, obj, raw=None):
+    data = raw if raw is not None else json.dumps(obj).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def get(url):
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return r.status, json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return model_lib.train_tokenizer(TEXTS, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tok, tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(ckpt):
+    eng = engine_lib.EngineServer(ckpt, port=0, max_batch=8).start()
+    yield eng
+    eng.stop()
+
+
+def generate(engine, ids, **sp):
+    sp.setdefault("max_new_tokens", 12)
+    status, out = post(engine.url + "/generate", {"input_ids": ids, "sampling_params": sp,
+                                                  "return_logprob": True, "return_routed_experts": True})
+    assert status == 200, out
+    return out
+
+
+# --- engine ------------------------------------------------------------------------------------------
+def test_engine_wire_format_logprobs_and_routing_match_a_teacher_forced_forward(engine, tok, ckpt):
+    check_wire_format(engine, tok, ckpt)
+
+
+def test_engine_serves_the_qwen3_moe_layout_of_the_megatron_backend(tok, tmp_path):
+    path = str(tmp_path / "q3")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=0), tok, path)
+    eng = engine_lib.EngineServer(path, port=0, max_batch=4).start()
+    try:
+        assert type(eng.model).__name__ == "Qwen3MoeForCausalLM"
+        check_wire_format(eng, tok, path)
+    finally:
+        eng.stop()
+
+
+def check_wire_format(engine, tok, ckpt):
+    ids = prompt(tok, "count the errors")
+    out = generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)
+    meta, out_ids = out["meta_info"], out["output_ids"]
+    n_in, n_out = len(ids), len(out_ids)
+    assert meta["prompt_tokens"] == n_in and meta["completion_tokens"] == n_out >= 1
+    assert meta["finish_reason"]["type"] in ("stop", "length") and meta["weight_version"] == "0"
+    assert [t for _, t, _ in meta["output_token_logprobs"]] == out_ids
+    routed = r3.decode_routed_experts(meta["routed_experts"], 4, 2)
+    assert routed.shape == (n_in + n_out - 1, 4, 2) and routed.dtype.name == "int32"
+    # teacher-forced forward of the same bf16-rounded weights
+    ref, _ = model_lib.load_actor(ckpt)
+    model_lib.round_to_bf16(ref.eval())
+    full = torch.tensor([ids + out_ids])  # (1, n_in + n_out)
+    with torch.no_grad(), r3.routing(ref, "record") as rec:
+        logits = ref(full).logits[0, n_in - 1:-1]  # (n_out, V): predicts each output token
+    want = torch.log_softmax(logits / 0.8, dim=-1).gather(1, torch.tensor(out_ids)[:, None])[:, 0]
+    got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    assert torch.allclose(got, want, atol=1e-4, rtol=0), (got - want).abs().max()
+    assert (rec.experts[0, :-1].numpy() == routed).mean() > 0.99  # sampler routing == trainer routing
+    # greedy: logprob of the raw distribution; same seed -> same sample
+    greedy = generate(engine, ids, temperature=0, max_new_tokens=4)["meta_info"]["output_token_logprobs"]
+    first = torch.log_softmax(logits[0], -1)
+    assert greedy[0][1] == int(first.argmax()) and abs(greedy[0][0] - float(first.max())) < 1e-4
+    assert generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)["output_ids"] == out_ids
+
+
+def test_stop_token_is_included_in_output_with_its_logprob(engine, tok):
+    ids = prompt(tok, "stop early")
+    first = generate(engine, ids, temperature=0, max_new_tokens=3)["output_ids"][0]
+    out = generate(engine, ids, temperature=0, max_new_tokens=10, stop_token_ids=[first])
+    meta = out["meta_info"]
+    assert out["output_ids"] == [first] and meta["finish_reason"] == {"type": "stop", "matched": first}
+    assert len(meta["output_token_logprobs"]) == 1
+    assert r3.decode_routed_experts(meta["routed_experts"], 4, 2).shape == (len(ids), 4, 2)
+    length = generate(engine, ids, temperature=0, max_new_tokens=3, ignore_eos=True)["meta_info"]
+    assert length["finish_reason"]["type"] == "length" and length["completion_tokens"] == 3
+
+
+def test_concurrent_requests_are_batched_and_match_sequential_greedy(engine, tok):
+    prompts = [prompt(tok, t) for t in ("a", "list the files in /app please", "grep error", "cat notes1.txt")]
+    sequential = [generate(engine, p, temperature=0, max_new_tokens=10, ignore_eos=True) for p in prompts]
+    results = [None] * len(prompts)
+
+    def worker(i):
+        results[i] = generate(engine, prompts[i], temperature=0, max_new_tokens=10, ignore_eos=True)
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 10
+    while len(engine.queue) < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(engine.queue) == len(prompts)  # all waiting: they will run as ONE left-padded wave
+    assert post(engine.url + "/continue_generation", {})[0] == 200
+    for t in threads:
+        t.join()
+    for seq, par in zip(sequential, results):
+        assert par["output_ids"] == seq["output_ids"]
+        a = [lp for lp, _, _ in seq["meta_info"]["output_token_logprobs"]]
+        b = [lp for lp, _, _ in par["meta_info"]["output_token_logprobs"]]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
+
+
+def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, tok, tmp_path):
+    ids = prompt(tok, "hello")
+    before = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+    other = str(tmp_path / "step1")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=7), tok, other)
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other})
+    assert status == 200 and res["success"] is True
+    after = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+    assert after["meta_info"]["weight_version"] == "1" and get(engine.url + "/get_model_info")[1]["weight_version"] == "1"
+    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other, "weight_version": "step-7"})
+    assert status == 200 and get(engine.url + "/get_model_info")[1] == {
+        "model_path": other, "weight_version": "step-7", "num_moe_layers": 4, "top_k": 2, "vocab_size": len(tok)}
+
+
+def test_bad_requests_get_400_naming_the_field(engine, tok, tmp_path):
+    ids = prompt(tok, "x")
+    cases = [
+        ({"sampling_params": {}}, "input_ids"),
+        ({"input_ids": []}, "input_ids"),
+        ({"input_ids": [10**6]}, "input_ids"),
+        ({"input_ids": ids, "sampling_params": {"temperature": -1}}, "sampling_params.temperature"),
+        ({"input_ids": ids, "sampling_params": {"top_p": 0}}, "sampling_params.top_p"),
+        ({"input_ids": ids, "sampling_params": {"max_new_tokens": "12"}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": ids, "sampling_params": {"max_new_tokens": 10**5}}, "sampling_params.max_new_tokens"),
+        ({"input_ids": ids, "sampling_params": {"stop_token_ids": [1.5]}}, "sampling_params.stop_token_ids"),
+        ({"input_ids": ids, "sampling_params": []}, "sampling_params"),
+        ({"input_ids": ids, "rid": 5}, "rid"),
+    ]
+    for body, field in cases:
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith(field + ":"), (body, res)
+    status, res = post(engine.url + "/generate", None, raw=b"{not json")
+    assert status == 400 and res["error"].startswith("body:")
+    status, res = post(engine.url + "/update_weights_from_disk", {})
+    assert status == 400 and res["error"].startswith("model_path:")
+    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": str(tmp_path)})
+    assert status == 400 and res["success"] is False and "model_path" in res["error"]
+    assert get(engine.url + "/health")[0] == 200  # still serving
+
+
+def test_abort_request_ends_a_queued_request(engine, tok):
+    result = {}
+    post(engine.url + "/pause_generation", {})
+    body = {"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 5}, "rid": "r-1"}
+    t = threading.Thread(target=lambda: result.update(res=post(engine.url + "/generate", body)))
+    t.start()
+    while not engine.queue:
+        time.sleep(0.01)
+    assert post(engine.url + "/abort_request", {"rid": "r-1"}) == (200, {"success": True})
+    t.join(timeout=10)
+    post(engine.url + "/continue_generation", {})
+    status, res = result["res"]
+    assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "abort" and res["output_ids"] == []
+
+
+def test_serve_command_line_starts_a_server(ckpt):
+    port = infra.free_port()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.Popen([sys.executable, os.path.join(root, "engine.py"), "serve", "--model-path", ckpt,
+                             "--port", str(port), "--weight-dtype", "fp32"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        assert "engine serving" in proc.stdout.readline()  # printed once healthy
+        info = get(f"http://127.0.0.1:{port}/get_model_info")[1]
+        assert info["num_moe_layers"] == 4 and info["top_k"] == 2 and info["weight_version"] == "0"
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+# --- hardening: bad requests are refused before they join a batch; the HTTP layer never hangs ----------------
+def raw_http(engine, data: bytes, shut=False, timeout=20):
+    """Send raw bytes to the engine, read one HTTP response -> (status, parsed JSON body or raw text)."""
+    import socket
+    host, port = engine.httpd.server_address[:2]
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(data)
+        if shut:
+            s.shutdown(socket.SHUT_WR)
+        buf = b""
+        while b"\r\n\r\n" not in buf:
+            chunk = s.recv(65536)
+            if not chunk:
+                raise AssertionError(f"connection closed without a response (got {buf[:200]!r})")
+            buf += chunk
+        head, _, rest = buf.partition(b"\r\n\r\n")
+        n = int(next(line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")))
+        while len(rest) < n:
+            rest += s.recv(65536)
+    return int(head.split()[1]), json.loads(rest[:n])
+
+
+def http_post(path, body: bytes, headers=()):
+    lines = [f"POST {path} HTTP/1.1", "Host: x", *headers]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
+
+
+def test_non_finite_denormal_and_out_of_range_sampling_fields_get_400(engine, tok):
+    ids = prompt(tok, "x")
+    cases = [
+        ({"temperature": 1e-310}, "sampling_params.temperature"),
+        ({"seed": 2**70}, "sampling_params.seed"),
+        ({"seed": -1}, "sampling_params.seed"),
+        ({"top_p": 1.5}, "sampling_params.top_p"),
+        ({"top_k": 0}, "sampling_params.top_k"),
+        ({"top_k": "5"}, "sampling_params.top_k"),
+        ({"max_new_tokens": True}, "sampling_params.max_new_tokens"),
+        ({"stop_token_ids": [10**6]}, "sampling_params.stop_token_ids"),
+        ({"stop_token_ids": 2}, "sampling_params.stop_token_ids"),
+        ({"frequency_penalty": 0.5}, "sampling_params.frequency_penalty"),
+    ]
+    for sp, field in cases:
+        status, res = post(engine.url + "/generate", {"input_ids": ids, "sampling_params": sp})
+        assert status == 400 and res["error"].startswith(field + ":"), (sp, status, res)
+    raw_cases = [  # JSON that json.dumps would not write: NaN / Infinity / a 400-digit integer
+        (b'{"input_ids": %s, "sampling_params": {"temperature": NaN}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"temperature": Infinity}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"temperature": 1' + b"0" * 400 + b'}}', "sampling_params.temperature"),
+        (b'{"input_ids": %s, "sampling_params": {"top_p": NaN}}', "sampling_params.top_p"),
+    ]
+    for raw, field in raw_cases:
+        status, res = post(engine.url + "/generate", None, raw=raw % json.dumps(ids).encode())
+        assert status == 400 and res["error"].startswith(field + ":"), (raw[-60:], status, res)
+    for body, field in [({"input_ids": [True, 3]}, "input_ids"), ({"input_ids": [-1]}, "input_ids"),
+                        ({"input_ids": ids, "text": "hi"}, "text"), ({"input_ids": ids, "stream": True}, "stream"),
+                        ([1, 2], "body")]:
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith(field + ":"), (body, status, res)
+    # a tiny but normal temperature is greedy (SGLang's 1e-6 rule), not an overflow
+    greedy = generate(engine, ids, temperature=0, max_new_tokens=4, ignore_eos=True)["output_ids"]
+    assert generate(engine, ids, temperature=1e-30, max_new_tokens=4, ignore_eos=True)["output_ids"] == greedy
+
+
+def _paused_batch(engine, tok, n_good, extra):
+    """Queue n_good valid requests while paused, run extra() (which adds bad ones), continue; -> good results."""
+    results = [None] * n_good
+    body = {"input_ids": prompt(tok, "list the files"), "return_logprob": True,
+            "sampling_params": {"temperature": 1.0, "max_new_tokens": 6, "ignore_eos": True}}
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, post(engine.url + "/generate", body)))
+               for i in range(n_good)]
+    for t in threads:
+        t.start()
+    try:
+        deadline = time.time() + 30
+        while len(engine.queue) < n_good and time.time() < deadline:
+            time.sleep(0.01)
+        extra()
+    finally:
+        assert post(engine.url + "/continue_generation", {})[0] == 200
+    for t in threads:
+        t.join(timeout=120)
+    return results
+
+
+def test_a_bad_request_is_refused_before_it_joins_a_batch(engine, tok):
+    ids, bad = prompt(tok, "x"), {}
+
+    def send_bad():  # while the good ones wait in the queue: NaN temperature, a seed torch cannot take
+        raws = {"nan": b'{"input_ids": %s, "sampling_params": {"temperature": NaN}}' % json.dumps(ids).encode(),
+                "seed": json.dumps({"input_ids": ids, "sampling_params": {"seed": 2**70}}).encode()}
+        threads = [threading.Thread(target=lambda k=k, r=r: bad.__setitem__(k, post(engine.url + "/generate", None, r)))
+                   for k, r in raws.items()]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(bad) < 2 and len(engine.queue) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        return threads
+    good = _paused_batch(engine, tok, 3, send_bad)
+    deadline = time.time() + 60
+    while len(bad) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    assert bad["nan"][0] == 400 and bad["seed"][0] == 400, bad
+    for status, res in good:
+        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length", res
+        assert len(res["output_ids"]) == 6
+
+
+def test_a_request_that_fails_inside_a_batch_fails_alone(engine, tok):
+    """Second line of defence: requests that bypass parse_generate. A row whose sampling fails (a denormal
+    temperature overflows to inf) and a request that breaks the whole wave (a seed torch refuses) each get
+    their own error; the valid requests of the same batch finish normally."""
+    ids, bad, threads = prompt(tok, "x"), [], []
+
+    def submit_bad():
+        for rid, temperature, seed in (("row-fails", 1e-310, None), ("wave-fails", 1.0, 2**70)):
+            r = engine_lib.Request(rid, ids, temperature, 1.0, 6, {2}, seed)
+            bad.append(r)
+            threads.append(threading.Thread(target=engine.submit, args=(r,)))
+            threads[-1].start()
+        deadline = time.time() + 10
+        while len(engine.queue) < 5 and time.time() < deadline:
+            time.sleep(0.01)
+    good = _paused_batch(engine, tok, 3, submit_bad)
+    for t in threads:
+        t.join(timeout=120)
+    for status, res in good:
+        assert status == 200 and res["meta_info"]["finish_reason"]["type"] == "length", res
+        assert len(res["output_ids"]) == 6
+    assert all(r.done.is_set() and r.finish["type"] == "abort" for r in bad), [r.finish for r in bad]
+    assert "non-finite" in bad[0].error and "Overflow" in bad[1].error, [r.error for r in bad]
+
+
+def test_64_concurrent_generate_requests_are_held_in_the_backlog_and_all_served(engine, tok):
+    """The oversampling fan-out: 64 clients connect while the server is not accepting (its accept loop
+    stopped); every connection must be held by the listen backlog (socketserver's default of 5 drops the
+    SYNs of the rest), then every request is answered."""
+    import select
+    import socket
+    addr = engine.httpd.server_address[:2]
+    body = json.dumps({"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 2}}).encode()
+    engine.httpd.shutdown()  # the accept loop stops; the listening socket stays open
+    socks = []
+    try:
+        for _ in range(64):
+            s = socket.socket()
+            s.setblocking(False)
+            s.connect_ex(addr)
+            socks.append(s)
+        pending, deadline = set(socks), time.time() + 2.5
+        while pending and time.time() < deadline:  # a SYN dropped for a full backlog is retried after 1 s, 3 s
+            _, writable, _ = select.select([], list(pending), [], 0.1)
+            pending -= {s for s in writable if s.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0}
+        assert not pending, f"{len(pending)} of 64 connections not held while the server was busy"
+        for s in socks:
+            s.setblocking(True)
+            s.settimeout(120)
+            s.sendall(http_post("/generate", body, [f"Content-Length: {len(body)}", "Connection: close"]))
+    finally:
+        engine.threads[0] = threading.Thread(target=engine.httpd.serve_forever, daemon=True)
+        engine.threads[0].start()
+    statuses = []
+    for s in socks:
+        buf = b""
+        while chunk := s.recv(65536):
+            buf += chunk
+        s.close()
+        statuses.append(int(buf.split()[1]))
+    assert statuses == [200] * 64
+
+
+def test_a_client_that_hangs_up_has_its_generation_aborted(engine, tok):
+    import socket
+    body = json.dumps({"input_ids": prompt(tok, "x"), "rid": "hangs-up",
+                       "sampling_params": {"max_new_tokens": 4000, "ignore_eos": True}}).encode()
+    s = socket.create_connection(engine.httpd.server_address[:2], timeout=30)
+    s.sendall(http_post("/generate", body, [f"Content-Length: {len(body)}"]))
+    deadline = time.time() + 60
+    while "hangs-up" not in engine.running and time.time() < deadline:
+        time.sleep(0.01)
+    assert "hangs-up" in engine.running
+    s.close()
+    deadline = time.time() + 120
+    while not any(d["rid"] == "hangs-up" for d in engine.disconnects) and time.time() < deadline:
+        time.sleep(0.05)
+    (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up"]
+    assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
+    # a client that hangs up right after sending (possibly before its request is queued)
+    early = body.replace(b'"hangs-up"', b'"hangs-up-early"')
+    s = socket.create_connection(engine.httpd.server_address[:2], timeout=30)
+    s.sendall(http_post("/generate", early, [f"Content-Length: {len(early)}"]))
+    s.close()
+    deadline = time.time() + 120
+    while not any(d["rid"] == "hangs-up-early" for d in engine.disconnects) and time.time() < deadline:
+        time.sleep(0.05)
+    (rec,) = [d for d in engine.disconnects if d["rid"] == "hangs-up-early"]
+    assert rec["finish"] == "abort" and rec["completion_tokens"] < 4000, rec
+    out = generate(engine, prompt(tok, "y"), temperature=0, max_new_tokens=3, ignore_eos=True)
+    assert out["meta_info"]["finish_reason"]["type"] == "length"  # the engine is free again
+    deadline = time.time() + 10  # the reply goes out (req.done) just before the scheduler clears its wave
+    while (engine.running or engine.queue) and time.time() < deadline:
+        time.sleep(0.01)
+    assert not engine.running and not engine.queue
+
+
+def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
+    good = json.dumps({"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 1}}).encode()
+    cases = [
+        (http_post("/generate", good, ["Content-Length: -5"]), 400, "Content-Length:"),
+        (http_post("/generate", good, ["Content-Length: abc"]), 400, "Content-Length:"),
+        (http_post("/generate", good, [f"Content-Length: {len(good)}", "Content-Length: 3"]), 400, "Content-Length:"),
+        (http_post("/generate", good, ["Content-Length: 99999999999999999999999"]), 413, "Content-Length:"),
+        (http_post("/generate", good, [f"Content-Length: {engine_lib.MAX_BODY_BYTES + 1}"]), 413, "Content-Length:"),
+        (http_post("/generate", b"5\r\nabcde\r\n0\r\n\r\n", ["Transfer-Encoding: chunked"]), 411, "Content-Length:"),
+        (http_post("/generate", b""), 400, "body:"),  # no Content-Length: an empty body
+        (http_post("/generate", b"1" * 5000, ["Content-Length: 5000"]), 400, "body:"),  # int of 5000 digits
+        (http_post("/generate", b"[" * 100000, ["Content-Length: 100000"]), 400, "body:"),  # nesting
+        (http_post("/generate", b"\xff\xfe{", ["Content-Length: 3"]), 400, "body:"),  # not UTF-8
+        (http_post("/generate", b"", [f"X-{i}: y" for i in range(101)]), 431, "request:"),  # http.server's own
+        # refusals (here: over 100 headers) answer JSON too
+        (b"PUT /generate HTTP/1.1\r\nHost: x\r\n\r\n", 501, "request:"),
+    ]
+    for data, want, field in cases:
+        status, res = raw_http(engine, data)
+        assert status == want and res["error"].startswith(field), (data[:80], status, res)
+    # fewer bytes than announced: the client closed (400) or stalls (408 after the read timeout)
+    status, res = raw_http(engine, http_post("/generate", good[:10], [f"Content-Length: {len(good)}"]), shut=True)
+    assert status == 400 and res["error"].startswith("body:"), res
+    handler = engine.httpd.RequestHandlerClass
+    handler.timeout = 1.0
+    try:
+        status, res = raw_http(engine, http_post("/generate", good[:10], [f"Content-Length: {len(good)}"]))
+    finally:
+        handler.timeout = engine_lib.READ_TIMEOUT_S
+    assert status == 408 and res["error"].startswith("body:"), res
+    assert get(engine.url + "/health")[0] == 200 and not engine.queue
+
+
+def test_a_rid_already_in_flight_is_refused(engine, tok):
+    body = {"input_ids": prompt(tok, "x"), "sampling_params": {"max_new_tokens": 2}, "rid": "dup"}
+    first = {}
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    t = threading.Thread(target=lambda: first.update(res=post(engine.url + "/generate", body)))
+    t.start()
+    try:
+        deadline = time.time() + 30
+        while not engine.queue and time.time() < deadline:
+            time.sleep(0.01)
+        status, res = post(engine.url + "/generate", body)
+        assert status == 400 and res["error"].startswith("rid:"), res
+    finally:
+        post(engine.url + "/continue_generation", {})
+    t.join(timeout=60)
+    assert first["res"][0] == 200 and first["res"][1]["meta_info"]["id"] == "dup"
+
+
+def test_health_is_503_when_the_scheduler_is_not_running(ckpt):
+    eng = engine_lib.EngineServer(ckpt, port=0, max_batch=2).start()
+    try:
+        assert get(eng.url + "/health") == (200, {"status": "ok"})
+        dead = threading.Thread(target=lambda: None)
+        dead.start()
+        dead.join()
+        eng.threads[1], live = dead, eng.threads[1]  # as if the scheduler thread had died
+        try:
+            urllib.request.urlopen(eng.url + "/health", timeout=30)
+            raise AssertionError("/health answered 200 without a scheduler")
+        except urllib.error.HTTPError as e:
+            assert e.code == 503 and "scheduler" in json.loads(e.read())["error"]
+        eng.threads[1] = live
+    finally:
+        eng.stop()
