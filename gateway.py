@@ -43,9 +43,9 @@ Run:
         # the paper's protocol (EVAL); prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts
         # (a failed trial counts 0), errors
     python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
-In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
-run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (the text / Harbor
-harnesses beside rollout.run_trial's native one).
+In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .pop(session_id) -> {"records": [...]};
+run_text_trial(task_dir, gw.url, session_id) / run_harbor_trial(task_dir, gw, trials_dir=...) -> rollout.run_trial's
+result (the text / Harbor harnesses beside rollout's token-first one).
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
@@ -68,7 +68,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -581,42 +580,6 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         result["records"], result["turns"] = trial["records"], len(trial["records"])
         result["wall_s"] = time.time() - t0
     return result
-
-
-# --- the text / Harbor harnesses: run_trial beside rollout.run_trial's native one --------------------------
-_GATEWAYS: dict = {}  # (engine_url, id(tokenizer), mode) -> a started Gateway, shared by the trials of a process
-_GW_LOCK = threading.Lock()
-
-
-def gateway_for(engine_url, tokenizer, mode="tito", max_total_tokens=8192) -> Gateway:
-    with _GW_LOCK:
-        key = (engine_url, id(tokenizer), mode, max_total_tokens)
-        if key not in _GATEWAYS:
-            _GATEWAYS[key] = Gateway(engine_url, tokenizer, mode, max_total_tokens=max_total_tokens).start()
-        return _GATEWAYS[key]
-
-
-def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, gateway_mode="tito", reward_scale=None) -> dict:
-    """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2).
-    reward_scale: S in r = P / S of the harbor harness (None: reward.SCALE)."""
-    if agent != "model" or engine_url is None or tokenizer is None:
-        return {"task": os.path.basename(str(task_dir)), "exit_reason": "error", "records": [], "turns": 0,
-                "reward": 0.0, "wall_s": 0.0, "error": f"harness {harness!r} needs agent 'model', engine_url and tokenizer"}
-    limits = sandbox.make_limits(limits)
-    gw = gateway_for(engine_url, tokenizer, gateway_mode, limits.max_total_tokens)
-    if harness == "text":  # work_root None: the trial dir is deleted, as rollout.run_trial does
-        sid = uuid.uuid4().hex
-        res = run_text_trial(task_dir, gw.url, sid, sampling=sampling, limits=limits, work_root=work_root,
-                             stop_event=stop_event, reward_scale=reward_scale)
-        res["records"] = gw.pop(sid)["records"]
-        res["turns"] = len(res["records"])
-        return res
-    if harness == "harbor":
-        trials_dir = os.path.join(work_root or tempfile.mkdtemp(prefix="t1-gw-"), "harbor")
-        return run_harbor_trial(task_dir, gw, trials_dir=trials_dir, sampling=sampling, limits=limits,
-                                stop_event=stop_event, reward_scale=reward_scale)
-    raise ValueError(f"harness: expected native|text|harbor, got {harness!r}")
 
 
 # --- evaluation with the paper's protocol (EVAL): shared by train_t1 and `gateway.py eval` ----------------

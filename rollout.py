@@ -307,7 +307,7 @@ def score(box, result: dict, reward_scale=None) -> None:
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
               work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None, chat=None) -> dict:
     """One trial (sandbox, agent, verifier) with this agent loop; never raises: a crash returns exit_reason
-    'error'. The text and Harbor Terminus-2 harnesses are gateway.run_trial (same result and records).
+    'error'. The text and Harbor Terminus-2 harnesses: gateway.run_text_trial / run_harbor_trial (same result).
 
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
