@@ -11,27 +11,21 @@ OpenAI-compatible server does). Per turn it records prompt ids, output ids, logp
 experts in rollout.run_trial's record format, so tito.assemble_segments consumes them and the four
 boundary cases (tito.py) happen here in practice.
 
-Sessions: keyed by the client's session id (header X-Session-ID, body `session_id` (Harbor's LiteLLM
-sends both), `user`, or `metadata.session_id`), else by the longest recorded history that prefixes
-the incoming text, else a new session.
-Sessions are bounded: one idle past SESSION_IDLE_S (7200 s, longer than the paper's 3600 s agent + 900 s
-verifier timeouts) or the least recently used past MAX_SESSIONS (2048, > 2 steps of the paper's 560 trials)
-is evicted with a line on stderr; trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
+Sessions: keyed by the client's session id (header X-Session-ID, body `session_id` (Harbor's LiteLLM sends both),
+`user`, or `metadata.session_id`), else by the longest recorded history that prefixes the incoming text, else
+new. One idle past SESSION_IDLE_S or the least recently used past MAX_SESSIONS is evicted with a line on stderr;
+trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
 
 Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is engine.JSONHandler):
-400 for any invalid field (body not an object, model missing, messages not a non-empty list of
-{role: system|user|assistant, content: str | null | text parts}, temperature outside OpenAI's [0, 2], top_p outside
-(0, 1], max_tokens / max_completion_tokens not an int >= 1, stop not 1-4 non-empty strings, seed outside
-[0, 2**64), wrong types of logprobs / user / session_id / metadata); 400 "not supported" (code
-unsupported_parameter) for n > 1, stream, tools / tool_choice / functions, response_format other than text,
-logit_bias, penalties, top_logprobs, audio, image parts, tool messages; 404 model_not_found for a model other than
-MODEL_ID ("t1"); body framing errors as the engine's (411 / 400 / 413 / 408); 503 when the engine cannot be reached
-or aborted the request, 502 when it answered with an error. Unknown fields are ignored (LiteLLM adds vendor extras).
-GET /health is 200 only when the engine's /health is; a client that hangs up has its engine request aborted
-(Gateway.disconnects) and nothing is recorded for it.
-`stop`: the reply ends before the first stop string, finish_reason "stop"; the turn's record keeps the sampled ids
-up to and including the token that completes the stop string (with their logprobs and routing rows, as vLLM /
-SGLang return token ids), so the next turn's spliced prompt holds exactly what the model generated.
+400 naming any invalid field (parse_chat: OpenAI's types and ranges; messages of {role: system|user|assistant,
+content: str | null | text parts}); 400 "not supported" (code unsupported_parameter) for the non-neutral values of
+UNSUPPORTED (n > 1, stream, tools, response_format other than text, penalties, ...), image parts, tool messages;
+404 model_not_found for a model other than MODEL_ID; body framing errors as the engine's (411 / 400 / 413 / 408);
+503 when the engine cannot be reached or aborted the request, 502 when it answered with an error. Unknown fields
+are ignored (LiteLLM adds vendor extras). GET /health is 200 only when the engine's /health is; a client that hangs
+up has its engine request aborted (Gateway.disconnects) and nothing is recorded for it.
+`stop`: the reply ends before the first stop string, finish_reason "stop"; the record keeps the sampled ids through
+the token that completes it (Gateway._cut_at_stop).
 
 Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprobs.content[].logprob`; with
 `return_token_ids: true` (what Harbor's LiteLLM client sends under collect_rollout_details) also
@@ -39,46 +33,28 @@ Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprob
 `prompt_token_ids` (the vLLM fields Harbor reads).
 
 Harbor path (Harbor >= 0.25, Python >= 3.12, its own venv `.venv-harbor`):
-    harbor trial start -c CONFIG.json      # what run_harbor_trial writes and runs: agent terminus-2,
-        model openai/t1 at api_base=<gateway>/v1, enable_summarize=false, collect_rollout_details=true,
-        session_id=<trial name>; environment import_path "harbor_env:BwrapEnvironment" (PYTHONPATH=repo)
-    The trial dir holds verifier/ctrf.json + verifier/reward.txt (read with reward.compute),
-    agent/ (Terminus-2 logs), result.json.
+    harbor trial start -c CONFIG.json  # what run_harbor_trial writes (harbor_trial_config) and runs; the trial dir
+    # holds verifier/ctrf.json + verifier/reward.txt (read with reward.compute), agent/ (Terminus-2), result.json
 
 Run:
     python gateway.py serve --engine-url URL --model-path DIR [--mode tito|naive] [--port 8000]
     python gateway.py harbor-trial --task DIR --engine-url URL --model-path DIR   # one Harbor trial
     python gateway.py eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
-        # paper protocol (EVAL): Terminus-2, 60 turns, 3600 s agent / 900 s verifier, T 0.1, top-p 0.95, 3 attempts;
-        # prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts (a failed trial counts 0), errors
+        # the paper's protocol (EVAL); prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts
+        # (a failed trial counts 0), errors
     python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
-In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .trial(session_id) -> {"records": [...]};
-run_trial(task_dir, "model", harness="text"|"harbor", engine_url=..., tokenizer=...) (the text / Harbor
-harnesses beside rollout.run_trial's native one).
+In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .pop(session_id) -> {"records": [...]};
+run_text_trial(task_dir, gw.url, session_id) / run_harbor_trial(task_dir, gw, trials_dir=...) -> rollout.run_trial's
+result (the text / Harbor harnesses beside rollout's token-first one).
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
      needs none of them (each is refused with 400). `max_tokens` is clipped to the context left (max_total_tokens).
      `stop` strings are found after generation (the engine stops at <|im_end|> or max_tokens), not per step.
-  2. Harbor runs its agent with the bubblewrap jail of sandbox.py (BwrapEnvironment) instead of Docker:
-     the task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the
-     tools (tmux included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
-     Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown /
-     dac_override / fowner only; all under sandbox.py's seccomp filter and rlimits. The first root exec
-     (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase: every
-     process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh
-     dir. Task dirs Harbor uploads go through sandbox.copy_task_tree; files the jail wrote are read and
-     written by the host without following links (sandbox.read_beneath / write_beneath).
-     Weaker than rollout.py's native path, because Harbor drives the verifier through the same
-     environment: the verifier runs in the agent's jail (same /tmp, which the agent may have filled;
-     same mount namespace), as Harbor's default user (the agent's uid, so its files in /logs/verifier
-     are the agent uid's) or, for `user="root"` execs, as the jail's root, which is not under
-     RLIMIT_NPROC and may read and write every file the jail can see (not the host's: no
-     dac_read_search, no handle syscalls); the phase ends only if Harbor's verifier starts with a
-     root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run (not
-     Terminus-2's) would kill the agent's processes.
-  3. The text client of `bench.py tito --harness client` (run_text_trial) is a compact Terminus-2: rollout.py's
-     condensed prompts over an OpenAI client that re-sends the whole message list each turn, verbatim.
+  2. Harbor's agent runs in the bubblewrap jail (harbor_env.BwrapEnvironment) instead of Docker, and Harbor's
+     verifier in the agent's jail: weaker than rollout.py's native path (harbor_env.py lists the jail's rules).
+  3. The text client of `bench.py tito --harness client` (run_text_trial) is rollout's agent loop (run_trial, with
+     its prompts, limits and scoring) over an OpenAI client (TextChat) that re-sends the message list each turn.
   4. The embedded model is tiny and random-init in `bench.py tito`, so its replies are mostly unparseable;
      that is fine for the measurement (every reply is re-sent as history either way) and makes
      non-canonical token sequences, and hence naive drift, frequent.
@@ -92,7 +68,6 @@ import math
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.error
@@ -487,70 +462,39 @@ def chat_completion(url, messages, session_id=None, timeout=600, **params) -> di
         raise RuntimeError(f"gateway: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
 
 
-# --- a text harness: Terminus-2's protocol over an OpenAI client (history re-sent as text) -------------
+# --- a text harness: rollout's Terminus-2 loop over an OpenAI client (history re-sent as text) ---------------
+class TextChat:
+    """The agent's side of rollout's agent loop as an OpenAI client: the whole message list is re-sent as text each
+    turn, the replies verbatim (as Harbor's Chat keeps them); the gateway records the token ids under session_id."""
+
+    def __init__(self, gateway_url, session_id, sampling=None):
+        self.url, self.session_id, self.messages = gateway_url, session_id, []
+        self.sp = {**rollout.SAMPLING, **(sampling or {})}
+
+    def add_user(self, text):
+        self.messages.append({"role": "user", "content": text})
+
+    def reply(self, stop_event):
+        """-> (reply text, None), or (None, "max_tokens") when the gateway finds the context full."""
+        try:
+            resp = chat_completion(self.url, self.messages, self.session_id, temperature=self.sp["temperature"],
+                                   top_p=self.sp["top_p"], max_tokens=self.sp["max_new_tokens"])
+        except RuntimeError as e:
+            if "context length" in str(e):  # the gateway counts the tokens (ContextLengthExceeded)
+                return None, "max_tokens"
+            raise
+        content = resp["choices"][0]["message"]["content"]
+        self.messages.append({"role": "assistant", "content": content})
+        return content, None
+
+
 def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
                    stop_event=None, reward_scale=None) -> dict:
-    """rollout.run_trial's result, but the agent talks text to the gateway; records come from the gateway.
-    reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
-    sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
-    result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
-              "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
-              "weight_versions": [], "records": [], "session_id": session_id}
-    root = box = None
-    try:
-        task = task_io.load_task(task_dir)
-        result["task"] = task.name
-        rollout.check_runs_here(task)
-        t_end = t0 + min(limits.trial_timeout_s, float(task.config.get("agent", {}).get("timeout_sec", 1e9)))
-        root = tempfile.mkdtemp(prefix=f"{task.name}-", dir=work_root)
-        box = sandbox.Sandbox(task, root, limits, stop_event=stop_event).start()
-        messages = [{"role": "user", "content": rollout.PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))}]
-        pending, exit_reason, n = False, "max_turns", 0
-        while n < limits.max_turns:
-            if stop_event.is_set() or time.time() > t_end:
-                exit_reason = "cancelled" if stop_event.is_set() else "timeout"
-                break
-            try:
-                resp = chat_completion(gateway_url, messages, session_id, temperature=sp["temperature"], top_p=sp["top_p"],
-                                       max_tokens=sp["max_new_tokens"])
-            except RuntimeError as e:
-                if "context length" in str(e):
-                    exit_reason = "max_tokens"
-                    break
-                raise
-            n += 1
-            content = resp["choices"][0]["message"]["content"]
-            messages.append({"role": "assistant", "content": content})  # verbatim, as Harbor's Chat keeps it
-            reply, err = rollout.parse_reply(content)
-            if err is not None:
-                obs, pending = rollout.PARSE_ERROR.format(error=err), False
-            else:
-                chunks = []
-                for c in reply["commands"]:
-                    box.send_keys(c["keystrokes"], deadline=t_end)
-                    chunks.append(box.read(max(min(c["duration"], limits.max_duration_s, t_end - time.time()), 0.05)))
-                terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
-                if reply["task_complete"] and pending:
-                    exit_reason = "task_complete"
-                    break
-                pending = reply["task_complete"]
-                obs = (rollout.CONFIRM if pending else rollout.NEW_OUTPUT).format(terminal=terminal)
-            messages.append({"role": "user", "content": obs})
-        result["exit_reason"] = exit_reason
-        if exit_reason != "cancelled":
-            rollout.score(box, result, reward_scale)
-    except Exception as e:  # a crash inside a trial never propagates
-        result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
-    finally:
-        if box is not None:
-            box.close()
-        if root is not None and work_root is None:
-            err = sandbox.remove_tree(root)
-            if err:
-                print(f"[run_text_trial] {err}", file=sys.stderr)
-        result["wall_s"] = time.time() - t0
-    return result
+    """rollout.run_trial with the agent talking text to the gateway (TextChat); its records stay in the gateway
+    under session_id (Gateway.pop). reward_scale: S of r = P/S (None -> reward.SCALE)."""
+    res = rollout.run_trial(task_dir, "model", limits=limits, work_root=work_root, stop_event=stop_event,
+                            reward_scale=reward_scale, chat=TextChat(gateway_url, session_id, sampling))
+    return {**res, "session_id": session_id}
 
 
 # --- Harbor: the runner (main venv side) --------------------------------------------------------------
@@ -589,7 +533,7 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
     """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
     reward_scale: S of r = P/S (None -> reward.SCALE)."""
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
-    sp = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
+    sp = {**rollout.SAMPLING, **(sampling or {})}
     name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
               "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
@@ -636,42 +580,6 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         result["records"], result["turns"] = trial["records"], len(trial["records"])
         result["wall_s"] = time.time() - t0
     return result
-
-
-# --- the text / Harbor harnesses: run_trial beside rollout.run_trial's native one --------------------------
-_GATEWAYS: dict = {}  # (engine_url, id(tokenizer), mode) -> a started Gateway, shared by the trials of a process
-_GW_LOCK = threading.Lock()
-
-
-def gateway_for(engine_url, tokenizer, mode="tito", max_total_tokens=8192) -> Gateway:
-    with _GW_LOCK:
-        key = (engine_url, id(tokenizer), mode, max_total_tokens)
-        if key not in _GATEWAYS:
-            _GATEWAYS[key] = Gateway(engine_url, tokenizer, mode, max_total_tokens=max_total_tokens).start()
-        return _GATEWAYS[key]
-
-
-def run_trial(task_dir, agent, *, harness, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, gateway_mode="tito", reward_scale=None) -> dict:
-    """rollout.run_trial through the gateway: harness "text" (run_text_trial) or "harbor" (Harbor's Terminus-2).
-    reward_scale: S in r = P / S of the harbor harness (None: reward.SCALE)."""
-    if agent != "model" or engine_url is None or tokenizer is None:
-        return {"task": os.path.basename(str(task_dir)), "exit_reason": "error", "records": [], "turns": 0,
-                "reward": 0.0, "wall_s": 0.0, "error": f"harness {harness!r} needs agent 'model', engine_url and tokenizer"}
-    limits = sandbox.make_limits(limits)
-    gw = gateway_for(engine_url, tokenizer, gateway_mode, limits.max_total_tokens)
-    work_root = work_root or tempfile.mkdtemp(prefix="t1-gw-")
-    if harness == "text":
-        sid = uuid.uuid4().hex
-        res = run_text_trial(task_dir, gw.url, sid, sampling=sampling, limits=limits, work_root=work_root,
-                             stop_event=stop_event, reward_scale=reward_scale)
-        res["records"] = gw.pop(sid)["records"]
-        res["turns"] = len(res["records"])
-        return res
-    if harness == "harbor":
-        return run_harbor_trial(task_dir, gw, trials_dir=os.path.join(work_root, "harbor"), sampling=sampling,
-                                limits=limits, stop_event=stop_event, reward_scale=reward_scale)
-    raise ValueError(f"harness: expected native|text|harbor, got {harness!r}")
 
 
 # --- evaluation with the paper's protocol (EVAL): shared by train_t1 and `gateway.py eval` ----------------

@@ -1,9 +1,26 @@
 """Harbor's environment over the local bubblewrap jail: BwrapEnvironment (Harbor imports it from its own venv,
 import_path "harbor_env:BwrapEnvironment", PYTHONPATH=repo) and ToolsSandbox, the sandbox.Sandbox it drives.
 
-Machinery of gateway.py's Harbor path (paper section "TITO"; the jail's rules are gateway.py departure 2 and
-sandbox.py). Run: `python gateway.py harbor-trial ...` writes the Harbor config that names this class.
+Machinery of gateway.py's Harbor path (paper section "TITO"; the jail's rules: below and sandbox.py).
+Run: `python gateway.py harbor-trial ...` writes the Harbor config that names this class.
 Imports only the standard library and sandbox.py: Harbor's venv has no torch.
+
+Departures (gateway.py departure 2: Harbor's agent in the bubblewrap jail of sandbox.py instead of Docker):
+1. The task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the tools (tmux
+   included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
+2. Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown / dac_override /
+   fowner only; all under sandbox.py's seccomp filter and rlimits.
+3. The first root exec (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase:
+   every process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh dir.
+4. Task dirs Harbor uploads go through sandbox.copy_task_tree; files the jail wrote are read and written by the
+   host without following links (sandbox.read_beneath / write_beneath).
+5. Weaker than rollout.py's native path, because Harbor drives the verifier through the same environment: the
+   verifier runs in the agent's jail (same /tmp, which the agent may have filled; same mount namespace), as
+   Harbor's default user (the agent's uid, so its files in /logs/verifier are the agent uid's) or, for
+   `user="root"` execs, as the jail's root, which is not under RLIMIT_NPROC and may read and write every file
+   the jail can see (not the host's: no dac_read_search, no handle syscalls); the phase ends only if Harbor's
+   verifier starts with a root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run
+   (not Terminus-2's) would kill the agent's processes.
 """
 from __future__ import annotations
 

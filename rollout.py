@@ -67,6 +67,7 @@ PARSE_ERROR = "ERROR: your reply was not valid: {error}\nReply with one JSON obj
 CONFIRM = ("Current terminal state:\n{terminal}\n\nAre you sure the task is complete? It will be graded and you "
            "cannot change it afterwards. If so, reply again with \"task_complete\": true.")
 NEW_OUTPUT = "New terminal output:\n{terminal}"
+SAMPLING = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512}  # the agent's defaults (every harness)
 
 
 def parse_reply(text: str):
@@ -197,7 +198,7 @@ def _model_policy(engine_url, tok, sampling, stop_event, done):
     if engine_url is None:
         raise ValueError("engine_url: required for agent 'model'")
     client, current = EngineClient(engine_url), {"rid": None}
-    params = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": 512, **(sampling or {})}
+    params = {**SAMPLING, **(sampling or {})}
     params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or []) | {tok.convert_tokens_to_ids(IM_END)})
 
     def policy(prompt_ids, room, rid):
@@ -217,34 +218,55 @@ def _model_policy(engine_url, tok, sampling, stop_event, done):
     return policy
 
 
-def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
-    """Terminus-2 turns on token ids; fills result['records'], returns the exit_reason."""
-    im_end = tok.convert_tokens_to_ids(IM_END)
-    nl, gen_prefix = tok.encode("\n", add_special_tokens=False), tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
-    first = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
-    prompt = render_ids(tok, "user", first) + gen_prefix
-    pending = False  # task_complete seen once, waiting for the confirmation
+class TokenChat:
+    """The agent's side of the conversation on token ids (TITO): prompt_{i+1} = prompt_i + output_i (sampled ids)
+    + glue + observation ids, so every boundary is strict; each turn's record goes into result['records']."""
+
+    def __init__(self, policy, tok, max_total_tokens, result):
+        self.policy, self.tok, self.max_total_tokens, self.result = policy, tok, max_total_tokens, result
+        self.im_end, self.nl = tok.convert_tokens_to_ids(IM_END), tok.encode("\n", add_special_tokens=False)
+        self.gen_prefix = tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
+        self.prompt, self.out = [], None
+
+    def add_user(self, text):
+        if self.out is not None:  # glue: close the reply (<|im_end|> added after a length stop) + "\n"
+            glue = ([] if self.out and self.out[-1] == self.im_end else [self.im_end]) + self.nl
+            self.prompt = self.prompt + self.out + glue
+        self.prompt = self.prompt + render_ids(self.tok, "user", text) + self.gen_prefix  # token-first: strict
+
+    def reply(self, stop_event):
+        """-> (reply text, None), or (None, exit_reason) when the trial ends here."""
+        room = self.max_total_tokens - len(self.prompt)
+        if room < 2:
+            return None, "max_tokens"
+        gen = self.policy(self.prompt, room, uuid.uuid4().hex)
+        if gen["finish_reason"] == "abort" and stop_event.is_set():
+            return None, "cancelled"
+        self.out, result = list(gen["output_ids"]), self.result
+        result["records"].append({"prompt_ids": list(self.prompt), "output_ids": self.out,
+                                  "output_logprobs": gen["logprobs"], "routed_experts": gen["routed_experts"],
+                                  "finish_reason": gen["finish_reason"], "weight_version": gen["weight_version"]})
+        if gen["weight_version"] is not None and gen["weight_version"] not in result["weight_versions"]:
+            result["weight_versions"].append(gen["weight_version"])
+        return self.tok.decode(self.out, skip_special_tokens=True), None
+
+
+def _agent_loop(box, task, chat, limits, stop_event, t_end):
+    """Terminus-2 turns: chat.reply() -> parse -> keystrokes -> terminal output -> chat.add_user(); returns the
+    exit_reason. chat: TokenChat, or gateway.TextChat (text to the OpenAI gateway, which records the ids)."""
+    chat.add_user(PROMPT.format(instruction=task.instruction, terminal=box.read(0.3)))
+    pending, turns = False, 0  # pending: task_complete seen once, waiting for the confirmation
     while True:
         if stop_event.is_set():
             return "cancelled"
-        if len(result["records"]) >= limits.max_turns:
+        if turns >= limits.max_turns:
             return "max_turns"
         if time.time() > t_end:
             return "timeout"
-        room = limits.max_total_tokens - len(prompt)
-        if room < 2:
-            return "max_tokens"
-        rid = uuid.uuid4().hex
-        gen = policy(prompt, room, rid)
-        if gen["finish_reason"] == "abort" and stop_event.is_set():
-            return "cancelled"
-        out = list(gen["output_ids"])
-        result["records"].append({"prompt_ids": list(prompt), "output_ids": out, "output_logprobs": gen["logprobs"],
-                                  "routed_experts": gen["routed_experts"], "finish_reason": gen["finish_reason"],
-                                  "weight_version": gen["weight_version"]})
-        if gen["weight_version"] is not None and gen["weight_version"] not in result["weight_versions"]:
-            result["weight_versions"].append(gen["weight_version"])
-        text = tok.decode(out, skip_special_tokens=True)
+        text, end = chat.reply(stop_event)
+        if end is not None:
+            return end
+        turns += 1
         reply, err = parse_reply(text)
         if err is not None:
             obs, pending = PARSE_ERROR.format(error=err), False
@@ -261,8 +283,7 @@ def _agent_loop(box, task, policy, tok, limits, stop_event, t_end, result):
                 return "task_complete"
             pending = reply["task_complete"]
             obs = (CONFIRM if pending else NEW_OUTPUT).format(terminal=terminal)
-        glue = ([] if out and out[-1] == im_end else [im_end]) + nl  # length stop: close the message
-        prompt = prompt + out + glue + render_ids(tok, "user", obs) + gen_prefix  # token-first: strict
+        chat.add_user(obs)
 
 
 def check_runs_here(task) -> None:
@@ -284,15 +305,16 @@ def score(box, result: dict, reward_scale=None) -> None:
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None) -> dict:
-    """One trial (sandbox, agent, verifier) with this token-first loop; never raises: a crash returns
-    exit_reason 'error'. The text and Harbor Terminus-2 harnesses are gateway.run_trial (same result and records).
+              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None, chat=None) -> dict:
+    """One trial (sandbox, agent, verifier) with this agent loop; never raises: a crash returns exit_reason
+    'error'. The text and Harbor Terminus-2 harnesses: gateway.run_text_trial / run_harbor_trial (same result).
 
     limits: Limits or a dict of overrides. sampling: SGLang sampling_params (max_new_tokens is clipped to
     the token budget left; <|im_end|> is always a stop token). work_root: trial dirs (app, logs) are kept
     there; None -> a temp dir that is deleted. sandbox: "bwrap" (the local jail, Sandbox) | "daytona"
     (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S in r = P / S (train_t1's
-    --reward-scale; None: reward.SCALE, the paper's 20).
+    --reward-scale; None: reward.SCALE, the paper's 20). chat: agent "model"'s side of the conversation when it
+    is not token-first (gateway.TextChat; then no engine_url / tokenizer here); None: TokenChat.
     """
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
@@ -306,7 +328,9 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             raise ValueError(f"agent: expected oracle|nop|model|scripted, got {agent!r}")
         if sandbox not in ("bwrap", "daytona"):
             raise ValueError(f"sandbox: expected bwrap|daytona, got {sandbox!r}")
-        if agent in ("model", "scripted") and tokenizer is None:
+        if chat is not None and agent != "model":
+            raise ValueError(f"chat: only for agent 'model', got {agent!r}")
+        if agent in ("model", "scripted") and tokenizer is None and chat is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
         if sandbox == "bwrap":
             check_runs_here(task)
@@ -329,9 +353,11 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
         elif agent == "nop":
             exit_reason = "nop"
         else:
-            policy = (_scripted_policy(task, tokenizer) if agent == "scripted" else
-                      _model_policy(engine_url, tokenizer, sampling, stop_event, done))
-            exit_reason = _agent_loop(box, task, policy, tokenizer, limits, stop_event, t_end, result)
+            if chat is None:
+                policy = (_scripted_policy(task, tokenizer) if agent == "scripted" else
+                          _model_policy(engine_url, tokenizer, sampling, stop_event, done))
+                chat = TokenChat(policy, tokenizer, limits.max_total_tokens, result)
+            exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
             score(box, result, reward_scale)

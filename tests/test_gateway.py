@@ -84,6 +84,21 @@ needs_sandbox = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"
 
 
 @needs_sandbox
+def test_text_trial_is_rollouts_loop_with_records_from_the_gateway(gw, tok, tmp_path):
+    """run_text_trial: rollout.run_trial's loop over an OpenAI client (TextChat); the gateway records the ids."""
+    from test_rollout import make_task
+    res = gateway.run_text_trial(make_task(tmp_path), gw.url, "text", sampling={"max_new_tokens": 16},
+                                 limits={"max_turns": 2})
+    assert res["exit_reason"] in ("max_turns", "task_complete") and res["session_id"] == "text", res
+    assert res["reward_source"] == "ctrf" and res["total"] == 3  # scored by rollout.score in the jail
+    trial = gw.pop("text")
+    assert [r["prompt_source"] for r in trial["records"]] == ["fresh", "spliced"]  # max_turns = 2
+    assert tok.decode(trial["records"][0]["prompt_ids"]).startswith("<|im_start|>user\n" + rollout.PROMPT[:40])
+    assert tito.case_counts(trial, tok)["strict"] == 1
+    assert tito.audit([tito.assemble(trial, tok)])["loss_region_drift_pct"] == 0.0
+
+
+@needs_sandbox
 @pytest.mark.skipif(gateway.harbor_available() is not None, reason=str(gateway.harbor_available()))
 def test_harbor_terminus2_trial_through_the_gateway(gw, tok, tmp_path):
     from test_rollout import make_task
