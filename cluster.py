@@ -41,6 +41,7 @@ import sys
 import time
 
 import infra
+import mcore
 import rollout
 
 
@@ -591,7 +592,6 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
                 res["checks"].append({"name": "mcore TE layout (GPU)", "ok": ok, "tail": (r.stdout + r.stderr)[-1500:]})
             except Exception as e:
                 res["checks"].append({"name": "mcore TE layout (GPU)", "ok": False, "error": repr(e)})
-        import mcore
         if hasattr(mcore, "memory_probe"):
             c, plan = probe_config(), infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
             for T in tokens:

@@ -3,7 +3,8 @@ import_path "harbor_env:BwrapEnvironment", PYTHONPATH=repo) and ToolsSandbox, th
 
 Machinery of gateway.py's Harbor path (paper section "TITO"; the jail's rules are gateway.py departure 2 and
 sandbox.py). Run: `python gateway.py harbor-trial ...` writes the Harbor config that names this class.
-Imports only the standard library and sandbox.py: Harbor's venv has no torch.
+Imports only the standard library and sandbox.py (which imports reward.py, standard library only): Harbor's venv
+has no torch.
 """
 from __future__ import annotations
 
