@@ -316,7 +316,7 @@ class MegatronActor(torch.nn.Module):
     context-parallel ranks: contiguous chunks). Under CP every rank returns the whole (B, T-1) / (B, T, V).
     """
 
-    r3_backend = "megatron"
+    backend = "megatron"  # the trainer's backend attribute (HF actors: "hf", set by r3.install)
 
     def __init__(self, gpt, layout=None):
         super().__init__()
@@ -434,6 +434,8 @@ class MegatronCritic(torch.nn.Module):
     (as from_actor and build_qwen35_critic do). R3 pins the actor's logprobs to the sampler's experts; the
     critic never ran in the sampler, so there is no recording to replay and its router trains freely.
     """
+
+    backend = "megatron"  # critic.Critic: "hf"
 
     def __init__(self, gpt):
         super().__init__()
