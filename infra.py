@@ -1,6 +1,7 @@
 """Infrastructure (paper section "infrastructure"): the closed-form memory model b(Pi, T) and the planner that picks
 the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (where the trainer,
-engine and rollout-worker actors go; the workers and the publish barrier are in rollout.py). The context-parallel Gated DeltaNet operator is cp_gdn.py.
+engine and rollout-worker actors go; the workers and the publish barrier are in rollout.py). The context-parallel
+Gated DeltaNet operator is cp_gdn.py.
 
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
 
@@ -57,7 +58,7 @@ import torch.distributed as dist
 GiB = 1024**3
 
 
-# ----------------------------------------------------------------------------- model presets
+# ----------------------------------------------------------------------------- model shapes
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -82,7 +83,7 @@ class ModelConfig:
     tie_embeddings: bool = False
 
 
-PRESETS = {
+MODEL_SHAPES = {  # the one table of the Qwen3.5 shapes (mcore.megatron_shape gives Megatron's names)
     "qwen35-122b-a10b": ModelConfig("qwen35-122b-a10b", 48, 3072, 256, 8, 1024, 1024, 36, 12, 248320,
                                     32, 2, 256, 16, 64, 128, 128),
     "qwen35-35b-a3b": ModelConfig("qwen35-35b-a3b", 40, 2048, 256, 8, 512, 512, 30, 10, 248320,
@@ -446,7 +447,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="enumerate valid plans, mark feasible ones")
-    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(PRESETS))
+    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(MODEL_SHAPES))
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--tokens", type=int, default=16384, help="T: tokens per device per micro-batch")
     pl.add_argument("--seq-len", type=int, default=0, help="longest trajectory; requires CP*T >= seq_len")
@@ -456,7 +457,7 @@ def main():
     pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
     pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
     args = ap.parse_args()
-    c = PRESETS[args.preset]
+    c = MODEL_SHAPES[args.preset]
     rows = plan_table(c, args.gpus, args.tokens, args.mem_gib, args.seq_len)
     if args.json:
         return print(json.dumps(rows))
