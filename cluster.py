@@ -41,6 +41,7 @@ import sys
 import time
 
 import infra
+import mcore
 import rollout
 
 
@@ -49,7 +50,7 @@ import rollout
 class ClusterPreset:
     name: str
     model: str
-    """infra.PRESETS key (the memory model's architecture)"""
+    """infra.MODEL_SHAPES key (the memory model's architecture)"""
     hf_repo: str
     """Hugging Face repo of the weights (named in messages only: nothing is downloaded)"""
     nodes: int
@@ -75,7 +76,7 @@ class ClusterPreset:
         return self.nodes * self.gpus_per_node
 
 
-PRESETS = {
+CLUSTER_PRESETS = {
     "qwen35-122b-a10b": ClusterPreset("qwen35-122b-a10b", "qwen35-122b-a10b", "Qwen/Qwen3.5-122B-A10B",
                                       nodes=16, gpus_per_node=8, train_gpus=64, engine_tp=8, n_engines=8),
     "qwen35-35b-a3b": ClusterPreset("qwen35-35b-a3b", "qwen35-35b-a3b", "Qwen/Qwen3.5-35B-A3B",
@@ -125,7 +126,7 @@ def check_model_path(path, preset):
             cfg = json.load(f)
     except (OSError, json.JSONDecodeError) as e:
         return errs + [f"model path: {cfg_path}: unreadable ({e})"]
-    want = infra.PRESETS[preset.model]
+    want = infra.MODEL_SHAPES[preset.model]
     text = cfg.get("text_config", cfg)  # Qwen3.5 checkpoints nest the language model under text_config
     for key, expect in (("num_hidden_layers", want.n_layers), ("hidden_size", want.hidden),
                         ("num_experts", want.n_experts), ("num_experts_per_tok", want.top_k)):
@@ -169,7 +170,7 @@ def check_preset(preset, env, gpus, model_path, packages=None):
 
 def choose_plan(preset, seq_len=0):
     """(first feasible row of infra.py's planner or None, all rows) for the trainer's W GPUs."""
-    rows = infra.plan_table(infra.PRESETS[preset.model], preset.train_gpus, preset.tokens, preset.mem_gib, seq_len)
+    rows = infra.plan_table(infra.MODEL_SHAPES[preset.model], preset.train_gpus, preset.tokens, preset.mem_gib, seq_len)
     feas = [r for r in rows if r["feasible"]]
     return (feas[0] if feas else None), rows
 
@@ -591,7 +592,6 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
                 res["checks"].append({"name": "mcore TE layout (GPU)", "ok": ok, "tail": (r.stdout + r.stderr)[-1500:]})
             except Exception as e:
                 res["checks"].append({"name": "mcore TE layout (GPU)", "ok": False, "error": repr(e)})
-        import mcore
         if hasattr(mcore, "memory_probe"):
             c, plan = probe_config(), infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
             for T in tokens:
@@ -647,7 +647,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     for name in ("check", "launch", "sglang-cmd"):
         p = sub.add_parser(name)
-        p.add_argument("--preset", required=True, choices=sorted(PRESETS))
+        p.add_argument("--preset", required=True, choices=sorted(CLUSTER_PRESETS))
         p.add_argument("--model-path", default=None, help="local HF copy of the preset's model ($T1_MODEL_PATH)")
         p.add_argument("--run-dir", default=None)
         p.add_argument("train_args", nargs=argparse.REMAINDER, help="after --: passed to train_t1.py")
@@ -657,7 +657,7 @@ def main(argv=None):
     if a.cmd == "gpu-check":
         res = gpu_check(a.out)
         return 0 if all(ch.get("ok") is not False for ch in res["checks"]) else 1
-    preset = PRESETS[a.preset]
+    preset = CLUSTER_PRESETS[a.preset]
     model_path = a.model_path or os.environ.get(preset.model_path_env)
     if a.cmd == "sglang-cmd":
         print(" ".join(sglang_command(model_path or "MODEL_PATH", 30000, preset.engine_tp)))

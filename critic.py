@@ -84,8 +84,9 @@ def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Ten
 def optimizer_step(model: nn.Module, optimizer, max_grad_norm: float, group=None) -> None:
     """Sum the grads over the ranks, clip by the global norm, step (the one-rank step on the whole minibatch).
     mcore_parallel.ShardedAdam (the Megatron backend over ranks) does all three itself: DDP's reduce-scatter over the
-    data-parallel ranks, the norm over every model-parallel shard, Adam on this rank's shard."""
-    if hasattr(optimizer, "ddp"):
+    data-parallel ranks, the norm over every model-parallel shard, Adam on this rank's shard; it is not a torch
+    Optimizer (the megatron backend on one rank steps a torch Adam, so the fact is the class, not the backend)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):  # mcore_parallel.ShardedAdam
         optimizer.step(max_grad_norm)
         return
     allreduce_grads(model, group)
@@ -113,6 +114,8 @@ def allreduce_grads(model: nn.Module, group=None) -> None:
 
 class Critic(nn.Module):
     """Same architecture as the actor (Qwen3.5-MoE backbone) with a scalar value head."""
+
+    backend = "hf"  # the trainer's backend attribute (mcore.MegatronCritic: "megatron")
 
     def __init__(self, config):
         super().__init__()

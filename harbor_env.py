@@ -3,7 +3,8 @@ import_path "harbor_env:BwrapEnvironment", PYTHONPATH=repo) and ToolsSandbox, th
 
 Machinery of gateway.py's Harbor path (paper section "TITO"; the jail's rules: below and sandbox.py).
 Run: `python gateway.py harbor-trial ...` writes the Harbor config that names this class.
-Imports only the standard library and sandbox.py: Harbor's venv has no torch.
+Imports only the standard library and sandbox.py (which imports reward.py, standard library only):
+Harbor's venv has no torch.
 
 Departures (gateway.py departure 2: Harbor's agent in the bubblewrap jail of sandbox.py instead of Docker):
 1. The task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the tools (tmux

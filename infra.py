@@ -1,6 +1,7 @@
 """Infrastructure (paper section "infrastructure"): the closed-form memory model b(Pi, T) and the planner that picks
-the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (trainer, engine and
-rollout-worker actors, publish barrier). The context-parallel Gated DeltaNet operator is cp_gdn.py.
+the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (where the trainer,
+engine and rollout-worker actors go; the workers and the publish barrier are in rollout.py). The context-parallel
+Gated DeltaNet operator is cp_gdn.py.
 
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
 
@@ -57,7 +58,7 @@ import torch.distributed as dist
 GiB = 1024**3
 
 
-# ----------------------------------------------------------------------------- model presets
+# ----------------------------------------------------------------------------- model shapes
 @dataclass(frozen=True)
 class ModelConfig:
     name: str
@@ -82,7 +83,7 @@ class ModelConfig:
     tie_embeddings: bool = False
 
 
-PRESETS = {
+MODEL_SHAPES = {  # the one table of the Qwen3.5 shapes (mcore.megatron_shape gives Megatron's names)
     "qwen35-122b-a10b": ModelConfig("qwen35-122b-a10b", 48, 3072, 256, 8, 1024, 1024, 36, 12, 248320,
                                     32, 2, 256, 16, 64, 128, 128),
     "qwen35-35b-a3b": ModelConfig("qwen35-35b-a3b", 40, 2048, 256, 8, 512, 512, 30, 10, 248320,
@@ -365,8 +366,9 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 
 # ----------------------------------------------------------------------------- Ray layout
 # One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
-# co-resident, ppo.Trainer), the engine(s) (EngineActor: SGLang's HTTP protocol) and the rollout
-# workers (RolloutWorker: trials in sandboxes). One placement group holds them all: one bundle per trainer
+# co-resident, ppo.Trainer), the engine(s) (engine.EngineActor: SGLang's HTTP protocol) and the rollout
+# workers (rollout.RolloutWorker: trials in sandboxes; rollout.publish_from_disk is the embedded publish barrier).
+# One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 8).
@@ -425,83 +427,6 @@ def ray_stop(pg) -> None:
         ray.shutdown()
 
 
-def publish_from_disk(urls, model_path, version: int) -> None:
-    """Publish barrier over every engine: pause all, load the weights of `version` from disk, resume all.
-
-    SGLang's /pause_generation, /update_weights_from_disk, /continue_generation (the embedded engine
-    speaks the same); the cluster's NCCL path is cluster.WeightPublisher.
-    """
-    import rollout
-    clients = [rollout.EngineClient(u) for u in urls]
-    for c in clients:
-        c.pause()
-    try:
-        for c in clients:
-            c.update_weights_from_disk(str(model_path), weight_version=version)
-    finally:
-        for c in clients:
-            c.resume()
-
-
-class RolloutWorker:
-    """Runs trials (rollout.run_trial) for the driver's oversampling loop; `slots` of them at once.
-
-    Trials run in the "trials" concurrency group (threads, at most `slots`), cancel() in "control", so a
-    cancel is never queued behind trials. Every launch is a round with its own stop event: cancelling a
-    round kills its sandboxes, aborts its engine requests and turns its unstarted trials into None.
-    """
-
-    def __init__(self, tokenizer_path: str | None = None):
-        import threading
-        self.tokenizer, self.rounds, self.lock = None, {}, threading.Lock()
-        if tokenizer_path:
-            from transformers import AutoTokenizer
-            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
-
-    def _event(self, rnd):
-        import threading
-        with self.lock:
-            return self.rounds.setdefault(rnd, threading.Event())
-
-    def trial(self, rnd: str, task_dir: str, agent: str, kw: dict):
-        import rollout
-        stop = self._event(rnd)
-        if stop.is_set():
-            return None
-        return rollout.run_trial(task_dir, agent, stop_event=stop, tokenizer=self.tokenizer, **kw)
-
-    def cancel(self, rnd: str) -> None:
-        self._event(rnd).set()
-
-    def pid(self) -> int:
-        return os.getpid()
-
-
-def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list):
-    """Start n RolloutWorker actors, `slots` concurrent trials each -> list of actor handles."""
-    import ray
-    cls = ray.remote(concurrency_groups={"trials": max(1, slots), "control": 2})(RolloutWorker)
-    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path) for i in range(n)]
-
-
-def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, desc="rollout", **kw):
-    """rollout.run_trials with its trials on the Ray rollout workers -> (kept, dropped).
-
-    Trials go round robin over the workers and over the engines (engine_urls); kw go to run_trial.
-    """
-    import uuid
-    import rollout
-    rnd, it, urls = uuid.uuid4().hex, itertools.count(), list(engine_urls or [None])
-
-    def submit(td):
-        i = next(it)
-        w, url = workers[i % len(workers)], urls[i % len(urls)]
-        return w.trial.options(concurrency_group="trials").remote(rnd, str(td), agent, {**kw, "engine_url": url}).future()
-
-    def cancel():  # the round's event stays set: a trial still queued for it returns None
-        for w in workers:
-            w.cancel.options(concurrency_group="control").remote(rnd)
-    return rollout.run_trials(task_dirs, agent, n_keep=n_keep, desc=desc, submit=submit, cancel=cancel)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -509,7 +434,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     pl = sub.add_parser("plan", help="enumerate valid plans, mark feasible ones")
-    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(PRESETS))
+    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(MODEL_SHAPES))
     pl.add_argument("--gpus", type=int, required=True)
     pl.add_argument("--tokens", type=int, default=16384, help="T: tokens per device per micro-batch")
     pl.add_argument("--seq-len", type=int, default=0, help="longest trajectory; requires CP*T >= seq_len")
@@ -519,7 +444,7 @@ def main():
     pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
     pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
     args = ap.parse_args()
-    c = PRESETS[args.preset]
+    c = MODEL_SHAPES[args.preset]
     rows = plan_table(c, args.gpus, args.tokens, args.mem_gib, args.seq_len)
     if args.json:
         return print(json.dumps(rows))

@@ -316,7 +316,7 @@ class MegatronActor(torch.nn.Module):
     context-parallel ranks: contiguous chunks). Under CP every rank returns the whole (B, T-1) / (B, T, V).
     """
 
-    r3_backend = "megatron"
+    backend = "megatron"  # the trainer's backend attribute (HF actors: "hf", set by r3.install)
 
     def __init__(self, gpt, layout=None):
         super().__init__()
@@ -435,6 +435,8 @@ class MegatronCritic(torch.nn.Module):
     critic never ran in the sampler, so there is no recording to replay and its router trains freely.
     """
 
+    backend = "megatron"  # critic.Critic: "hf"
+
     def __init__(self, gpt):
         super().__init__()
         self.gpt = gpt
@@ -500,14 +502,12 @@ def megatron_shape(c: infra.ModelConfig) -> dict:
                 linear_key_head_dim=c.lin_k_dim, linear_value_head_dim=c.lin_v_dim, vocab_size=c.vocab)
 
 
-QWEN35_PRESETS = {name: megatron_shape(c) for name, c in infra.PRESETS.items()}  # paper model and its sibling
-
 
 def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
     """TransformerConfig of a Qwen3.5 preset: GDN 3:1 with gated attention, MoE + gated shared expert,
     flex dispatcher with DeepEP, aux loss 0, router replay on, router fusion off. -> (config, vocab_size)."""
     from megatron.core.transformer import TransformerConfig
-    p = dict(QWEN35_PRESETS[preset])
+    p = megatron_shape(infra.MODEL_SHAPES[preset])  # the paper's model or its sibling
     vocab = p.pop("vocab_size")
     kw = dict(p, ffn_hidden_size=p["moe_ffn_hidden_size"],
               experimental_attention_variant="gated_delta_net", linear_attention_freq=4,  # 3 GDN : 1 attention

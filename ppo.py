@@ -69,7 +69,7 @@ def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None
     Runs inside the caller's `r3.routing` context; backward must run inside it too (recompute replays).
     """
     ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
-    if hasattr(actor, "token_logprobs"):  # mcore.MegatronActor: from the vocab-parallel logits, no (B, T, V) gather
+    if actor.backend == "megatron":  # mcore.MegatronActor: from the vocab-parallel logits, no (B, T, V) gather
         return F.pad(actor.token_logprobs(ids, am, temperature), (1, 0))
     logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)

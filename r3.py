@@ -107,7 +107,8 @@ def routers(model) -> list:
 
 
 def install(model):
-    """Swap every MoE router `layer.mlp.gate` for an R3Router holding the same weight. Idempotent."""
+    """Swap every MoE router `layer.mlp.gate` for an R3Router holding the same weight and set model.backend = "hf"
+    (the trainer's backend attribute; mcore.MegatronActor's is "megatron"). Idempotent."""
     blocks = _moe_blocks(model)
     if not blocks:
         raise ValueError("model: no MoE layers with `mlp.gate` found")
@@ -116,6 +117,7 @@ def install(model):
             continue
         block.gate = R3Router(block.gate, layer_idx=l)
         block.register_forward_pre_hook(_remember_batch_shape)
+    model.backend = "hf"
     return model
 
 
@@ -178,7 +180,7 @@ def routing(model, mode: str, experts=None):
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    if getattr(model, "r3_backend", "hf") == "megatron":  # mcore.MegatronActor: native RouterReplay
+    if model.backend == "megatron":  # mcore.MegatronActor: native RouterReplay (HF: "hf", set by install)
         with model.routing(mode, experts) as ctx:
             yield ctx
         return

@@ -11,6 +11,8 @@ In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None
 source "ctrf" | "binary" | "none", reason: why a report was not used). VERIFIER_DIR is the host folder behind
 /logs/verifier (ctrf.json, reward.txt); n_assertions is the task's own count (data.py's audit); owner_uid the
 verifier's host uid. What is refused is listed above `_read_report`.
+Standard library only at import (torch inside place_on_last_token): sandbox.py imports this module, and so
+does Harbor's venv (harbor_env.py), which has no torch.
 
 Departures from the paper:
 1. Reports are checked (file type, owner, size, strict CTRF, counts, at most n_assertions tests): the paper relies
@@ -27,8 +29,6 @@ import math
 import os
 import re
 import stat
-
-import torch
 
 SCALE = 20  # S: paper, fixed for the whole run (~90th percentile of T1-15k assertion counts)
 CTRF_MAX_BYTES = 1 << 20  # paper silent: a real report of ~35 tests with tracebacks is a few tens of KiB
@@ -213,6 +213,7 @@ def is_resolved(result):
 
 def place_on_last_token(reward, length):
     """Per-token reward vector (T,): zeros except the last token, which carries r."""
+    import torch  # here, not at the top: Harbor's venv imports this module (through sandbox.py) without torch
     if length <= 0:
         raise ValueError(f"length must be >= 1, got {length}")
     rewards = torch.zeros(length, dtype=torch.float32)  # (T,)

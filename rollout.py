@@ -32,6 +32,7 @@ Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
 """
 import argparse
 import concurrent.futures as cf
+import itertools
 import json
 import os
 import sys
@@ -383,7 +384,7 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
     Paper: launch 560, keep the first 512 finished. dropped: {task, seconds, reason} for cancelled,
     never-started and crashed trials. kw go to run_trial (engine_url, tokenizer, sampling, limits, work_root,
     sandbox). submit(task_dir) -> Future of run_trial's result (or None when cancelled before it started)
-    and cancel() replace the local thread pool: infra.RolloutWorkers passes its Ray actors' here.
+    and cancel() replace the local thread pool: ray_run_trials passes its Ray actors' here.
     """
     from tqdm import tqdm
     task_dirs = [str(t) for t in task_dirs]
@@ -432,6 +433,81 @@ def run_trials(task_dirs, agent, n_keep=None, max_workers=8, desc="rollout", sub
             pool.shutdown(wait=True)
         bar.close()
     return kept, dropped
+
+
+# --- on Ray: rollout-worker actors (trials in sandboxes) and the publish barrier over the engines ---------
+def publish_from_disk(urls, model_path, version: int) -> None:
+    """Publish barrier over every engine: pause all, load the weights of `version` from disk, resume all.
+
+    SGLang's /pause_generation, /update_weights_from_disk, /continue_generation (the embedded engine
+    speaks the same); the cluster's NCCL path is cluster.WeightPublisher.
+    """
+    clients = [EngineClient(u) for u in urls]
+    for c in clients:
+        c.pause()
+    try:
+        for c in clients:
+            c.update_weights_from_disk(str(model_path), weight_version=version)
+    finally:
+        for c in clients:
+            c.resume()
+
+
+class RolloutWorker:
+    """Runs trials (run_trial) for the driver's oversampling loop; `slots` of them at once.
+
+    Trials run in the "trials" concurrency group (threads, at most `slots`), cancel() in "control", so a
+    cancel is never queued behind trials. Every launch is a round with its own stop event: cancelling a
+    round kills its sandboxes, aborts its engine requests and turns its unstarted trials into None.
+    """
+
+    def __init__(self, tokenizer_path: str | None = None):
+        self.tokenizer, self.rounds, self.lock = None, {}, threading.Lock()
+        if tokenizer_path:
+            from transformers import AutoTokenizer
+            self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+
+    def _event(self, rnd):
+        with self.lock:
+            return self.rounds.setdefault(rnd, threading.Event())
+
+    def trial(self, rnd: str, task_dir: str, agent: str, kw: dict):
+        stop = self._event(rnd)
+        if stop.is_set():
+            return None
+        return run_trial(task_dir, agent, stop_event=stop, tokenizer=self.tokenizer, **kw)
+
+    def cancel(self, rnd: str) -> None:
+        self._event(rnd).set()
+
+    def pid(self) -> int:
+        return os.getpid()
+
+
+def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list):
+    """Start n RolloutWorker actors, `slots` concurrent trials each -> list of actor handles."""
+    import ray
+    cls = ray.remote(concurrency_groups={"trials": max(1, slots), "control": 2})(RolloutWorker)
+    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path) for i in range(n)]
+
+
+def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, desc="rollout", **kw):
+    """run_trials with its trials on the Ray rollout workers -> (kept, dropped).
+
+    Trials go round robin over the workers and over the engines (engine_urls); kw go to run_trial.
+    """
+    rnd, it, urls = uuid.uuid4().hex, itertools.count(), list(engine_urls or [None])
+
+    def submit(td):
+        i = next(it)
+        w, url = workers[i % len(workers)], urls[i % len(urls)]
+        ref = w.trial.options(concurrency_group="trials").remote(rnd, str(td), agent, {**kw, "engine_url": url})
+        return ref.future()
+
+    def cancel():  # the round's event stays set: a trial still queued for it returns None
+        for w in workers:
+            w.cancel.options(concurrency_group="control").remote(rnd)
+    return run_trials(task_dirs, agent, n_keep=n_keep, desc=desc, submit=submit, cancel=cancel)
 
 
 # --- steps of the RL loop: the tasks of a step, trials -> samples, the step's audit ---------------

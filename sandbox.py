@@ -68,6 +68,8 @@ import termios
 import threading
 import time
 
+import reward
+
 # --- limits ---------------------------------------------------------------------------------------
 
 
@@ -747,7 +749,6 @@ class Sandbox:
         filter, a fresh /tmp, /tests read-only, a fresh /logs/verifier (a host dir the agent never owned). The
         report is read only after every verifier process is dead, as regular files owned by verifier_uid.
         """
-        import reward  # not at the top: reward imports torch, absent from Harbor's venv, which imports this module
         scale = reward.SCALE if scale is None else scale
         self._close_jail()  # every agent process dies here (RuntimeError if one does not)
         _chown_tree(os.path.join(self.root, "app"), self.verifier_uid)

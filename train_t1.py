@@ -58,6 +58,7 @@ import data
 import engine
 import gateway
 import infra
+import mcore
 import model as M
 import ppo
 import reward
@@ -250,7 +251,6 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--plan: {args.plan} asks for model parallel; the hf backend only runs full replicas "
                          "(dp); use --backend megatron")
     if args.backend == "megatron" and args.model_path:  # a Hub checkpoint: the cluster's Qwen3.5 on GPUs
-        import mcore
         mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
         raise NotImplementedError("--model-path with --backend megatron: the trainer builds the embedded Megatron "
                                   "models (local modules, each rank reading its shards of the HF checkpoint); the cluster "
@@ -288,7 +288,7 @@ def check_loss_args(args: Args) -> None:
 
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout", limits=None):
-    """Trials on the Ray rollout workers (infra.ray_run_trials), or in this process when workers is None
+    """Trials on the Ray rollout workers (rollout.ray_run_trials), or in this process when workers is None
     (the SFT data, before any engine); returns (kept trials, dropped, tokens/s). limits: overrides of the
     training limits (the evaluation protocol's). Every trial is scored with S = --reward-scale."""
     sampling = {"temperature": args.temperature if temperature is None else temperature,
@@ -304,7 +304,7 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
                                            max_workers=args.rollout_workers, desc=desc, **kw)
     else:
-        kept, dropped = infra.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc, **kw)
+        kept, dropped = rollout.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc, **kw)
     for t in kept:  # one reward: every trial scored with this run's S
         if t.get("reward_scale", args.reward_scale) != args.reward_scale:
             raise ValueError(f"trial of task {t.get('task')!r}: scored with S = {t['reward_scale']}, "
@@ -416,8 +416,8 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     ax.engines = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(
         sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
     ax.trainer = ppo.TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
-    ax.workers = infra.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
-                                           sft_dir, place["workers"])
+    ax.workers = rollout.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
+                                             sft_dir, place["workers"])
     infos = ray.get([e.info.remote() for e in ax.engines])
     ax.urls = ax.ext_urls or [i["url"] for i in infos]
     ranks = ray.get([t.pid.remote() for t in ax.trainer.ranks])
@@ -433,7 +433,7 @@ def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
     if ax.sizes:
         ax.ray.get(ax.trainer.publish.remote(version))
     else:
-        infra.publish_from_disk(ax.urls, run.dir / "ckpt" / "latest", version)
+        rollout.publish_from_disk(ax.urls, run.dir / "ckpt" / "latest", version)
         ax.ray.get(ax.trainer.mark_published.remote(version))
 
 

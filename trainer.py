@@ -39,8 +39,12 @@ from types import SimpleNamespace
 
 import torch
 
+import cluster
 import critic as C
 import infra
+import mcore
+import mcore_parallel
+import mcore_weights
 import model as M
 
 # --- the run directory's log.txt and metrics.jsonl ---------------------------------------------------
@@ -356,9 +360,6 @@ class Trainer:
         args, step = self.args, self.step0
         src = self.latest if step > 0 else self.sft_dir
         if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
-            import mcore
-            import mcore_parallel
-            import mcore_weights
             cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
             self.hf_config = cfg
             self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
@@ -425,7 +426,6 @@ class Trainer:
         """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights). hf: apart from any other, for
         the replicas' gradient sums. megatron: the default group of this process, carved by parallel_state into
         Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
-        import cluster
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not self.sharded:
             self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
@@ -446,7 +446,6 @@ class Trainer:
         """Actor and critic weights of this rank (tests compare ranks); megatron: the whole TP = EP = 1 GPTModel
         state dicts, gathered over the ranks when sharded (a collective: every rank calls it)."""
         if self.args.backend == "megatron":
-            import mcore_weights
             return {part: mcore_weights.gather_full_state(m.gpt, self.hf_config)
                     for part, m in (("actor", self.actor), ("critic", self.critic))}
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
@@ -471,7 +470,6 @@ class Trainer:
         """Cluster publish: this process becomes rank 0 of one group with every engine rank (NCCL; gloo on CPU)."""
         if self.rank > 0:  # trainer rank 0 alone speaks to the engines
             return
-        import cluster
         if not master_address:
             import ray
             master_address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"

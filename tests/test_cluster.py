@@ -247,7 +247,7 @@ def _model_dir(tmp_path, **over):
 
 
 def test_preset_check_passes_when_everything_is_there(tmp_path):
-    p = cluster.PRESETS["qwen35-122b-a10b"]
+    p = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
     errs = cluster.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, _model_dir(tmp_path),
                                 packages={m: True for m in cluster.PACKAGES})
     assert errs == []
@@ -256,7 +256,7 @@ def test_preset_check_passes_when_everything_is_there(tmp_path):
 
 
 def test_preset_check_refuses_with_a_clear_message_for_each_missing_piece(tmp_path):
-    p = cluster.PRESETS["qwen35-122b-a10b"]
+    p = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
     errs = cluster.check_preset(p, {}, [("NVIDIA A100", 81920.0)] * 2, None,
                                 packages={"sglang": False, "ray": True})
     text = "\n".join(errs)
@@ -283,7 +283,7 @@ def test_check_command_exits_listing_the_problems(monkeypatch, capsys):
 
 
 def test_layout_bundles_cover_the_preset_and_keep_each_server_on_one_node():
-    for p in cluster.PRESETS.values():
+    for p in cluster.CLUSTER_PRESETS.values():
         lay = cluster.layout(p)
         train, _ = lay["train"]
         engines, _ = lay["engines"]
@@ -420,7 +420,7 @@ def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_count
 def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_missing(tmp_path, monkeypatch):
     import train_t1
     (tmp_path / "config.json").write_text("{}")
-    preset = cluster.PRESETS["qwen35-122b-a10b"]
+    preset = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
     row = {"tp": 2, "pp": 1, "cp": 1, "ep": 64, "etp": 1, "dp": 32, "recompute": True}
     cmd = cluster.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
     args = train_t1.parse_args(cmd[2:])

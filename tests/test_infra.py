@@ -10,16 +10,16 @@ import torch
 import bench
 import cp_gdn
 import infra
-from infra import GiB, PRESETS, Plan
+from infra import GiB, MODEL_SHAPES, Plan
 
-C122 = PRESETS["qwen35-122b-a10b"]
+C122 = MODEL_SHAPES["qwen35-122b-a10b"]
 
 
 # ----------------------------------------------------------------------------- memory model and planner
-@pytest.mark.parametrize("preset", sorted(PRESETS))
+@pytest.mark.parametrize("preset", sorted(MODEL_SHAPES))
 @pytest.mark.parametrize("gpus", [16, 64, 128])
 def test_prop_7_1_expert_optimizer_bytes_do_not_depend_on_plan(preset, gpus):
-    c = PRESETS[preset]
+    c = MODEL_SHAPES[preset]
     p_exp = infra.param_counts(c)["expert"]
     plans = infra.enumerate_plans(c, gpus, tokens=16384)
     assert len({(p.tp, p.pp, p.cp, p.ep, p.etp) for p in plans}) > 50  # many genuinely different plans
@@ -34,7 +34,7 @@ def test_param_count_matches_paper_totals():
     n = infra.param_counts(C122)
     assert abs(n["total"] / 121.4e9 - 1) < 0.02  # 122.1B with the assumed head layout (+0.6%)
     assert abs(n["expert"] / 116.0e9 - 1) < 0.005
-    assert abs(infra.param_counts(PRESETS["qwen35-35b-a3b"])["total"] / 35e9 - 1) < 0.05
+    assert abs(infra.param_counts(MODEL_SHAPES["qwen35-35b-a3b"])["total"] / 35e9 - 1) < 0.05
 
 
 def test_param_formula_matches_hf_qwen35_moe_module():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
+import infra  # noqa: E402
 import mcore  # noqa: E402
 import mcore_weights  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
@@ -132,7 +133,7 @@ def test_cluster_model_has_the_te_layout_names_and_loads_hf_round_trip(monkeypat
     model_parallel_cuda_manual_seed(0)
     if importlib.util.find_spec("fla") is None:  # GatedDeltaNet.__init__ checks this flag alone; no forward here
         monkeypatch.setattr(gdn, "HAVE_FLA", True)
-    p = mcore.QWEN35_PRESETS["qwen35-35b-a3b"]
+    p = mcore.megatron_shape(infra.MODEL_SHAPES["qwen35-35b-a3b"])
     hf_cfg = mcore.tiny_qwen35_hf_config(p["vocab_size"])  # _qwen35_gpt takes the preset's vocab
     gpt = mcore._qwen35_gpt(  # the preset at tiny_qwen35_hf_config's sizes; fp32 so the round trip is exact
         "qwen35-35b-a3b", num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2, kv_channels=16,

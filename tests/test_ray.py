@@ -1,5 +1,6 @@
-"""infra.py's Ray layout: rollout-worker actors keep the first finishers and cancel the rest, rounds are
-independent, and the engine actor takes the publish barrier (pause, load weights of version v, resume)."""
+"""The Ray layout (infra.py) with rollout.py's Ray pieces: rollout-worker actors keep the first finishers and
+cancel the rest, rounds are independent, and the engine actor takes the publish barrier (pause, load weights of
+version v, resume)."""
 import os
 import shutil
 import subprocess
@@ -27,19 +28,19 @@ def layout():
 
 def test_workers_keep_first_finished_cancel_rest_and_rounds_are_independent(tmp_path, layout):
     ray, place = layout
-    workers = infra.ray_rollout_workers(2, 2, None, place["workers"])
+    workers = rollout.ray_rollout_workers(2, 2, None, place["workers"])
     pids = ray.get([w.pid.remote() for w in workers])
     assert len(set(pids)) == 2 and os.getpid() not in pids  # two actor processes
     fast = [make_task(tmp_path, f"fast{i}") for i in range(3)]
     slow = make_task(tmp_path, "slow", solve="sleep 60")
     t0 = time.time()
-    kept, dropped = infra.ray_run_trials(workers, [slow] + fast, "oracle", n_keep=3)
+    kept, dropped = rollout.ray_run_trials(workers, [slow] + fast, "oracle", n_keep=3)
     assert sorted(r["task"] for r in kept) == ["fast0", "fast1", "fast2"] and all(r["resolved"] for r in kept)
     assert [d["task"] for d in dropped] == ["slow"] and dropped[0]["reason"] == "cancelled"
     assert dropped[0]["seconds"] < 30 and time.time() - t0 < 40
     assert subprocess.run(["pgrep", "-f", f"bwrap.*{tmp_path}"], capture_output=True).returncode == 1  # jail killed
     # the next round on the same actors is not touched by the previous round's cancel
-    kept, dropped = infra.ray_run_trials(workers, fast, "nop", n_keep=None)
+    kept, dropped = rollout.ray_run_trials(workers, fast, "nop", n_keep=None)
     assert len(kept) == 3 and not dropped and all(r["exit_reason"] == "nop" for r in kept)
     for w in workers:
         ray.kill(w)
@@ -55,7 +56,7 @@ def test_engine_actor_publish_barrier_sets_weight_version(tmp_path, layout):
     assert info["pid"] != os.getpid()
     client = rollout.EngineClient(info["url"])
     before = client.generate(tok.encode("hello", add_special_tokens=False), {"max_new_tokens": 4, "temperature": 0})
-    infra.publish_from_disk([info["url"]], path, 7)
+    rollout.publish_from_disk([info["url"]], path, 7)
     assert client.model_info()["weight_version"] == "7"
     after = client.generate(tok.encode("hello", add_special_tokens=False), {"max_new_tokens": 4, "temperature": 0})
     assert after["weight_version"] == "7" and before["weight_version"] == "0"
