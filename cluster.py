@@ -462,7 +462,9 @@ def init_update_group(master_address, master_port, rank, world_size, group_name,
 # every name in order; the trainer (rank 0 of the group) broadcasts the same tensors.
 class WeightPublisher:
     """Trainer rank 0's side of the publish: one NCCL group with every engine rank, then per publish
-    pause -> buckets (HTTP metadata to every engine, broadcast of each tensor) -> resume."""
+    pause -> buckets (HTTP metadata to every engine, broadcast of each tensor) -> resume. The trainer's publish
+    interface, with rollout.DiskPublisher (the embedded engines load the checkpoint from disk)."""
+    wants_weights = True  # publish broadcasts the tensors it is given
 
     def __init__(self, clients, engine_world_sizes, master_address, master_port=None,
                  group_name="t1_weight_update", backend="nccl", bucket_bytes=infra.GiB):

@@ -367,8 +367,8 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 # ----------------------------------------------------------------------------- Ray layout
 # One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
 # co-resident, ppo.Trainer), the engine(s) (engine.EngineActor: SGLang's HTTP protocol) and the rollout
-# workers (rollout.RolloutWorker: trials in sandboxes; rollout.publish_from_disk is the embedded publish barrier).
-# One placement group holds them all: one bundle per trainer
+# workers (rollout.RolloutWorker: trials in sandboxes); the publish barrier is Trainer.publish (rollout.DiskPublisher
+# here). One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 8).

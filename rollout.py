@@ -453,6 +453,23 @@ def publish_from_disk(urls, model_path, version: int) -> None:
             c.resume()
 
 
+class DiskPublisher:
+    """The embedded publish: under the barrier every engine loads the checkpoint directory the trainer saved
+    (publish_from_disk). The trainer's one publish interface, with cluster.WeightPublisher (weights over a process
+    group): publish(named_tensors, version), close(); wants_weights says whether publish needs the tensors."""
+    wants_weights = False  # the step's checkpoint already holds them
+
+    def __init__(self, urls, model_path):
+        self.urls, self.model_path = list(urls), model_path
+
+    def publish(self, named_tensors, version: int) -> int:
+        publish_from_disk(self.urls, self.model_path, version)
+        return 0
+
+    def close(self) -> None:
+        pass
+
+
 class RolloutWorker:
     """Runs trials (run_trial) for the driver's oversampling loop; `slots` of them at once.
 

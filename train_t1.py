@@ -423,18 +423,13 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     ranks = ray.get([t.pid.remote() for t in ax.trainer.ranks])
     log(run.dir, f"ray actors: trainer pid {ranks[0]}, other trainer ranks pids {ranks[1:]}, "
                  f"engines {infos or ax.urls}, rollout workers pids {ray.get([w.pid.remote() for w in ax.workers])}")
-    ax.sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]
-    if ax.sizes:  # cluster: weights go from the trainer to every engine rank over one process group
-        ray.get(ax.trainer.connect_engines.remote(ax.urls, ax.sizes))
+    sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]  # cluster: weights over one process group
+    ray.get(ax.trainer.connect_engines.remote(ax.urls, sizes))  # else the engines load ckpt/latest from disk
 
 
 def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
-    """Publish barrier: pause generation, push weights, resume; the trainer keeps a copy."""
-    if ax.sizes:
-        ax.ray.get(ax.trainer.publish.remote(version))
-    else:
-        rollout.publish_from_disk(ax.urls, run.dir / "ckpt" / "latest", version)
-        ax.ray.get(ax.trainer.mark_published.remote(version))
+    """Publish barrier: pause generation, the engines get weights `version`, resume; the trainer keeps a copy."""
+    ax.ray.get(ax.trainer.publish.remote(version))
 
 
 def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list, ck: str) -> None:

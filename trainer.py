@@ -46,6 +46,7 @@ import mcore
 import mcore_parallel
 import mcore_weights
 import model as M
+import rollout
 
 # --- the run directory's log.txt and metrics.jsonl ---------------------------------------------------
 
@@ -350,7 +351,7 @@ class Trainer:
         self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
         self.published = {}  # weight version -> the actor's state dict the engines were given
         self.ref = None  # the frozen SFT actor (kl_coef > 0, hf backend)
-        self.publisher = None
+        self.publisher, self.push_weights = None, False
         if not self.sharded:
             self._build()
 
@@ -467,8 +468,14 @@ class Trainer:
             del self.published[old]
 
     def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
-        """Cluster publish: this process becomes rank 0 of one group with every engine rank (NCCL; gloo on CPU)."""
-        if self.rank > 0:  # trainer rank 0 alone speaks to the engines
+        """The publisher of this run (every rank learns which; rank 0 alone speaks to the engines): with
+        world_sizes (cluster) rank 0 of one group with every engine rank (cluster.WeightPublisher, NCCL; gloo on
+        CPU), else the embedded engines load ckpt/latest from disk (rollout.DiskPublisher)."""
+        self.push_weights = bool(world_sizes)
+        if self.rank > 0:
+            return
+        if not world_sizes:
+            self.publisher = rollout.DiskPublisher(urls, self.latest)
             return
         if not master_address:
             import ray
@@ -478,9 +485,13 @@ class Trainer:
             backend="nccl" if torch.cuda.is_available() else "gloo").connect()
 
     def publish(self, version: int) -> int:
-        """Publish barrier over the group: pause every engine, broadcast the weights (Hub names), resume."""
-        weights = self.hub_weights() if self.rank == 0 or self.sharded else None  # sharded: every rank gathers
-        n = self.publisher.publish(list(weights.items()), version) if self.rank == 0 else 0
+        """Publish barrier (step 7): pause every engine, weights of `version` to them (broadcast under Hub names, or
+        from the step's checkpoint on disk), resume; every rank keeps the published copy (mark_published)."""
+        if self.rank == 0 and self.publisher is None:
+            raise RuntimeError("Trainer.publish: no publisher; connect_engines(urls, world_sizes) comes first")
+        gather = self.push_weights and (self.rank == 0 or self.sharded)  # sharded: every rank takes part
+        weights = list(self.hub_weights().items()) if gather else None
+        n = self.publisher.publish(weights, version) if self.rank == 0 else 0
         self.mark_published(version)
         return n
 
