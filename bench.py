@@ -249,10 +249,12 @@ def async_vs_sequential(run_dir) -> dict:
                    sequential_train_s=float(np.mean([r["time_train"] for r in seq])))
     if asy:
         out.update(async_step_s=float(np.mean([r["time_step"] for r in asy])),
-                   async_over_own_max=float(np.mean([r["time_step"] / max(nxt[r["step"]]["time_rollout"], r["time_train"])
+                   async_over_own_max=float(np.mean([r["time_step"]
+                                                     / max(nxt[r["step"]]["time_rollout"], r["time_train"])
                                                      for r in asy])))
     if seq and asy:
-        out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"], out["sequential_train_s"])
+        out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"],
+                                                                     out["sequential_train_s"])
     return out
 
 
@@ -276,8 +278,9 @@ def plot(run_dir) -> Path:
     run_dir = Path(run_dir)
     recs = [json.loads(l) for l in open(run_dir / "metrics.jsonl")] if (run_dir / "metrics.jsonl").exists() else []
     rl = [r for r in recs if r["phase"] == "rl"]
-    panels = [("reward_mean", "reward (P/S)"), ("solve_rate", "solve rate"), ("explained_variance", "explained variance"),
-              ("dlogp", "|dlogp| (R3 on)"), ("turns_mean", "turns"), ("time_step", "step time (s)")]
+    panels = [("reward_mean", "reward (P/S)"), ("solve_rate", "solve rate"),
+              ("explained_variance", "explained variance"), ("dlogp", "|dlogp| (R3 on)"), ("turns_mean", "turns"),
+              ("time_step", "step time (s)")]
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     axes = axes.ravel()
     for ax, (k, title) in zip(axes, panels):

@@ -178,7 +178,8 @@ def choose_plan(preset, seq_len=0):
 def print_plan(preset, row, rows):
     print(f"[cluster] {preset.name}: {preset.nodes} node(s) x {preset.gpus_per_node} GPUs; trainer W = "
           f"{preset.train_gpus}, T = {preset.tokens} tokens/device, M = {preset.mem_gib:g} GiB; "
-          f"{preset.n_engines} SGLang server(s) x {preset.engine_tp} GPUs" + (" (colocated)" if preset.colocate else ""))
+          f"{preset.n_engines} SGLang server(s) x {preset.engine_tp} GPUs"
+          + (" (colocated)" if preset.colocate else ""))
     feas = [r for r in rows if r["feasible"]]
     print(infra.format_table(feas, top=5, tokens=preset.tokens))
     if row is None:

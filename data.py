@@ -223,7 +223,8 @@ def fam_perms(rng):
         w = f"{rng.choice(WORDS)}-{rng.randint(100, 999)}"
         tests = [("script_exists", [f"assert os.path.isfile(A + '/{s}')"]),
                  ("script_executable", [f"assert _mode({s!r}) & stat.S_IXUSR"]),
-                 ("script_prints_word", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, timeout=10)",
+                 ("script_prints_word", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, "
+                                         "timeout=10)",
                                          f"assert r.stdout.strip() == {w!r}"])]
         turns = [_turn(f"I need a script {s} in /app that prints {w}.", "Write it with printf, then chmod +x.",
                        [f"printf '#!/bin/sh\\necho {w}\\n' > {s}", f"chmod +x {s}", f"./{s}"])]
@@ -259,7 +260,8 @@ def fam_archive(rng):
         names = f"[n.lstrip('./') for n in tarfile.open({path}, 'r:gz').getnames()]"
         tests = [("archive_exists", [f"assert os.path.isfile({path})"]),
                  ("archive_is_tar_gz", [f"assert tarfile.open({path}, 'r:gz').getnames()"]),
-                 ("archive_has_files", [f"assert {sorted(d + '/' + f for f in members)!r} == sorted(n for n in {names} if n.endswith('.txt'))"]),
+                 ("archive_has_files", [f"assert {sorted(d + '/' + f for f in members)!r} == "
+                                        f"sorted(n for n in {names} if n.endswith('.txt'))"]),
                  ("member_content", [f"t = tarfile.open({path}, 'r:gz')",
                                      f"m = [n for n in t.getnames() if n.endswith('{d}/{first}')][0]",
                                      f"assert t.extractfile(m).read().decode() == {members[first]!r}"])]
@@ -271,7 +273,8 @@ def fam_archive(rng):
     if kind == "extract":
         out = _names(rng, 1, "")[0] + "_files"
         tests = [("dir_created", [f"assert os.path.isdir(A + '/{out}')"])]
-        tests += [(f"extracted_{i}", [f"assert _read('{out}/{f}') == {t!r}"]) for i, (f, t) in enumerate(sorted(members.items()))]
+        tests += [(f"extracted_{i}", [f"assert _read('{out}/{f}') == {t!r}"])
+                  for i, (f, t) in enumerate(sorted(members.items()))]
         turns = [_turn(f"I need to unpack {a}.tar.gz into a new directory {out}.", "Make the dir, extract with -C.",
                        [f"mkdir {out}", f"tar -xzf {a}.tar.gz -C {out}", f"ls {out}"])]
         ins = f"Extract {a}.tar.gz into the new directory {out} in /app."
@@ -356,7 +359,8 @@ def fam_find(rng):
         tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
                  ("has_word", [f"assert {w!r} in _read({out!r})"]),
                  ("same_content", [f"assert _read({out!r}) == {files[target]!r}"]),
-                 ("source_kept", [f"assert os.path.isfile(A + '/{out}')", f"assert _read({target!r}) == {files[target]!r}"])]
+                 ("source_kept", [f"assert os.path.isfile(A + '/{out}')",
+                                  f"assert _read({target!r}) == {files[target]!r}"])]
         turns = [_turn(f"I must find which file under {d} has {w}.", f"grep -rl {w} in {d}.", [f"grep -rl {w} {d}"]),
                  _turn(f"grep found {target}.", f"Copy it to {out}.", [f"cp {target} {out}", f"cat {out}"])]
         ins = f"One file under {d} contains the word {w}. Copy that file to {out} in /app."
@@ -365,7 +369,8 @@ def fam_find(rng):
     if kind == "name":
         tests = [("file_in_app", [f"assert os.path.isfile(A + '/{base}')"]),
                  ("same_content", [f"assert _read({base!r}) == {files[target]!r}"]),
-                 ("moved_not_copied", [f"assert os.path.isfile(A + '/{base}')", f"assert not os.path.exists(A + '/{target}')"])]
+                 ("moved_not_copied", [f"assert os.path.isfile(A + '/{base}')",
+                                       f"assert not os.path.exists(A + '/{target}')"])]
         turns = [_turn(f"I must find {base} under {d}.", "Use find -name.", [f"find {d} -name {base}"]),
                  _turn(f"find shows {target}.", "Move it to /app.", [f"mv {target} .", "ls"])]
         ins = f"Find the file named {base} under {d} and move it to /app."
@@ -378,7 +383,8 @@ def fam_find(rng):
     tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
              ("largest_content", [f"assert _read({out!r}) == {flat[big]!r}"]),
              ("moved_not_copied", [f"assert os.path.isfile(A + '/{out}')", f"assert not os.path.exists(A + '/{big}')"]),
-             ("others_kept", [f"assert os.path.isfile(A + '/{out}')"] + [f"assert os.path.isfile(A + '/{p}')" for p in others])]
+             ("others_kept", [f"assert os.path.isfile(A + '/{out}')"]
+              + [f"assert os.path.isfile(A + '/{p}')" for p in others])]
     turns = [_turn(f"I must find the largest file in {d}.", "List it sorted by size.", [f"ls -S {d}"]),
              _turn(f"ls -S shows {big.rsplit('/', 1)[1]} first.", f"Move it to {out}.", [f"mv {big} {out}", "ls"])]
     ins = f"Move the largest file in {d} to {out} in /app."

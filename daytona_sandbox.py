@@ -138,7 +138,8 @@ class DaytonaSandbox:
                                 ">/dev/null 2>&1; command -v tmux >/dev/null && tmux new-session -d -s "
                                 f"{self.SESSION} -x 160 -y 50 -c /app", 300)
             if rc != 0:
-                raise RuntimeError(f"DaytonaSandbox: no tmux in the sandbox and it could not be installed: {out[-300:]}")
+                raise RuntimeError("DaytonaSandbox: no tmux in the sandbox and it could not be installed: "
+                                   f"{out[-300:]}")
         except BaseException:
             self.close()
             raise
@@ -197,7 +198,8 @@ class DaytonaSandbox:
         else:
             parts = keystrokes.split("\n")
             cmd = "; ".join([f"tmux send-keys -t {t} -l {shlex.quote(p)}" if p else ":" for p in parts[:1]] +
-                            [f"tmux send-keys -t {t} Enter" + (f"; tmux send-keys -t {t} -l {shlex.quote(p)}" if p else "")
+                            [f"tmux send-keys -t {t} Enter"
+                             + (f"; tmux send-keys -t {t} -l {shlex.quote(p)}" if p else "")
                              for p in parts[1:]])
         self._run(cmd, max(min(30.0, deadline - time.time()) if deadline is not None else 30.0, 1.0))
         return 0

@@ -86,8 +86,9 @@ from chat_tokens import IM_END
 REPO = os.path.dirname(os.path.abspath(__file__))
 HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
 # The paper's evaluation protocol, the one source of it (train_t1.Args' eval_* defaults read it). Seeds (000):
-# "评测协议（Terminus-2，60 轮/3600s agent/900s verifier，温度 0.1、top-p 0.95、3 次尝试）" = Terminus-2, 60 turns,
-# 3600 s agent / 900 s verifier (overriding the tasks' own timeouts), temperature 0.1, top-p 0.95, 3 attempts.
+# "评测协议（Terminus-2，60 轮/3600s agent/900s verifier，温度 0.1、top-p 0.95、3 次尝试）"
+# = Terminus-2, 60 turns, 3600 s agent / 900 s verifier (overriding the tasks' own timeouts), temperature 0.1,
+# top-p 0.95, 3 attempts.
 EVAL = {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0, "verifier_timeout_s": 900.0,
         "temperature": 0.1, "top_p": 0.95, "attempts": 3}
 
@@ -452,8 +453,8 @@ def _make_handler(gw: Gateway):
 def chat_completion(url, messages, session_id=None, timeout=600, **params) -> dict:
     """A minimal OpenAI client: POST /v1/chat/completions -> response dict (raises on HTTP errors)."""
     body = {"model": "t1", "messages": messages, **params}
-    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
-                                 headers={"Content-Type": "application/json",
+    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 method="POST", headers={"Content-Type": "application/json",
                                           **({"X-Session-ID": session_id} if session_id else {})})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -520,7 +521,8 @@ def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperatu
               "llm_call_kwargs": {"top_p": top_p, "max_tokens": max_new_tokens}}
     if max_turns is not None:
         kwargs["max_turns"] = max_turns
-    return {"task": {"path": os.path.abspath(task_dir)}, "trial_name": trial_name, "trials_dir": os.path.abspath(trials_dir),
+    return {"task": {"path": os.path.abspath(task_dir)}, "trial_name": trial_name,
+            "trials_dir": os.path.abspath(trials_dir),
             "agent": {"name": "terminus-2", "model_name": "openai/t1", "kwargs": kwargs,
                       **({"override_timeout_sec": agent_timeout_s} if agent_timeout_s else {})},
             "environment": {"import_path": "harbor_env:BwrapEnvironment", "delete": True,
@@ -565,14 +567,16 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         tdir = result["trial_dir"]
         if not os.path.isdir(tdir):
             raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
-        res = json.load(open(os.path.join(tdir, "result.json"))) if os.path.isfile(os.path.join(tdir, "result.json")) else {}
+        res = (json.load(open(os.path.join(tdir, "result.json")))
+               if os.path.isfile(os.path.join(tdir, "result.json")) else {})
         scale = reward.SCALE if reward_scale is None else reward_scale
         # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
         v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
                            n_assertions=task_io.load_task(task_dir).n_assertions)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                       resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
-                      error=(res.get("exception_info") or {}).get("exception_message") if res.get("exception_info") else None)
+                      error=(res.get("exception_info") or {}).get("exception_message")
+                      if res.get("exception_info") else None)
     except Exception as e:
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
     finally:
@@ -684,7 +688,8 @@ def main(argv=None):
         print(json.dumps({k: r[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
                                             "error", "wall_s", "trial_dir")}))
     else:
-        rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts, max_total_tokens=a.max_total_tokens)
+        rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts,
+                       max_total_tokens=a.max_total_tokens)
         print(json.dumps({k: v for k, v in rep.items() if k != "trials"}))
 
 

@@ -89,7 +89,8 @@ if BaseEnvironment is not None:
             p = os.path.normpath("/" + str(path).lstrip("/"))
             for top in ("/app", "/logs", "/tests"):
                 if p == top or p.startswith(top + "/"):
-                    return os.path.join(self.root, top[1:], os.path.relpath(p, top)) if p != top else os.path.join(self.root, top[1:])
+                    return (os.path.join(self.root, top[1:], os.path.relpath(p, top)) if p != top
+                            else os.path.join(self.root, top[1:]))
             return None
 
         async def exec(self, command, cwd=None, env=None, timeout_sec=None, user=None) -> ExecResult:

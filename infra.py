@@ -397,7 +397,8 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
 
 def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_gpus: float = 0,
                strategy: str = "PACK", n_trainers: int = 1):
-    """The placement group and where each actor goes -> (pg, {"trainers": [...], "engines": [...], "workers": [...]})."""
+    """The placement group and where each actor goes
+    -> (pg, {"trainers": [...], "engines": [...], "workers": [...]})."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -409,9 +410,11 @@ def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_g
 
     def at(i, gpus=0):
         return {"num_cpus": 1, "num_gpus": gpus,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)}
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
+                                                                        placement_group_bundle_index=i)}
     t, e = n_trainers, n_trainers + n_engines
-    return pg, {"trainers": [at(i, trainer_gpus) for i in range(t)], "engines": [at(t + i, engine_gpus) for i in range(n_engines)],
+    return pg, {"trainers": [at(i, trainer_gpus) for i in range(t)],
+                "engines": [at(t + i, engine_gpus) for i in range(n_engines)],
                 "workers": [at(e + i) for i in range(n_workers)]}
 
 

@@ -473,7 +473,8 @@ class _CheckpointReader:
             if key in self:
                 return self._read(key, experts=True)
             h = key[:-len("gate_up_proj")]
-            return torch.stack([torch.cat([self._read(f"{h}{e}.gate_proj.weight"), self._read(f"{h}{e}.up_proj.weight")])
+            return torch.stack([torch.cat([self._read(f"{h}{e}.gate_proj.weight"),
+                                           self._read(f"{h}{e}.up_proj.weight")])
                                 for e in self.experts])
         if key.endswith("mlp.experts.down_proj"):  # (E_local, H, I / etp): row-parallel, this expert-TP rank's columns
             if key in self:
@@ -510,10 +511,12 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
     expected = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
     loaded, unexpected = set(), []
 
-    def load(part):  # part of hf_to_megatron's dict (global layer numbers, this rank's experts) -> this rank's, into gpt
+    # part of hf_to_megatron's dict (global layer numbers, this rank's experts) -> this rank's, into gpt
+    def load(part):
         part = shard_for_ep(part, hf.num_experts, ep_rank, ep)
         done = {k: w for k, w in part.items() if k.endswith(cut_on_read)}  # cut at read
-        part = {**shard_for_tp({k: w for k, w in part.items() if k not in done}, hf, tp_rank, tp, etp_rank, etp), **done}
+        part = {**shard_for_tp({k: w for k, w in part.items() if k not in done}, hf, tp_rank, tp, etp_rank, etp),
+                **done}
         part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)
         unexpected.extend(gpt.load_state_dict(part, strict=False).unexpected_keys)
         loaded.update(part)
@@ -525,7 +528,8 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
             ends["embedding.word_embeddings.weight"] = sd["model.embed_tokens.weight"]
         if gpt.post_process:
             ends["decoder.final_layernorm.weight"] = sd["model.norm.weight"]
-            ends["output_layer.weight"] = sd["lm_head.weight" if "lm_head.weight" in sd else "model.embed_tokens.weight"]
+            ends["output_layer.weight"] = sd["lm_head.weight" if "lm_head.weight" in sd
+                                             else "model.embed_tokens.weight"]
         load(ends)
         for i in range(first, last):
             load(_hf_layer_to_megatron(sd, hf, i, experts))

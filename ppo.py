@@ -59,7 +59,8 @@ def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
                              f"{scale} (--reward-scale): the trial was scored with another S")
         out["rewards"][b, last] = s["reward"]  # r = P / S, as reward.compute gave it
         if out["experts"] is not None and s.get("routed_experts") is not None:
-            out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))  # row n-1 stays -1 (no next token)
+            # row n-1 stays -1 (no next token)
+            out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))
     return out
 
 
@@ -263,7 +264,8 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
     mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
             {**batch, "old_values": old_values, "returns": returns}.items()}
-           for mb in (share(mb, group, even(args, group)) for mb in minibatches(len(samples), args.minibatch_size, rng))]
+           for mb in (share(mb, group, even(args, group))
+                      for mb in minibatches(len(samples), args.minibatch_size, rng))]
     log(run_dir, f"step {step}: critic update")
     cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
     # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay

@@ -55,7 +55,8 @@ from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
 # --- Terminus-2 protocol --------------------------------------------------------------------------
 PROMPT = """You are an agent solving a task in a Linux shell. Reply with exactly one JSON object:
-{{"analysis": "what you see", "plan": "what you do next", "commands": [{{"keystrokes": "ls -la\\n", "duration": 0.1}}], "task_complete": false}}
+{{"analysis": "what you see", "plan": "what you do next", \
+"commands": [{{"keystrokes": "ls -la\\n", "duration": 0.1}}], "task_complete": false}}
 keystrokes are typed verbatim (end a command with \\n); duration = seconds to wait for output.
 Set task_complete to true when the task is done.
 

@@ -608,8 +608,9 @@ class Sandbox:
         if self.pid is None:
             raise RuntimeError("sandbox: exec before start()")
         timeout = self.limits.cmd_timeout_s if timeout is None else timeout
-        p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True, env=self._env(env))
+        p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+                             env=self._env(env))
         out, deadline, note = _Capped(self.limits.output_bytes), time.time() + timeout, ""
         fd, exited_at = p.stdout.fileno(), None
         while True:

@@ -133,8 +133,9 @@ def load_task(task_dir):
 
 
 # --- what the local jail can run -----------------------------------------------------------------
+# the host's /usr stands in for these (sandbox.py departure 1)
 GENERIC_BASES = ("ubuntu", "debian", "python", "ghcr.io/laude-institute/t-bench/python",
-                 "ghcr.io/laude-institute/t-bench/ubuntu")  # the host's /usr stands in for these (sandbox.py departure 1)
+                 "ghcr.io/laude-institute/t-bench/ubuntu")
 _OPS = {"&&", "||", ";", "|", "&", "(", ")", "{", "}", ";;", "|&", "!"}
 _KEYWORDS = {"if", "then", "else", "elif", "fi", "do", "done", "while", "until", "time", "sudo", "exec", "nohup"}
 _NETWORK = {"uvx": None, "pipx": None, "npx": None, "rustup": None, "apk": None, "yum": None, "dnf": None,

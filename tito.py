@@ -292,7 +292,8 @@ def case_counts(trial: dict, tok=None) -> dict:
     counts = dict.fromkeys(CASES, 0)
     recs = trial["records"]
     for rec, nxt in zip(recs, recs[1:]):
-        counts[classify_boundary(list(rec["prompt_ids"]), list(rec["output_ids"]), list(nxt["prompt_ids"]), tok)[0]] += 1
+        counts[classify_boundary(list(rec["prompt_ids"]), list(rec["output_ids"]), list(nxt["prompt_ids"]),
+                                 tok)[0]] += 1
     return counts
 
 

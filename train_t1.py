@@ -253,13 +253,14 @@ def check_args(args: Args) -> None:
     if args.backend == "megatron" and args.model_path:  # a Hub checkpoint: the cluster's Qwen3.5 on GPUs
         mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
         raise NotImplementedError("--model-path with --backend megatron: the trainer builds the embedded Megatron "
-                                  "models (local modules, each rank reading its shards of the HF checkpoint); the cluster "
-                                  "model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, Megatron's "
-                                  "distributed optimizer) is not wired into Trainer yet")
+                                  "models (local modules, each rank reading its shards of the HF checkpoint); the "
+                                  "cluster model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, "
+                                  "Megatron's distributed optimizer) is not wired into Trainer yet")
     if args.backend == "megatron" and p["world"] > 1:
         if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
             raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
-                                      "parallel is not written (mcore_parallel.py departure 2); use cp with tp / ep / dp")
+                                      "parallel is not written (mcore_parallel.py departure 2); "
+                                      "use cp with tp / ep / dp")
         if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
             raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
                              f"{p['tp'] * p['cp'] * p['dp']}")
@@ -304,7 +305,8 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
                                            max_workers=args.rollout_workers, desc=desc, **kw)
     else:
-        kept, dropped = rollout.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc, **kw)
+        kept, dropped = rollout.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc,
+                                               **kw)
     for t in kept:  # one reward: every trial scored with this run's S
         if t.get("reward_scale", args.reward_scale) != args.reward_scale:
             raise ValueError(f"trial of task {t.get('task')!r}: scored with S = {t['reward_scale']}, "

@@ -3,9 +3,9 @@
 Machinery for steps 5-6 and the checkpoint (DESIGN.md section 3): `Trainer` holds the actor, the behaviour copy,
 the critic, both optimizers and the published weight versions, and runs the step functions it is given
 (`Trainer.steps`: ppo.Trainer binds ppo's critic_warmup and train_step, which use this file's row sharing, so this
-file imports neither ppo nor the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint of an RL step and the run
-directory's commit point (state.json) live here too: save_trainer writes it, resume_run brings a run directory
-back to what state.json committed.
+file imports neither ppo nor the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint
+of an RL step and the run directory's commit point (state.json) live here too: save_trainer writes it, resume_run
+brings a run directory back to what state.json committed.
 
 Run: not by itself; `python train_t1.py` starts it (tests/test_trainer_group.py, tests/test_resume.py).
 

@@ -9,8 +9,8 @@ import mcore_weights
 import r3
 
 B, T, V = 2, 12, 96
-__all__ = ["B", "T", "V", "actor", "batch", "logprobs", "routing_maps", "as_map", "check_replay_under_perturbed_routers",
-           "replay_forced"]
+__all__ = ["B", "T", "V", "actor", "batch", "logprobs", "routing_maps", "as_map",
+           "check_replay_under_perturbed_routers", "replay_forced"]
 
 
 @pytest.fixture(scope="module")

@@ -66,8 +66,8 @@ def fake_sglang(port_q, result_q):
                     validate(body, INIT_FIELDS, ["master_address", "master_port", "rank_offset", "world_size"])
                     state["calls"].append(("init", body))
                     state["groups"] = cluster.init_update_group(body["master_address"], body["master_port"],
-                                                                body["rank_offset"], body["world_size"], body["group_name"],
-                                                                body["backend"])
+                                                                body["rank_offset"], body["world_size"],
+                                                                body["group_name"], body["backend"])
                     state["group_name"] = body["group_name"]
                 elif self.path == "/update_weights_from_distributed":
                     validate(body, UPDATE_FIELDS, ["names", "dtypes", "shapes"])
@@ -424,7 +424,8 @@ def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_mis
     row = {"tp": 2, "pp": 1, "cp": 1, "ep": 64, "etp": 1, "dp": 32, "recompute": True}
     cmd = cluster.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
     args = train_t1.parse_args(cmd[2:])
-    assert (args.backend, args.sandbox, args.rl_steps, args.n_launch, args.n_keep) == ("megatron", "daytona", 3, 560, 512)
+    assert ((args.backend, args.sandbox, args.rl_steps, args.n_launch, args.n_keep)
+            == ("megatron", "daytona", 3, 560, 512))
     assert args.engine_urls == "http://a:1,http://b:2" and json.loads(args.plan)["ep"] == 64
     assert args.engine_world_sizes == ",".join(["8"] * preset.n_engines)
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)

@@ -152,7 +152,8 @@ def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, tok,
     status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other})
     assert status == 200 and res["success"] is True
     after = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
-    assert after["meta_info"]["weight_version"] == "1" and get(engine.url + "/get_model_info")[1]["weight_version"] == "1"
+    assert (after["meta_info"]["weight_version"] == "1"
+            and get(engine.url + "/get_model_info")[1]["weight_version"] == "1")
     assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
     status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other, "weight_version": "step-7"})
     assert status == 200 and get(engine.url + "/get_model_info")[1] == {

@@ -201,7 +201,8 @@ def test_n_tools_and_response_format_get_400_not_supported(gw):
     ok = {"model": "t1", "messages": MSGS, "max_tokens": 2}
     tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
     for field, value in [("n", 2), ("tools", [tool]), ("tool_choice", "auto"),
-                         ("response_format", {"type": "json_object"}), ("stream", True), ("logit_bias", {"5": 1}), ("top_logprobs", 3), ("presence_penalty", 0.5)]:
+                         ("response_format", {"type": "json_object"}), ("stream", True), ("logit_bias", {"5": 1}),
+                         ("top_logprobs", 3), ("presence_penalty", 0.5)]:
         status, res = call(gw.url, {**ok, field: value})
         assert_openai_error(status, res, 400, field, "unsupported_parameter")
         assert "not supported" in res["error"]["message"], res

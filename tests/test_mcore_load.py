@@ -71,7 +71,8 @@ def compare(path, hf, **layout) -> tuple[list, dict]:
 def checkpoints(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
     kinds = [("qwen35", "single", {}), ("qwen35", "sharded", {"max_shard_size": "40KB"}),
-             ("qwen35", "fused", {"fused": True}), ("qwen3", "single", {}), ("qwen3", "sharded", {"max_shard_size": "40KB"})]
+             ("qwen35", "fused", {"fused": True}), ("qwen3", "single", {}),
+             ("qwen3", "sharded", {"max_shard_size": "40KB"})]
     return {(arch, kind): (root / f"{arch}_{kind}", save_tiny(arch, root / f"{arch}_{kind}", **kw))
             for arch, kind, kw in kinds}
 

@@ -100,7 +100,8 @@ def _rank(tp, ep, resume):
                  dp=dp, expert_dp=ps.get_expert_data_parallel_world_size())
     out = {}
     if resume:  # a fresh model and optimizer from this rank's checkpoint take the last step as the original does
-        ckpt = ({k: v.clone() if torch.is_tensor(v) else v for k, v in actor.gpt.state_dict().items()}, opt.state_dict())
+        ckpt = ({k: v.clone() if torch.is_tensor(v) else v for k, v in actor.gpt.state_dict().items()},
+                opt.state_dict())
         other = make_actor(tp, ep)
         other_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(other), lr=0.0, eps=0.0)
         other.gpt.load_state_dict(ckpt[0])

@@ -71,4 +71,5 @@ def test_checkpoint_round_trip_loads_with_plain_hugging_face(tok, ckpt):
         assert torch.equal(loaded.eval()(ids).logits, want)
     assert len(r3.routers(loaded)) == 4 and plain.config.router_aux_loss_coef == 0.0
     assert AutoTokenizer.from_pretrained(ckpt).backend_tokenizer.to_str() == tok.backend_tokenizer.to_str()
-    assert tok2.apply_chat_template(CONVERSATION, tokenize=False) == tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert (tok2.apply_chat_template(CONVERSATION, tokenize=False)
+            == tok.apply_chat_template(CONVERSATION, tokenize=False))

@@ -313,7 +313,8 @@ def _owned_rows(B_, T_, tp_rank, tp_size, sp, cp_rank, cp_size, contiguous=False
     CP rank r holds the r-th of cp_size chunks (mcore._gpt_forward) instead of Megatron's zig-zag pair."""
     c = T_ // (2 * cp_size) if cp_size > 1 else T_
     ts = list(range(T_)) if cp_size == 1 else \
-        list(range(cp_rank * c, (cp_rank + 1) * c)) + list(range((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c))
+        list(range(cp_rank * c, (cp_rank + 1) * c)) + \
+        list(range((2 * cp_size - 1 - cp_rank) * c, (2 * cp_size - cp_rank) * c))
     if cp_size > 1 and contiguous:
         ts = list(range(cp_rank * 2 * c, (cp_rank + 1) * 2 * c))
     if sp and tp_size > 1:
@@ -366,7 +367,8 @@ def _trial(actor, name="task-a", turns=2, seed=0):
     for i in range(turns):
         out = [int(x) for x in g.integers(10, 300, 3)]
         recs.append({"prompt_ids": list(prompt), "output_ids": out, "output_logprobs": [-0.5] * len(out),
-                     "routed_experts": g.integers(0, actor.config.num_experts, (len(prompt) + 2, L, k)).astype(np.int32),
+                     "routed_experts": g.integers(0, actor.config.num_experts,
+                                                  (len(prompt) + 2, L, k)).astype(np.int32),
                      "finish_reason": "stop", "weight_version": 0})
         prompt = prompt + out + [11, 12]
     return {"task": name, "reward": 0.1, "passed": 2, "total": 4, "reward_source": "ctrf", "records": recs}

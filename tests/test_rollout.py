@@ -125,7 +125,8 @@ def test_sandbox_cannot_write_outside_app_logs_tmp(box):
         assert rc != 0, f"could write {path}"
     rc, out = box.exec("echo hi > /app/a && echo hi > /logs/b && echo hi > /tmp/c && id -u && cat /tmp/c")
     assert rc == 0 and out.split() == [str(box.uid), "hi"], out
-    assert (open(os.path.join(box.root, "app", "a")).read(), open(os.path.join(box.root, "logs", "b")).read()) == ("hi\n",) * 2
+    assert ((open(os.path.join(box.root, "app", "a")).read(), open(os.path.join(box.root, "logs", "b")).read())
+            == ("hi\n",) * 2)
 
 
 def test_sandbox_hides_host_and_task_tests(box, task):
@@ -344,7 +345,8 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
     """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
     import threading
     stop = threading.Event()
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32), stop_event=stop) as b:
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32),
+                         stop_event=stop) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "y\n" * (1 << 20))
         time.sleep(1)

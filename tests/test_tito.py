@@ -277,7 +277,8 @@ def test_retokenized_boundary_trains_on_sampled_ids_not_the_reencoded_copy(tok):
     assert list(s["tokens"][a:b]) == o0                        # sampled ids in the loss region
     glue_start = b
     p1 = trial["records"][1]["prompt_ids"]
-    assert list(s["tokens"][glue_start:s["spans"][1][0]]) == p1[p1.index(o0[-1], len(trial["records"][0]["prompt_ids"])) + 1:]
+    assert (list(s["tokens"][glue_start:s["spans"][1][0]])
+            == p1[p1.index(o0[-1], len(trial["records"][0]["prompt_ids"])) + 1:])
     naive = tito.audit([tito.assemble_naive(trial, tok)])
     assert naive["loss_region_drift_pct"] > 0                  # the re-encoded copy would have drifted
     assert tito.audit([s])["harness_drift_pct"] > 0
@@ -287,7 +288,8 @@ def test_split_boundary_starts_a_new_segment(tok):
     o0, o1 = reply_ids(tok, '{"analysis": "hello world"}'), reply_ids(tok, "{}")
     trial = chat_trial(tok, [o0, o1], [o0[:-1]])
     import model
-    summary = model.render_ids(tok, "user", "Summary: sorted.") + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    summary = (model.render_ids(tok, "user", "Summary: sorted.")
+               + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False))
     p1 = summary
     trial["records"][1]["prompt_ids"] = p1
     trial["records"][1]["routed_experts"] = routing(len(p1) + len(o1) - 1, 1)
