@@ -23,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import chat_tokens
 import cp_gdn
 import data
 import gateway
@@ -46,7 +47,7 @@ def engine_bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, work_dir)
     engine = EngineServer(work_dir, max_batch=n_concurrent).start()
-    body = {"input_ids": model.render_ids(tok, "user", "list the files") + tok.encode(model.ASSISTANT_PREFIX),
+    body = {"input_ids": model.render_ids(tok, "user", "list the files") + tok.encode(chat_tokens.ASSISTANT_PREFIX),
             "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
             "return_logprob": True, "return_routed_experts": True}
     try:
@@ -100,7 +101,7 @@ def r3_measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
     tok = model.train_tokenizer(texts, 400)
     work = tempfile.mkdtemp(prefix="r3_measure_")
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed), tok, work)
-    prompts = [model.render_ids(tok, "user", texts[i * 7 % 64][: 20 + 9 * i]) + tok.encode(model.ASSISTANT_PREFIX)
+    prompts = [model.render_ids(tok, "user", texts[i * 7 % 64][: 20 + 9 * i]) + tok.encode(chat_tokens.ASSISTANT_PREFIX)
                for i in range(n_requests)]
 
     def bodies(capture):  # same requests and per-request seeds whether capture is on or off

@@ -224,7 +224,7 @@ class DaytonaSandbox:
         scale = reward.SCALE if scale is None else scale
         vdir = os.path.join(self.root, "verifier")  # a fresh host dir, written only by this method
         os.mkdir(vdir, 0o700)
-        self._run(f"tmux kill-server 2>/dev/null; rm -rf /logs/verifier && mkdir -p /logs/verifier /tests", 60)
+        self._run("tmux kill-server 2>/dev/null; rm -rf /logs/verifier && mkdir -p /logs/verifier /tests", 60)
         self._upload_dir(self.task.tests_dir, "/tests")
         timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
         rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env={"PYTEST_ADDOPTS": "-p no:cacheprovider"})

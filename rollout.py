@@ -48,8 +48,9 @@ import r3
 import reward
 import task_io
 import tito
+from chat_tokens import ASSISTANT_PREFIX, IM_END
 from daytona_sandbox import DaytonaSandbox
-from model import ASSISTANT_PREFIX, IM_END, render_ids
+from model import render_ids
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
 

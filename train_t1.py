@@ -93,7 +93,8 @@ class Args:
     max_turns: int = 300  # turn limit of one trial (paper: 300+ tool-call turns per task)
     max_new_tokens: int = 8192  # tokens per model reply (paper evaluation: 8,192 output tokens)
     max_total_tokens: int = 56000  # context budget of one trajectory (paper evaluation: 56k input)
-    trial_timeout_s: float = 3600.0  # agent wall-clock limit (paper evaluation protocol: 3600 s agent)
+    trial_timeout_s: float = gateway.EVAL["agent_timeout_s"]  # agent wall-clock limit (paper silent for training;
+    # the evaluation protocol's 3600 s)
     rollout_workers: int = 64  # concurrent trials
     # --- evaluation (paper protocol, one source: gateway.EVAL; every trial counts, gateway.evaluate_trials)
     eval_temperature: float = gateway.EVAL["temperature"]  # evaluation temperature (paper: 0.1)
