@@ -204,14 +204,14 @@ def require_ready(preset, model_path):
 
 # --- Ray layout ------------------------------------------------------------------------------------
 def layout(preset):
-    """Placement-group bundles: the trainer's GPUs packed onto the fewest nodes, one bundle per SGLang
-    server (a bundle never spans nodes, so each server sits on one node)."""
+    """The preset's placement groups in infra.ray_placement's form: the trainer's GPUs packed onto the fewest nodes,
+    one bundle per SGLang server (a bundle never spans nodes, so each server sits on one node)."""
     train = [{"GPU": 1, "CPU": 4} for _ in range(preset.train_gpus)]
     if preset.colocate:  # engines run inside the trainer's bundles' GPUs: no GPUs of their own
         engines = [{"CPU": 4} for _ in range(preset.n_engines)]
     else:
         engines = [{"GPU": preset.engine_tp, "CPU": 8} for _ in range(preset.n_engines)]
-    return {"train": (train, "PACK"), "engines": (engines, "PACK" if preset.colocate else "SPREAD")}
+    return [("PACK", {"train": train}), ("PACK" if preset.colocate else "SPREAD", {"engines": engines})]
 
 
 def ray_connect(preset, timeout_s=600):
@@ -237,15 +237,6 @@ def ray_connect(preset, timeout_s=600):
         print(f"[cluster] waiting for GPUs: {have}/{preset.gpus}; on the other nodes: "
               f"ray start --address={head}:6379", flush=True)
         time.sleep(15)
-
-
-def placement_groups(ray, preset):
-    from ray.util.placement_group import placement_group
-    pgs = {}
-    for key, (bundles, strategy) in layout(preset).items():
-        pgs[key] = placement_group(bundles, strategy=strategy, name=f"t1-{key}")
-        ray.get(pgs[key].ready(), timeout=600)
-    return pgs
 
 
 # --- SGLang servers --------------------------------------------------------------------------------
@@ -306,9 +297,8 @@ class SGLangServer:
                 self.proc.wait()
 
 
-def start_engines(ray, preset, pgs, model_path, log_dir):
-    """SGLang servers as Ray actors, one per engine bundle -> (actors, urls)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+def start_engines(ray, preset, place, model_path, log_dir):
+    """SGLang servers as Ray actors, one per engine bundle (place: infra.ray_placement's) -> (actors, urls)."""
     actors = []
     for i in range(preset.n_engines):
         if preset.colocate:  # share the trainer's GPUs: no GPU reservation, all of the node's devices visible
@@ -317,8 +307,8 @@ def start_engines(ray, preset, pgs, model_path, log_dir):
                 "CUDA_VISIBLE_DEVICES": ",".join(str(g) for g in range(preset.engine_tp))}})
         else:
             opts = dict(num_gpus=preset.engine_tp)
-        strat = PlacementGroupSchedulingStrategy(pgs["engines"], placement_group_bundle_index=i)
-        actor = ray.remote(SGLangServer).options(scheduling_strategy=strat, **opts).remote(
+        actor = ray.remote(SGLangServer).options(scheduling_strategy=place["engines"][i]["scheduling_strategy"],
+                                                 **opts).remote(
             model_path, preset.engine_tp, log_dir, mem_fraction=0.4 if preset.colocate else 0.8)
         actors.append(actor)
     urls = ray.get([a.start.remote() for a in actors])
@@ -671,8 +661,8 @@ def main(argv=None):
         return 0
     run_dir = a.run_dir or f"runs/{preset.name}"
     ray = ray_connect(preset)
-    pgs = placement_groups(ray, preset)
-    actors, urls = start_engines(ray, preset, pgs, model_path, os.path.join(run_dir, "logs"))
+    _, place = infra.ray_placement(layout(preset))  # the launcher's groups stay for the run (its Ray session)
+    actors, urls = start_engines(ray, preset, place, model_path, os.path.join(run_dir, "logs"))
     print(f"[cluster] SGLang servers up: {urls}", flush=True)
     cmd = train_command(preset, run_dir, model_path, urls, row, [x for x in a.train_args if x != "--"])
     print("[cluster] " + " ".join(cmd), flush=True)

@@ -395,37 +395,47 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     return ray
 
 
-def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_gpus: float = 0,
-               strategy: str = "PACK", n_trainers: int = 1):
-    """The placement group and where each actor goes
-    -> (pg, {"trainers": [...], "engines": [...], "workers": [...]})."""
+def ray_placement(groups: list, timeout_s: float = 600):
+    """The one Ray layout of both scales: groups = [(strategy, {role: [bundle, ...]}), ...], one placement group
+    each (PACK: as few nodes as possible; SPREAD: across nodes; a bundle never spans nodes) -> (placement groups,
+    {role: [actor options, one per bundle]}); an actor's options put it in its bundle with the bundle's GPUs."""
     import ray
     from ray.util.placement_group import placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    pgs, place = [], {}
+    for strategy, roles in groups:
+        bundles = [b for role in roles.values() for b in role]
+        pg = placement_group(bundles, strategy=strategy)
+        ray.get(pg.ready(), timeout=timeout_s)
+        pgs.append(pg)
+        i = 0
+        for role, rb in roles.items():
+            place[role] = [{"num_cpus": 1, "num_gpus": b.get("GPU", 0), "scheduling_strategy":
+                            PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i + j)}
+                           for j, b in enumerate(rb)]
+            i += len(rb)
+    return pgs, place
+
+
+def ray_layout(n_engines: int, n_workers: int, trainer_gpus: float = 0, engine_gpus: float = 0,
+               strategy: str = "PACK", n_trainers: int = 1):
+    """The embedded layout: one placement group, a bundle per trainer rank, then per engine, then per rollout
+    worker -> (placement groups, {"trainers": [...], "engines": [...], "workers": [...]}) (ray_placement)."""
     gpu = lambda g: {"GPU": g} if g else {}  # noqa: E731
-    bundles = ([{"CPU": 1, **gpu(trainer_gpus)}] * n_trainers + [{"CPU": 1, **gpu(engine_gpus)}] * n_engines
-               + [{"CPU": 1}] * n_workers)
-    pg = placement_group(bundles, strategy=strategy)
-    ray.get(pg.ready(), timeout=300)
-
-    def at(i, gpus=0):
-        return {"num_cpus": 1, "num_gpus": gpus,
-                "scheduling_strategy": PlacementGroupSchedulingStrategy(placement_group=pg,
-                                                                        placement_group_bundle_index=i)}
-    t, e = n_trainers, n_trainers + n_engines
-    return pg, {"trainers": [at(i, trainer_gpus) for i in range(t)],
-                "engines": [at(t + i, engine_gpus) for i in range(n_engines)],
-                "workers": [at(e + i) for i in range(n_workers)]}
+    return ray_placement([(strategy, {"trainers": [{"CPU": 1, **gpu(trainer_gpus)}] * n_trainers,
+                                      "engines": [{"CPU": 1, **gpu(engine_gpus)}] * n_engines,
+                                      "workers": [{"CPU": 1}] * n_workers})], timeout_s=300)
 
 
-def ray_stop(pg) -> None:
-    """Remove the run's placement group (its actors die with it) and disconnect; a started cluster stops."""
+def ray_stop(pgs: list) -> None:
+    """Remove the run's placement groups (their actors die with them) and disconnect; a started cluster stops."""
     import ray
     if not ray.is_initialized():
         return
     try:
         from ray.util.placement_group import remove_placement_group
-        remove_placement_group(pg)
+        for pg in pgs:
+            remove_placement_group(pg)
     finally:
         ray.shutdown()
 

@@ -573,7 +573,7 @@ def train(args: Args) -> dict:
     ext_urls = [u for u in args.engine_urls.split(",") if u]
     n_eng = 0 if ext_urls else args.n_engines
     ray = infra.ray_start(args.trainer_ranks + n_eng + args.rollout_actors, args.ray_address, actor_threads(args))
-    pg, place = infra.ray_layout(n_eng, args.rollout_actors, n_trainers=args.trainer_ranks)
+    pgs, place = infra.ray_layout(n_eng, args.rollout_actors, n_trainers=args.trainer_ranks)
     ax = SimpleNamespace(ray=ray, place=place, ext_urls=ext_urls, n_eng=n_eng, engines=[], trainer=None)
     try:
         start_actors(run, ax)
@@ -588,7 +588,7 @@ def train(args: Args) -> dict:
                 ray.get((h.close if h is ax.trainer else h.stop).remote(), timeout=30)
             except Exception:
                 pass
-        infra.ray_stop(pg)
+        infra.ray_stop(pgs)
         run.metrics.tb.close()
 
     summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],

@@ -284,9 +284,8 @@ def test_check_command_exits_listing_the_problems(monkeypatch, capsys):
 
 def test_layout_bundles_cover_the_preset_and_keep_each_server_on_one_node():
     for p in cluster.CLUSTER_PRESETS.values():
-        lay = cluster.layout(p)
-        train, _ = lay["train"]
-        engines, _ = lay["engines"]
+        lay = {role: bundles for _, roles in cluster.layout(p) for role, bundles in roles.items()}
+        train, engines = lay["train"], lay["engines"]
         gpus = sum(b.get("GPU", 0) for b in train + engines)
         assert gpus == (p.train_gpus if p.colocate else p.train_gpus + p.n_engines * p.engine_tp) <= p.gpus
         assert all(b.get("GPU", 0) <= p.gpus_per_node for b in engines)

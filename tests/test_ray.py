@@ -21,9 +21,9 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
 @pytest.fixture(scope="module")
 def layout():
     ray = infra.ray_start(1 + 1 + 2)
-    pg, place = infra.ray_layout(1, 2)
+    pgs, place = infra.ray_layout(1, 2)
     yield ray, place
-    infra.ray_stop(pg)
+    infra.ray_stop(pgs)
 
 
 def test_workers_keep_first_finished_cancel_rest_and_rounds_are_independent(tmp_path, layout):
