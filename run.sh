@@ -63,7 +63,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   test)
     shift
-    exec .venv/bin/python -m pytest -q --durations=10 tests "$@"  # the 10 slowest tests at the end
+    # two pytest workers (T1_TEST_WORKERS; 0 = one process): many tests wait on subprocesses, jails and Ray actors,
+    # so two keep both cores busy; the 10 slowest tests at the end
+    exec .venv/bin/python -m pytest -q -n "${T1_TEST_WORKERS:-2}" --dist load --durations=10 tests "$@"
     ;;
   qwen35-122b-a10b|qwen35-35b-a3b)
     preset=$1; shift

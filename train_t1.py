@@ -389,6 +389,13 @@ def make_tasks(run: Run) -> tuple[list, list]:
     return train_pool, heldout
 
 
+def model_vocab(args: Args, n_tokens: int) -> int:
+    """The embedded model's vocabulary: the tokenizer's, padded to a multiple of the plan's tp under --backend
+    megatron (its vocab-parallel embedding splits the rows evenly; the padded rows no token maps to, as Qwen's)."""
+    tp = parallel_plan(args)["tp"] if args.backend == "megatron" else 1
+    return -(-n_tokens // tp) * tp
+
+
 def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     """SFT warm start into ckpt/sft (its reference trajectories run in this process: no engine needed)."""
     args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
@@ -399,7 +406,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         held = {task_io.load_task(d).instruction for d in heldout}
         sft_pool += [d for d in extra if task_io.load_task(d).instruction not in held]
     tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
-    actor = M.build_actor(M.tiny_config(len(tokenizer), args.arch), seed=args.seed)
+    actor = M.build_actor(M.tiny_config(model_vocab(args, len(tokenizer)), args.arch), seed=args.seed)
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
     samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories, "

@@ -332,3 +332,12 @@ def test_one_source_for_the_evaluation_protocol():
                 "temperature", "top_p", "attempts", "max_turns", "agent_timeout_s", "verifier_timeout_s"))
     assert gateway.EVAL == {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0,
                             "verifier_timeout_s": 900.0, "temperature": 0.1, "top_p": 0.95, "attempts": 3}
+
+
+def test_model_vocab_is_padded_to_the_tensor_parallel_size_under_megatron():
+    """A tokenizer of 673 tokens (seen in a loaded test run: the audit redrew tasks) crashed the Megatron TP = 2 trainer
+    (VocabParallelEmbedding: 673 is not divisible by 2); the hf backend keeps the tokenizer's size."""
+    megatron = dataclasses.replace(T.QUICK, backend="megatron", plan='{"tp": 2}')
+    assert T.model_vocab(megatron, 673) == 674 and T.model_vocab(megatron, 674) == 674
+    assert T.model_vocab(dataclasses.replace(megatron, plan='{"tp": 4, "ep": 1}'), 673) == 676
+    assert T.model_vocab(dataclasses.replace(T.QUICK, plan='{"dp": 2}'), 673) == 673  # hf: unchanged
