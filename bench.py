@@ -1,6 +1,7 @@
 """Measurement commands that need the engine or a whole pipeline: each prints the figures of one claim.
 
     python bench.py engine                     # decode tokens/s of the embedded engine: 1 vs 8 concurrent requests
+    python bench.py sampling                   # one decode step's sampling: row by row vs batched (ms)
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
     python bench.py cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation peak vs kappa
@@ -32,7 +33,7 @@ import model
 import r3
 import rollout
 import tito
-from engine import EngineServer
+from engine import EngineServer, sample_rows
 
 
 # --- engine: decode tokens/s, 1 request vs 8 concurrent ---------------------------------------------------
@@ -71,6 +72,44 @@ def engine_bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
 
 
 # --- R3: abs(delta log p) engine vs trainer with R3 off / on, capture overhead -------------------------------
+def _sample_one_row(logits, temperature, top_p, gen):
+    """The engine's per-row sampler before sample_rows (2026-11-30), kept as the baseline of sampling_bench."""
+    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (V,)
+    probs = logp.exp()
+    if not torch.isfinite(probs).all():
+        raise ValueError("sampling: non-finite probabilities")
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, descending=True)
+        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_p.masked_fill(drop, 0.0))
+    tok = int(torch.multinomial(probs, 1, generator=gen))
+    return tok, float(logp[tok])
+
+
+def sampling_bench(rows=(8, 32), vocab=2048, repeats=200, seed=0) -> dict:
+    """One decode step's sampling: the engine's former per-row sampler row by row vs one sample_rows call for all
+    rows; T = 1, top-p 0.95, seeded rows; interleaved repeats, median ms per step."""
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for n in rows:
+        logits = torch.randn(n, vocab, generator=g) * 3
+        gens = [torch.Generator().manual_seed(i) for i in range(n)]
+        t_row, t_batch = [], []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            for i in range(n):
+                _sample_one_row(logits[i], 1.0, 0.95, gens[i])
+            t1 = time.perf_counter()
+            sample_rows(logits, [1.0] * n, [0.95] * n, [-1] * n, gens)
+            t2 = time.perf_counter()
+            t_row.append(t1 - t0)
+            t_batch.append(t2 - t1)
+        row_ms, batch_ms = 1e3 * float(np.median(t_row)), 1e3 * float(np.median(t_batch))
+        out[f"rows_{n}"] = {"per_row_ms": round(row_ms, 3), "batched_ms": round(batch_ms, 3),
+                            "speedup": round(row_ms / batch_ms, 2)}
+    return out
+
+
 def _generate_wave(engine, bodies):
     """POST every body while the engine is paused, then resume: one wave, same batch every time."""
     outs = [None] * len(bodies)
@@ -310,6 +349,8 @@ def main(argv=None):
     e = sub.add_parser("engine", help="decode throughput, 1 vs 8 concurrent requests (one JSON line)")
     e.add_argument("--work-dir", default="/tmp/t1_engine_bench")
     e.add_argument("--threads", type=int, default=2)
+    sm = sub.add_parser("sampling", help="one decode step's sampling, row by row vs batched (one JSON line)")
+    sm.add_argument("--threads", type=int, default=2)
     s = sub.add_parser("r3", help="engine vs trainer logprobs with replay off / on (one JSON line)")
     s.add_argument("--quick", action="store_true", help="8 requests x 24 tokens (under a minute on 2 cores)")
     s.add_argument("--seed", type=int, default=0)
@@ -328,6 +369,9 @@ def main(argv=None):
     if args.cmd == "engine":
         torch.set_num_threads(args.threads)
         print(json.dumps(engine_bench(args.work_dir)))
+    elif args.cmd == "sampling":
+        torch.set_num_threads(args.threads)
+        print(json.dumps(sampling_bench()))
     elif args.cmd == "r3":
         torch.set_num_threads(args.threads)
         kw = (dict(n_requests=8, new_tokens=24, repeats=8) if args.quick

@@ -172,25 +172,43 @@ GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "ret
 DISCONNECT_LOG = 1024  # the last requests aborted because their client hung up (EngineServer.disconnects)
 
 
-def sample_token(logits, temperature, top_p, gen, top_k=-1):
-    """logits (V,) -> (token id, logprob under log_softmax(logits / temperature)); ValueError when the
-    distribution is not finite (a row's failure, reported to that request only)."""
-    if temperature == 0:
-        logp = F.log_softmax(logits.float(), dim=-1)  # (V,)
-        tok = int(torch.argmax(logp))
-        return tok, float(logp[tok])
-    logp = F.log_softmax(logits.float() / temperature, dim=-1)  # (V,)
+def sample_rows(logits, temperature, top_p, top_k, gens):
+    """One step's sampling for every row at once: logits (n, V); temperature / top_p / top_k: per-row lists;
+    gens: each row's torch.Generator (a seeded request's own, else the engine's) -> [(token id, logprob) or the
+    ValueError of a row whose distribution is not finite (that request's error only)].
+
+    Per row as SGLang: temperature 0 is greedy with raw-logit logprobs; else logprob = log_softmax(logits / T), the
+    top-k highest then the smallest prefix reaching top_p kept, one draw by inverse CDF from the row's generator.
+    One log_softmax, sort and search for the batch, one host sync."""
+    greedy = torch.tensor([x == 0 for x in temperature])  # (n,)
+    t = torch.tensor(temperature, dtype=torch.float32)  # a denormal T is 0 here: its row's logits / T is not finite
+    logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, t)[:, None], dim=-1)  # (n, V)
     probs = logp.exp()
-    if not torch.isfinite(probs).all():
-        raise ValueError(f"sampling: non-finite probabilities at temperature {temperature}")
-    if 0 < top_k < probs.numel():
-        probs = torch.zeros_like(probs).scatter(0, torch.topk(probs, top_k).indices, probs)  # keep the top k
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, descending=True)
-        drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p  # keep the smallest prefix reaching top_p
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_p.masked_fill(drop, 0.0))
-    tok = int(torch.multinomial(probs, 1, generator=gen))
-    return tok, float(logp[tok])
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (n, V)
+    rank = torch.arange(probs.shape[1])[None, :]
+    k = torch.tensor([kk if kk > 0 else probs.shape[1] for kk in top_k])[:, None]  # (n, 1)
+    sorted_p = sorted_p.masked_fill(rank >= k, 0.0)  # keep the top k
+    p = torch.tensor(top_p, dtype=torch.float32)[:, None]  # (n, 1)
+    drop = ((sorted_p.cumsum(-1) - sorted_p) >= p) & (p < 1.0)  # keep the smallest prefix reaching top_p
+    cdf = sorted_p.masked_fill(drop, 0.0).cumsum(-1)  # (n, V)
+    u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]  # (n,) one draw per row
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=probs.shape[1] - 1)  # first cdf > u
+    tok = torch.where(greedy, logp.argmax(-1), order.gather(1, pick).squeeze(1))  # (n,)
+    lp = logp.gather(1, tok[:, None]).squeeze(1)  # (n,)
+    finite = greedy | torch.isfinite(probs).all(-1)
+    out = []
+    for i, (ok, ti, li) in enumerate(zip(finite.tolist(), tok.tolist(), lp.tolist())):
+        out.append((ti, li) if ok else
+                   ValueError(f"sampling: non-finite probabilities at temperature {temperature[i]}"))
+    return out
+
+
+def sample_token(logits, temperature, top_p, gen, top_k=-1):
+    """logits (V,) -> (token id, logprob): sample_rows for one row; ValueError when the distribution is not finite."""
+    (res,) = sample_rows(logits[None], [temperature], [top_p], [top_k], [gen])
+    if isinstance(res, Exception):
+        raise res
+    return res
 
 
 class Request:
@@ -522,17 +540,18 @@ class EngineServer:
                 logits = out.logits[:, -1]  # (B, V)
                 step_ids = torch.zeros(B, 1, dtype=torch.long)
                 for b, r in enumerate(batch):
-                    if not active[b]:
-                        continue
-                    if r.aborted:
+                    if active[b] and r.aborted:
                         active[b], r.finish = False, {"type": "abort"}
-                        continue
-                    try:
-                        tok, lp = sample_token(logits[b], r.temperature, r.top_p, gens[b], r.top_k)
-                    except Exception as e:  # this row only
+                rows = [b for b in range(B) if active[b]]
+                drawn = sample_rows(logits[rows], [batch[b].temperature for b in rows], [batch[b].top_p for b in rows],
+                                    [batch[b].top_k for b in rows], [gens[b] for b in rows]) if rows else []
+                for b, res in zip(rows, drawn):
+                    r = batch[b]
+                    if isinstance(res, Exception):  # this row only
                         active[b] = False
-                        r.fail(e)
+                        r.fail(res)
                         continue
+                    tok, lp = res
                     r.output_ids.append(tok)
                     r.logprobs.append(lp)
                     step_ids[b, 0] = tok
