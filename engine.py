@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
 
+import infra
 import r3
 from model import load_actor, load_weights_from_disk, round_to_bf16
 
@@ -662,7 +663,10 @@ def _make_handler(engine):
 class EngineActor:
     """The embedded engine (EngineServer) inside a Ray actor; spoken to only over HTTP, like SGLang."""
 
-    def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1"):
+    def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1",
+                 cores=None):
+        if cores:  # --pin-cores: the rollout side's half of the cores
+            infra.pin(cores)
         torch.set_num_threads(threads)
         self.server = EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype).start()
 

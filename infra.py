@@ -373,6 +373,25 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 # SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 8).
 
+def core_split() -> tuple[list, list]:
+    """--pin-cores: this machine's cores in two disjoint halves -> (trainer's, rollout side's: engines + workers),
+    the CPU analogue of the paper's disjoint trainer / inference devices."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise ValueError(f"--pin-cores: needs at least 2 cores, this process may run on {cores}")
+    return cores[:len(cores) // 2], cores[len(cores) // 2:]
+
+
+def pin(cores) -> None:
+    """Pin every thread of this process (and what it starts later) to `cores` (Linux sched_setaffinity is per
+    thread: the threads Ray and torch already started are pinned one by one)."""
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(tid), set(cores))
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
 def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     """Join the Ray cluster at `address` ($RAY_ADDRESS) or start one on this machine for this process only.
 

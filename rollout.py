@@ -44,6 +44,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+import infra
 import r3
 import reward
 import task_io
@@ -480,7 +481,9 @@ class RolloutWorker:
     round kills its sandboxes, aborts its engine requests and turns its unstarted trials into None.
     """
 
-    def __init__(self, tokenizer_path: str | None = None):
+    def __init__(self, tokenizer_path: str | None = None, cores=None):
+        if cores:  # --pin-cores: the rollout side's half of the cores (its jails inherit it)
+            infra.pin(cores)
         self.tokenizer, self.rounds, self.lock = None, {}, threading.Lock()
         if tokenizer_path:
             from transformers import AutoTokenizer
@@ -503,11 +506,11 @@ class RolloutWorker:
         return os.getpid()
 
 
-def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list):
-    """Start n RolloutWorker actors, `slots` concurrent trials each -> list of actor handles."""
+def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list, cores=None):
+    """Start n RolloutWorker actors, `slots` concurrent trials each (pinned to `cores` if given) -> actor handles."""
     import ray
     cls = ray.remote(concurrency_groups={"trials": max(1, slots), "control": 2})(RolloutWorker)
-    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path) for i in range(n)]
+    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path, cores) for i in range(n)]
 
 
 def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, desc="rollout", **kw):

@@ -142,6 +142,8 @@ class Args:
     max_grad_norm: float = 1.0  # gradient clipping
     async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)
     sync_steps: int = 0  # run the first sync_steps RL steps sequentially (async vs sequential step time within one run)
+    pin_cores: bool = False  # trainer on one half of the cores, engines + rollout workers on the other (the paper's
+    # disjoint devices on one CPU machine; infra.core_split)
     r3_mode: str = "replay"  # routing in the trainer: replay (R3, paper) | off
     # --- engine, sandboxes, Ray
     engine_weight_dtype: str = "bf16"  # engine weights: bf16-rounded (production-like mismatch) or fp32
@@ -242,6 +244,8 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--engine-world-sizes: {len(sizes)} entries for {len(urls)} --engine-urls")
     if args.model_path and not (Path(args.model_path) / "config.json").is_file():
         raise ValueError(f"--model-path: no config.json in {args.model_path!r}")
+    if args.pin_cores:
+        infra.core_split()  # names the cores when there are fewer than 2
     if args.sandbox == "daytona" and not os.environ.get("DAYTONA_API_KEY"):
         raise ValueError("--sandbox daytona: DAYTONA_API_KEY is not set")
     p = parallel_plan(args)
@@ -423,11 +427,12 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     """Ray actors: the trainer (actor + critic), the engines, the rollout workers; filled into ax as they start
     (train() stops whatever started)."""
     args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
+    cores = infra.core_split()[1] if args.pin_cores else None  # the rollout side's half (--pin-cores)
     ax.engines = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(
-        sft_dir, args.engine_weight_dtype, actor_threads(args)) for i in range(ax.n_eng)]
+        sft_dir, args.engine_weight_dtype, actor_threads(args), cores=cores) for i in range(ax.n_eng)]
     ax.trainer = ppo.TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
     ax.workers = rollout.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
-                                             sft_dir, place["workers"])
+                                             sft_dir, place["workers"], cores)
     infos = ray.get([e.info.remote() for e in ax.engines])
     ax.urls = ax.ext_urls or [i["url"] for i in infos]
     ranks = ray.get([t.pid.remote() for t in ax.trainer.ranks])

@@ -342,6 +342,8 @@ class Trainer:
     steps = None  # SimpleNamespace(critic_warmup=..., train_step=...): ppo's step functions
 
     def __init__(self, args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
+        if args.pin_cores:  # the trainer's half of the cores, the rollout side has the other (infra.core_split)
+            infra.pin(infra.core_split()[0])
         torch.set_num_threads(actor_threads(args))
         torch.manual_seed(args.seed)
         self.args, self.run_dir, self.sft_dir, self.step0 = args, Path(args.run_dir), sft_dir, step

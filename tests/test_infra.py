@@ -1,8 +1,10 @@
 """infra.py: memory model (Proposition 7.1), planner, parameter counts; cp_gdn.py: context-parallel Gated DeltaNet."""
 import json
 import math
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -158,3 +160,18 @@ def test_cp_forward_bitwise_and_grad_error(kappa):
     assert torch.equal(out, ref_out)  # bitwise identical forward
     assert max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)) < 1e-6
     assert max(nbytes) < ref_bytes * (1 / kappa + 0.25)  # per-rank saved activations shrink ~1/kappa
+
+
+def test_pin_cores_splits_the_cores_and_pins_every_thread_of_a_process():
+    """--pin-cores: two disjoint halves covering this process's cores; infra.pin moves the threads a process already
+    runs (Ray's, torch's) too, not only the calling one (sched_setaffinity is per thread)."""
+    trainer_cores, rollout_cores = infra.core_split()
+    assert trainer_cores and rollout_cores and not set(trainer_cores) & set(rollout_cores)
+    assert set(trainer_cores) | set(rollout_cores) == os.sched_getaffinity(0)
+    code = ("import os, threading, time, infra; ev = threading.Event(); "
+            "t = threading.Thread(target=ev.wait, daemon=True); t.start(); infra.pin([%d]); "
+            "print(sorted({c for tid in os.listdir('/proc/self/task') for c in os.sched_getaffinity(int(tid))})); "
+            "print(len(os.listdir('/proc/self/task')))" % rollout_cores[0])
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                         cwd=str(Path(__file__).resolve().parent.parent)).stdout.split()
+    assert out[0] == f"[{rollout_cores[0]}]" and int(out[1]) >= 2, out  # every thread (>= 2) on the one core
