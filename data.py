@@ -36,6 +36,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import tarfile
 import time
@@ -43,6 +44,7 @@ import time
 import model
 import reward
 import rollout
+import rst
 import task_io
 
 SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
@@ -543,11 +545,27 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     drops, unrecovered = collections.Counter(), 0
     pending = dict(specs) if validate_tasks else {}
     work_root = os.path.join(out_dir, ".sandboxes")
+    audits = []  # one row per audited draft (redrawn slots too): family, verdict, reason, seconds
+
+    def check(key):  # sandbox validation (oracle, nop, expert), then the hard rejects and the quality score
+        d, fam = specs[key], task_io.load_task(specs[key]).config["metadata"]["family"]
+        t = time.time()
+        reason = validate(d, tokenizer, work_root)
+        if reason is not None:
+            return dict(family=fam, verdict="rejected", reason=reason, seconds=round(time.time() - t, 2))
+        a = rst.audit(d, work_root, expert_resolved=True if tokenizer is not None else None)
+        if a["reason"] is None and a["verdict"] == "rejected":
+            a["reason"] = f"low_quality: {a['quality']} < {rst.BORDERLINE}"
+        if a["verdict"] != "rejected":
+            _set_quality(d, a["quality"], a["verdict"])
+        return dict(a, family=fam, seconds=round(time.time() - t, 2))
+
     for rnd in range(3):  # audit; a dropped slot is redrawn (same family) and audited again
         with cf.ThreadPoolExecutor(workers) as pool:
-            reasons = dict(zip(pending, pool.map(lambda d: validate(d, tokenizer, work_root), pending.values())))
+            rows = dict(zip(pending, pool.map(check, pending)))
+        audits += [rows[k] for k in sorted(rows)]
         pending = {}
-        for key, reason in sorted((k, r) for k, r in reasons.items() if r):
+        for key, reason in sorted((k, r["reason"]) for k, r in rows.items() if r["reason"]):
             drops[reason.split(":")[0]] += 1
             print(f"[data] dropped {specs[key]}: {reason}", flush=True)
             shutil.rmtree(specs.pop(key))
@@ -571,10 +589,34 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
                    dropped_total=sum(drops.values()), unrecovered=unrecovered,
                    assertions_min=min(n_asserts, default=0), assertions_max=max(n_asserts, default=0),
                    assertions_mean=round(sum(n_asserts) / max(1, len(n_asserts)), 2),
-                   seconds=round(time.time() - t0, 1))
+                   audit=audit_stats(audits), seconds=round(time.time() - t0, 1))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return train, heldout
+
+
+def _set_quality(task_dir, q, verdict):
+    """Write the audit's quality and verdict into a generated task's task.toml ([metadata])."""
+    path = os.path.join(task_dir, "task.toml")
+    with open(path) as f:
+        toml = f.read()
+    toml = re.sub(r"^quality = .*$", f'quality = {q}\naudit = "{verdict}"', toml, count=1, flags=re.M)
+    with open(path, "w") as f:
+        f.write(toml)
+
+
+def audit_stats(rows):
+    """The paper's audit statistics over audited drafts: accepted / borderline / rejected, rejects per reason
+    and per family, instructions repaired (none here: rejected slots are redrawn), seconds per audit."""
+    by = collections.Counter(r["verdict"] for r in rows)
+    reasons = collections.Counter(r["reason"].split(":")[0] for r in rows if r["verdict"] == "rejected")
+    fams = collections.defaultdict(collections.Counter)
+    for r in rows:
+        fams[r["family"]][r["reason"].split(":")[0] if r["verdict"] == "rejected" else r["verdict"]] += 1
+    return dict(audited=len(rows), accepted=by["accepted"], borderline=by["borderline"], rejected=by["rejected"],
+                rejected_by_reason=dict(sorted(reasons.items())), instructions_repaired=0,
+                per_family={f: dict(sorted(c.items())) for f, c in sorted(fams.items())},
+                seconds_per_task=round(sum(r["seconds"] for r in rows) / max(1, len(rows)), 2))
 
 
 def ordered_pool(task_dirs, n=None):
@@ -648,4 +690,13 @@ if __name__ == "__main__":
     generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
                    scripted=not a.no_scripted, workers=a.workers)
     with open(os.path.join(a.out, "summary.json")) as f:
-        print(json.dumps(json.load(f)))
+        summary = json.load(f)
+    if summary["validated"]:  # like the paper's: accepted 5,902 / borderline 3,251 / rejected 5,847, 6,875 repaired
+        st = summary["audit"]
+        why = ", ".join(f"{k} {v}" for k, v in st["rejected_by_reason"].items()) or "none"
+        print(f"[audit] {st['audited']} audited: accepted {st['accepted']} / borderline {st['borderline']} / "
+              f"rejected {st['rejected']} ({why}); instructions repaired {st['instructions_repaired']}; "
+              f"{st['seconds_per_task']} s per task")
+        for fam, c in st["per_family"].items():
+            print(f"[audit]   {fam:8s} " + ", ".join(f"{k} {v}" for k, v in c.items()))
+    print(json.dumps(summary))
