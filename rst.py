@@ -127,7 +127,8 @@ def solve_steps(task):
             argv = s.split()
         head = argv[0] if argv else ""
         redirect = any(c in s for c in (">", "|", "-exec", "-delete"))
-        if head in ("set", "cd") or (not redirect and (head in READ_ONLY or (head == "tar" and "t" in (argv[1:] or [""])[0]))):
+        listing = head == "tar" and "t" in (argv[1:] or [""])[0]  # tar -tzf: lists an archive
+        if head in ("set", "cd") or (not redirect and (head in READ_ONLY or listing)):
             continue
         steps.append((i, s))
     return steps
@@ -229,23 +230,23 @@ def audit(task_dir, work_root=None, expert_resolved=None):
     """The four hard rejects and the eight dimensions of one task that data.validate passed.
 
     work_root: trial dirs go there (None: a temp dir, deleted). expert_resolved: whether the scripted expert
-    resolved in data.validate (None: not checked). Returns dict(reason, verdict, quality, dims, seconds)."""
+    resolved in data.validate (None: not checked). Returns dict(reason (the first of reasons), reasons (every
+    hard reject that fired, in REASONS order), verdict, quality, dims, seconds)."""
     t0 = time.time()
     own = work_root is None
     work_root = tempfile.mkdtemp(prefix="rst-") if own else work_root
     os.makedirs(work_root, exist_ok=True)
     try:
         task = task_io.load_task(task_dir)
-        reason, share = hidden_requirement(task)
+        hidden, share = hidden_requirement(task)
         initial = tree_state(os.path.join(task.env_dir, "app"))
         ref = _run(task_dir, None, work_root, "reference")
         final = tree_state(os.path.join(ref["trial_dir"], "app")) if "trial_dir" in ref else {}
         leak = test_leakage(task, initial, final)
-        reason = reason or leak
         cuts = {n: _run(task_dir, s, work_root, n) for n, s in _shortcuts(task, initial).items()}
         passed_cut = sorted(n for n, r in cuts.items() if _full(r))
-        if passed_cut:
-            reason = reason or f"solution_shortcut: the trivial solution `{passed_cut[0]}` passes every test"
+        shortcut = (f"solution_shortcut: the trivial solution `{passed_cut[0]}` passes every test" if passed_cut
+                    else None)
         with open(os.path.join(task.solution_dir, "solve.sh")) as f:
             lines = f.read().splitlines()
         steps, weak = solve_steps(task), []
@@ -253,8 +254,8 @@ def audit(task_dir, work_root=None, expert_resolved=None):
             res = _run(task_dir, "\n".join(lines[:i] + lines[i + 1:]) + "\n", work_root, f"mutant{i}")
             if _full(res) and tree_state(os.path.join(res["trial_dir"], "app")) != final:
                 weak.append(cmd)
-        if weak:
-            reason = reason or f"weak_verifier: solve.sh without `{weak[0]}` still passes every test"
+        weak_why = f"weak_verifier: solve.sh without `{weak[0]}` still passes every test" if weak else None
+        reasons = [r for r in (hidden, leak, shortcut, weak_why) if r]
         total = max(1, ref["total"])
         created = {r.split("/")[0] for r in set(initial) ^ set(final)} | {
             r.split("/")[0] for r in set(initial) & set(final) if initial[r] != final[r]}
@@ -270,7 +271,8 @@ def audit(task_dir, work_root=None, expert_resolved=None):
             task_value=0.5 * min(1.0, total / 8) + 0.5 * min(1.0, len(steps) / 4))  # tests and steps: size of work
         dims = {k: round(v, 4) for k, v in dims.items()}
         q = score_dims(dims)
-        return dict(reason=reason, verdict=verdict(reason, q), quality=q, dims=dims,
+        reason = reasons[0] if reasons else None
+        return dict(reason=reason, reasons=reasons, verdict=verdict(reason, q), quality=q, dims=dims,
                     seconds=round(time.time() - t0, 2))
     finally:
         if own:

@@ -335,3 +335,65 @@ def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
     assert data.validate(str(unrecorded), work_root=str(tmp_path / "w")) is None
     assert json.loads((unrecorded / task_io.AUDIT_FILE).read_text())["n_assertions"] == n
     assert task_io.load_task(str(unrecorded)).n_assertions == n
+
+
+# --- issue 13: the mechanical RST audit (rst.py): each hard reject on a task built to violate it -------------
+def _hostile_tasks(root):
+    """A good text task and four copies, each breaking one rule of the audit (built from the family specs)."""
+    import random
+    import rollout
+    good = data.fam_text(random.Random(0))
+    out = good["outputs"][0]
+    hidden = dict(good, tests=good["tests"] + [("report", ["assert os.path.isfile(A + '/zz_report.md')"])],
+                  turns=good["turns"] + [data._turn("Write the report.", "touch it", ["touch zz_report.md"])])
+    shortcut = dict(good, tests=[(f"exists_{i}", [f"assert os.path.isfile(A + '/{out}')"]) for i in range(3)])
+    files = data.fam_files(random.Random(0))  # without its file_deleted test, the `rm` step is never checked
+    weak = dict(files, tests=[t for t in files["tests"] if t[0] != "file_deleted"])
+    dirs = {name: data.write_task(str(root / name), spec, fam, "train", "0") for name, spec, fam in [
+        ("good", good, "text"), ("hidden", hidden, "text"), ("shortcut", shortcut, "text"), ("weak", weak, "files")]}
+    ref = rollout.run_trial(dirs["good"], "oracle", work_root=str(root / "w"))  # the expected output, planted in /app
+    leak = str(root / "leak")
+    import shutil
+    shutil.copytree(dirs["good"], leak)
+    shutil.copy(os.path.join(ref["trial_dir"], "app", out), os.path.join(leak, "environment", "app", ".answer"))
+    dirs["leak"] = leak
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    pytest.importorskip("rollout")
+    import rst
+    root = tmp_path_factory.mktemp("rst")
+    dirs = _hostile_tasks(root)
+    work = str(root / "w")
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        return dict(zip(dirs, ex.map(lambda d: rst.audit(d, work), dirs.values())))
+
+
+def test_audit_accepts_a_good_generated_task(audited):
+    a = audited["good"]
+    assert a["reason"] is None and a["reasons"] == [] and a["verdict"] in ("accepted", "borderline")
+    assert a["dims"]["instruction_verifier_alignment"] == a["dims"]["solution_correctness"] == 1.0
+    assert a["dims"]["instruction_no_leakage"] == a["dims"]["solution_necessity"] == 1.0
+
+
+@pytest.mark.parametrize("name, rule", [("hidden", "hidden_requirement"), ("leak", "test_leakage"),
+                                        ("shortcut", "solution_shortcut"), ("weak", "weak_verifier")])
+def test_audit_rejects_a_task_violating_one_rule_for_that_reason(audited, name, rule):
+    a = audited[name]
+    assert a["dims"]["solution_correctness"] == 1.0  # the reference solution still resolves: only the rule rejects
+    assert [r.split(":")[0] for r in a["reasons"]] == [rule], a["reasons"]
+    assert a["reason"].startswith(rule + ": ") and a["verdict"] == "rejected"
+
+
+def test_quality_is_the_papers_weighted_sum():
+    import rst
+    assert sum(rst.WEIGHTS.values()) == pytest.approx(1.0) and len(rst.WEIGHTS) == 8
+    facets = {f: sum(rst.WEIGHTS[k] for k in ks) for f, ks in rst.FACETS.items()}
+    assert facets == pytest.approx(dict(verifier=0.45, solution=0.25, instruction=0.20, task_value=0.10))
+    assert rst.WEIGHTS["instruction_verifier_alignment"] == 0.20
+    assert rst.score_dims(dict.fromkeys(rst.WEIGHTS, 1.0)) == 1.0
+    assert rst.verdict(None, rst.ACCEPT) == "accepted" and rst.verdict(None, rst.BORDERLINE) == "borderline"
+    assert rst.verdict(None, rst.BORDERLINE - 0.01) == "rejected" and rst.verdict("weak_verifier: x", 1.0) == "rejected"
