@@ -7,11 +7,13 @@ form T1-15k, reshuffled every epoch. Each task's verifier writes the CTRF report
 
 Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0
-        # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints one JSON line
+        # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
+        # (accepted / borderline / rejected per reason and family), then one JSON line
+    rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # reading a task dir and what the jail cannot run: task_io.py
 
-A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, n_assertions; [verifier] and
-[agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
+A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, audit (the verdict), n_assertions;
+[verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
 tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the expert's replies for SFT).
 n_assertions is the task's own assertion count (reward.compute refuses a report with more tests): task.toml for
 generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did not write is never rewritten).
@@ -19,10 +21,10 @@ generated tasks, else the oracle's count in t1_audit.json (a task.toml this proj
 Departures from the paper:
 1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
    find-then-act) with randomised parameters; RST's recursive rewriting is left to a later issue.
-2. The audit is mechanical: the oracle resolves with reward == total/S and total == n_assertions, nop scores below
-   full, the scripted expert trajectory resolves, and static checks stand in for the LLM's hard rejects.
-3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit score; `ordered_pool`
-   sorts by it and `epoch_order` reshuffles per epoch as in the paper.
+2. The audit is mechanical: validate() (the oracle resolves with reward == total/S and total == n_assertions, nop
+   scores below full, the scripted expert resolves), then rst.audit's rule-based hard rejects, not an LLM's.
+3. `quality` is rst.audit's weighted score (task.toml, with the verdict); a draft rejected by either is redrawn,
+   never repaired. With --no-validate it stays a heuristic (assertion count + family difficulty).
 4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M parameter model trained
    from scratch on CPU.
 5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
@@ -410,7 +412,7 @@ def expert_replies(spec):
 
 
 def quality(family, n_tests):
-    """Heuristic quality in [0, 1] (departure 3): more assertions and harder families rank first."""
+    """Heuristic quality in [0, 1] before the audit (departure 3): more assertions and harder families first."""
     return round(min(1.0, 0.1 * n_tests + (0.4 if DIFFICULTY[family] == "medium" else 0.2)), 3)
 
 
@@ -526,8 +528,8 @@ def _draw(split, slot, seed, seen, attempt=0):
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/.
 
-    Tasks failing the audit are dropped and redrawn (up to 3 rounds); drops are counted in
-    out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
+    Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
+    (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
     t0 = time.time()
     seen = set()  # instructions of both splits: train and held-out never share one
     specs = {}
@@ -558,7 +560,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
             a["reason"] = f"low_quality: {a['quality']} < {rst.BORDERLINE}"
         if a["verdict"] != "rejected":
             _set_quality(d, a["quality"], a["verdict"])
-        return dict(a, family=fam, seconds=round(time.time() - t, 2))
+        return dict(a, family=fam, audit_s=a["seconds"], seconds=round(time.time() - t, 2))
 
     for rnd in range(3):  # audit; a dropped slot is redrawn (same family) and audited again
         with cf.ThreadPoolExecutor(workers) as pool:
@@ -589,7 +591,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
                    dropped_total=sum(drops.values()), unrecovered=unrecovered,
                    assertions_min=min(n_asserts, default=0), assertions_max=max(n_asserts, default=0),
                    assertions_mean=round(sum(n_asserts) / max(1, len(n_asserts)), 2),
-                   audit=audit_stats(audits), seconds=round(time.time() - t0, 1))
+                   audit=rst.audit_stats(audits), seconds=round(time.time() - t0, 1))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return train, heldout
@@ -603,20 +605,6 @@ def _set_quality(task_dir, q, verdict):
     toml = re.sub(r"^quality = .*$", f'quality = {q}\naudit = "{verdict}"', toml, count=1, flags=re.M)
     with open(path, "w") as f:
         f.write(toml)
-
-
-def audit_stats(rows):
-    """The paper's audit statistics over audited drafts: accepted / borderline / rejected, rejects per reason
-    and per family, instructions repaired (none here: rejected slots are redrawn), seconds per audit."""
-    by = collections.Counter(r["verdict"] for r in rows)
-    reasons = collections.Counter(r["reason"].split(":")[0] for r in rows if r["verdict"] == "rejected")
-    fams = collections.defaultdict(collections.Counter)
-    for r in rows:
-        fams[r["family"]][r["reason"].split(":")[0] if r["verdict"] == "rejected" else r["verdict"]] += 1
-    return dict(audited=len(rows), accepted=by["accepted"], borderline=by["borderline"], rejected=by["rejected"],
-                rejected_by_reason=dict(sorted(reasons.items())), instructions_repaired=0,
-                per_family={f: dict(sorted(c.items())) for f, c in sorted(fams.items())},
-                seconds_per_task=round(sum(r["seconds"] for r in rows) / max(1, len(rows)), 2))
 
 
 def ordered_pool(task_dirs, n=None):
@@ -692,11 +680,5 @@ if __name__ == "__main__":
     with open(os.path.join(a.out, "summary.json")) as f:
         summary = json.load(f)
     if summary["validated"]:  # like the paper's: accepted 5,902 / borderline 3,251 / rejected 5,847, 6,875 repaired
-        st = summary["audit"]
-        why = ", ".join(f"{k} {v}" for k, v in st["rejected_by_reason"].items()) or "none"
-        print(f"[audit] {st['audited']} audited: accepted {st['accepted']} / borderline {st['borderline']} / "
-              f"rejected {st['rejected']} ({why}); instructions repaired {st['instructions_repaired']}; "
-              f"{st['seconds_per_task']} s per task")
-        for fam, c in st["per_family"].items():
-            print(f"[audit]   {fam:8s} " + ", ".join(f"{k} {v}" for k, v in c.items()))
+        print("\n".join(rst.format_stats(summary["audit"])))
     print(json.dumps(summary))

@@ -31,6 +31,7 @@ Departures from the paper:
 3. No instruction is repaired (no LLM): a rejected slot is redrawn with new parameters by data.generate_tasks.
 """
 import ast
+import collections
 import gzip
 import io
 import os
@@ -277,3 +278,28 @@ def audit(task_dir, work_root=None, expert_resolved=None):
     finally:
         if own:
             shutil.rmtree(work_root, ignore_errors=True)
+
+
+def audit_stats(rows):
+    """The paper's audit statistics over audited drafts: accepted / borderline / rejected, rejects per reason
+    and per family, instructions repaired (none here: rejected slots are redrawn), seconds per audit."""
+    by = collections.Counter(r["verdict"] for r in rows)
+    reasons = collections.Counter(r["reason"].split(":")[0] for r in rows if r["verdict"] == "rejected")
+    fams = collections.defaultdict(collections.Counter)
+    for r in rows:
+        fams[r["family"]][r["reason"].split(":")[0] if r["verdict"] == "rejected" else r["verdict"]] += 1
+    return dict(audited=len(rows), accepted=by["accepted"], borderline=by["borderline"], rejected=by["rejected"],
+                rejected_by_reason=dict(sorted(reasons.items())), instructions_repaired=0,
+                per_family={f: dict(sorted(c.items())) for f, c in sorted(fams.items())},
+                seconds_per_task=round(sum(r["seconds"] for r in rows) / max(1, len(rows)), 2),
+                audit_seconds_per_task=round(sum(r.get("audit_s", 0.0) for r in rows) / max(1, len(rows)), 2))
+
+
+def format_stats(st):
+    """Lines like the paper's audit statistics, from audit_stats()."""
+    why = ", ".join(f"{k} {v}" for k, v in st["rejected_by_reason"].items()) or "none"
+    return ([f"[audit] {st['audited']} audited: accepted {st['accepted']} / borderline {st['borderline']} / "
+             f"rejected {st['rejected']} ({why}); instructions repaired {st['instructions_repaired']}; "
+             f"{st['seconds_per_task']} s per task in sandboxes, {st['audit_seconds_per_task']} s of it the audit"]
+            + [f"[audit]   {fam:8s} " + ", ".join(f"{k} {v}" for k, v in c.items())
+               for fam, c in st["per_family"].items()])

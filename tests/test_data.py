@@ -101,6 +101,11 @@ def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
     assert len(train) == 6 and heldout == [] and summary["validated"] is True
     assert summary["dropped_total"] == 0 and summary["unrecovered"] == 0
     assert not (tmp_path / ".sandboxes").exists()
+    st = summary["audit"]  # the RST audit ran on every task; its quality is what orders the pool
+    assert st["audited"] == 6 and st["accepted"] + st["borderline"] == 6 and st["rejected"] == 0
+    for d in train:
+        meta = task_io.load_task(d).config["metadata"]
+        assert meta["audit"] in ("accepted", "borderline") and 0.7 <= meta["quality"] <= 1
 
 
 def test_train_and_heldout_are_disjoint(tmp_path):
@@ -397,3 +402,21 @@ def test_quality_is_the_papers_weighted_sum():
     assert rst.score_dims(dict.fromkeys(rst.WEIGHTS, 1.0)) == 1.0
     assert rst.verdict(None, rst.ACCEPT) == "accepted" and rst.verdict(None, rst.BORDERLINE) == "borderline"
     assert rst.verdict(None, rst.BORDERLINE - 0.01) == "rejected" and rst.verdict("weak_verifier: x", 1.0) == "rejected"
+
+
+def test_audit_statistics_are_counted_and_printed_like_the_papers():
+    import rst
+    rows = [dict(family="text", verdict="accepted", reason=None, seconds=2.0, audit_s=1.0),
+            dict(family="text", verdict="borderline", reason=None, seconds=2.0, audit_s=1.0),
+            dict(family="find", verdict="rejected", reason="weak_verifier: solve.sh without `rm x`", seconds=4.0),
+            dict(family="find", verdict="rejected", reason="oracle not resolved: 0/3", seconds=0.0)]
+    st = rst.audit_stats(rows)
+    assert (st["accepted"], st["borderline"], st["rejected"], st["audited"]) == (1, 1, 2, 4)
+    assert st["rejected_by_reason"] == {"oracle not resolved": 1, "weak_verifier": 1}
+    assert st["per_family"] == {"find": {"oracle not resolved": 1, "weak_verifier": 1},
+                                "text": {"accepted": 1, "borderline": 1}}
+    assert st["seconds_per_task"] == 2.0 and st["audit_seconds_per_task"] == 0.5
+    lines = rst.format_stats(st)
+    assert lines[0].startswith("[audit] 4 audited: accepted 1 / borderline 1 / rejected 2 (oracle not resolved 1, "
+                               "weak_verifier 1); instructions repaired 0")
+    assert len(lines) == 3 and "text" in lines[2] and "borderline 1" in lines[2]
