@@ -471,30 +471,34 @@ def validate(task_dir, tokenizer=None, work_root=None, record=True):
     written to task_io.AUDIT_FILE in the task dir once the audit passes: reward.compute bounds P by it);
     nop must score below full; the scripted expert trajectory must resolve (when a tokenizer is given).
     Returns None when the task passes, else the reason."""
+    return _validate(task_dir, tokenizer, work_root, record)[0]
+
+
+def _validate(task_dir, tokenizer=None, work_root=None, record=True):
+    """validate() -> (reason, the oracle's run_trial result or None): rst.audit reuses the oracle's trial."""
     try:
         task = task_io.load_task(task_dir)
     except ValueError as e:
-        return f"task dir: {e}"
-    res = rollout.run_trial(task_dir, "oracle", work_root=work_root)
-    why = res.get("reward_reason") or res.get("error") or ""
-    if res.get("reward_source") != "ctrf":
-        return f"oracle has no usable CTRF report ({res.get('reward_source')}): {why}".strip()
-    if not (res["resolved"] and res["total"] > 0 and abs(res["reward"] - res["total"] / SCALE) < 1e-9):
-        return f"oracle not resolved: {res['passed']}/{res['total']} {why}".strip()
-    if task.n_assertions is not None and res["total"] != task.n_assertions:
-        return (f"assertion count: the oracle's report has {res['total']} tests, the task records "
-                f"n_assertions = {task.n_assertions}")
-    n_oracle = res["total"]
+        return f"task dir: {e}", None
+    ref = rollout.run_trial(task_dir, "oracle", work_root=work_root)
+    why = ref.get("reward_reason") or ref.get("error") or ""
+    if ref.get("reward_source") != "ctrf":
+        return f"oracle has no usable CTRF report ({ref.get('reward_source')}): {why}".strip(), ref
+    if not (ref["resolved"] and ref["total"] > 0 and abs(ref["reward"] - ref["total"] / SCALE) < 1e-9):
+        return f"oracle not resolved: {ref['passed']}/{ref['total']} {why}".strip(), ref
+    if task.n_assertions is not None and ref["total"] != task.n_assertions:
+        return (f"assertion count: the oracle's report has {ref['total']} tests, the task records "
+                f"n_assertions = {task.n_assertions}"), ref
     res = rollout.run_trial(task_dir, "nop", work_root=work_root)
     if res["passed"] >= res["total"]:
-        return "weak verifier: nop scores full"
+        return "weak verifier: nop scores full", ref
     if tokenizer is not None:
         res = rollout.run_trial(task_dir, "scripted", tokenizer=tokenizer, work_root=work_root)
         if not res["resolved"]:
-            return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+            return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip(), ref
     if task.n_assertions is None and record:
-        _write_audit(task_dir, dict(n_assertions=n_oracle, audited_by="data.validate (oracle run)"))
-    return None
+        _write_audit(task_dir, dict(n_assertions=ref["total"], audited_by="data.validate (oracle run)"))
+    return None, ref
 
 
 def _write_audit(task_dir, doc):
@@ -552,10 +556,10 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     def check(key):  # sandbox validation (oracle, nop, expert), then the hard rejects and the quality score
         d, fam = specs[key], task_io.load_task(specs[key]).config["metadata"]["family"]
         t = time.time()
-        reason = validate(d, tokenizer, work_root)
+        reason, ref = _validate(d, tokenizer, work_root)
         if reason is not None:
             return dict(family=fam, verdict="rejected", reason=reason, seconds=round(time.time() - t, 2))
-        a = rst.audit(d, work_root, expert_resolved=True if tokenizer is not None else None)
+        a = rst.audit(d, work_root, expert_resolved=True if tokenizer is not None else None, reference=ref)
         if a["reason"] is None and a["verdict"] == "rejected":
             a["reason"] = f"low_quality: {a['quality']} < {rst.BORDERLINE}"
         if a["verdict"] != "rejected":

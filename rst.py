@@ -6,11 +6,11 @@ requirements, test leakage, solution shortcuts and weak verifiers (accepted 5,90
 sandboxes: rollout.run_trial's oracle agent on a copy of the task whose solution/solve.sh is replaced.
 
 Run (data.generate_tasks calls it after data.validate; `python data.py generate ...` prints the statistics):
-    rst.audit(task_dir, work_root) -> dict(reason, verdict, quality, dims, seconds)
+    rst.audit(task_dir, work_root) -> dict(reason, reasons, verdict, quality, dims, seconds)
 
-The rules (each returns None or "<name>: why"; audit() returns the first that fires, in this order):
-- hidden_requirement: every word (a run of >= 2 letters / digits) of every string literal inside a test function
-  of tests/test_outputs.py occurs in instruction.md or in the initial environment/app tree (paths, file contents,
+The rules (a reason reads "<name>: why"; audit() lists every one that fires, in this order):
+- hidden_requirement: every word (a run of >= 2 letters / digits, case kept) of every string literal inside a test
+  function of tests/*.py occurs in instruction.md or in the initial environment/app tree (paths, file contents,
   names and contents of .gz / .tar.gz members). Numbers outside strings (counts, sums, modes) are the computed
   answers and are not checked.
 - test_leakage: environment/ holds a file named like a tests/ or solution/ file, or a file holding an assert line
@@ -22,6 +22,13 @@ The rules (each returns None or "<name>: why"; audit() returns the first that fi
   the reference solution's. Not run: the shebang, comments, `set`, `cd` and read-only commands without a
   redirection (ls, cat, head, tail, grep, find, wc, pwd, echo, tar -t); a mutant that leaves /app as the
   reference leaves it skipped a no-op step (a script run to look at its output) and passes.
+
+The eight dimensions (WEIGHTS, the paper's), each in [0, 1]: instruction_verifier_alignment = share of the tests'
+words the agent can see; verifier_fairness = 1 when every shipped solution (solve.sh, the scripted expert) passes;
+verifier_strength = 1 - the best trivial solution's share of passed tests; solution_correctness = the reference's
+share; solution_necessity = share of steps whose mutant fails; instruction_clarity = share of the top-level paths
+the solution changes that instruction.md names; instruction_no_leakage = 0 on leakage; task_value = half
+min(1, tests / 8) + half min(1, steps / 4). quality = the weighted sum.
 
 Departures from the paper:
 1. Rules on words and files stand in for the LLM judge: a test that checks a word present somewhere in /app for the
@@ -106,11 +113,15 @@ def _env_text(task):
 
 
 def _test_literals(tests_dir):
-    """String literals inside the test functions of tests/test_outputs.py."""
-    with open(os.path.join(tests_dir, "test_outputs.py")) as f:
-        tree = ast.parse(f.read())
-    return [n.value for fn in tree.body if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")
-            for n in ast.walk(fn) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    """String literals inside the test functions of the Python files in tests/ (test_outputs.py for ours)."""
+    out = []
+    for name in sorted(os.listdir(tests_dir)):
+        if name.endswith(".py"):
+            with open(os.path.join(tests_dir, name)) as f:
+                tree = ast.parse(f.read())
+            out += [n.value for fn in tree.body if isinstance(fn, ast.FunctionDef) and fn.name.startswith("test")
+                    for n in ast.walk(fn) if isinstance(n, ast.Constant) and isinstance(n.value, str)]
+    return out
 
 
 def solve_steps(task):
@@ -173,7 +184,8 @@ def test_leakage(task, initial, final):
             if hit:
                 return f"test_leakage: environment/{rel} holds `{hit[:60]}` of the tests or the solution"
     instr = " ".join(_words(task.instruction))
-    outputs = {r: c for r, (is_dir, _, c) in final.items() if not is_dir and c and initial.get(r) != final[r]}
+    outputs = {r: c for r, (is_dir, _, c) in final.items()  # files whose content the solution wrote
+               if not is_dir and c and (r not in initial or initial[r][2] != c)}
     for rel, content in sorted(outputs.items()):
         words = " ".join(_words(content.decode(errors="replace")))
         if words and f" {words} " in f" {instr} ":
@@ -193,8 +205,10 @@ def _shortcuts(task, initial):
                 and re.search(r"[\d._/]", p) and p not in initial):
             q = shlex.quote(p)
             made.append(f"mkdir -p $(dirname {q}) && : > {q}" if re.search(r"\w\.\w", p) else f"mkdir -p {q}")
-    return {"true": "#!/bin/bash\ntrue\n",
-            "empty_paths": "#!/bin/bash\ncd /app\n" + "".join(m + "\n" for m in made)}
+    cuts = {"true": "#!/bin/bash\ntrue\n"}
+    if made:  # else the same as `true`
+        cuts["empty_paths"] = "#!/bin/bash\ncd /app\n" + "".join(m + "\n" for m in made)
+    return cuts
 
 
 def _run(task_dir, solve, work_root, name):
@@ -227,11 +241,12 @@ def verdict(reason, quality):
     return "accepted" if quality >= ACCEPT else "borderline"
 
 
-def audit(task_dir, work_root=None, expert_resolved=None):
+def audit(task_dir, work_root=None, expert_resolved=None, reference=None):
     """The four hard rejects and the eight dimensions of one task that data.validate passed.
 
     work_root: trial dirs go there (None: a temp dir, deleted). expert_resolved: whether the scripted expert
-    resolved in data.validate (None: not checked). Returns dict(reason (the first of reasons), reasons (every
+    resolved in data.validate (None: not checked). reference: the oracle's run_trial result kept under work_root
+    (data.validate's; None: run here). Returns dict(reason (the first of reasons), reasons (every
     hard reject that fired, in REASONS order), verdict, quality, dims, seconds)."""
     t0 = time.time()
     own = work_root is None
@@ -241,7 +256,7 @@ def audit(task_dir, work_root=None, expert_resolved=None):
         task = task_io.load_task(task_dir)
         hidden, share = hidden_requirement(task)
         initial = tree_state(os.path.join(task.env_dir, "app"))
-        ref = _run(task_dir, None, work_root, "reference")
+        ref = reference if reference and "trial_dir" in reference else _run(task_dir, None, work_root, "reference")
         final = tree_state(os.path.join(ref["trial_dir"], "app")) if "trial_dir" in ref else {}
         leak = test_leakage(task, initial, final)
         cuts = {n: _run(task_dir, s, work_root, n) for n, s in _shortcuts(task, initial).items()}
