@@ -420,3 +420,21 @@ def test_audit_statistics_are_counted_and_printed_like_the_papers():
     assert lines[0].startswith("[audit] 4 audited: accepted 1 / borderline 1 / rejected 2 (oracle not resolved 1, "
                                "weak_verifier 1); instructions repaired 0")
     assert len(lines) == 3 and "text" in lines[2] and "borderline 1" in lines[2]
+
+
+def test_generate_drops_and_redraws_a_draft_the_audit_rejects(tmp_path, monkeypatch):
+    pytest.importorskip("rollout")
+    calls = []
+
+    def files_first_weak(rng):  # the first draft lacks its file_deleted test: the `rm` step is never checked
+        spec = data.fam_files(rng)
+        calls.append(spec["instruction"])
+        return dict(spec, tests=[t for t in spec["tests"] if t[0] != "file_deleted"]) if len(calls) == 1 else spec
+    monkeypatch.setitem(data.FAMILIES, "files", files_first_weak)
+    train, _ = data.generate_tasks(str(tmp_path), 1, 0, seed=2, scripted=False)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert len(calls) == 2 and len(train) == 1 and task_io.load_task(train[0]).instruction.strip() == calls[1]
+    assert summary["dropped"] == {"weak_verifier": 1} and summary["unrecovered"] == 0
+    st = summary["audit"]
+    assert (st["audited"], st["accepted"] + st["borderline"], st["rejected"]) == (2, 1, 1)
+    assert st["rejected_by_reason"] == {"weak_verifier": 1} and st["per_family"]["files"]["weak_verifier"] == 1
