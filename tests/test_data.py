@@ -10,6 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import data  # noqa: E402
+import rst  # noqa: E402
 import task_io  # noqa: E402
 
 S = data.SCALE
@@ -368,7 +369,6 @@ def _hostile_tasks(root):
 @pytest.fixture(scope="module")
 def audited(tmp_path_factory):
     pytest.importorskip("rollout")
-    import rst
     root = tmp_path_factory.mktemp("rst")
     dirs = _hostile_tasks(root)
     work = str(root / "w")
@@ -394,7 +394,6 @@ def test_audit_rejects_a_task_violating_one_rule_for_that_reason(audited, name, 
 
 
 def test_quality_is_the_papers_weighted_sum():
-    import rst
     assert sum(rst.WEIGHTS.values()) == pytest.approx(1.0) and len(rst.WEIGHTS) == 8
     facets = {f: sum(rst.WEIGHTS[k] for k in ks) for f, ks in rst.FACETS.items()}
     assert facets == pytest.approx(dict(verifier=0.45, solution=0.25, instruction=0.20, task_value=0.10))
@@ -405,7 +404,6 @@ def test_quality_is_the_papers_weighted_sum():
 
 
 def test_audit_statistics_are_counted_and_printed_like_the_papers():
-    import rst
     rows = [dict(family="text", verdict="accepted", reason=None, seconds=2.0, audit_s=1.0),
             dict(family="text", verdict="borderline", reason=None, seconds=2.0, audit_s=1.0),
             dict(family="find", verdict="rejected", reason="weak_verifier: solve.sh without `rm x`", seconds=4.0),
