@@ -7,11 +7,13 @@ form T1-15k, reshuffled every epoch. Each task's verifier writes the CTRF report
 
 Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0
-        # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints one JSON line
+        # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
+        # (accepted / borderline / rejected per reason and family), then one JSON line
+    rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # reading a task dir and what the jail cannot run: task_io.py
 
-A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, n_assertions; [verifier] and
-[agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
+A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, audit (the verdict), n_assertions;
+[verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
 tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the expert's replies for SFT).
 n_assertions is the task's own assertion count (reward.compute refuses a report with more tests): task.toml for
 generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did not write is never rewritten).
@@ -19,10 +21,10 @@ generated tasks, else the oracle's count in t1_audit.json (a task.toml this proj
 Departures from the paper:
 1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
    find-then-act) with randomised parameters; RST's recursive rewriting is left to a later issue.
-2. The audit is mechanical: the oracle resolves with reward == total/S and total == n_assertions, nop scores below
-   full, the scripted expert trajectory resolves, and static checks stand in for the LLM's hard rejects.
-3. `quality` is a heuristic (assertion count + family difficulty), not the 8-dimension audit score; `ordered_pool`
-   sorts by it and `epoch_order` reshuffles per epoch as in the paper.
+2. The audit is mechanical: validate() (the oracle resolves with reward == total/S and total == n_assertions, nop
+   scores below full, the scripted expert resolves), then rst.audit's rule-based hard rejects, not an LLM's.
+3. `quality` is rst.audit's weighted score (task.toml, with the verdict); a draft rejected by either is redrawn,
+   never repaired. With --no-validate it stays a heuristic (assertion count + family difficulty).
 4. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M parameter model trained
    from scratch on CPU.
 5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
@@ -36,6 +38,7 @@ import io
 import json
 import os
 import random
+import re
 import shutil
 import tarfile
 import time
@@ -43,6 +46,7 @@ import time
 import model
 import reward
 import rollout
+import rst
 import task_io
 
 SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
@@ -408,7 +412,7 @@ def expert_replies(spec):
 
 
 def quality(family, n_tests):
-    """Heuristic quality in [0, 1] (departure 3): more assertions and harder families rank first."""
+    """Heuristic quality in [0, 1] before the audit (departure 3): more assertions and harder families first."""
     return round(min(1.0, 0.1 * n_tests + (0.4 if DIFFICULTY[family] == "medium" else 0.2)), 3)
 
 
@@ -467,30 +471,34 @@ def validate(task_dir, tokenizer=None, work_root=None, record=True):
     written to task_io.AUDIT_FILE in the task dir once the audit passes: reward.compute bounds P by it);
     nop must score below full; the scripted expert trajectory must resolve (when a tokenizer is given).
     Returns None when the task passes, else the reason."""
+    return _validate(task_dir, tokenizer, work_root, record)[0]
+
+
+def _validate(task_dir, tokenizer=None, work_root=None, record=True):
+    """validate() -> (reason, the oracle's run_trial result or None): rst.audit reuses the oracle's trial."""
     try:
         task = task_io.load_task(task_dir)
     except ValueError as e:
-        return f"task dir: {e}"
-    res = rollout.run_trial(task_dir, "oracle", work_root=work_root)
-    why = res.get("reward_reason") or res.get("error") or ""
-    if res.get("reward_source") != "ctrf":
-        return f"oracle has no usable CTRF report ({res.get('reward_source')}): {why}".strip()
-    if not (res["resolved"] and res["total"] > 0 and abs(res["reward"] - res["total"] / SCALE) < 1e-9):
-        return f"oracle not resolved: {res['passed']}/{res['total']} {why}".strip()
-    if task.n_assertions is not None and res["total"] != task.n_assertions:
-        return (f"assertion count: the oracle's report has {res['total']} tests, the task records "
-                f"n_assertions = {task.n_assertions}")
-    n_oracle = res["total"]
+        return f"task dir: {e}", None
+    ref = rollout.run_trial(task_dir, "oracle", work_root=work_root)
+    why = ref.get("reward_reason") or ref.get("error") or ""
+    if ref.get("reward_source") != "ctrf":
+        return f"oracle has no usable CTRF report ({ref.get('reward_source')}): {why}".strip(), ref
+    if not (ref["resolved"] and ref["total"] > 0 and abs(ref["reward"] - ref["total"] / SCALE) < 1e-9):
+        return f"oracle not resolved: {ref['passed']}/{ref['total']} {why}".strip(), ref
+    if task.n_assertions is not None and ref["total"] != task.n_assertions:
+        return (f"assertion count: the oracle's report has {ref['total']} tests, the task records "
+                f"n_assertions = {task.n_assertions}"), ref
     res = rollout.run_trial(task_dir, "nop", work_root=work_root)
     if res["passed"] >= res["total"]:
-        return "weak verifier: nop scores full"
+        return "weak verifier: nop scores full", ref
     if tokenizer is not None:
         res = rollout.run_trial(task_dir, "scripted", tokenizer=tokenizer, work_root=work_root)
         if not res["resolved"]:
-            return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip()
+            return f"scripted not resolved: {res['passed']}/{res['total']} {res.get('error') or ''}".strip(), ref
     if task.n_assertions is None and record:
-        _write_audit(task_dir, dict(n_assertions=n_oracle, audited_by="data.validate (oracle run)"))
-    return None
+        _write_audit(task_dir, dict(n_assertions=ref["total"], audited_by="data.validate (oracle run)"))
+    return None, ref
 
 
 def _write_audit(task_dir, doc):
@@ -524,8 +532,8 @@ def _draw(split, slot, seed, seen, attempt=0):
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/.
 
-    Tasks failing the audit are dropped and redrawn (up to 3 rounds); drops are counted in
-    out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
+    Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
+    (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
     t0 = time.time()
     seen = set()  # instructions of both splits: train and held-out never share one
     specs = {}
@@ -543,11 +551,27 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     drops, unrecovered = collections.Counter(), 0
     pending = dict(specs) if validate_tasks else {}
     work_root = os.path.join(out_dir, ".sandboxes")
+    audits = []  # one row per audited draft (redrawn slots too): family, verdict, reason, seconds
+
+    def check(key):  # sandbox validation (oracle, nop, expert), then the hard rejects and the quality score
+        d, fam = specs[key], task_io.load_task(specs[key]).config["metadata"]["family"]
+        t = time.time()
+        reason, ref = _validate(d, tokenizer, work_root)
+        if reason is not None:
+            return dict(family=fam, verdict="rejected", reason=reason, seconds=round(time.time() - t, 2))
+        a = rst.audit(d, work_root, expert_resolved=True if tokenizer is not None else None, reference=ref)
+        if a["reason"] is None and a["verdict"] == "rejected":
+            a["reason"] = f"low_quality: {a['quality']} < {rst.BORDERLINE}"
+        if a["verdict"] != "rejected":
+            _set_quality(d, a["quality"], a["verdict"])
+        return dict(a, family=fam, audit_s=a["seconds"], seconds=round(time.time() - t, 2))
+
     for rnd in range(3):  # audit; a dropped slot is redrawn (same family) and audited again
         with cf.ThreadPoolExecutor(workers) as pool:
-            reasons = dict(zip(pending, pool.map(lambda d: validate(d, tokenizer, work_root), pending.values())))
+            rows = dict(zip(pending, pool.map(check, pending)))
+        audits += [rows[k] for k in sorted(rows)]
         pending = {}
-        for key, reason in sorted((k, r) for k, r in reasons.items() if r):
+        for key, reason in sorted((k, r["reason"]) for k, r in rows.items() if r["reason"]):
             drops[reason.split(":")[0]] += 1
             print(f"[data] dropped {specs[key]}: {reason}", flush=True)
             shutil.rmtree(specs.pop(key))
@@ -571,10 +595,20 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
                    dropped_total=sum(drops.values()), unrecovered=unrecovered,
                    assertions_min=min(n_asserts, default=0), assertions_max=max(n_asserts, default=0),
                    assertions_mean=round(sum(n_asserts) / max(1, len(n_asserts)), 2),
-                   seconds=round(time.time() - t0, 1))
+                   audit=rst.audit_stats(audits), seconds=round(time.time() - t0, 1))
     with open(os.path.join(out_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     return train, heldout
+
+
+def _set_quality(task_dir, q, verdict):
+    """Write the audit's quality and verdict into a generated task's task.toml ([metadata])."""
+    path = os.path.join(task_dir, "task.toml")
+    with open(path) as f:
+        toml = f.read()
+    toml = re.sub(r"^quality = .*$", f'quality = {q}\naudit = "{verdict}"', toml, count=1, flags=re.M)
+    with open(path, "w") as f:
+        f.write(toml)
 
 
 def ordered_pool(task_dirs, n=None):
@@ -648,4 +682,7 @@ if __name__ == "__main__":
     generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
                    scripted=not a.no_scripted, workers=a.workers)
     with open(os.path.join(a.out, "summary.json")) as f:
-        print(json.dumps(json.load(f)))
+        summary = json.load(f)
+    if summary["validated"]:  # like the paper's: accepted 5,902 / borderline 3,251 / rejected 5,847, 6,875 repaired
+        print("\n".join(rst.format_stats(summary["audit"])))
+    print(json.dumps(summary))

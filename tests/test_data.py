@@ -10,6 +10,7 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import data  # noqa: E402
+import rst  # noqa: E402
 import task_io  # noqa: E402
 
 S = data.SCALE
@@ -101,6 +102,11 @@ def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
     assert len(train) == 6 and heldout == [] and summary["validated"] is True
     assert summary["dropped_total"] == 0 and summary["unrecovered"] == 0
     assert not (tmp_path / ".sandboxes").exists()
+    st = summary["audit"]  # the RST audit ran on every task; its quality is what orders the pool
+    assert st["audited"] == 6 and st["accepted"] + st["borderline"] == 6 and st["rejected"] == 0
+    for d in train:
+        meta = task_io.load_task(d).config["metadata"]
+        assert meta["audit"] in ("accepted", "borderline") and 0.7 <= meta["quality"] <= 1
 
 
 def test_train_and_heldout_are_disjoint(tmp_path):
@@ -335,3 +341,98 @@ def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
     assert data.validate(str(unrecorded), work_root=str(tmp_path / "w")) is None
     assert json.loads((unrecorded / task_io.AUDIT_FILE).read_text())["n_assertions"] == n
     assert task_io.load_task(str(unrecorded)).n_assertions == n
+
+
+# --- issue 13: the mechanical RST audit (rst.py): each hard reject on a task built to violate it -------------
+def _hostile_tasks(root):
+    """A good text task and four copies, each breaking one rule of the audit (built from the family specs)."""
+    import random
+    import rollout
+    good = data.fam_text(random.Random(0))
+    out = good["outputs"][0]
+    hidden = dict(good, tests=good["tests"] + [("report", ["assert os.path.isfile(A + '/zz_report.md')"])],
+                  turns=good["turns"] + [data._turn("Write the report.", "touch it", ["touch zz_report.md"])])
+    shortcut = dict(good, tests=[(f"exists_{i}", [f"assert os.path.isfile(A + '/{out}')"]) for i in range(3)])
+    files = data.fam_files(random.Random(0))  # without its file_deleted test, the `rm` step is never checked
+    weak = dict(files, tests=[t for t in files["tests"] if t[0] != "file_deleted"])
+    dirs = {name: data.write_task(str(root / name), spec, fam, "train", "0") for name, spec, fam in [
+        ("good", good, "text"), ("hidden", hidden, "text"), ("shortcut", shortcut, "text"), ("weak", weak, "files")]}
+    ref = rollout.run_trial(dirs["good"], "oracle", work_root=str(root / "w"))  # the expected output, planted in /app
+    leak = str(root / "leak")
+    import shutil
+    shutil.copytree(dirs["good"], leak)
+    shutil.copy(os.path.join(ref["trial_dir"], "app", out), os.path.join(leak, "environment", "app", ".answer"))
+    dirs["leak"] = leak
+    return dirs
+
+
+@pytest.fixture(scope="module")
+def audited(tmp_path_factory):
+    pytest.importorskip("rollout")
+    root = tmp_path_factory.mktemp("rst")
+    dirs = _hostile_tasks(root)
+    work = str(root / "w")
+
+    with cf.ThreadPoolExecutor(2) as ex:
+        return dict(zip(dirs, ex.map(lambda d: rst.audit(d, work), dirs.values())))
+
+
+def test_audit_accepts_a_good_generated_task(audited):
+    a = audited["good"]
+    assert a["reason"] is None and a["reasons"] == [] and a["verdict"] in ("accepted", "borderline")
+    assert a["dims"]["instruction_verifier_alignment"] == a["dims"]["solution_correctness"] == 1.0
+    assert a["dims"]["instruction_no_leakage"] == a["dims"]["solution_necessity"] == 1.0
+
+
+@pytest.mark.parametrize("name, rule", [("hidden", "hidden_requirement"), ("leak", "test_leakage"),
+                                        ("shortcut", "solution_shortcut"), ("weak", "weak_verifier")])
+def test_audit_rejects_a_task_violating_one_rule_for_that_reason(audited, name, rule):
+    a = audited[name]
+    assert a["dims"]["solution_correctness"] == 1.0  # the reference solution still resolves: only the rule rejects
+    assert [r.split(":")[0] for r in a["reasons"]] == [rule], a["reasons"]
+    assert a["reason"].startswith(rule + ": ") and a["verdict"] == "rejected"
+
+
+def test_quality_is_the_papers_weighted_sum():
+    assert sum(rst.WEIGHTS.values()) == pytest.approx(1.0) and len(rst.WEIGHTS) == 8
+    facets = {f: sum(rst.WEIGHTS[k] for k in ks) for f, ks in rst.FACETS.items()}
+    assert facets == pytest.approx(dict(verifier=0.45, solution=0.25, instruction=0.20, task_value=0.10))
+    assert rst.WEIGHTS["instruction_verifier_alignment"] == 0.20
+    assert rst.score_dims(dict.fromkeys(rst.WEIGHTS, 1.0)) == 1.0
+    assert rst.verdict(None, rst.ACCEPT) == "accepted" and rst.verdict(None, rst.BORDERLINE) == "borderline"
+    assert rst.verdict(None, rst.BORDERLINE - 0.01) == "rejected" and rst.verdict("weak_verifier: x", 1.0) == "rejected"
+
+
+def test_audit_statistics_are_counted_and_printed_like_the_papers():
+    rows = [dict(family="text", verdict="accepted", reason=None, seconds=2.0, audit_s=1.0),
+            dict(family="text", verdict="borderline", reason=None, seconds=2.0, audit_s=1.0),
+            dict(family="find", verdict="rejected", reason="weak_verifier: solve.sh without `rm x`", seconds=4.0),
+            dict(family="find", verdict="rejected", reason="oracle not resolved: 0/3", seconds=0.0)]
+    st = rst.audit_stats(rows)
+    assert (st["accepted"], st["borderline"], st["rejected"], st["audited"]) == (1, 1, 2, 4)
+    assert st["rejected_by_reason"] == {"oracle not resolved": 1, "weak_verifier": 1}
+    assert st["per_family"] == {"find": {"oracle not resolved": 1, "weak_verifier": 1},
+                                "text": {"accepted": 1, "borderline": 1}}
+    assert st["seconds_per_task"] == 2.0 and st["audit_seconds_per_task"] == 0.5
+    lines = rst.format_stats(st)
+    assert lines[0].startswith("[audit] 4 audited: accepted 1 / borderline 1 / rejected 2 (oracle not resolved 1, "
+                               "weak_verifier 1); instructions repaired 0")
+    assert len(lines) == 3 and "text" in lines[2] and "borderline 1" in lines[2]
+
+
+def test_generate_drops_and_redraws_a_draft_the_audit_rejects(tmp_path, monkeypatch):
+    pytest.importorskip("rollout")
+    calls = []
+
+    def files_first_weak(rng):  # the first draft lacks its file_deleted test: the `rm` step is never checked
+        spec = data.fam_files(rng)
+        calls.append(spec["instruction"])
+        return dict(spec, tests=[t for t in spec["tests"] if t[0] != "file_deleted"]) if len(calls) == 1 else spec
+    monkeypatch.setitem(data.FAMILIES, "files", files_first_weak)
+    train, _ = data.generate_tasks(str(tmp_path), 1, 0, seed=2, scripted=False)
+    summary = json.load(open(tmp_path / "summary.json"))
+    assert len(calls) == 2 and len(train) == 1 and task_io.load_task(train[0]).instruction.strip() == calls[1]
+    assert summary["dropped"] == {"weak_verifier": 1} and summary["unrecovered"] == 0
+    st = summary["audit"]
+    assert (st["audited"], st["accepted"] + st["borderline"], st["rejected"]) == (2, 1, 1)
+    assert st["rejected_by_reason"] == {"weak_verifier": 1} and st["per_family"]["files"]["weak_verifier"] == 1
