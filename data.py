@@ -36,6 +36,7 @@ import concurrent.futures as cf
 import gzip
 import io
 import json
+import math
 import os
 import random
 import re
@@ -609,6 +610,21 @@ def _set_quality(task_dir, q, verdict):
     toml = re.sub(r"^quality = .*$", f'quality = {q}\naudit = "{verdict}"', toml, count=1, flags=re.M)
     with open(path, "w") as f:
         f.write(toml)
+
+
+def pool_scale(task_dirs, q: float = 0.9) -> int:
+    """S of r = P / S by the paper's rule on this pool: the q-quantile (nearest rank) of its tasks' assertion counts
+    (paper: S = 20, about the 90th percentile of T1-15k's, median 4, max ~35). Every task must carry its count."""
+    counts = []
+    for d in task_dirs:
+        n = task_io.load_task(d).n_assertions
+        if n is None:
+            raise ValueError(f"{d}: no assertion count (task.toml [metadata] n_assertions or {task_io.AUDIT_FILE}): "
+                             "S cannot be set from the pool")
+        counts.append(n)
+    if not counts or not 0 < q <= 1:
+        raise ValueError(f"pool_scale: need a non-empty pool and q in (0, 1], got {len(counts)} tasks, q {q}")
+    return sorted(counts)[math.ceil(q * len(counts)) - 1]
 
 
 def ordered_pool(task_dirs, n=None):

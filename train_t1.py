@@ -24,6 +24,7 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
   1. Scale: the embedded preset trains a tiny random-init Qwen3.5-MoE on synthesized shell tasks, sized for 2 CPU
      cores (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. SFT memorises the
      training pool so that PPO sees non-zero rewards; it does not generalise to held-out tasks (RESULTS.md).
+     S = the pool's 90th percentile of assertion counts (the paper's rule, which gives 20 on T1-15k).
   2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
      speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories of the training pool (the paper's is not public).
@@ -111,6 +112,8 @@ class Args:
     # --- reward
     # S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)
     reward_scale: float = float(reward.SCALE)
+    reward_scale_from_pool: bool = False  # S by the paper's rule on this run's training pool instead: the
+    # ~90th percentile of its assertion counts (data.pool_scale; the paper's 20 is that rule on T1-15k)
     # --- SFT warm start
     sft_epochs: int = 1  # epochs over the scripted reference trajectories
     sft_lr: float = 1e-5  # SFT learning rate
@@ -170,11 +173,13 @@ class Args:
 
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
-# (critic lr = 30 x actor lr, eval protocol, S = 20, clip values), sizes and lrs shrunk for 2 CPU cores.
+# (critic lr = 30 x actor lr, eval protocol, clip values, S by the paper's 90th-percentile rule on this pool),
+# sizes and lrs shrunk for 2 CPU cores.
 EMBEDDED = dataclasses.replace(
     Args(), n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
     max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
-    n_sft_tasks=0, eval_attempts=1, eval_train_tasks=30, sft_epochs=30, sft_lr=2e-3, sft_batch_size=8,
+    n_sft_tasks=0, reward_scale_from_pool=True, eval_attempts=1, eval_train_tasks=30, sft_epochs=30, sft_lr=2e-3,
+    sft_batch_size=8,
     critic_warmup_trials=64, critic_lr=1.5e-3, rl_steps=8, actor_lr=5e-5, minibatch_size=8, ppo_epochs=2,
     rollout_actors=2,
     # evaluation protocol overrides (paper: 3 attempts, 60 turns, 3600 s agent): one attempt, the training turn and
@@ -379,6 +384,16 @@ class Run:
         return out
 
 
+def run_scale(args: Args, state: dict, train_pool: list) -> float:
+    """S of r = P / S, fixed for the whole run (paper): --reward-scale, or the training pool's ~90th percentile of
+    assertion counts (--reward-scale-from-pool); recorded in state.json, and a resume with another S is refused."""
+    s = float(data.pool_scale(train_pool) if args.reward_scale_from_pool else args.reward_scale)
+    if state.setdefault("reward_scale", s) != s:
+        raise ValueError(f"--reward-scale: this run's S is {state['reward_scale']} (state.json), got {s}: S is fixed "
+                         "for the whole run")
+    return s
+
+
 def make_tasks(run: Run) -> tuple[list, list]:
     """Tasks: synthesize, audit by oracle, split train / held-out (once per run directory)."""
     args, state = run.args, run.state
@@ -389,7 +404,10 @@ def make_tasks(run: Run) -> tuple[list, list]:
         run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
     heldout = state["tasks"]["heldout"]
-    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out")
+    run.args = dataclasses.replace(args, reward_scale=run_scale(args, state, train_pool))
+    (run.dir / "args.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=1))  # with the run's S
+    run.save_state()
+    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out; S = {run.args.reward_scale:g}")
     return train_pool, heldout
 
 
@@ -578,6 +596,7 @@ def train(args: Args) -> dict:
     run = Run(args)
     args, state = run.args, run.state
     train_pool, heldout = make_tasks(run)
+    args = run.args  # with the run's S
     if not (run.sft_dir / "config.json").exists():
         run.timed("sft", lambda: warm_start(run, train_pool, heldout))
     tokenizer = AutoTokenizer.from_pretrained(str(run.sft_dir))
@@ -630,6 +649,8 @@ def parse_args(argv=None) -> Args:
     base = PRESETS["quick" if ns.quick else ns.preset]
     args = dataclasses.replace(base, **{f.name: getattr(ns, f.name) for f in dataclasses.fields(Args)
                                         if getattr(ns, f.name) is not None})
+    if ns.reward_scale is not None and ns.reward_scale_from_pool is None:  # an S given by hand is the run's S
+        args = dataclasses.replace(args, reward_scale_from_pool=False)
     try:
         check_numbers(args)  # a bad number is a usage error (exit 2, no traceback); train() runs check_args whole
     except ValueError as e:

@@ -341,3 +341,27 @@ def test_model_vocab_is_padded_to_the_tensor_parallel_size_under_megatron():
     assert T.model_vocab(megatron, 673) == 674 and T.model_vocab(megatron, 674) == 674
     assert T.model_vocab(dataclasses.replace(megatron, plan='{"tp": 4, "ep": 1}'), 673) == 676
     assert T.model_vocab(dataclasses.replace(T.QUICK, plan='{"dp": 2}'), 673) == 673  # hf: unchanged
+
+
+def test_s_is_the_pools_90th_percentile_and_fixed_for_the_run(tmp_path):
+    """The paper's rule for S (about the 90th percentile of the pool's assertion counts) on a generated pool, recorded
+    in the run's state; a resume with another S is refused; a task without a count cannot set S."""
+    train, _ = data.generate_tasks(tmp_path / "tasks", 12, 0, seed=3, validate_tasks=False)
+    counts = sorted(int(open(os.path.join(d, "task.toml")).read().split("n_assertions = ")[1].split()[0])
+                    for d in train)
+    s = data.pool_scale(train)
+    assert s == counts[math.ceil(0.9 * len(counts)) - 1] and counts[0] <= s <= counts[-1]
+    assert data.pool_scale(train, q=1.0) == counts[-1]
+    state = {}
+    assert T.run_scale(dataclasses.replace(T.QUICK), state, train) == s == state["reward_scale"]
+    assert T.run_scale(dataclasses.replace(T.QUICK), state, train) == s  # a resume: the same S
+    with pytest.raises(ValueError, match="S is fixed for the whole run"):
+        T.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False, reward_scale=20.0), state, train)
+    assert T.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False), {}, train) == 20.0  # paper's S
+    assert T.parse_args(["--reward-scale", "7"]).reward_scale_from_pool is False  # an S given by hand wins
+    assert T.parse_args([]).reward_scale_from_pool is True  # the embedded preset: the pool's rule
+    toml = os.path.join(train[0], "task.toml")
+    text = open(toml).read()
+    open(toml, "w").write("\n".join(l for l in text.splitlines() if not l.startswith("n_assertions")) + "\n")
+    with pytest.raises(ValueError, match="no assertion count"):
+        data.pool_scale(train)
