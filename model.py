@@ -84,6 +84,12 @@ def render_ids(tok, role: str, content: str) -> list:
 ARCHS = ("qwen3_5_moe", "qwen3_moe")
 
 
+def padded_vocab(n_tokens: int, multiple: int) -> int:
+    """The model's vocabulary: the tokenizer's padded to a multiple (Megatron's vocab-parallel embedding splits its
+    rows evenly over tp); the padded rows no token maps to, as Qwen's own."""
+    return -(-n_tokens // multiple) * multiple
+
+
 def tiny_config(vocab_size: int, arch: str = "qwen3_5_moe"):
     """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off).
 

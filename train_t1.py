@@ -82,9 +82,7 @@ class Args:
     # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
     # --- model
-    # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention MoE) | qwen3_moe (standard attention MoE,
-    # Qwen3-MoE)
-    arch: str = "qwen3_5_moe"
+    arch: str = "qwen3_5_moe"  # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention) | qwen3_moe
     vocab_size: int = 2048  # embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)
     # --- rollout (paper: 1 trajectory per task; launch 560, keep the first 512 finished)
     n_launch: int = 560  # trials launched per RL step (paper: 560)
@@ -94,8 +92,7 @@ class Args:
     max_turns: int = 300  # turn limit of one trial (paper: 300+ tool-call turns per task)
     max_new_tokens: int = 8192  # tokens per model reply (paper evaluation: 8,192 output tokens)
     max_total_tokens: int = 56000  # context budget of one trajectory (paper evaluation: 56k input)
-    trial_timeout_s: float = gateway.EVAL["agent_timeout_s"]  # agent wall-clock limit (paper silent for training;
-    # the evaluation protocol's 3600 s)
+    trial_timeout_s: float = gateway.EVAL["agent_timeout_s"]  # agent limit (paper silent; its eval's 3600 s)
     rollout_workers: int = 64  # concurrent trials
     # --- evaluation (paper protocol, one source: gateway.EVAL; every trial counts, gateway.evaluate_trials)
     eval_temperature: float = gateway.EVAL["temperature"]  # evaluation temperature (paper: 0.1)
@@ -112,8 +109,7 @@ class Args:
     # --- reward
     # S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)
     reward_scale: float = float(reward.SCALE)
-    reward_scale_from_pool: bool = False  # S by the paper's rule on this run's training pool instead: the
-    # ~90th percentile of its assertion counts (data.pool_scale; the paper's 20 is that rule on T1-15k)
+    reward_scale_from_pool: bool = False  # S = the same rule on this run's training pool instead (data.pool_scale)
     # --- SFT warm start
     sft_epochs: int = 1  # epochs over the scripted reference trajectories
     sft_lr: float = 1e-5  # SFT learning rate
@@ -145,8 +141,7 @@ class Args:
     max_grad_norm: float = 1.0  # gradient clipping
     async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)
     sync_steps: int = 0  # run the first sync_steps RL steps sequentially (async vs sequential step time within one run)
-    pin_cores: bool = False  # trainer on one half of the cores, engines + rollout workers on the other (the paper's
-    # disjoint devices on one CPU machine; infra.core_split)
+    pin_cores: bool = False  # trainer and rollout side on disjoint halves of the cores (infra.core_split)
     r3_mode: str = "replay"  # routing in the trainer: replay (R3, paper) | off
     # --- engine, sandboxes, Ray
     engine_weight_dtype: str = "bf16"  # engine weights: bf16-rounded (production-like mismatch) or fp32
@@ -411,13 +406,6 @@ def make_tasks(run: Run) -> tuple[list, list]:
     return train_pool, heldout
 
 
-def model_vocab(args: Args, n_tokens: int) -> int:
-    """The embedded model's vocabulary: the tokenizer's, padded to a multiple of the plan's tp under --backend
-    megatron (its vocab-parallel embedding splits the rows evenly; the padded rows no token maps to, as Qwen's)."""
-    tp = parallel_plan(args)["tp"] if args.backend == "megatron" else 1
-    return -(-n_tokens // tp) * tp
-
-
 def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     """SFT warm start into ckpt/sft (its reference trajectories run in this process: no engine needed)."""
     args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
@@ -428,7 +416,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         held = {task_io.load_task(d).instruction for d in heldout}
         sft_pool += [d for d in extra if task_io.load_task(d).instruction not in held]
     tokenizer = M.train_tokenizer(data.corpus(sft_pool), vocab_size=args.vocab_size)
-    actor = M.build_actor(M.tiny_config(model_vocab(args, len(tokenizer)), args.arch), seed=args.seed)
+    tp = parallel_plan(args)["tp"] if args.backend == "megatron" else 1  # vocab-parallel rows split evenly
+    actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tokenizer), tp), args.arch), seed=args.seed)
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
     samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories, "

@@ -336,11 +336,9 @@ def test_one_source_for_the_evaluation_protocol():
 
 def test_model_vocab_is_padded_to_the_tensor_parallel_size_under_megatron():
     """A tokenizer of 673 tokens (seen in a loaded test run: the audit redrew tasks) crashed the Megatron TP = 2 trainer
-    (VocabParallelEmbedding: 673 is not divisible by 2); the hf backend keeps the tokenizer's size."""
-    megatron = dataclasses.replace(T.QUICK, backend="megatron", plan='{"tp": 2}')
-    assert T.model_vocab(megatron, 673) == 674 and T.model_vocab(megatron, 674) == 674
-    assert T.model_vocab(dataclasses.replace(megatron, plan='{"tp": 4, "ep": 1}'), 673) == 676
-    assert T.model_vocab(dataclasses.replace(T.QUICK, plan='{"dp": 2}'), 673) == 673  # hf: unchanged
+    (VocabParallelEmbedding: 673 is not divisible by 2): warm_start pads it to tp (1 on the hf backend)."""
+    assert M.padded_vocab(673, 2) == 674 and M.padded_vocab(674, 2) == 674 and M.padded_vocab(673, 4) == 676
+    assert M.padded_vocab(673, 1) == 673  # hf: unchanged
 
 
 def test_s_is_the_pools_90th_percentile_and_fixed_for_the_run(tmp_path):
