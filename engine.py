@@ -204,14 +204,6 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
     return out
 
 
-def sample_token(logits, temperature, top_p, gen, top_k=-1):
-    """logits (V,) -> (token id, logprob): sample_rows for one row; ValueError when the distribution is not finite."""
-    (res,) = sample_rows(logits[None], [temperature], [top_p], [top_k], [gen])
-    if isinstance(res, Exception):
-        raise res
-    return res
-
-
 class Request:
     def __init__(self, rid, input_ids, temperature, top_p, max_new_tokens, stop_ids, seed, top_k=-1):
         self.rid, self.input_ids = rid, input_ids
