@@ -47,3 +47,18 @@ def tiny_sft(tmp_path_factory):
     actor = M.build_actor(M.tiny_config(len(tok)), seed=0)
     M.save_checkpoint(actor, tok, tmp_path / "sft")
     return SimpleNamespace(sft=tmp_path / "sft", samples=fake_samples(actor, len(tok)))
+
+
+@pytest.fixture(scope="module")
+def tok():
+    """The tokenizer of tests/test_model.py and tests/test_engine.py (trained on test_model.TEXTS)."""
+    from test_model import TEXTS
+    return M.train_tokenizer(TEXTS, vocab_size=400)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tok, tmp_path_factory):
+    """A tiny random actor's HF checkpoint with `tok` (the engine's and the model tests' weights)."""
+    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
+    M.save_checkpoint(M.build_actor(M.tiny_config(len(tok)), seed=0), tok, path)
+    return path

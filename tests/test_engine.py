@@ -17,7 +17,7 @@ import engine as engine_lib  # noqa: E402
 import infra  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
-from test_model import TEXTS, prompt  # noqa: E402
+from test_model import prompt  # noqa: E402
 
 torch.set_num_threads(2)
 
@@ -35,18 +35,6 @@ def post(url, obj, raw=None):
 def get(url):
     with urllib.request.urlopen(url, timeout=30) as r:
         return r.status, json.loads(r.read())
-
-
-@pytest.fixture(scope="module")
-def tok():
-    return model_lib.train_tokenizer(TEXTS, vocab_size=400)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tok, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
-    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
-    return path
 
 
 @pytest.fixture(scope="module")

@@ -21,18 +21,6 @@ CONVERSATION = [
 ]
 
 
-@pytest.fixture(scope="module")
-def tok():
-    return model_lib.train_tokenizer(TEXTS, vocab_size=400)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tok, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
-    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
-    return path
-
-
 def prompt(tok, text):
     return model_lib.render_ids(tok, "user", text) + tok.encode(model_lib.ASSISTANT_PREFIX)
 
