@@ -5,6 +5,7 @@
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
     python bench.py cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation peak vs kappa
+    python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000]  # the copy gate: copy accuracy vs steps
     python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
 
 Each one writes what it measures to stdout (one JSON line, or a table for cp); the figures measured so far are in
@@ -30,10 +31,12 @@ import data
 import gateway
 import infra
 import model
+import ppo
 import r3
 import rollout
 import tito
 from engine import EngineServer, sample_rows
+from trainer import Metrics
 
 
 # --- engine: decode tokens/s, 1 request vs 8 concurrent ---------------------------------------------------
@@ -271,6 +274,31 @@ def cp_bench(kappas=(1, 2, 4, 8), shape=None):
 
 # --- CLI ------------------------------------------------------------------------------------------------
 # --- a run's report (train_t1.train prints it at the end): async vs sequential, the table, curves --------------
+# --- the copy gate (issue 13): greedy copy accuracy of the embedded model over base-phase steps ---------
+def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60, seed: int = 0) -> list[dict]:
+    """The base phase's loop (ppo.sft on data.copy_samples, ppo.BASE_LR and ppo.BASE_BATCH) on a fresh tiny model
+    of `arch`; every `every` steps the copy accuracy on 64 held-back samples, the seconds and tokens/s."""
+    with tempfile.TemporaryDirectory() as tmp:
+        pool, _ = data.generate_tasks(os.path.join(tmp, "tasks"), n_tasks, 0, seed, validate_tasks=False)
+        texts = data.corpus(pool)
+        tok = model.train_tokenizer(texts)
+        items = data.copy_items(texts)
+        actor = model.build_actor(model.tiny_config(model.padded_vocab(len(tok), 1), arch), seed=seed)
+        probe = data.copy_samples(tok, items, 64, -1)
+        args = argparse.Namespace(seed=seed, reward_scale=1.0, max_grad_norm=1.0)
+        rows, t0, n_tok = [], time.time(), 0
+        for k in range(steps // every):
+            chunk = data.copy_samples(tok, items, every * ppo.BASE_BATCH, seed * 1000 + k)
+            n_tok += sum(len(s["tokens"]) for s in chunk)
+            ppo.sft(actor, chunk, args, Metrics(Path(tmp)), phase="base", epochs=1, lr=ppo.BASE_LR,
+                    batch_size=ppo.BASE_BATCH)
+            dt = time.time() - t0
+            rows.append(dict(arch=arch, step=(k + 1) * every, copy_accuracy=round(ppo.copy_accuracy(actor, probe), 4),
+                             seconds=round(dt, 1), tokens_per_s=round(n_tok / dt)))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def async_vs_sequential(run_dir) -> dict:
     """Step time with the next rollout beside the update (async) vs rollout then update (sequential).
 
@@ -363,6 +391,10 @@ def main(argv=None):
     cb = sub.add_parser("cp", help="CP Gated DeltaNet: exactness and activation peak vs kappa")
     cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8])
     cb.add_argument("--seq-len", type=int, default=1024)
+    cg = sub.add_parser("copy", help="the copy gate: greedy copy accuracy vs base-phase steps (JSON lines)")
+    cg.add_argument("--arch", nargs="+", default=["qwen3_moe"], choices=list(model.ARCHS))
+    cg.add_argument("--steps", type=int, default=1000)
+    cg.add_argument("--threads", type=int, default=2)
     pl = sub.add_parser("plot", help="PNG curves of a run directory (reward, solve rate, EV, |dlogp|, ...)")
     pl.add_argument("run_dir")
     args = p.parse_args(argv)
@@ -381,6 +413,10 @@ def main(argv=None):
         print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
     elif args.cmd == "plot":
         print(plot(args.run_dir))
+    elif args.cmd == "copy":
+        torch.set_num_threads(args.threads)
+        for arch in args.arch:
+            copy_gate(arch, args.steps)
     else:
         cp_bench(args.kappas, dict(B=1, S=args.seq_len, nk=2, nv=4, dk=32, dv=32))
 

@@ -683,6 +683,38 @@ def corpus(task_dirs):
     return texts
 
 
+COPY_ITEMS = (3, 8)  # items per copy sample (this project's)
+
+
+def copy_items(texts) -> list:
+    """The base phase's inventory: the distinct whitespace-separated pieces of the corpus (names, numbers, words,
+    command fragments), under 24 characters."""
+    return sorted({w for t in texts for w in t.split() if len(w) < 24})
+
+
+def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
+    """n synthetic copy samples for the base phase (train_t1.base_phase) and the copy gate (bench.py copy), in the
+    trainer's sample format: a user message "list: x1 .. xk" and the assistant's reply "copy: x1 .. xk" (k in
+    COPY_ITEMS, x drawn from `items`), loss on the reply; copy_from = the first token of the copied items.
+    The skill a held-out task needs (its names and numbers copied from the instruction into commands), taught
+    on its own: issue 13 measured the embedded model copying at chance without it."""
+    if not items or n < 1:
+        raise ValueError(f"copy_samples: need items and n >= 1, got {len(items)} items, n {n}")
+    rng = random.Random(f"copy/{seed}")
+    gen = tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    cue = tok.encode("copy:", add_special_tokens=False)
+    im_end = tok.convert_tokens_to_ids(model.IM_END)
+    out = []
+    for i in range(n):
+        xs = " ".join(rng.choice(items) for _ in range(rng.randint(*COPY_ITEMS)))
+        prompt = model.render_ids(tok, "user", "list: " + xs) + gen + cue
+        reply = tok.encode(" " + xs, add_special_tokens=False) + [im_end]
+        mask = [0] * (len(prompt) - len(cue)) + [1] * (len(cue) + len(reply))  # "copy:" is part of the reply
+        out.append(dict(tokens=prompt + reply, loss_mask=mask, rollout_logprobs=[0.0] * len(mask), reward=0.0,
+                        reward_source="none", passed=0, task=f"copy-{i}", copy_from=len(prompt)))
+    return out
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="T1 task synthesis + audit (Harbor format)")
     sub = p.add_subparsers(dest="cmd", required=True)

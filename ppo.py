@@ -99,14 +99,23 @@ def minibatches(n: int, size: int, rng: random.Random):
 
 
 
-def sft(actor, samples: list[dict], args, metrics) -> None:
-    """SFT warm start: cross-entropy on the sampled (m = 1) tokens of reference trajectories."""
-    opt = torch.optim.AdamW(actor.parameters(), lr=args.sft_lr, weight_decay=0.0)
+BASE_LR, BASE_BATCH = 2e-3, 16  # the base phase's lr and copy samples per step (this project's; paper: no base phase)
+
+
+def sft(actor, samples: list[dict], args, metrics, phase: str = "sft", epochs: int | None = None,
+        lr: float | None = None, batch_size: int | None = None) -> None:
+    """SFT warm start: cross-entropy on the sampled (m = 1) tokens of reference trajectories. The base phase
+    (phase "base": the embedded model's synthetic pretraining, train_t1.base_phase) runs the same loop on its own
+    samples, epochs, lr and batch size."""
+    epochs = args.sft_epochs if epochs is None else epochs
+    lr = args.sft_lr if lr is None else lr
+    batch_size = args.sft_batch_size if batch_size is None else batch_size
+    opt = torch.optim.AdamW(actor.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(args.seed)
     step = 0
     actor.train()
-    for epoch in range(args.sft_epochs):
-        bar = tqdm(minibatches(len(samples), args.sft_batch_size, rng), desc=f"sft epoch {epoch + 1}/{args.sft_epochs}")
+    for epoch in range(epochs):
+        bar = tqdm(minibatches(len(samples), batch_size, rng), desc=f"{phase} epoch {epoch + 1}/{epochs}")
         for mb in bar:
             batch = pad_batch([samples[i] for i in mb], args.reward_scale)
             lp = forward_logprobs(actor, batch, "off", 1.0, grad=True)
@@ -117,7 +126,24 @@ def sft(actor, samples: list[dict], args, metrics) -> None:
             opt.step()
             step += 1
             bar.set_postfix(loss=f"{loss.item():.3f}")
-            metrics.write({"sft_loss": loss.item(), "epoch": epoch}, step, "sft")
+            metrics.write({f"{phase}_loss": loss.item(), "epoch": epoch}, step, phase)
+
+
+@torch.no_grad()
+def copy_accuracy(actor, samples: list[dict]) -> float:
+    """The copy gate's figure: teacher-forced greedy accuracy on the copied tokens of data.copy_samples (those from
+    each sample's copy_from on; the "copy:" cue and <|im_end|> excluded)."""
+    batch = pad_batch(samples, 1.0)
+    mask = torch.zeros_like(batch["mask"])
+    for b, s in enumerate(samples):
+        mask[b, s["copy_from"]:len(s["tokens"]) - 1] = 1
+    was = actor.training
+    actor.eval()
+    with r3.routing(actor, "off"):
+        logits = actor(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
+    actor.train(was)
+    hit = (logits[:, :-1].argmax(-1) == batch["input_ids"][:, 1:]).float() * mask[:, 1:]
+    return float(hit.sum() / mask[:, 1:].sum())
 
 
 def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:

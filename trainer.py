@@ -227,8 +227,8 @@ def rewrite_jsonl(path: Path, keep) -> list[str]:
 def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     """Bring a run directory back to what state.json committed; returns notes for the log.
 
-    The commit point of each phase is one atomic write: SFT -> ckpt/sft renamed into place; critic warm-up ->
-    state.json with "critic_warmup"; RL step k -> state.json with step k (after ckpt/latest of step k, its
+    The commit point of each phase is one atomic write: base phase + SFT -> ckpt/sft renamed into place; critic
+    warm-up -> state.json with "critic_warmup"; RL step k -> state.json with step k (after ckpt/latest of step k, its
     metrics row and samples). Work after the last commit point is discarded and redone, never adopted: a
     checkpoint newer than state.json (a kill between the trainer's save and the commit) is deleted and
     ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
@@ -264,8 +264,9 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
         for f in ckpt.glob("critic_warm*.pt"):  # would be loaded and warmed up a second time
             f.unlink()
             notes.append(f"ckpt/{f.name}: removed, the critic warm-up was never committed")
-    if not sft_done:
-        shutil.rmtree(ckpt / "sft.tmp", ignore_errors=True)
+    if not sft_done:  # the base phase belongs to the warm start: redone with it
+        for n in ("sft.tmp", "base.tmp", "base"):
+            shutil.rmtree(ckpt / n, ignore_errors=True)
 
     def committed(tag, step, name) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials ("step3")
         tag = str(tag)
@@ -275,7 +276,7 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
             if not isinstance(step, int) or isinstance(step, bool):
                 raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
             return step <= want
-        return {"sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
+        return {"base": sft_done, "sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
 
     notes += rewrite_jsonl(run_dir / "metrics.jsonl",
                            lambda r: committed(r.get("phase"), r.get("step"), "metrics.jsonl"))

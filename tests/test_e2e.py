@@ -63,7 +63,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert jails.returncode == 1, "a sandbox outlived the killed driver"
 
     recs = read_metrics(run_dir)  # the two committed steps, as the run wrote them
-    assert {r["phase"] for r in recs} == {"sft", "critic_warmup", "rl"}
+    assert {r["phase"] for r in recs} == {"base", "sft", "critic_warmup", "rl"}
     rl = [r for r in recs if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     assert rl[0]["n_launched"] == 5 and rl[0]["n_kept"] + rl[0]["n_dropped"] == 5 and rl[0]["n_kept"] <= 4
@@ -116,7 +116,7 @@ def test_megatron_backend_trains_the_same_loop(tmp_path):
     every rank's shards and adds exactly step 3."""
     run_dir = tmp_path / "run"
     flags = TINY + ["--run-dir", str(run_dir), "--backend", "megatron", "--eval-attempts", "0",  # eval: the hf e2e
-                    "--plan", '{"tp": 2}']
+                    "--plan", '{"tp": 2}', "--arch", "qwen3_5_moe"]  # the cluster's architecture
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "2"]))
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2] and [r["staleness"] for r in rl] == [0, 1]

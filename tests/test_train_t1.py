@@ -363,3 +363,40 @@ def test_s_is_the_pools_90th_percentile_and_fixed_for_the_run(tmp_path):
     open(toml, "w").write("\n".join(l for l in text.splitlines() if not l.startswith("n_assertions")) + "\n")
     with pytest.raises(ValueError, match="no assertion count"):
         data.pool_scale(train)
+
+
+# --- the base phase: copy samples and the copy gate --------------------------------------------------------
+
+def test_copy_samples_mask_the_reply_and_mark_the_copied_items():
+    texts = ["mkdir maple42_dir", "cp onyx17.txt grove88.txt maple42_dir/", "wc -w < notes.txt > out.txt"]
+    tok = M.train_tokenizer(texts * 5, vocab_size=300)
+    items = data.copy_items(texts)
+    assert "maple42_dir/" in items and "<" in items
+    samples = data.copy_samples(tok, items, 20, seed=3)
+    assert [s["tokens"] for s in samples] == [s["tokens"] for s in data.copy_samples(tok, items, 20, seed=3)]
+    for s in samples:
+        toks, mask = s["tokens"], s["loss_mask"]
+        assert len(toks) == len(mask) == len(s["rollout_logprobs"])
+        listed = tok.decode(toks[:len(toks) - sum(mask)]).split("list: ")[1].split("<|im_end|>")[0]
+        assert tok.decode([t for t, m in zip(toks, mask) if m]) == f"copy: {listed}<|im_end|>"
+        assert tok.decode(toks[s["copy_from"]:-1]) == " " + listed  # the copied items, no cue, no <|im_end|>
+        assert 3 <= len(listed.split()) <= 8 and set(listed.split()) <= set(items)
+    with pytest.raises(ValueError, match="copy_samples: need items"):
+        data.copy_samples(tok, [], 4, seed=0)
+
+
+def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
+    """100 base steps on copy samples lift greedy copy accuracy on unseen samples from chance (< .05) to above .2
+    (measured: 0.39 at step 100 and .99 at step 1000 with qwen3_moe, RESULTS.md); the gate counts only copied
+    tokens (a model that always says the cue scores 0 there)."""
+    texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove", "cedar", "lumen")) for i in range(10, 60)]
+    tok = M.train_tokenizer(texts, vocab_size=400)
+    items = data.copy_items(texts)
+    actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tok), 1), "qwen3_moe"), seed=0)
+    probe = data.copy_samples(tok, items, 32, seed=-1)
+    before = ppo.copy_accuracy(actor, probe)
+    args = dataclasses.replace(T.QUICK, seed=0)
+    ppo.sft(actor, data.copy_samples(tok, items, 100 * ppo.BASE_BATCH, seed=0), args, T.Metrics(tmp_path),
+            phase="base", epochs=1, lr=ppo.BASE_LR, batch_size=ppo.BASE_BATCH)
+    after = ppo.copy_accuracy(actor, probe)
+    assert before < 0.05 and after > 0.2, (before, after)
