@@ -13,6 +13,7 @@ RESULTS.md. Ratios are measured in one run (interleaved where a shared machine d
 """
 import argparse
 import json
+import math
 import os
 import tempfile
 import threading
@@ -326,13 +327,71 @@ def async_vs_sequential(run_dir) -> dict:
     return out
 
 
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    """95% Wilson interval of a proportion k / n."""
+    if n == 0:
+        return float("nan"), float("nan")
+    p, d = k / n, 1 + z * z / n
+    c, h = (p + z * z / (2 * n)) / d, z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / d
+    return max(0.0, c - h), min(1.0, c + h)
+
+
+def mean_interval(xs: list, z: float = 1.96) -> tuple[float, float]:
+    """95% normal interval of a mean (the standard error of xs)."""
+    n = len(xs)
+    if n < 2:
+        return float("nan"), float("nan")
+    m = sum(xs) / n
+    se = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1) / n)
+    return m - z * se, m + z * se
+
+
+def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
+    """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips,
+    and the paired bootstrap (over trials) of the mean-reward difference: its 95% interval and one-sided p of
+    b <= a. a, b: evaluations (gateway.evaluate_trials) of the same tasks."""
+    ka = {(t["task"], t["attempt"]): t for t in a["trials"]}
+    kb = {(t["task"], t["attempt"]): t for t in b["trials"]}
+    if set(ka) != set(kb):
+        raise ValueError(f"paired: the two evaluations cover different trials ({len(ka)} vs {len(kb)})")
+    keys = sorted(ka)
+    gain = sum(kb[k]["resolved"] and not ka[k]["resolved"] for k in keys)
+    loss = sum(ka[k]["resolved"] and not kb[k]["resolved"] for k in keys)
+    m = gain + loss
+    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
+    d = [kb[k]["reward"] - ka[k]["reward"] for k in keys]
+    rng, boots = np.random.default_rng(seed), []
+    for _ in range(n_boot):
+        idx = rng.integers(0, len(d), len(d))
+        boots.append(float(np.mean([d[i] for i in idx])))
+    boots.sort()
+    return {"n": len(keys), "solved_gained": gain, "solved_lost": loss, "mcnemar_p": p,
+            "reward_diff": sum(d) / len(d) if d else 0.0,
+            "reward_diff_ci": (boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]),
+            "reward_p_le": sum(x <= 0 for x in boots) / n_boot}
+
+
 def print_table(summary: dict) -> None:
-    print("\n| pool | checkpoint | solve rate | mean reward (P/S) | mean turns | trials |\n|---|---|---|---|---|---|")
+    """The end-of-run table: held-out (and first training tasks) solve rate and mean reward of each checkpoint with
+    95% intervals and n, then the paired tests RL vs SFT (and SFT vs base), then the phase times."""
+    print("\n| pool | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n|---|---|---|---|---|---|")
     for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
-        for ck in ("sft", "rl"):
-            e = summary[key.format(ck)]
-            print(f"| {pool} | after {ck.upper()} | {e['solve_rate']:.3f} | {e['reward_mean']:.3f} | "
-                  f"{e['turns_mean']:.1f} | {e['n_trials']} |")
+        for ck in ("base", "sft", "rl"):
+            e = summary.get(key.format(ck))
+            if not e or not e.get("n_trials"):
+                continue
+            lo, hi = wilson(sum(t["resolved"] for t in e["trials"]), e["n_trials"])
+            rlo, rhi = mean_interval([t["reward"] for t in e["trials"]])
+            print(f"| {pool} | {ck.upper()} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
+                  f"[{rlo:.3f}, {rhi:.3f}] | {e['turns_mean']:.1f} | {e['n_trials']} |")
+    for a, b in (("sft", "rl"), ("base", "sft")):
+        ea, eb = summary.get(f"eval_{a}"), summary.get(f"eval_{b}")
+        if ea and eb and ea.get("trials") and eb.get("trials"):
+            t = paired(ea, eb)
+            print(f"held-out {b.upper()} vs {a.upper()} (paired, n {t['n']}): solved +{t['solved_gained']} "
+                  f"-{t['solved_lost']}, McNemar p = {t['mcnemar_p']:.3g}; mean reward {t['reward_diff']:+.3f} "
+                  f"[{t['reward_diff_ci'][0]:+.3f}, {t['reward_diff_ci'][1]:+.3f}], bootstrap p(<= 0) = "
+                  f"{t['reward_p_le']:.3g}")
     print("\n| phase | wall time (s) |\n|---|---|")
     for k, v in summary["phase_times"].items():
         print(f"| {k} | {v:.0f} |")

@@ -495,12 +495,18 @@ def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
 
 
 def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list, ck: str) -> None:
-    """Held-out evaluation (and on the first training tasks) of ck: "sft" once, "rl" after the last RL step
-    (again when a resume added steps); the engines serve its weights."""
+    """Held-out evaluation (and on the first training tasks) of ck: "base" (held-out only) and "sft" once, "rl" after
+    the last RL step (again when a resume added steps); the engines serve its weights."""
     args, state = run.args, run.state
 
     def ev(dirs, tag):
         return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+    base = run.dir / "ckpt" / "base"
+    if ck == "base" and "eval_base" not in state and state["step"] == 0 and (base / "config.json").exists():
+        rollout.publish_from_disk(ax.urls, base, 0)  # the base model's weights for its evaluation, then SFT's again
+        state["eval_base"] = run.timed("eval_base", lambda: ev(heldout, "base"))
+        rollout.publish_from_disk(ax.urls, run.sft_dir, 0)
+        run.save_state()
     if ck == "sft" and "eval_sft" not in state:
         state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
         state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
@@ -637,6 +643,7 @@ def train(args: Args) -> dict:
     ax = SimpleNamespace(ray=ray, place=place, ext_urls=ext_urls, n_eng=n_eng, engines=[], trainer=None)
     try:
         start_actors(run, ax)
+        evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "base")  # with a base phase
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "sft")
         log(run.dir, f"eval after SFT: {state['eval_sft']}")
         warm_up_critic(run, ax, tokenizer, train_pool)
@@ -651,7 +658,8 @@ def train(args: Args) -> dict:
         infra.ray_stop(pgs)
         run.metrics.tb.close()
 
-    summary = {"eval_sft": state["eval_sft"], "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
+    summary = {"eval_base": state.get("eval_base"), "copy_gate": state.get("base"), "eval_sft": state["eval_sft"],
+               "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
                "rl_steps": state["step"], "async_vs_sequential": bench.async_vs_sequential(run.dir)}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))

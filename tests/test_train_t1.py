@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+import bench
 import critic as C
 import data
 import gateway
@@ -400,3 +401,31 @@ def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
             phase="base", epochs=1, lr=ppo.BASE_LR, batch_size=ppo.BASE_BATCH)
     after = ppo.copy_accuracy(actor, probe)
     assert before < 0.05 and after > 0.2, (before, after)
+
+
+# --- the end-of-run table's statistics (bench.py) ----------------------------------------------------------
+
+def _ev(resolved, rewards):
+    return {"trials": [{"task": f"t{i}", "attempt": 0, "resolved": r, "reward": w}
+                       for i, (r, w) in enumerate(zip(resolved, rewards))]}
+
+
+def test_wilson_and_mean_intervals_by_hand():
+    lo, hi = bench.wilson(30, 150)  # p = .2, n = 150: Wilson [.144, .271]
+    assert abs(lo - 0.1440) < 1e-3 and abs(hi - 0.2707) < 1e-3
+    assert bench.wilson(0, 150)[0] == 0.0 and bench.wilson(0, 150)[1] > 0.02  # no solve still has an upper bound
+    lo, hi = bench.mean_interval([0.0, 1.0] * 50)  # mean .5, sd .5025, se .0503
+    assert abs(lo - (0.5 - 1.96 * 0.050252)) < 1e-4 and abs(hi - (0.5 + 1.96 * 0.050252)) < 1e-4
+
+
+def test_paired_mcnemar_and_bootstrap_by_hand():
+    a = _ev([False] * 20 + [True] * 5, [0.0] * 20 + [1.0] * 5)
+    b = _ev([True] * 12 + [False] * 8 + [True] * 4 + [False], [1.0] * 12 + [0.0] * 8 + [1.0] * 4 + [0.0])
+    t = bench.paired(a, b)
+    assert (t["solved_gained"], t["solved_lost"], t["n"]) == (12, 1, 25)
+    assert abs(t["mcnemar_p"] - 2 * 14 / 2 ** 13) < 1e-12  # exact: 2 P(X <= 1), X ~ Bin(13, 1/2)
+    assert abs(t["reward_diff"] - 11 / 25) < 1e-12 and t["reward_diff_ci"][0] > 0 and t["reward_p_le"] < 0.01
+    same = bench.paired(a, a)
+    assert same["mcnemar_p"] == 1.0 and same["reward_diff"] == 0.0
+    with pytest.raises(ValueError, match="different trials"):
+        bench.paired(a, _ev([True], [1.0]))
