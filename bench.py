@@ -374,7 +374,8 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
 def print_table(summary: dict) -> None:
     """The end-of-run table: held-out (and first training tasks) solve rate and mean reward of each checkpoint with
     95% intervals and n, then the paired tests RL vs SFT (and SFT vs base), then the phase times."""
-    print("\n| pool | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n|---|---|---|---|---|---|")
+    print("\n| pool | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n"
+          "|---|---|---|---|---|---|")
     for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
         for ck in ("base", "sft", "rl"):
             e = summary.get(key.format(ck))
