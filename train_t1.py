@@ -354,7 +354,12 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
     if rep["n_errors"]:
         log(Path(run_dir), f"eval {tag}: {rep['n_errors']} of {rep['n_trials']} trials failed and count 0: "
                            f"{rep['errors'][:5]}")
-    return {k: v for k, v in rep.items() if k != "trials"}
+    return rep  # with its trials (task, attempt, reward, resolved): the paired tests of the end-of-run table
+
+
+def brief(ev: dict) -> dict:
+    """An evaluation without its per-trial rows (for the log)."""
+    return {k: v for k, v in ev.items() if k != "trials"}
 
 
 # --- the run: one function per phase ------------------------------------------------------------------
@@ -507,6 +512,7 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         state["eval_base"] = run.timed("eval_base", lambda: ev(heldout, "base"))
         rollout.publish_from_disk(ax.urls, run.sft_dir, 0)
         run.save_state()
+        log(run.dir, f"eval of the base model: {brief(state['eval_base'])}")
     if ck == "sft" and "eval_sft" not in state:
         state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
         state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
@@ -515,6 +521,7 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
         state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
         run.save_state()
+        log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
 
 
 def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
@@ -645,7 +652,7 @@ def train(args: Args) -> dict:
         start_actors(run, ax)
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "base")  # with a base phase
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "sft")
-        log(run.dir, f"eval after SFT: {state['eval_sft']}")
+        log(run.dir, f"eval after SFT: {brief(state['eval_sft'])}")
         warm_up_critic(run, ax, tokenizer, train_pool)
         rl_loop(run, ax, tokenizer, train_pool)
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "rl")  # the engines serve the final weights
