@@ -347,9 +347,9 @@ def mean_interval(xs: list, z: float = 1.96) -> tuple[float, float]:
 
 
 def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
-    """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips,
-    and the paired bootstrap (over trials) of the mean-reward difference: its 95% interval and one-sided p of
-    b <= a. a, b: evaluations (gateway.evaluate_trials) of the same tasks."""
+    """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips
+    (over trials: exact with one attempt per task), and the paired bootstrap over tasks of the mean-reward
+    difference: its 95% interval and one-sided p of b <= a. a, b: evaluations (gateway.evaluate_trials)."""
     ka = {(t["task"], t["attempt"]): t for t in a["trials"]}
     kb = {(t["task"], t["attempt"]): t for t in b["trials"]}
     if set(ka) != set(kb):
@@ -359,11 +359,15 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     loss = sum(ka[k]["resolved"] and not kb[k]["resolved"] for k in keys)
     m = gain + loss
     p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
+    per_task = {}  # the bootstrap resamples tasks (their attempts together: attempts of one task are not independent)
+    for k in keys:
+        per_task.setdefault(k[0], []).append(kb[k]["reward"] - ka[k]["reward"])
     d = [kb[k]["reward"] - ka[k]["reward"] for k in keys]
+    groups = [np.array(v) for v in per_task.values()]
     rng, boots = np.random.default_rng(seed), []
     for _ in range(n_boot):
-        idx = rng.integers(0, len(d), len(d))
-        boots.append(float(np.mean([d[i] for i in idx])))
+        pick = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
+        boots.append(float(np.concatenate(pick).mean()))
     boots.sort()
     return {"n": len(keys), "solved_gained": gain, "solved_lost": loss, "mcnemar_p": p,
             "reward_diff": sum(d) / len(d) if d else 0.0,
@@ -399,7 +403,8 @@ def print_table(summary: dict) -> None:
 
 
 def plot(run_dir) -> Path:
-    """PNG curves of a run: reward, solve rate, EV (warm-up and RL), |dlogp|, turns, phase times."""
+    """PNG curves of a run: reward and solve rate (training rollouts; held-out evaluations), EV (warm-up and RL),
+    |dlogp|, turns, step times, SFT loss."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -411,8 +416,12 @@ def plot(run_dir) -> Path:
               ("time_step", "step time (s)")]
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     axes = axes.ravel()
+    held = [r for r in recs if r["phase"] == "eval"]  # held-out evaluations (step 0: SFT; --eval-every, the last)
     for ax, (k, title) in zip(axes, panels):
-        ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o")
+        ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o", label="training rollouts")
+        if k in ("reward_mean", "solve_rate") and held:
+            ax.plot([r["step"] for r in held], [r[f"heldout_{k}"] for r in held], marker="s", label="held-out")
+            ax.legend()
         if k == "dlogp":
             ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")
             ax.legend()

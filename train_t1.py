@@ -111,6 +111,7 @@ class Args:
     eval_verifier_timeout_s: float = gateway.EVAL["verifier_timeout_s"]
     # also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)
     eval_train_tasks: int = 0
+    eval_every: int = 0  # held-out evaluation every this many RL steps (curves.png; paper silent); 0 = after RL only
     # --- reward
     # S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)
     reward_scale: float = float(reward.SCALE)
@@ -210,7 +211,7 @@ NUMERIC = {
     "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "vocab_size": ">= 1",
     "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
-    "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
+    "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0", "eval_every": ">= 0",
     "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
     "base_steps": ">= 0", "base_lr": "> 0", "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
@@ -355,6 +356,12 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
         log(Path(run_dir), f"eval {tag}: {rep['n_errors']} of {rep['n_trials']} trials failed and count 0: "
                            f"{rep['errors'][:5]}")
     return rep  # with its trials (task, attempt, reward, resolved): the paired tests of the end-of-run table
+
+
+def eval_row(run: Run, ev: dict, step: int) -> None:
+    """A held-out evaluation as a metrics row (phase "eval", at the RL step whose weights it scored; SFT: 0)."""
+    run.metrics.write({"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
+                       "heldout_n_trials": ev["n_trials"]}, step, "eval")
 
 
 def brief(ev: dict) -> dict:
@@ -515,10 +522,12 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         log(run.dir, f"eval of the base model: {brief(state['eval_base'])}")
     if ck == "sft" and "eval_sft" not in state:
         state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
+        eval_row(run, state["eval_sft"], 0)
         state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
         run.save_state()
     if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
         state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
+        eval_row(run, state["eval_rl"], state["step"])
         state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
         run.save_state()
         log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
@@ -577,9 +586,11 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
             "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], **timing}
 
 
-def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
+def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list) -> None:
     """RL: PPO steps, the paper's step list. One-step async: the rollout of step t+1 runs beside the update of
-    step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously."""
+    step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously.
+    --eval-every K: held-out evaluation after every K-th publish (nothing else is in flight then: the next
+    step's rollout finished beside the update), a metrics row of phase "eval" (curves.png)."""
     args, state = run.args, run.state
     first_step = state["step"] + 1
 
@@ -621,6 +632,8 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
                **step_record(ro, samples, stats, audit, time_rollout_wait=t_wait, time_publish=t_publish,
                              time_step=time.time() - t_step)}
         run.metrics.write(rec, step, "rl")
+        if args.eval_every and step % args.eval_every == 0 and step < args.rl_steps:  # the last: evaluate_checkpoint
+            eval_row(run, evaluate(heldout, args, run.dir, tokenizer, ax.workers, ax.urls, f"step {step}"), step)
         state["step"] = step
         state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
         run.save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
@@ -654,7 +667,7 @@ def train(args: Args) -> dict:
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "sft")
         log(run.dir, f"eval after SFT: {brief(state['eval_sft'])}")
         warm_up_critic(run, ax, tokenizer, train_pool)
-        rl_loop(run, ax, tokenizer, train_pool)
+        rl_loop(run, ax, tokenizer, train_pool, heldout)
         evaluate_checkpoint(run, ax, tokenizer, train_pool, heldout, "rl")  # the engines serve the final weights
     finally:
         for h in ax.engines + ([ax.trainer] if ax.trainer is not None else []):

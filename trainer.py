@@ -272,7 +272,7 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
         tag = str(tag)
         if tag.startswith("step") and tag[4:].isdigit():
             return int(tag[4:]) <= want
-        if tag == "rl":
+        if tag in ("rl", "eval"):  # an "eval" row belongs to the RL step it scored (0: the SFT checkpoint)
             if not isinstance(step, int) or isinstance(step, bool):
                 raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
             return step <= want

@@ -48,7 +48,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     beside it); then a resume of the same run directory that loses and repeats nothing (train_t1.resume_run,
     the commit point state.json): every step's metrics and samples exist exactly once."""
     run_dir = tmp_path / "run"
-    log = run(run_dir, TINY + ["--rl-steps", "4"], kill_at="step 3: actor update")  # killed inside step 3's update
+    log = run(run_dir, TINY + ["--rl-steps", "4", "--eval-every", "2"],  # held-out eval after step 2
+              kill_at="step 3: actor update")  # killed inside step 3's update
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 2  # step 3 never checkpointed
     # the Ray actors (trainer, engine, rollout workers) and their sandboxes die with the killed driver
@@ -63,7 +64,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert jails.returncode == 1, "a sandbox outlived the killed driver"
 
     recs = read_metrics(run_dir)  # the two committed steps, as the run wrote them
-    assert {r["phase"] for r in recs} == {"base", "sft", "critic_warmup", "rl"}
+    assert {r["phase"] for r in recs} == {"base", "sft", "eval", "critic_warmup", "rl"}
+    assert [r["step"] for r in recs if r["phase"] == "eval"] == [0, 2]  # SFT, then --eval-every 2
     rl = [r for r in recs if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2]
     assert rl[0]["n_launched"] == 5 and rl[0]["n_kept"] + rl[0]["n_dropped"] == 5 and rl[0]["n_kept"] <= 4
@@ -94,6 +96,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2, 3]
     assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
+    held = [r for r in read_metrics(run_dir) if r["phase"] == "eval"]
+    assert [r["step"] for r in held] == [0, 2, 3] and held[2]["heldout_n_trials"] == 3  # the last: after step 3
     n_sft = len([r for r in recs if r["phase"] == "sft"])
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == n_sft
     assert json.loads((run_dir / "state.json").read_text())["step"] == 3
