@@ -2,8 +2,10 @@
 # T1 reproduction (arXiv 2609.11042): the one entry point.
 #
 #   bash run.sh                      # embedded pipeline end to end on this machine (CPU ok):
-#                                    #   synthesize tasks -> SFT warm start -> critic warm-up -> PPO -> held-out eval
+#                                    #   tasks -> base (copy pretraining) -> SFT -> critic warm-up -> PPO -> evals
 #   bash run.sh --quick              # the same pipeline, tiny settings (a smoke run of a few minutes)
+#   bash run.sh --full               # the same pipeline at the sizes of the learning targets (150 held-out
+#                                    #   tasks, 24 RL steps, held-out curve): about an hour on 2 cores
 #   bash run.sh --run-dir runs/x     # any train_t1.py flag passes through; same --run-dir resumes
 #   bash run.sh test                 # the test suite (pytest, CPU only; GPU tests skip without CUDA)
 #   bash run.sh qwen35-122b-a10b [--model-path DIR]   # cluster preset: checks GPUs/env/model, prints the

@@ -429,3 +429,13 @@ def test_paired_mcnemar_and_bootstrap_by_hand():
     assert same["mcnemar_p"] == 1.0 and same["reward_diff"] == 0.0
     with pytest.raises(ValueError, match="different trials"):
         bench.paired(a, _ev([True], [1.0]))
+
+
+def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
+    full, emb = T.parse_args(["--full"]), T.parse_args([])
+    assert (full.n_heldout_tasks, full.eval_every, full.arch) == (150, 8, "qwen3_moe") and full.rl_steps > emb.rl_steps
+    assert T.parse_args(["--full", "--rl-steps", "3"]).rl_steps == 3  # a flag still wins over the preset
+    assert emb.base_steps > 0 and T.Args().base_steps == 0  # the base phase is the embedded presets' only
+    with pytest.raises(SystemExit):
+        T.parse_args(["--full", "--quick"])
+    assert "pick one preset" in capsys.readouterr().err
