@@ -684,6 +684,27 @@ def corpus(task_dirs):
     return texts
 
 
+def overlap(train_dirs, heldout_dirs) -> dict:
+    """How new the held-out tasks are to a training pool: shared instructions (0 by construction), held-out
+    instruction words and reference command lines seen in the pool's, and held-out tasks whose every command
+    line was seen (solvable by recall alone)."""
+    def read(d):
+        t = task_io.load_task(d)
+        with open(os.path.join(d, "solution", "solve.sh")) as f:
+            cmds = [ln for ln in f.read().splitlines()[3:] if ln.strip()]  # after the shebang, set -e, cd /app
+        return t.instruction, cmds
+    train = [read(d) for d in train_dirs]
+    held = [read(d) for d in heldout_dirs]
+    words = {w for ins, _ in train for w in ins.split()}
+    lines = {c for _, cmds in train for c in cmds}
+    hw = [w for ins, _ in held for w in ins.split()]
+    hl = [c for _, cmds in held for c in cmds]
+    return {"instructions_shared": len({i for i, _ in held} & {i for i, _ in train}),
+            "word_seen": round(sum(w in words for w in hw) / max(1, len(hw)), 3),
+            "command_line_seen": round(sum(c in lines for c in hl) / max(1, len(hl)), 3),
+            "tasks_all_lines_seen": sum(all(c in lines for c in cmds) for _, cmds in held)}
+
+
 COPY_ITEMS = (3, 8)  # items per copy sample (this project's)
 
 

@@ -467,6 +467,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)}
         sft_pool = [d for d in extra if task_io.load_task(d).instruction not in taken]
     texts = data.corpus(sft_pool)
+    log(run_dir, f"held-out vs the SFT pool: {data.overlap(sft_pool, heldout)}; vs the RL pool: "
+                 f"{data.overlap(train_pool, heldout)}")
     tokenizer = M.train_tokenizer(texts, vocab_size=args.vocab_size)
     tp = parallel_plan(args)["tp"] if args.backend == "megatron" else 1  # vocab-parallel rows split evenly
     actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tokenizer), tp), args.arch), seed=args.seed)

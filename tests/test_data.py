@@ -436,3 +436,11 @@ def test_generate_drops_and_redraws_a_draft_the_audit_rejects(tmp_path, monkeypa
     st = summary["audit"]
     assert (st["audited"], st["accepted"] + st["borderline"], st["rejected"]) == (2, 1, 1)
     assert st["rejected_by_reason"] == {"weak_verifier": 1} and st["per_family"]["files"]["weak_verifier"] == 1
+
+
+def test_overlap_reports_how_new_the_heldout_tasks_are(pool):
+    _, train, heldout = pool
+    o = data.overlap(train, heldout)
+    assert o["instructions_shared"] == 0 and 0 < o["word_seen"] < 1 and o["command_line_seen"] < 0.5
+    same = data.overlap(train, train[:3])  # a pool against itself: everything seen
+    assert same == {"instructions_shared": 3, "word_seen": 1.0, "command_line_seen": 1.0, "tasks_all_lines_seen": 3}
