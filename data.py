@@ -6,7 +6,7 @@ hidden requirements, test leakage, solution shortcuts and weak verifiers; the ac
 form T1-15k, reshuffled every epoch. Each task's verifier writes the CTRF report behind r = P/S (reward.py).
 
 Run:
-    python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0
+    python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0 [--rst-rounds 2]
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
         # (accepted / borderline / rejected per reason and family), then one JSON line
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: rst.py
@@ -21,7 +21,9 @@ generated tasks, else the oracle's count in t1_audit.json (a task.toml this proj
 
 Departures from the paper:
 1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
-   find-then-act) with randomised parameters; RST's recursive rewriting is left to a later issue.
+   find-then-act) with randomised parameters are the seeds; RST's recursive rewriting (rst_extend, --rst-rounds)
+   extends a seed's path by operations from a fixed library (RST_OPS) and appends the step to the instruction
+   ("... Then <step>.") instead of an LLM composing and rewriting; the files family has no file output to extend.
 2. The audit is mechanical: validate() (the oracle resolves with reward == total/S and total == n_assertions, nop
    scores below full, the scripted expert resolves), then rst.audit's rule-based hard rejects, not an LLM's.
 3. `quality` is rst.audit's weighted score (task.toml, with the verdict); a draft rejected by either is redrawn,
@@ -79,6 +81,11 @@ def _lines(p):
 
 def _mode(p):
     return stat.S_IMODE(os.stat(os.path.join(A, p)).st_mode)
+
+
+def _bytes(p):
+    with open(os.path.join(A, p), "rb") as f:
+        return f.read()
 '''
 TEST_SH = """#!/bin/bash
 # Harbor verifier: per-assertion CTRF report (dense reward r = P/S) + binary reward.txt
@@ -403,6 +410,64 @@ FAMILIES = {"files": fam_files, "text": fam_text, "perms": fam_perms, "archive":
 
 
 
+# --- RST: recursive task synthesis (extend the executable path, then rewrite the instruction) -------------------
+def _op_backup(rng, o, fam):
+    d = _names(rng, 1, "")[0] + "_backup"
+    b = os.path.basename(o)
+    return (f"copy {o} into the new directory {d}", [f"mkdir {d}", f"cp {o} {d}/"],
+            [(f"backup_dir_{d}", [f"assert os.path.isdir(A + '/{d}')"]),
+             (f"backup_copy_{d}", [f"assert _bytes('{d}/{b}') == _bytes({o!r})"])], [d])
+
+
+def _op_gzip(rng, o, fam):
+    return (f"compress {o} with gzip into {o}.gz, keeping {o}", [f"gzip -k {o}"],
+            [(f"gzip_of_{o}", [f"assert gzip.open(A + '/{o}.gz').read() == _bytes({o!r})"])], [f"{o}.gz"])
+
+
+def _op_count(rng, o, fam):
+    c, = _names(rng, 1, "txt")
+    return (f"write the number of lines of {o} to {c}", [f"wc -l < {o} > {c}"],
+            [(f"line_count_{c}", [f"assert int(_read({c!r}).strip()) == len(_lines({o!r}))"])], [c])
+
+
+def _op_readonly(rng, o, fam):
+    return (f"make {o} read-only for everyone (mode 444)", [f"chmod 444 {o}"],
+            [(f"read_only_{o}", [f"assert _mode({o!r}) == 0o444"])], [])
+
+
+# the library of verified operations on one output file: (name, op, applies to (output, family))
+RST_OPS = (("backup", _op_backup, lambda o, fam: True),
+           ("gzip", _op_gzip, lambda o, fam: not o.endswith(".gz")),
+           ("count", _op_count, lambda o, fam: not o.endswith(".gz")),  # text files only
+           ("readonly", _op_readonly, lambda o, fam: fam != "perms"))  # would undo the perms family's modes
+
+
+def rst_extend(spec, family, rng, rounds):
+    """RST at embedded scale: `rounds` times, extend the executable path by one operation from RST_OPS applied
+    to an output file of the task so far (the newest first), then rewrite the instruction to ask for it ("...
+    Then <step>."); the new step's commands become one more expert turn and its checks more tests. Every draft
+    is verified by data.validate and rst.audit like any task (the oracle resolves; nop fails; a mutant without
+    any one step fails a test: weak_verifier). Returns a new spec; the seed spec is not changed."""
+    spec = dict(spec, tests=list(spec["tests"]), turns=list(spec["turns"]), outputs=list(spec["outputs"]))
+    used = set()
+    for _ in range(rounds):
+        files = [o for o in reversed(spec["outputs"]) if "." in os.path.basename(o)]
+        options = [(o, name, op) for o in files for name, op, ok in RST_OPS if ok(o, family) and (o, name) not in used
+                   and (o, "readonly") not in used]  # a read-only file is not written to again
+        if not options:
+            break
+        o = files[0] if any(x[0] == files[0] for x in options) else options[0][0]
+        o, name, op = rng.choice([x for x in options if x[0] == o])
+        used.add((o, name))
+        phrase, cmds, tests, outputs = op(rng, o, family)
+        spec["instruction"] = f"{spec['instruction']} Then {phrase}."
+        spec["tests"] += [(re.sub(r"\W", "_", n), lines) for n, lines in tests]  # test names: identifiers
+        spec["turns"].append(_turn(f"Next I {phrase}.", f"Run {cmds[0].split()[0]}.", cmds))
+        spec["outputs"] += outputs
+        spec["done"] = f"{spec['done']} I also did: {phrase}."
+    return spec
+
+
 def expert_replies(spec):
     """Terminus-2 replies of the expert: the work turns, then task_complete twice (confirmation)."""
     replies = [dict(analysis=t["analysis"], plan=t["plan"],
@@ -515,14 +580,16 @@ def _write_audit(task_dir, doc):
 
 
 # --- pools ----------------------------------------------------------------------------------------
-def _draw(split, slot, seed, seen, attempt=0):
-    """Deterministic spec for one slot of a split (family = slot mod 6), skipping instructions
-    already used in either split and drafts that fail the static audit."""
+def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0):
+    """Deterministic spec for one slot of a split (family = slot mod 6), extended by rst_rounds RST steps,
+    skipping instructions already used in either split and drafts that fail the static audit."""
     family = list(FAMILIES)[slot % len(FAMILIES)]
     first = attempt
     while True:
         rng = random.Random(f"{seed}/{split}/{slot}/{attempt}")
         spec = FAMILIES[family](rng)
+        if rst_rounds:
+            spec = rst_extend(spec, family, rng, rst_rounds)
         if spec["instruction"] not in seen and static_audit(spec) is None:
             seen.add(spec["instruction"])
             return family, spec, f"{seed}/{split}/{slot}/{attempt}"
@@ -531,8 +598,9 @@ def _draw(split, slot, seed, seen, attempt=0):
             raise RuntimeError(f"cannot draw a new {family} task for {split} slot {slot}")
 
 
-def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2):
-    """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/.
+def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0):
+    """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
+    rst_rounds RST steps: rst_extend).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
     (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
@@ -541,7 +609,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     specs = {}
     for split, n in (("train", n_train), ("heldout", n_heldout)):
         for slot in range(n):
-            family, spec, sd = _draw(split, slot, seed, seen)
+            family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds)
             name = f"{split}-{slot:04d}-{family}"
             specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd)
     tokenizer, scripted_note = None, "off"
@@ -580,7 +648,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
             if rnd == 2:
                 unrecovered += 1
                 continue
-            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1))
+            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), rst_rounds=rst_rounds)
             d = os.path.join(out_dir, key[0], f"{key[0]}-{key[1]:04d}-{family}")
             specs[key] = pending[key] = write_task(d, spec, family, key[0], sd)
         if not pending:
@@ -748,9 +816,10 @@ if __name__ == "__main__":
     g.add_argument("--no-validate", action="store_true", help="skip the sandbox audit")
     g.add_argument("--no-scripted", action="store_true", help="skip the scripted-trajectory check")
     g.add_argument("--workers", type=int, default=2)
+    g.add_argument("--rst-rounds", type=int, default=0, help="RST steps added to each seed task (rst_extend)")
     a = p.parse_args()
     generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
-                   scripted=not a.no_scripted, workers=a.workers)
+                   scripted=not a.no_scripted, workers=a.workers, rst_rounds=a.rst_rounds)
     with open(os.path.join(a.out, "summary.json")) as f:
         summary = json.load(f)
     if summary["validated"]:  # like the paper's: accepted 5,902 / borderline 3,251 / rejected 5,847, 6,875 repaired

@@ -444,3 +444,51 @@ def test_overlap_reports_how_new_the_heldout_tasks_are(pool):
     assert o["instructions_shared"] == 0 and 0 < o["word_seen"] < 1 and o["command_line_seen"] < 0.5
     same = data.overlap(train, train[:3])  # a pool against itself: everything seen
     assert same == {"instructions_shared": 3, "word_seen": 1.0, "command_line_seen": 1.0, "tasks_all_lines_seen": 3}
+
+
+# --- RST: recursive task synthesis -------------------------------------------------------------------------
+
+def test_rst_extend_adds_steps_tests_and_rewrites_the_instruction():
+    import random
+    seed = data.fam_text(random.Random(1))
+    before = json.dumps(seed)
+    ext = data.rst_extend(seed, "text", random.Random(2), 2)
+    assert json.dumps(seed) == before  # the seed spec is not changed
+    assert ext["instruction"].startswith(seed["instruction"]) and ext["instruction"].count(" Then ") == 2
+    assert len(ext["turns"]) == len(seed["turns"]) + 2 and len(ext["tests"]) > len(seed["tests"])
+    for o in ext["outputs"][len(seed["outputs"]):]:
+        assert o in ext["instruction"]  # every new output is asked for
+    assert all(n.isidentifier() for n, _ in ext["tests"])
+    assert json.dumps(data.rst_extend(seed, "text", random.Random(2), 2)) == json.dumps(ext)  # deterministic
+    assert data.static_audit(ext) is None
+
+
+@pytest.fixture(scope="module")
+def rst_audited(tmp_path_factory):
+    """An RST-extended text task, and the same task whose last step's test was dropped (its mutant passes)."""
+    import random
+    root = tmp_path_factory.mktemp("rst_ext")
+    rng = random.Random(3)
+    ext = data.rst_extend(data.fam_text(rng), "text", rng, 2)
+    weak = dict(ext, tests=ext["tests"][:-1])  # the last step's (last) check gone: skipping that step passes
+    dirs = {name: data.write_task(str(root / name), spec, "text", "train", "0")
+            for name, spec in (("ext", ext), ("weak", weak))}
+    work = str(root / "w")
+    out = {}
+    for name, d in dirs.items():
+        reason, ref = data._validate(d, None, work)
+        out[name] = (reason, rst.audit(d, work, reference=ref) if reason is None else None, ext)
+    return out
+
+
+def test_rst_task_is_verified_in_fresh_sandboxes_and_accepted(rst_audited):
+    reason, a, ext = rst_audited["ext"]
+    assert reason is None  # the oracle resolves with every test, nop does not
+    assert a["reason"] is None and a["verdict"] in ("accepted", "borderline")
+    assert a["dims"]["solution_necessity"] == 1.0  # every step's mutant fails a test
+
+
+def test_rst_step_without_its_test_is_a_weak_verifier(rst_audited):
+    reason, a, _ = rst_audited["weak"]
+    assert reason is None
+    assert [r.split(":")[0] for r in a["reasons"]] == ["weak_verifier"], a["reasons"]
