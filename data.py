@@ -45,6 +45,7 @@ import random
 import re
 import shutil
 import tarfile
+import tempfile
 import time
 
 import model
@@ -805,6 +806,53 @@ def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
     return out
 
 
+def audit_dirs(dirs, judge_url=None, judge_rounds=rst.JUDGE_ROUNDS, model_name="t1", workers=2):
+    """`python data.py audit`: the mechanical audit (validate + rst.audit in fresh sandboxes) of task dirs and, with
+    judge_url, the LLM judge's semantic audit (rst.judge): the verdict is the worse of the two (a judge without a
+    parsable reply rejects as judge_failed), quality the lower. Returns the rows and rst.audit_stats of them."""
+    work = tempfile.mkdtemp(prefix="t1_audit_")
+
+    def one(d):
+        t = time.time()
+        fam = task_io.load_task(d).config.get("metadata", {}).get("family", "other")
+        reason, ref = _validate(d, None, work)
+        row = (dict(family=fam, verdict="rejected", reason=reason) if reason is not None
+               else dict(rst.audit(d, work, reference=ref), family=fam))
+        if judge_url and row["verdict"] != "rejected":
+            j = rst.judge(d, judge_url, judge_rounds, model_name)
+            order = {"accepted": 0, "borderline": 1, "rejected": 2, "judge_failed": 2}
+            row["judge"], row["repaired"] = j, j["repaired"]
+            if order[j["verdict"]] > order[row["verdict"]]:
+                row["verdict"] = "rejected" if j["verdict"] == "judge_failed" else j["verdict"]
+                row["reason"] = j["reason"] or f"low_quality: judge {j['quality']}"
+            if j["quality"] is not None:
+                row["quality"] = min(row["quality"], j["quality"])
+        if row["verdict"] == "rejected" and not row.get("reason"):
+            row["reason"] = f"low_quality: {row.get('quality')} < {rst.BORDERLINE}"
+        return dict(row, task=os.path.basename(d), seconds=round(time.time() - t, 2))
+    try:
+        with cf.ThreadPoolExecutor(workers) as pool:
+            rows = list(pool.map(one, dirs))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return rows, rst.audit_stats(rows)
+
+
+def task_dirs_under(paths) -> list:
+    """Task dirs named directly, or the task dirs one level below a folder (a pool: DIR/train, DIR/heldout)."""
+    out = []
+    for p in paths:
+        if os.path.isfile(os.path.join(p, "task.toml")):
+            out.append(p)
+        elif os.path.isdir(p):
+            out += sorted(os.path.join(p, n) for n in os.listdir(p) if os.path.isfile(os.path.join(p, n, "task.toml")))
+        else:
+            raise ValueError(f"{p}: not a task dir nor a folder of task dirs")
+    if not out:
+        raise ValueError(f"no task dir (with task.toml) in {list(paths)}")
+    return out
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description="T1 task synthesis + audit (Harbor format)")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -817,7 +865,19 @@ if __name__ == "__main__":
     g.add_argument("--no-scripted", action="store_true", help="skip the scripted-trajectory check")
     g.add_argument("--workers", type=int, default=2)
     g.add_argument("--rst-rounds", type=int, default=0, help="RST steps added to each seed task (rst_extend)")
+    au = sub.add_parser("audit", help="audit task dirs in fresh sandboxes; --judge URL adds the LLM's semantic audit")
+    au.add_argument("dirs", nargs="+", help="task dirs, or folders of task dirs")
+    au.add_argument("--judge", default=None, help="OpenAI-compatible endpoint (the project's gateway too)")
+    au.add_argument("--judge-rounds", type=int, default=rst.JUDGE_ROUNDS, help="replies per task (paper: 15)")
+    au.add_argument("--model", default="t1", help="the model name the endpoint expects")
+    au.add_argument("--workers", type=int, default=2)
     a = p.parse_args()
+    if a.cmd == "audit":
+        rows, stats = audit_dirs(task_dirs_under(a.dirs), a.judge, a.judge_rounds, a.model, a.workers)
+        for r in rows:
+            print(json.dumps({k: r.get(k) for k in ("task", "verdict", "reason", "quality")}))
+        print("\n".join(rst.format_stats(stats)))
+        raise SystemExit(0)
     generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
                    scripted=not a.no_scripted, workers=a.workers, rst_rounds=a.rst_rounds)
     with open(os.path.join(a.out, "summary.json")) as f:

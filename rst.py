@@ -7,6 +7,7 @@ sandboxes: rollout.run_trial's oracle agent on a copy of the task whose solution
 
 Run (data.generate_tasks calls it after data.validate; `python data.py generate ...` prints the statistics):
     rst.audit(task_dir, work_root) -> dict(reason, reasons, verdict, quality, dims, seconds)
+    python data.py audit runs/x/tasks/train [--judge http://127.0.0.1:8000 --judge-rounds 15 --model NAME]
 
 The rules (a reason reads "<name>: why"; audit() lists every one that fires, in this order):
 - hidden_requirement: every word (a run of >= 2 letters / digits, case kept) of every string literal inside a test
@@ -32,7 +33,8 @@ min(1, tests / 8) + half min(1, steps / 4). quality = the weighted sum.
 
 Departures from the paper:
 1. Rules on words and files stand in for the LLM judge: a test that checks a word present somewhere in /app for the
-   wrong reason passes hidden_requirement; `python data.py audit --judge URL` is left to a later slice.
+   wrong reason passes hidden_requirement. The judge itself is optional (`python data.py audit --judge URL`:
+   judge(), JUDGE_ROUNDS = 15 independent replies per task, a majority rejects; the paper's 5 stages are one rubric).
 2. The eight dimensions are scored from what the rules measured (score_dims); the paper is silent on the
    accepted / borderline thresholds: ACCEPT and BORDERLINE are this project's.
 3. No instruction is repaired (no LLM): a rejected slot is redrawn with new parameters by data.generate_tasks.
@@ -41,6 +43,7 @@ import ast
 import collections
 import gzip
 import io
+import json
 import os
 import re
 import shlex
@@ -49,6 +52,7 @@ import tarfile
 import tempfile
 import time
 
+import gateway
 import rollout
 import task_io
 
@@ -295,16 +299,104 @@ def audit(task_dir, work_root=None, expert_resolved=None, reference=None):
             shutil.rmtree(work_root, ignore_errors=True)
 
 
+# --- the optional LLM judge: the paper's semantic audit, through any OpenAI-compatible endpoint ------------------
+JUDGE_ROUNDS = 15  # paper: a five-stage, 15-round semantic audit (here: 15 independent judge replies per task)
+JUDGE_RUBRIC = """You audit a terminal task for reinforcement learning. The agent sees only the instruction and /app;
+the tests run after the agent stops. Reply with exactly one JSON object:
+{"hidden_requirement": bool, "test_leakage": bool, "solution_shortcut": bool, "weak_verifier": bool,
+ "scores": {DIMS}, "repaired_instruction": null or a clearer instruction}
+Hard rejects (true rejects the task): hidden_requirement = a test checks something the instruction never asks
+for; test_leakage = expected values are visible to the agent before verification; solution_shortcut = a trivial
+command passes the tests; weak_verifier = a wrong or partial solution passes the tests.
+Scores in [0, 1], weights: WEIGHTS."""
+
+
+def judge_prompt(task_dir) -> list:
+    """The judge's messages: the rubric (the paper's dimensions and weights, its four hard rejects), then the task:
+    instruction, the initial /app (paths and the start of each text file), tests, reference solution."""
+    task = task_io.load_task(task_dir)
+    dims = ", ".join(f'"{k}": number' for k in WEIGHTS)
+    rubric = JUDGE_RUBRIC.replace("DIMS", dims).replace(
+        "WEIGHTS", ", ".join(f"{k} {round(100 * v)}%" for k, v in WEIGHTS.items()))
+    app = os.path.join(task.env_dir, "app")
+    files = []
+    for root, _, names in os.walk(app):
+        for n in sorted(names):
+            path = os.path.join(root, n)
+            files.append(f"--- /app/{os.path.relpath(path, app)}\n{_content(path)[:300]}")
+    tests = "\n".join(open(os.path.join(task.tests_dir, n)).read() for n in sorted(os.listdir(task.tests_dir))
+                      if n.endswith((".py", ".sh")))
+    with open(os.path.join(task.solution_dir, "solve.sh")) as f:
+        solve = f.read()
+    body = (f"Instruction:\n{task.instruction}\n\nInitial /app:\n" + "\n".join(files) +
+            f"\n\nTests:\n{tests}\n\nReference solution (solve.sh):\n{solve}")
+    return [{"role": "system", "content": rubric}, {"role": "user", "content": body}]
+
+
+def parse_judgement(text: str):
+    """A judge reply -> (dict with the four rejects, scores, repaired_instruction) or (None, why)."""
+    start, end = text.find("{"), text.rfind("}")
+    try:
+        obj = json.loads(text[start:end + 1]) if 0 <= start < end else None
+    except json.JSONDecodeError as e:
+        return None, f"invalid JSON ({e})"
+    if not isinstance(obj, dict):
+        return None, "no JSON object"
+    bad = [r for r in REASONS if not isinstance(obj.get(r), bool)]
+    if bad:
+        return None, f"{bad[0]}: expected true or false"
+    sc = obj.get("scores")
+    if not isinstance(sc, dict) or any(not isinstance(sc.get(k), (int, float)) or isinstance(sc.get(k), bool)
+                                       or not 0 <= sc[k] <= 1 for k in WEIGHTS):
+        return None, "scores: expected every dimension as a number in [0, 1]"
+    fix = obj.get("repaired_instruction")
+    return {"rejects": [r for r in REASONS if obj[r]], "scores": {k: float(sc[k]) for k in WEIGHTS},
+            "repaired_instruction": fix if isinstance(fix, str) and fix.strip() else None}, None
+
+
+def judge(task_dir, url: str, rounds: int = JUDGE_ROUNDS, model: str = "t1", timeout: float = 600.0) -> dict:
+    """The semantic audit of one task by an LLM at `url` (OpenAI /v1/chat/completions; the project's gateway too):
+    `rounds` independent replies; a hard reject flagged by a majority of the parsable replies rejects, quality =
+    the paper's weighted sum of the mean scores. No parsable reply is a loud verdict "judge_failed", never a pass.
+    A suggested instruction repair is counted, not applied (the task's verifier was audited on its own text)."""
+    if rounds < 1:
+        raise ValueError(f"judge rounds: must be >= 1, got {rounds}")
+    msgs, got, failures = judge_prompt(task_dir), [], []
+    for _ in range(rounds):
+        try:
+            reply = gateway.chat_completion(url, msgs, timeout=timeout, model=model, temperature=0.7)
+            j, why = parse_judgement(reply["choices"][0]["message"]["content"] or "")
+        except (RuntimeError, OSError, KeyError, IndexError, TypeError) as e:
+            j, why = None, f"request failed: {e}"
+        if j is None:
+            failures.append(why)
+        else:
+            got.append(j)
+    if not got:
+        return {"verdict": "judge_failed", "reason": f"judge_failed: no parsable reply in {rounds} ({failures[0]})",
+                "quality": None, "scores": None, "rounds": rounds, "unparsable": len(failures), "repaired": False}
+    votes = collections.Counter(r for j in got for r in j["rejects"])
+    rejects = [r for r in REASONS if votes[r] * 2 > len(got)]
+    scores = {k: sum(j["scores"][k] for j in got) / len(got) for k in WEIGHTS}
+    q = score_dims(scores)
+    why = f"{rejects[0]}: flagged by the judge in {votes[rejects[0]]} of {len(got)} replies" if rejects else None
+    repaired = sum(j["repaired_instruction"] is not None for j in got) * 2 > len(got)
+    return {"verdict": verdict(why, q), "reason": why, "quality": q, "scores": scores, "rounds": rounds,
+            "unparsable": len(failures), "repaired": repaired}
+
+
 def audit_stats(rows):
     """The paper's audit statistics over audited drafts: accepted / borderline / rejected, rejects per reason
-    and per family, instructions repaired (none here: rejected slots are redrawn), seconds per audit."""
+    and per family, instructions repaired (the judge's majority suggested a repair; none without a judge: rejected
+    slots are redrawn), seconds per audit."""
     by = collections.Counter(r["verdict"] for r in rows)
     reasons = collections.Counter(r["reason"].split(":")[0] for r in rows if r["verdict"] == "rejected")
     fams = collections.defaultdict(collections.Counter)
     for r in rows:
         fams[r["family"]][r["reason"].split(":")[0] if r["verdict"] == "rejected" else r["verdict"]] += 1
     return dict(audited=len(rows), accepted=by["accepted"], borderline=by["borderline"], rejected=by["rejected"],
-                rejected_by_reason=dict(sorted(reasons.items())), instructions_repaired=0,
+                rejected_by_reason=dict(sorted(reasons.items())),
+                instructions_repaired=sum(bool(r.get("repaired")) for r in rows),  # judged repairable (not applied)
                 per_family={f: dict(sorted(c.items())) for f, c in sorted(fams.items())},
                 seconds_per_task=round(sum(r["seconds"] for r in rows) / max(1, len(rows)), 2),
                 audit_seconds_per_task=round(sum(r.get("audit_s", 0.0) for r in rows) / max(1, len(rows)), 2))

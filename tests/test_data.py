@@ -492,3 +492,87 @@ def test_rst_step_without_its_test_is_a_weak_verifier(rst_audited):
     reason, a, _ = rst_audited["weak"]
     assert reason is None
     assert [r.split(":")[0] for r in a["reasons"]] == ["weak_verifier"], a["reasons"]
+
+
+# --- the optional LLM judge (rst.judge, `python data.py audit --judge URL`) ----------------------------------
+
+class _Judge:
+    """An OpenAI-compatible endpoint on 127.0.0.1 that answers every chat request with the next canned reply (a
+    JSON verdict or junk), recording the requests: what a real judge model would be sent and would answer."""
+
+    def __init__(self, replies):
+        import http.server
+        import threading
+        self.replies, self.requests = list(replies), []
+        judge = self
+
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                judge.requests.append((self.path, body))
+                text = judge.replies[(len(judge.requests) - 1) % len(judge.replies)]
+                out = json.dumps({"choices": [{"message": {"role": "assistant", "content": text}}]}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *a):
+                pass
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def _verdict(**over):
+    v = {r: False for r in rst.REASONS}
+    v["scores"] = {k: 0.9 for k in rst.WEIGHTS}
+    v["repaired_instruction"] = None
+    v.update(over)
+    return "Here is my audit: " + json.dumps(v)
+
+
+def test_judge_sends_the_rubric_and_task_and_combines_replies_by_majority(pool):
+    _, train, _ = pool
+    j = _Judge([_verdict(weak_verifier=True), _verdict(), _verdict(weak_verifier=True), "not json at all"])
+    try:
+        out = rst.judge(train[0], j.url, rounds=4, model="judge-7b")
+    finally:
+        j.server.shutdown()
+    path, body = j.requests[0]
+    assert path == "/v1/chat/completions" and body["model"] == "judge-7b" and len(j.requests) == 4
+    rubric, task = body["messages"][0]["content"], body["messages"][1]["content"]
+    assert "instruction_verifier_alignment 20%" in rubric and all(r in rubric for r in rst.REASONS)
+    assert task_io.load_task(train[0]).instruction in task and "def test_" in task and "solve.sh" in task
+    assert out["unparsable"] == 1 and out["verdict"] == "rejected"  # 2 of the 3 parsable replies: a majority
+    assert out["reason"] == "weak_verifier: flagged by the judge in 2 of 3 replies"
+    assert out["quality"] == pytest.approx(0.9)
+
+
+def test_judge_without_a_parsable_reply_fails_loudly(pool):
+    _, train, _ = pool
+    j = _Judge(['{"hidden_requirement": "no"}', "junk"])
+    try:
+        out = rst.judge(train[0], j.url, rounds=2)
+    finally:
+        j.server.shutdown()
+    assert out["verdict"] == "judge_failed" and out["quality"] is None
+    assert out["reason"].startswith("judge_failed: no parsable reply in 2 (hidden_requirement: expected true")
+    assert rst.judge(train[0], "http://127.0.0.1:9", rounds=1)["verdict"] == "judge_failed"  # nothing listening
+
+
+def test_audit_cli_with_judge_prints_the_papers_statistics(pool, tmp_path):
+    _, train, _ = pool
+    j = _Judge([_verdict(repaired_instruction="Clearer text.")])
+    try:
+        rows, stats = data.audit_dirs(train[:2], j.url, judge_rounds=1)
+    finally:
+        j.server.shutdown()
+    assert [r["verdict"] for r in rows] == ["accepted", "accepted"] and stats["instructions_repaired"] == 2
+    j = _Judge([_verdict(test_leakage=True)])
+    try:
+        rows, stats = data.audit_dirs(train[:1], j.url, judge_rounds=1)
+    finally:
+        j.server.shutdown()
+    assert rows[0]["verdict"] == "rejected" and stats["rejected_by_reason"] == {"test_leakage": 1}
+    assert "rejected 1 (test_leakage 1)" in rst.format_stats(stats)[0]
