@@ -87,6 +87,7 @@ class Args:
     # extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the verifier resolves
     # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
+    rst_rounds: int = 0  # RST steps added to every synthesized task (data.rst_extend; paper silent on the count)
     # --- model
     arch: str = "qwen3_5_moe"  # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention) | qwen3_moe
     vocab_size: int = 2048  # embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)
@@ -216,7 +217,8 @@ PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
 RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
           "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 NUMERIC = {
-    "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "vocab_size": ">= 1",
+    "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "rst_rounds": ">= 0",
+    "vocab_size": ">= 1",
     "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
@@ -427,7 +429,7 @@ def make_tasks(run: Run) -> tuple[list, list]:
     args, state = run.args, run.state
     if "tasks" not in state:
         train_dirs, heldout_dirs = run.timed("tasks", lambda: data.generate_tasks(
-            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed))
+            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed, rst_rounds=args.rst_rounds))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
         run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
@@ -463,7 +465,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     sft_pool = list(train_pool)
     if args.n_sft_tasks:
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
-                                       validate_tasks=False)
+                                       validate_tasks=False, rst_rounds=args.rst_rounds)
         taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)}
         sft_pool = [d for d in extra if task_io.load_task(d).instruction not in taken]
     texts = data.corpus(sft_pool)
