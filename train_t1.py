@@ -35,8 +35,8 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
   6. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
   7. The embedded model is Qwen3-MoE (--arch qwen3_moe: attention in every layer), not Qwen3.5's hybrid: at this
-     size the hybrid never learns to copy (copy gate .16 flat over 1,000 steps, Qwen3-MoE .99; RESULTS.md), and
-     held-out tasks need it. --arch qwen3_5_moe stays tested; the cluster model stays Qwen3.5.
+     size the hybrid does not learn to copy (issue 13: .16 flat over 1,000 steps; Qwen3-MoE .99 at 1,000 here,
+     RESULTS.md), and held-out tasks need it. --arch qwen3_5_moe stays tested; the cluster model stays Qwen3.5.
   8. A base phase (--base-steps, embedded only): synthetic copy pretraining before SFT, standing in for the
      pretrained model the paper starts from; its copy gate is logged (bench.py copy runs it alone).
 """
