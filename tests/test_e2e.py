@@ -20,7 +20,8 @@ from engine import EngineServer
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
-        "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2"]
+        "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2", "--n-sft-tasks", "6",
+        "--base-steps", "10"]
 
 
 def read_metrics(run_dir):
