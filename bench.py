@@ -359,10 +359,10 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     loss = sum(ka[k]["resolved"] and not kb[k]["resolved"] for k in keys)
     m = gain + loss
     p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
-    per_task = {}  # the bootstrap resamples tasks (their attempts together: attempts of one task are not independent)
-    for k in keys:
-        per_task.setdefault(k[0], []).append(kb[k]["reward"] - ka[k]["reward"])
     d = [kb[k]["reward"] - ka[k]["reward"] for k in keys]
+    per_task = {}  # the bootstrap resamples tasks (their attempts together: attempts of one task are not independent)
+    for k, x in zip(keys, d):
+        per_task.setdefault(k[0], []).append(x)
     groups = [np.array(v) for v in per_task.values()]
     rng, boots = np.random.default_rng(seed), []
     for _ in range(n_boot):

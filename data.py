@@ -454,7 +454,7 @@ def rst_extend(spec, family, rng, rounds):
     for _ in range(rounds):
         files = [o for o in reversed(spec["outputs"]) if "." in os.path.basename(o)]
         options = [(o, name, op) for o in files for name, op, ok in RST_OPS if ok(o, family) and (o, name) not in used
-                   and (o, "readonly") not in used]  # a read-only file is not written to again
+                   and (o, "readonly") not in used]  # read-only ends a file's steps (this project's choice)
         if not options:
             break
         o = files[0] if any(x[0] == files[0] for x in options) else options[0][0]

@@ -22,10 +22,8 @@ def tok():
 
 
 @pytest.fixture(scope="module")
-def engine(tok, tmp_path_factory):
-    path = str(tmp_path_factory.mktemp("ckpt") / "actor")
-    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, path)
-    eng = EngineServer(path, port=0, max_batch=4).start()
+def engine(ckpt):  # conftest's tiny checkpoint, built with this module's tok
+    eng = EngineServer(ckpt, port=0, max_batch=4).start()
     yield eng
     eng.stop()
 
