@@ -4,19 +4,22 @@ T1 samples from SGLang servers started with routed-expert capture. The embedded 
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
 and the same weight and pause endpoints, so rollout.py has one client for both scales. gateway.py shares its HTTP layer.
 
-    python engine.py serve --model-path DIR --port 30000 [--max-batch 16] [--weight-dtype bf16|fp32]
-    python bench.py engine         # decode tokens/s: 1 request vs 8 concurrent (tiny random model)
+    python engine.py serve --model-path DIR --port 30000 [--max-batch 64] [--weight-dtype bf16|fp32]
+                           [--prefix-cache-mb 512] [--no-routed-experts]
+    python bench.py engine         # engine vs HF generate (8 / 32 concurrent, multi-turn cache on / off, capture)
 
 In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a Ray actor
-(EngineActor). How the engine batches and what it refuses: EngineServer's docstring.
+(EngineActor). How the engine batches (continuous batching, a prefix cache across an agent's turns, one sampling
+call per step, routed-expert capture into a preallocated buffer) and what it refuses: EngineServer's docstring.
 
 Departures from the paper:
-1. Static waves instead of SGLang's continuous batching and radix cache; no prefix reuse.
+1. The prefix cache keeps states at the ends of finished requests (a hit needs the new input to extend a whole
+   earlier trajectory, the agent's next turn), not SGLang's per-token radix tree; LRU under a byte cap.
 2. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32 compute
    (--weight-dtype bf16), a cheap emulation of the bf16-inference vs fp32-trainer mismatch PPO and R3 must absorb.
 3. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p truncation; top-p
    only changes which token is drawn.
-4. /pause_generation waits for the running wave to finish (no abort/retract); /abort_request ends a queued or
+4. /pause_generation waits for the running requests to finish (no abort/retract); /abort_request ends a queued or
    running request with finish_reason "abort".
 5. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
@@ -42,6 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 
 import infra
 import r3
@@ -171,6 +175,8 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
 GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "stream")
 DISCONNECT_LOG = 1024  # the last requests aborted because their client hung up (EngineServer.disconnects)
+MAX_BATCH = 64  # rows decoded together (paper silent; SGLang's default max_running_requests is larger)
+PREFIX_CACHE_MB = 512  # prefix cache capacity (SGLang sizes its radix cache from free GPU memory)
 
 
 def sample_rows(logits, temperature, top_p, top_k, gens):
@@ -209,20 +215,127 @@ class Request:
         self.rid, self.input_ids = rid, input_ids
         self.temperature, self.top_p, self.top_k, self.max_new_tokens = temperature, top_p, top_k, max_new_tokens
         self.stop_ids, self.seed = stop_ids, seed
-        self.want_routing = True  # return_routed_experts: a wave records routing if any request asks
+        self.want_routing = True  # return_routed_experts (the engine captures for every request when it captures)
         self.done = threading.Event()
-        self.aborted, self.weight_version = False, None  # weight_version: set when the request finishes in a wave
-        self.reset()
-
-    def reset(self):
-        """Back to not started (a batch that failed as a whole re-runs its requests one by one)."""
-        self.output_ids, self.logprobs, self.routing = [], [], []
+        self.aborted, self.weight_version = False, None  # weight_version: set when the request finishes
+        self.output_ids, self.logprobs, self.routing = [], [], None  # routing: (n_in + n_out - 1, L, k) int32
         self.finish, self.error = None, None  # error: this request's own failure inside the engine (-> HTTP 500)
+        self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache (meta_info.cached_tokens)
 
     def fail(self, e):
         self.error = f"{type(e).__name__}: {e}"
         self.finish = {"type": "abort", "message": f"engine error: {self.error}"}
         self.done.set()
+
+
+class Row:
+    """A running request's place in the batch: its sampler, tokens fed so far, and its capture slot."""
+
+    def __init__(self, req, gen, slot):
+        self.req, self.gen, self.slot = req, gen, slot
+        self.fed = 0  # tokens whose state is in the cache (input + output[:-1] once decoding)
+        self.prefix_key = None  # the prefix-cache entry this request extended (superseded by its own entry)
+
+
+# --- the batch's cache: KV of the attention layers, conv + recurrent state of the Gated DeltaNet layers -------
+def _is_linear(layer):
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _cache_state(cache, rows, n, copy=True):
+    """Per layer, the state of batch rows `rows` (a slice) whose last n columns are real tokens: attention layers
+    ("attn", keys, values) (b, H, n, D); Gated DeltaNet layers ("linear", conv, recurrent) of those rows. copy=False:
+    views into the cache (for a merge that concatenates them at once)."""
+    c = (lambda x: x.clone()) if copy else (lambda x: x)
+    out = []
+    for layer in cache.layers:
+        if _is_linear(layer):
+            out.append(("linear", c(layer.conv_states[0][rows]), c(layer.recurrent_states[0][rows])))
+        else:
+            out.append(("attn", c(layer.keys[rows, :, layer.keys.shape[2] - n:]),
+                        c(layer.values[rows, :, layer.values.shape[2] - n:])))
+    return out
+
+
+def _build_cache(config, state):
+    """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods."""
+    cache = DynamicCache(config=config)
+    for i, (kind, a, b) in enumerate(state):
+        if kind == "linear":
+            cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])  # copied into the layer's own tensors
+            cache.update_recurrent_state(b, i)
+        else:
+            cache.layers[i].update(a, b)  # concatenated onto an empty layer: a fresh tensor
+    return cache
+
+
+def _left_pad(x, T):
+    """(B, H, t, D) -> (B, H, T, D) with zeros on the left."""
+    return x if x.shape[2] == T else F.pad(x, (0, 0, T - x.shape[2], 0))
+
+
+def _merge(parts):
+    """[(state, mask (b, t))] -> (state of all rows, mask): attention columns left-padded to the longest part."""
+    T = max(m.shape[1] for _, m in parts)
+    mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
+    state = []
+    for i, (kind, _, _) in enumerate(parts[0][0]):
+        a = [s[i][1] for s, _ in parts]
+        b = [s[i][2] for s, _ in parts]
+        if kind == "attn":
+            a, b = [_left_pad(x, T) for x in a], [_left_pad(x, T) for x in b]
+        state.append((kind, torch.cat(a), torch.cat(b)))
+    return state, mask
+
+
+class PrefixCache:
+    """LRU of model states at the end of finished requests, keyed by the token ids they were computed over
+    (SGLang's radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
+
+    An entry = (ids, per-layer state of one row, routed experts of those ids (len, L, k) int32). lookup(ids) returns
+    the longest entry that is a proper prefix of ids (at least one token is left to prefill). Evicted least
+    recently used when the entries' bytes pass cap_bytes; cleared when the weights change."""
+
+    def __init__(self, cap_bytes):
+        self.cap, self.bytes = cap_bytes, 0
+        self.entries = collections.OrderedDict()  # tuple(ids) -> (ids, state, routing, nbytes)
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def lookup(self, ids):
+        best = None
+        for key, entry in self.entries.items():
+            n = len(entry[0])
+            if n < len(ids) and (best is None or n > len(best[0])) and ids[:n] == entry[0]:
+                best = entry
+        if best is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(tuple(best[0]))
+        self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + len(best[0])
+        return best
+
+    def insert(self, ids, state, routing, supersedes=None):
+        if supersedes is not None:
+            self.drop(supersedes)  # the request's own prefix: its next turn extends this entry, not that one
+        key = tuple(ids)
+        self.drop(key)
+        nbytes = sum(a.nbytes + b.nbytes for _, a, b in state) + (routing.nbytes if routing is not None else 0)
+        nbytes += 8 * len(ids)
+        if nbytes > self.cap:
+            return
+        self.entries[key] = (list(ids), state, routing, nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.cap:
+            self.drop(next(iter(self.entries)))
+
+    def drop(self, key):
+        entry = self.entries.pop(tuple(key), None)
+        if entry is not None:
+            self.bytes -= entry[3]
+
+    def clear(self):
+        self.entries.clear()
+        self.bytes = 0
 
 
 def _field(d, name, types, default=None, required=False, where=""):
@@ -304,27 +417,34 @@ def parse_generate(body, vocab_size, max_positions, eos_id):
 
 
 class EngineServer:
-    """SGLang-protocol server over a tiny Qwen3.5-MoE: HTTP threads + one batching scheduler thread.
+    """SGLang-protocol server over a tiny Qwen MoE: HTTP threads + one scheduler thread (continuous batching).
 
-    Engine: one scheduler thread runs static "waves": take up to max_batch queued requests, left-pad
-    them, prefill together (attention mask + explicit position ids; the Gated DeltaNet layers zero the
-    padded positions so their recurrent state starts clean), then decode together with a hybrid
-    DynamicCache until every row has stopped. Requests arriving during a wave wait for the next one.
-    Weight reloads and pauses take effect between waves, so one request sees one weight_version.
-    Routed experts are recorded with r3 in every forward of a wave in which any request sets
-    `return_routed_experts` (SGLang's --enable-return-routed-experts; off otherwise): row j = experts chosen
-    when token j was the input (prompt rows from prefill, output rows from decode steps; the last output token
-    is never forwarded, so a request returns len(input) + len(output) - 1 rows).
+    Scheduler, one iteration = one decode step of the running batch: (1) the running rows are decoded together
+    (one token each, left-padded KV + attention mask + explicit position ids); (2) queued requests join while the
+    batch has room (max_batch): each is prefilled alone, from the longest prefix in the prefix cache when one
+    matches (only the new suffix is forwarded), and its state is merged into the batch; (3) one batched sampling
+    call (sample_rows) draws the next token of every row; (4) a row that stops leaves at once, its state saved in
+    the prefix cache (PrefixCache: the agent's next turn re-sends this trajectory plus the tool output). Requests
+    never wait for a wave. Weight reloads (and /pause_generation) stop admission and wait for the running rows to
+    finish, so one request sees one weight_version; a reload clears the prefix cache.
+    Routed experts (SGLang's --enable-return-routed-experts; capture_routing=False turns capture off): every
+    forward's top-k ids are copied by the routers into one preallocated buffer (r3.routing(..., into=)), then in
+    one indexed copy into each row's slot of a (max_batch, max_positions, L, k) int32 buffer; row j = the experts
+    chosen when token j was the input (prompt rows from prefill or from the prefix cache, which keeps the rows the
+    first forward computed; output rows from decode steps; the last output token is never forwarded, so a
+    request returns len(input) + len(output) - 1 rows).
 
     Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
     - /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
       input_ids not a non-empty list of ints in [0, vocab); temperature not finite, negative or denormal
       (0 <= t < GREEDY_BELOW = 1e-6 is greedy, SGLang's rule); top_p outside (0, 1]; top_k not -1 or >= 1;
       max_new_tokens < 1 or past the context; stop_token_ids not ids in [0, vocab); seed outside [0, 2**64 - 1];
-      a rid already queued or running; stream; any field SGLang has that this engine does not implement
-      (GENERATE_FIELDS / SAMPLING_FIELDS list what is served: an unknown field is refused, never ignored).
-    - A request that still fails inside a batch fails alone: a row whose sampling fails stops with its own error,
-      and a wave that fails as a whole re-runs its requests one by one; the failed request gets HTTP 500.
+      a rid already queued or running; stream; return_routed_experts on an engine started without capture; any
+      field SGLang has that this engine does not implement (GENERATE_FIELDS / SAMPLING_FIELDS list what is
+      served: an unknown field is refused, never ignored).
+    - A request that still fails inside the engine fails alone where it can: its prefill or seeding (before it
+      joins the batch), or its row's sampling. A batched decode forward that raises fails the rows running in it
+      (each gets HTTP 500 with the error; the engine goes on with the queue).
     - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
       (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
       not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
@@ -333,11 +453,14 @@ class EngineServer:
       scheduler thread is not running.
     """
 
-    def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=16, weight_dtype="bf16", seed=0):
+    def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=MAX_BATCH, weight_dtype="bf16", seed=0,
+                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True):
         if weight_dtype not in ("bf16", "fp32"):
             raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
+        if prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb: must be >= 0 (0 = off), got {prefix_cache_mb}")
         self.model_path, self.host, self.port = model_path, host, port
         self.max_batch, self.weight_dtype = max_batch, weight_dtype
         self.model, self.tokenizer = load_actor(model_path)
@@ -346,13 +469,21 @@ class EngineServer:
             round_to_bf16(self.model)
         cfg = self.model.config
         self.num_layers, self.top_k = len(r3.routers(self.model)), cfg.num_experts_per_tok
+        self.capture = capture_routing
+        n_max = max(cfg.max_position_embeddings, max_batch)
+        self.step_buf = torch.zeros(n_max, self.num_layers, self.top_k, dtype=torch.int32)  # one forward's ids
+        self.slot_buf = torch.empty(max_batch, cfg.max_position_embeddings, self.num_layers, self.top_k,
+                                    dtype=torch.int32)  # per running row: its routed experts so far
+        self.free_slots = list(range(max_batch))[::-1]
+        self.prefix = PrefixCache(prefix_cache_mb * 2**20) if prefix_cache_mb > 0 else None
         self.weight_version, self.n_updates = "0", 0
         self.gen = torch.Generator().manual_seed(seed)
         self.queue = []  # waiting Requests
-        self.commands = queue.Queue()  # (fn, result dict, Event) run between waves
+        self.commands = queue.Queue()  # (fn, result dict, Event) run when nothing is running
         self.cv = threading.Condition()
-        self.paused, self.in_wave, self.stopping = False, False, False
-        self.running = {}  # rid -> Request of the current wave
+        self.paused, self.stopping = False, False
+        self.running = {}  # rid -> Request admitted and not finished
+        self.rows, self.cache, self.mask = [], None, None  # the running batch: Rows, DynamicCache, (B, T) mask
         self.disconnects = collections.deque(maxlen=DISCONNECT_LOG)  # {rid, finish, completion_tokens} per hang-up
         self.httpd, self.threads = None, []
 
@@ -396,6 +527,12 @@ class EngineServer:
             return "the scheduler thread is not running"
         return None
 
+    def cache_stats(self):
+        p = self.prefix
+        return {"enabled": p is not None, "hits": p.hits if p else 0, "misses": p.misses if p else 0,
+                "hit_tokens": p.hit_tokens if p else 0, "entries": len(p.entries) if p else 0,
+                "bytes": p.bytes if p else 0}
+
     # -- called from HTTP threads --
     def submit(self, req):
         with self.cv:
@@ -412,8 +549,9 @@ class EngineServer:
         req.done.wait()
         return req
 
-    def run_between_waves(self, fn):
-        """Run fn() on the scheduler thread between waves; returns its result or raises its error."""
+    def run_when_idle(self, fn):
+        """Run fn() on the scheduler thread once no request is running (admission stops meanwhile); returns its
+        result or raises its error."""
         box, ev = {}, threading.Event()
         with self.cv:
             self.commands.put((fn, box, ev))
@@ -428,16 +566,27 @@ class EngineServer:
             load_weights_from_disk(self.model, path)
             if self.weight_dtype == "bf16":
                 round_to_bf16(self.model)
+            if self.prefix is not None:
+                self.prefix.clear()  # its states were computed by the old weights
             self.model_path = path
             self.n_updates += 1
             self.weight_version = str(version) if version is not None else str(self.n_updates)
             return self.weight_version
-        return self.run_between_waves(load)
+        return self.run_when_idle(load)
+
+    def set_capture(self, on: bool):
+        """Routed-expert capture on / off (bench.py's overhead measurement); clears the prefix cache."""
+        def flip():
+            self.capture = bool(on)
+            if self.prefix is not None:
+                self.prefix.clear()
+        return self.run_when_idle(flip)
 
     def pause(self):
+        """Stop admitting requests and wait until the running ones have finished."""
         with self.cv:
             self.paused = True
-            while self.in_wave:
+            while self.running:
                 self.cv.wait()
 
     def resume(self):
@@ -461,121 +610,164 @@ class EngineServer:
     def _scheduler(self):
         while True:
             with self.cv:
-                while not self.stopping and self.commands.empty() and (self.paused or not self.queue):
+                while (not self.stopping and not self.running and self.commands.empty()
+                       and (self.paused or not self.queue)):
                     self.cv.wait(timeout=0.1)
                 if self.stopping:
-                    for req in self.queue:
-                        req.finish = {"type": "abort"}
+                    for req in self.queue + list(self.running.values()):
+                        req.finish = {"type": "abort", "message": "engine is stopping"}
                         req.done.set()
                     return
-                batch = []
-                if self.commands.empty():
-                    batch, self.queue = self.queue[:self.max_batch], self.queue[self.max_batch:]
-                    self.in_wave = True
-                    self.running = {r.rid: r for r in batch}
-            while not self.commands.empty():
-                fn, box, ev = self.commands.get()
-                try:
-                    box["result"] = fn()
-                except Exception as e:  # reported to the caller
-                    box["error"] = e
-                ev.set()
-            if batch:
-                self._run_batch(batch)
-                with self.cv:
-                    self.in_wave, self.running = False, {}
-                    self.cv.notify_all()
+                admit = []
+                if self.commands.empty() and not self.paused and self.free_slots:
+                    n = min(len(self.free_slots), self.max_batch - len(self.rows))
+                    admit, self.queue = self.queue[:n], self.queue[n:]
+                    self.running.update((r.rid, r) for r in admit)
+                idle = not self.running
+            if idle:
+                while not self.commands.empty():
+                    fn, box, ev = self.commands.get()
+                    try:
+                        box["result"] = fn()
+                    except Exception as e:  # reported to the caller
+                        box["error"] = e
+                    ev.set()
+                continue
+            self._step(admit)
+            with self.cv:
+                if not self.running:
+                    self.cv.notify_all()  # pause() waits for this
 
-    def _run_batch(self, batch):
-        """One wave; if it fails as a whole (a forward error), its unfinished requests re-run one by one, so only
-        the request that fails alone gets the error. Never leaves a client hanging."""
-        try:
-            self._wave(batch)
-            return
-        except Exception as e:
-            left = [r for r in batch if not r.done.is_set()]
-            if len(left) == 1:
-                left[0].fail(e)
-                return
-        for r in left:
-            r.reset()
-            try:
-                self._wave([r])
-            except Exception as e:
-                r.fail(e)
+    def _forward(self, ids, mask, pos, cache, logits_to_keep=0):
+        kw = dict(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
+                  logits_to_keep=logits_to_keep)
+        if not self.capture:
+            return self.model(**kw)
+        with r3.routing(self.model, "record", into=self.step_buf):
+            return self.model(**kw)
+
+    def _prefill(self, req):
+        """Seed, slot and prefill one admitted request (from the prefix cache when its ids extend an entry)
+        -> (Row, logits (1, V), state, mask (1, n))."""
+        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else self.gen
+        ids, cfg = req.input_ids, self.model.config
+        entry = self.prefix.lookup(ids) if self.prefix is not None else None
+        p = len(entry[0]) if entry else 0
+        cache = _build_cache(cfg, entry[1]) if entry else DynamicCache(config=cfg)
+        mask = torch.ones(1, len(ids), dtype=torch.long)
+        out = self._forward(torch.tensor([ids[p:]]), mask, torch.arange(p, len(ids))[None], cache, logits_to_keep=1)
+        row = Row(req, gen, self.free_slots.pop())
+        if self.capture:
+            if entry:
+                self.slot_buf[row.slot, :p] = entry[2]  # the rows the prefix's first forward computed
+            self.slot_buf[row.slot, p:len(ids)] = self.step_buf[:len(ids) - p]
+        row.fed, req.cached_tokens = len(ids), p
+        row.prefix_key = entry[0] if entry else None
+        return row, out.logits[:, -1], _cache_state(cache, slice(None), len(ids), copy=False), mask
+
+    def _release(self, row):
+        self.free_slots.append(row.slot)
+        with self.cv:
+            self.running.pop(row.req.rid, None)
 
     @torch.inference_mode()
-    def _wave(self, batch):
-        """Prefill the batch together (left-padded), then decode together until every row stops.
-        A row whose sampling fails stops with its own error; the other rows go on."""
-        B, version = len(batch), self.weight_version
-        lens = [len(r.input_ids) for r in batch]
-        T = max(lens)
-        ids = torch.zeros(B, T, dtype=torch.long)  # (B, T) left-padded with <|endoftext|>
-        mask = torch.zeros(B, T, dtype=torch.long)  # (B, T)
-        for b, r in enumerate(batch):
-            ids[b, T - lens[b]:] = torch.tensor(r.input_ids)
-            mask[b, T - lens[b]:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T) explicit position ids
-        gens = [torch.Generator().manual_seed(r.seed) if r.seed is not None else self.gen for r in batch]
-        active = [True] * B
-        cache = DynamicCache(config=self.model.config)
-        capture = any(r.want_routing for r in batch)  # capture off only when no request asks for it
-        with r3.routing(self.model, "record" if capture else "off") as rec:
-            out = self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache,
-                             use_cache=True, logits_to_keep=1)
-            if capture:
-                (routed,) = rec.pop()  # (B, T, L, k)
-                for b, r in enumerate(batch):
-                    r.routing.append(routed[b, T - lens[b]:])  # prompt rows
-            next_pos = torch.tensor(lens)  # (B,)
-            while True:
-                logits = out.logits[:, -1]  # (B, V)
-                step_ids = torch.zeros(B, 1, dtype=torch.long)
-                for b, r in enumerate(batch):
-                    if active[b] and r.aborted:
-                        active[b], r.finish = False, {"type": "abort"}
-                rows = [b for b in range(B) if active[b]]
-                drawn = sample_rows(logits[rows], [batch[b].temperature for b in rows], [batch[b].top_p for b in rows],
-                                    [batch[b].top_k for b in rows], [gens[b] for b in rows]) if rows else []
-                for b, res in zip(rows, drawn):
-                    r = batch[b]
-                    if isinstance(res, Exception):  # this row only
-                        active[b] = False
-                        r.fail(res)
-                        continue
-                    tok, lp = res
-                    r.output_ids.append(tok)
-                    r.logprobs.append(lp)
-                    step_ids[b, 0] = tok
-                    if tok in r.stop_ids:
-                        active[b], r.finish = False, {"type": "stop", "matched": tok}
-                    elif len(r.output_ids) >= r.max_new_tokens:
-                        active[b], r.finish = False, {"type": "length", "length": r.max_new_tokens}
-                for b, r in enumerate(batch):
-                    if not active[b] and not r.done.is_set():
-                        r.weight_version = version
-                        r.done.set()
-                if not any(active):
-                    return
-                mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], dim=1)  # (B, T + s)
-                out = self.model(input_ids=step_ids, attention_mask=mask, position_ids=next_pos[:, None],
-                                 cache=cache, use_cache=True)
-                next_pos += 1
-                if capture:
-                    (routed,) = rec.pop()  # (B, 1, L, k)
-                    for b, r in enumerate(batch):
-                        if active[b]:
-                            r.routing.append(routed[b])  # row of the token just fed
+    def _step(self, admit):
+        """One decode step of the running rows, the admitted requests' prefills, one sampling call for all rows."""
+        version, cfg = self.weight_version, self.model.config
+        logits = []
+        if self.rows:  # (1) decode: every running row feeds its last sampled token
+            B = len(self.rows)
+            pos = torch.tensor([[r.fed] for r in self.rows])  # (B, 1)
+            self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.long)], dim=1)  # (B, T + 1)
+            try:
+                out = self._forward(torch.tensor([[r.req.output_ids[-1]] for r in self.rows]), self.mask, pos,
+                                    self.cache)
+            except Exception as e:  # the batch's rows fail together (each client gets its error)
+                for r in self.rows:
+                    r.req.fail(e)
+                    self._release(r)
+                self.rows, self.cache, self.mask = [], None, None
+            else:
+                if self.capture:
+                    self.slot_buf[torch.tensor([r.slot for r in self.rows]), pos[:, 0]] = self.step_buf[:B]
+                for r in self.rows:
+                    r.fed += 1
+                logits.append(out.logits[:, -1])
+        parts = [(_cache_state(self.cache, slice(None), self.mask.shape[1], copy=False), self.mask)] \
+            if self.rows and admit else []
+        for req in admit:  # (2) join: prefill alone, then merge into the batch
+            try:
+                row, lg, state, mask = self._prefill(req)
+            except Exception as e:  # this request only
+                req.fail(e)
+                with self.cv:
+                    self.running.pop(req.rid, None)
+                continue
+            self.rows.append(row)
+            logits.append(lg)
+            parts.append((state, mask))
+        if len(parts) == 1 and self.cache is None:
+            self.cache, self.mask = _build_cache(cfg, parts[0][0]), parts[0][1]
+        elif parts:
+            state, self.mask = _merge(parts)
+            self.cache = _build_cache(cfg, state)
+        if not self.rows:
+            return
+        # (3) sample every row at once; abort / stop / length / a row's own sampling error end a row
+        rows = self.rows
+        drawn = sample_rows(torch.cat(logits), [r.req.temperature for r in rows], [r.req.top_p for r in rows],
+                            [r.req.top_k for r in rows], [r.gen for r in rows])
+        keep = []
+        for b, (row, res) in enumerate(zip(rows, drawn)):
+            req = row.req
+            if req.aborted:
+                req.finish = {"type": "abort"}
+            elif isinstance(res, Exception):
+                req.fail(res)
+                self._release(row)
+                continue
+            else:
+                tok, lp = res
+                req.output_ids.append(tok)
+                req.logprobs.append(lp)
+                if tok in req.stop_ids:
+                    req.finish = {"type": "stop", "matched": tok}
+                elif len(req.output_ids) >= req.max_new_tokens:
+                    req.finish = {"type": "length", "length": req.max_new_tokens}
+            if req.finish is None:
+                keep.append(b)
+                continue
+            # (4) leave: routing out of the slot, state into the prefix cache, reply
+            if self.capture:
+                req.routing = self.slot_buf[row.slot, :row.fed].clone()
+            if self.prefix is not None and req.finish["type"] != "abort":
+                ids = req.input_ids + req.output_ids[:-1]  # what the cached state has read
+                self.prefix.insert(ids, _cache_state(self.cache, slice(b, b + 1), row.fed), req.routing,
+                                   supersedes=row.prefix_key)
+            req.weight_version = version
+            self._release(row)
+            req.done.set()
+        if len(keep) < len(rows):
+            self.rows = [rows[b] for b in keep]
+            if not keep:
+                self.cache, self.mask = None, None
+                return
+            idx = torch.tensor(keep)
+            mask = self.mask[idx]
+            first = int(mask.any(0).long().argmax())  # drop the columns that are padding in every row left
+            state = [(kind, a[idx][:, :, first:] if kind == "attn" else a[idx], b[idx][:, :, first:]
+                      if kind == "attn" else b[idx]) for kind, a, b in _cache_state(self.cache, slice(None),
+                                                                                   self.mask.shape[1], copy=False)]
+            self.cache, self.mask = _build_cache(cfg, state), mask[:, first:]
 
     def response(self, req, want_logprob=True, want_routing=True):
         n_in, n_out = len(req.input_ids), len(req.output_ids)
-        meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": n_in,
-                "completion_tokens": n_out, "weight_version": req.weight_version or self.weight_version}
+        meta = {"id": req.rid, "finish_reason": req.finish, "prompt_tokens": n_in, "completion_tokens": n_out,
+                "cached_tokens": req.cached_tokens, "weight_version": req.weight_version or self.weight_version}
         if want_logprob:
             meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)]
         if want_routing:
-            rows = torch.cat(req.routing, dim=0)[:max(n_in + n_out - 1, 0)] if req.routing else \
+            rows = req.routing[:max(n_in + n_out - 1, 0)] if req.routing is not None else \
                 torch.zeros(0, self.num_layers, self.top_k, dtype=torch.int32)
             meta["routed_experts"] = r3.encode_routed_experts(rows.numpy())  # (n_in + n_out - 1, L, k)
         return {"text": self.tokenizer.decode(req.output_ids), "output_ids": req.output_ids, "meta_info": meta}
@@ -597,6 +789,8 @@ def _make_handler(engine):
         def generate(self, body):
             cfg = engine.model.config
             req = parse_generate(body, cfg.vocab_size, cfg.max_position_embeddings, cfg.eos_token_id)
+            if req.want_routing and not engine.capture:
+                raise BadRequest("return_routed_experts: this engine runs without routed-expert capture")
             gone = []
 
             def hung_up():  # the client closed its connection: stop generating for it
@@ -677,12 +871,16 @@ def main():
     s.add_argument("--model-path", required=True)
     s.add_argument("--port", type=int, required=True)
     s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--max-batch", type=int, default=16)
+    s.add_argument("--max-batch", type=int, default=MAX_BATCH)
+    s.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB, help="0 turns the prefix cache off")
+    s.add_argument("--no-routed-experts", action="store_true", help="no routed-expert capture (SGLang without "
+                   "--enable-return-routed-experts): requests asking for it get 400")
     s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype).start()
+    engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype,
+                          prefix_cache_mb=args.prefix_cache_mb, capture_routing=not args.no_routed_experts).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:
         threading.Event().wait()

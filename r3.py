@@ -63,6 +63,7 @@ class R3Router(Qwen3_5MoeTopKRouter):
         self.batch_shape = None  # (B, T) of the current forward, set by the MoE block pre-hook
         self.mode = "off"
         self.sink = None  # record: list that receives (B, T, k) int32 per forward
+        self.into = None  # record into a preallocated (N_max, L, k) int32 buffer instead (the engine's capture)
         self.replay = None  # replay: (B, T, k) int64 recorded ids for this layer
 
     def forward(self, hidden_states):
@@ -82,7 +83,9 @@ class R3Router(Qwen3_5MoeTopKRouter):
         # w = softmax(live logits) at the chosen ids, renormalised over k (gradient reaches every id)
         top_value = router_probs.gather(1, idx)  # (N, k)
         top_value = top_value / top_value.sum(dim=-1, keepdim=True)
-        if self.mode == "record":
+        if self.mode == "record" and self.into is not None:  # one copy per layer per forward, no allocation
+            self.into[:live_idx.shape[0], self.layer_idx].copy_(live_idx)
+        elif self.mode == "record":
             B, T = self.batch_shape
             self.sink.append(live_idx.reshape(B, T, self.top_k).to(torch.int32).cpu())
         return router_logits, top_value.to(router_logits.dtype), idx
@@ -173,10 +176,12 @@ def _check_replay_experts(experts, num_layers, top_k, num_experts):
 
 
 @contextlib.contextmanager
-def routing(model, mode: str, experts=None):
+def routing(model, mode: str, experts=None, into=None):
     """Route every MoE layer of `model` in `mode` ("off" | "record" | "replay") inside the block.
 
     replay needs `experts` (B, T, L, k) int (ids or -1); each forward inside must have batch (B, T).
+    record with `into` (a preallocated (N_max, L, k) int32 tensor, N_max >= B * T): each forward writes its ids to
+    into[:B * T] (row b * T + t), overwriting the previous forward's; the yielded Routing then collects nothing.
     """
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -195,15 +200,20 @@ def routing(model, mode: str, experts=None):
         experts = _check_replay_experts(experts, L, k, rs[0].num_experts)
     elif experts is not None:
         raise ValueError(f"experts: only replay mode takes experts, mode is {mode!r}")
+    if into is not None and (mode != "record" or into.dtype != torch.int32 or into.ndim != 3
+                             or tuple(into.shape[1:]) != (L, k)):
+        raise ValueError(f"into: expected a (N_max, {L}, {k}) int32 tensor in record mode, got "
+                         f"{tuple(into.shape)} {into.dtype} in mode {mode!r}")
     for l, r in enumerate(rs):
         r.mode = mode
         r.sink = ctx.sinks[l] if mode == "record" else None
+        r.into = into
         r.replay = experts[:, :, l, :] if mode == "replay" else None  # (B, T, k)
     try:
         yield ctx
     finally:
         for r in rs:
-            r.mode, r.sink, r.replay = "off", None, None
+            r.mode, r.sink, r.replay, r.into = "off", None, None, None
     if mode == "record":  # only on a clean exit, so an error inside is never masked
         ctx._collect()
 
