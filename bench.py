@@ -1,6 +1,7 @@
 """Measurement commands that need the engine or a whole pipeline: each prints the figures of one claim.
 
-    python bench.py engine                     # decode tokens/s of the embedded engine: 1 vs 8 concurrent requests
+    python bench.py engine [--arch A]          # engine vs HF generate (8 / 32 concurrent; multi-turn, prefix cache on
+                                               # / off); routed-expert capture overhead
     python bench.py sampling                   # one decode step's sampling: row by row vs batched (ms)
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
@@ -40,39 +41,124 @@ from engine import EngineServer, sample_rows
 from trainer import Metrics
 
 
-# --- engine: decode tokens/s, 1 request vs 8 concurrent ---------------------------------------------------
+# --- engine: the embedded engine vs Hugging Face generate; prefix cache; capture overhead ---------------
 def _post(url, obj):
     req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
 
 
-def engine_bench(work_dir, n_concurrent=8, new_tokens=100, repeats=3):
-    """Decode tokens/s of the tiny model: 1 request vs n_concurrent requests in one wave."""
+def _bench_prompts(tok, n, length, seed):
+    """n chat prompts of `length` token ids (a user turn of random corpus pieces, then the assistant prefix)."""
+    g = torch.Generator().manual_seed(seed)
+    head, tail = model.render_ids(tok, "user", "")[:-2], tok.encode(chat_tokens.ASSISTANT_PREFIX)
+    body = length - len(head) - len(tail) - 2
+    return [head + torch.randint(3, len(tok), (body,), generator=g).tolist() + model.render_ids(tok, "user", "")[-2:]
+            + tail for _ in range(n)]
+
+
+def _hf_generate(hf, histories, new_tokens):
+    """HF generate over a left-padded batch (sampling at T = 1, fixed length) -> each row's new ids."""
+    T = max(len(h) for h in histories)
+    ids = torch.tensor([[0] * (T - len(h)) + h for h in histories])
+    mask = torch.tensor([[0] * (T - len(h)) + [1] * len(h) for h in histories])
+    with torch.inference_mode():
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+    return out[:, T:].tolist()
+
+
+def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
+    """Each history is one agent running `turns` turns concurrently with the others (one request in flight each):
+    turn t sends the whole trajectory so far; the reply and a tool output of fixed tokens are appended."""
+    def agent(i):
+        h = histories[i]
+        for t in range(turns):
+            out = _post(url + "/generate", {"input_ids": h, "return_logprob": True, "return_routed_experts": routing,
+                                            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens,
+                                                                "ignore_eos": True}})
+            h = h + out["output_ids"] + tool
+    threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(histories))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _hf_agents(hf, histories, turns, new_tokens, tool):
+    """The same workload through HF generate: every turn, all agents as one batch, re-prefilled from scratch."""
+    hs = list(histories)
+    for t in range(turns):
+        outs = _hf_generate(hf, hs, new_tokens)
+        hs = [h + o + tool for h, o in zip(hs, outs)]
+
+
+def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, turns=8, turn_tokens=48,
+                 n_agents=8, capture_repeats=10, work_dir=None) -> dict:
+    """Issue 15's figures in one run, repeats interleaved (the machine drifts): generated tokens/s of the engine
+    (HTTP clients, logprobs + routed experts returned) vs HF `generate` in-process on the same fp32 checkpoint at
+    8 and 32 concurrent single-turn requests (~prompt_len-token prompts, new_tokens each); a multi-turn workload
+    (n_agents agents x `turns` turns, turn_tokens new + 40 tool tokens per turn, the history growing) through HF,
+    the engine with its prefix cache off, and on; capture on vs off (process CPU seconds of the engine at 32
+    concurrent, capture_repeats interleaved pairs). Medians; ratios > 1 favour the engine / the cache."""
+    work = work_dir or tempfile.mkdtemp(prefix="t1_engine_bench_")
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
-    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, work_dir)
-    engine = EngineServer(work_dir, max_batch=n_concurrent).start()
-    body = {"input_ids": model.render_ids(tok, "user", "list the files") + tok.encode(chat_tokens.ASSISTANT_PREFIX),
-            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True},
-            "return_logprob": True, "return_routed_experts": True}
+    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok), arch), seed=0), tok, work)
+    hf, _ = model.load_actor(work)
+    hf.eval()
+    on = EngineServer(work, weight_dtype="fp32").start()
+    off = EngineServer(work, weight_dtype="fp32", prefix_cache_mb=0).start()
+    tool = _bench_prompts(tok, 1, 40, seed=99)[0]
+    single = {n: _bench_prompts(tok, n, prompt_len, seed=n) for n in (8, 32)}
+    agents = _bench_prompts(tok, n_agents, prompt_len, seed=7)
+    t = {}
+
+    def timed(key, fn):
+        t0 = time.perf_counter()
+        fn()
+        t.setdefault(key, []).append(time.perf_counter() - t0)
     try:
-        _post(engine.url + "/generate", body)  # warm-up
-        figures = {}
-        for n in (1, n_concurrent):
-            best = 0.0
-            for _ in range(repeats):  # best of `repeats`: the 2-core machine is often shared
-                threads = [threading.Thread(target=_post, args=(engine.url + "/generate", body)) for _ in range(n)]
-                t0 = time.time()
-                for t in threads:
-                    t.start()
-                for t in threads:
-                    t.join()
-                best = max(best, n * new_tokens / (time.time() - t0))
-            figures[f"tokens_per_s_{n}"] = best
-        figures["speedup"] = figures[f"tokens_per_s_{n_concurrent}"] / figures["tokens_per_s_1"]
-        return figures
+        _engine_agents(on.url, single[8][:2], 1, 8, tool)  # warm-up both sides
+        _hf_generate(hf, single[8][:2], 8)
+        for _ in range(repeats):
+            for n in (8, 32):
+                timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
+                timed(f"engine_{n}", lambda: _engine_agents(off.url, single[n], 1, new_tokens, tool))
+            timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
+            timed("engine_multi_nocache", lambda: _engine_agents(off.url, agents, turns, turn_tokens, tool))
+            timed("engine_multi_cache", lambda: _engine_agents(on.url, agents, turns, turn_tokens, tool))
+        cpu = {True: [], False: []}
+        for i in range(capture_repeats):
+            for flag in ((True, False) if i % 2 == 0 else (False, True)):
+                off.set_capture(flag)
+                c0 = time.process_time()
+                _engine_agents(off.url, single[32], 1, new_tokens // 4, tool, routing=flag)
+                cpu[flag].append(time.process_time() - c0)
+        off.set_capture(True)
+        med = {k: float(np.median(v)) for k, v in t.items()}
+        fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
+        for n in (8, 32):
+            fig[f"hf_tok_s_{n}"] = round(n * new_tokens / med[f"hf_{n}"], 1)
+            fig[f"engine_tok_s_{n}"] = round(n * new_tokens / med[f"engine_{n}"], 1)
+            fig[f"engine_vs_hf_{n}"] = round(med[f"hf_{n}"] / med[f"engine_{n}"], 2)
+        multi = n_agents * turns * turn_tokens
+        fig["multi_turn"] = {"agents": n_agents, "turns": turns, "new_tokens_per_turn": turn_tokens,
+                             "hf_tok_s": round(multi / med["hf_multi"], 1),
+                             "engine_nocache_tok_s": round(multi / med["engine_multi_nocache"], 1),
+                             "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
+                             "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
+                             "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
+        ratio = np.array(cpu[True]) / np.array(cpu[False])  # per interleaved pair
+        fig["capture"] = {"pairs": capture_repeats, "cpu_s_on": round(float(np.median(cpu[True])), 3),
+                          "cpu_s_off": round(float(np.median(cpu[False])), 3),
+                          "overhead_pct_median": round(100 * (float(np.median(ratio)) - 1), 2),
+                          "overhead_pct_iqr": [round(100 * (float(np.percentile(ratio, q)) - 1), 2) for q in (25, 75)]}
+        fig["prefix_cache"] = on.cache_stats()
+        fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
+        return fig
     finally:
-        engine.stop()
+        on.stop()
+        off.stop()
 
 
 # --- R3: abs(delta log p) engine vs trainer with R3 off / on, capture overhead -------------------------------
@@ -443,8 +529,10 @@ def plot(run_dir) -> Path:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
-    e = sub.add_parser("engine", help="decode throughput, 1 vs 8 concurrent requests (one JSON line)")
-    e.add_argument("--work-dir", default="/tmp/t1_engine_bench")
+    e = sub.add_parser("engine", help="engine vs HF generate, multi-turn prefix cache, capture (one JSON line)")
+    e.add_argument("--arch", choices=list(model.ARCHS), default="qwen3_moe")
+    e.add_argument("--repeats", type=int, default=3)
+    e.add_argument("--quick", action="store_true", help="small sizes (the test's form; figures not meaningful)")
     e.add_argument("--threads", type=int, default=2)
     sm = sub.add_parser("sampling", help="one decode step's sampling, row by row vs batched (one JSON line)")
     sm.add_argument("--threads", type=int, default=2)
@@ -469,7 +557,9 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.cmd == "engine":
         torch.set_num_threads(args.threads)
-        print(json.dumps(engine_bench(args.work_dir)))
+        kw = dict(repeats=1, prompt_len=60, new_tokens=8, turns=2, turn_tokens=4, n_agents=2, capture_repeats=2) \
+            if args.quick else dict(repeats=args.repeats)
+        print(json.dumps(engine_bench(args.arch, **kw)))
     elif args.cmd == "sampling":
         torch.set_num_threads(args.threads)
         print(json.dumps(sampling_bench()))

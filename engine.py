@@ -45,7 +45,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import LinearAttentionCacheLayerMixin
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 import infra
 import r3
@@ -257,15 +257,41 @@ def _cache_state(cache, rows, n, copy=True):
     return out
 
 
+class GrowingKV(DynamicLayer):
+    """An attention layer's KV cache with spare columns: a decode step writes its column in place, where
+    DynamicLayer re-concatenates the whole cache every step; the capacity doubles when full. keys / values are
+    views of the filled columns."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.n, self.kbuf, self.vbuf = 0, None, None
+        n, s = self.n, key_states.shape[-2]
+        if self.kbuf is None or n + s > self.kbuf.shape[-2]:
+            cap = max(2 * (n + s), 64)
+            kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            if n:
+                kb[..., :n, :], vb[..., :n, :] = self.kbuf[..., :n, :], self.vbuf[..., :n, :]
+            self.kbuf, self.vbuf = kb, vb
+        self.kbuf[..., n:n + s, :] = key_states
+        self.vbuf[..., n:n + s, :] = value_states
+        self.n = n + s
+        self.keys, self.values = self.kbuf[..., :self.n, :], self.vbuf[..., :self.n, :]
+        return self.keys, self.values
+
+
 def _build_cache(config, state):
-    """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods."""
+    """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods; the
+    attention layers are GrowingKV."""
     cache = DynamicCache(config=config)
     for i, (kind, a, b) in enumerate(state):
         if kind == "linear":
             cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])  # copied into the layer's own tensors
             cache.update_recurrent_state(b, i)
         else:
-            cache.layers[i].update(a, b)  # concatenated onto an empty layer: a fresh tensor
+            cache.layers[i] = GrowingKV()
+            cache.layers[i].update(a, b)  # copied into the layer's buffer
     return cache
 
 
@@ -646,24 +672,64 @@ class EngineServer:
         with r3.routing(self.model, "record", into=self.step_buf):
             return self.model(**kw)
 
-    def _prefill(self, req):
-        """Seed, slot and prefill one admitted request (from the prefix cache when its ids extend an entry)
-        -> (Row, logits (1, V), state, mask (1, n))."""
-        gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else self.gen
-        ids, cfg = req.input_ids, self.model.config
-        entry = self.prefix.lookup(ids) if self.prefix is not None else None
+    def _join(self, admit):
+        """Prefill the admitted requests -> [(Rows, logits (g, V), state, mask (g, t))]: a request whose ids extend a
+        prefix-cache entry alone, on top of the entry's state; the others together, left-padded (their state starts
+        at zero, which padding keeps: attention masks it, the Gated DeltaNet layers zero padded inputs). A request
+        that cannot be seeded or prefilled fails alone (a failed group is re-run one request at a time)."""
+        parts, cold = [], []
+        for req in admit:
+            try:
+                gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else self.gen
+                entry = self.prefix.lookup(req.input_ids) if self.prefix is not None else None
+                if entry is None:
+                    cold.append((req, gen))
+                else:
+                    parts.append(self._prefill([(req, gen)], entry))
+            except Exception as e:
+                self._fail_admitted(req, e)
+        if len(cold) > 1:
+            try:
+                return parts + [self._prefill(cold, None)]
+            except Exception:
+                pass
+        for req, gen in cold:
+            try:
+                parts.append(self._prefill([(req, gen)], None))
+            except Exception as e:
+                self._fail_admitted(req, e)
+        return parts
+
+    def _prefill(self, group, entry):
+        """One prefill forward for [(Request, Generator)] (one request when `entry`, its prefix-cache hit)."""
+        cfg, G = self.model.config, len(group)
         p = len(entry[0]) if entry else 0
+        lens = [len(req.input_ids) for req, _ in group]
+        T, S = max(lens), max(lens) - p  # S: columns forwarded
+        ids = torch.zeros(G, S, dtype=torch.long)  # (G, S) left-padded with <|endoftext|>
+        mask = torch.zeros(G, T, dtype=torch.long)  # (G, T)
+        for b, (req, _) in enumerate(group):
+            ids[b, S - (lens[b] - p):] = torch.tensor(req.input_ids[p:])
+            mask[b, T - lens[b]:] = 1
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, p:]  # (G, S) explicit position ids
         cache = _build_cache(cfg, entry[1]) if entry else DynamicCache(config=cfg)
-        mask = torch.ones(1, len(ids), dtype=torch.long)
-        out = self._forward(torch.tensor([ids[p:]]), mask, torch.arange(p, len(ids))[None], cache, logits_to_keep=1)
-        row = Row(req, gen, self.free_slots.pop())
-        if self.capture:
-            if entry:
-                self.slot_buf[row.slot, :p] = entry[2]  # the rows the prefix's first forward computed
-            self.slot_buf[row.slot, p:len(ids)] = self.step_buf[:len(ids) - p]
-        row.fed, req.cached_tokens = len(ids), p
-        row.prefix_key = entry[0] if entry else None
-        return row, out.logits[:, -1], _cache_state(cache, slice(None), len(ids), copy=False), mask
+        out = self._forward(ids, mask, pos, cache, logits_to_keep=1)
+        rows, routed = [], self.step_buf[:G * S].view(G, S, self.num_layers, self.top_k)
+        for b, (req, gen) in enumerate(group):
+            row = Row(req, gen, self.free_slots.pop())
+            if self.capture:
+                if entry:
+                    self.slot_buf[row.slot, :p] = entry[2]  # the rows the prefix's first forward computed
+                self.slot_buf[row.slot, p:lens[b]] = routed[b, S - (lens[b] - p):]
+            row.fed, req.cached_tokens = lens[b], p
+            row.prefix_key = entry[0] if entry else None
+            rows.append(row)
+        return rows, out.logits[:, -1], _cache_state(cache, slice(None), T, copy=False), mask
+
+    def _fail_admitted(self, req, e):
+        req.fail(e)
+        with self.cv:
+            self.running.pop(req.rid, None)
 
     def _release(self, row):
         self.free_slots.append(row.slot)
@@ -695,15 +761,8 @@ class EngineServer:
                 logits.append(out.logits[:, -1])
         parts = [(_cache_state(self.cache, slice(None), self.mask.shape[1], copy=False), self.mask)] \
             if self.rows and admit else []
-        for req in admit:  # (2) join: prefill alone, then merge into the batch
-            try:
-                row, lg, state, mask = self._prefill(req)
-            except Exception as e:  # this request only
-                req.fail(e)
-                with self.cv:
-                    self.running.pop(req.rid, None)
-                continue
-            self.rows.append(row)
+        for rows, lg, state, mask in self._join(admit):  # (2) join: prefill, then merge into the batch
+            self.rows += rows
             logits.append(lg)
             parts.append((state, mask))
         if len(parts) == 1 and self.cache is None:
