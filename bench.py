@@ -245,7 +245,8 @@ def sampling_bench(rows=(8, 32), vocab=2048, repeats=200, seed=0) -> dict:
 
 
 def _generate_wave(engine, bodies):
-    """POST every body while the engine is paused, then resume: one wave, same batch every time."""
+    """POST every body while the engine is paused, then resume: they join the batch together (one prefill, then
+    decode side by side), the same batch every time."""
     outs = [None] * len(bodies)
 
     def post(i):

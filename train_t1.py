@@ -29,8 +29,9 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
      speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
      --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools.
-  4. --backend megatron trains Megatron-Core models (mcore.py) from local modules (on a CPU through mcore's shims);
-     the cluster model (TE layers, the Hub checkpoint per rank) is not wired: check_args refuses it by name.
+  4. --backend megatron trains Megatron-Core models (mcore.py) from local modules in fp32 on the CPU (mcore's shims),
+     from --model-path too when its fp32 trainer state fits this machine (check_megatron_model_path); the cluster
+     model (TE layers, bf16, the distributed optimizer on GPUs) is not wired: check_args refuses it by name.
   5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
   6. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
@@ -280,12 +281,8 @@ def check_args(args: Args) -> None:
     if args.backend == "hf" and max(p["tp"], p["pp"], p["cp"], p["ep"]) > 1:
         raise ValueError(f"--plan: {args.plan} asks for model parallel; the hf backend only runs full replicas "
                          "(dp); use --backend megatron")
-    if args.backend == "megatron" and args.model_path:  # a Hub checkpoint: the cluster's Qwen3.5 on GPUs
-        mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
-        raise NotImplementedError("--model-path with --backend megatron: the trainer builds the embedded Megatron "
-                                  "models (local modules, each rank reading its shards of the HF checkpoint); the "
-                                  "cluster model (mcore._qwen35_gpt, TE layers, per-rank checkpoint loading, "
-                                  "Megatron's distributed optimizer) is not wired into Trainer yet")
+    if args.backend == "megatron" and args.model_path:
+        check_megatron_model_path(args.model_path)
     if args.backend == "megatron" and p["world"] > 1:
         if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
             raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
@@ -295,6 +292,37 @@ def check_args(args: Args) -> None:
             raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
                              f"{p['tp'] * p['cp'] * p['dp']}")
     check_loss_args(args)
+
+
+TRAINER_FP32_COPIES = 7  # actor + behaviour copy + critic, and Adam's two moments of actor and critic, fp32
+
+
+def check_megatron_model_path(path: str) -> None:
+    """--model-path with --backend megatron: the trainer builds its Megatron models from that HF checkpoint the way
+    it builds the embedded ones (mcore.embedded_models: local modules, fp32, on the CPU, each rank reading its
+    shards), which is what the CPU rehearsal of the cluster path runs. Refused by name: a layout the converter does
+    not know; a checkpoint whose fp32 trainer state (TRAINER_FP32_COPIES x its parameters) exceeds this machine's
+    memory; a CUDA node (the cluster model, bf16 + Transformer Engine + Megatron's distributed optimizer on GPUs,
+    is not wired into the Trainer yet)."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    kind = cfg.get("model_type", "")
+    if kind not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):
+        raise ValueError(f"--model-path: {path} holds a {kind!r} model; the Megatron backend converts the Qwen3-MoE "
+                         "and Qwen3.5-MoE layouts")
+    if torch.cuda.is_available():
+        mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
+        raise NotImplementedError("--model-path with --backend megatron on a CUDA node: the cluster model "
+                                  "(mcore._qwen35_gpt with TE layers, bf16 with Megatron's distributed optimizer) "
+                                  "is not wired into Trainer yet; the trainer's Megatron models run on the CPU")
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", cfg.get("dtype"))), 2)
+    need = weights / dtype_bytes * 4 * TRAINER_FP32_COPIES
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"--model-path: {path} has {weights / 2**30:.1f} GiB of weights; the CPU trainer holds "
+                         f"{TRAINER_FP32_COPIES} fp32 copies ({need / 2**30:.0f} GiB) and this machine has "
+                         f"{have / 2**30:.0f} GiB; the cluster model (bf16 + TE + distributed optimizer on GPUs) "
+                         "is not wired into Trainer yet")
 
 
 def check_loss_args(args: Args) -> None:

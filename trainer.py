@@ -515,9 +515,11 @@ class Trainer:
     def warmup(self, samples: list[dict]) -> list[dict]:
         recs = self.steps.critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
         if self.rank == 0 or self.sharded:  # replicas: one file; shards: one per rank
+            out = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
+            out.parent.mkdir(parents=True, exist_ok=True)  # a --model-path run has no ckpt/sft to have made it
             torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                        "plan": parallel_plan(self.args) if self.sharded else None},
-                       self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm"))
+                        "plan": parallel_plan(self.args) if self.sharded else None}, out.with_suffix(".tmp"))
+            os.replace(out.with_suffix(".tmp"), out)  # whole or absent: a kill mid-save leaves no torn file
         return recs
 
     def train_step(self, samples: list[dict], step: int) -> dict:

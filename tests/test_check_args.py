@@ -67,3 +67,29 @@ def test_refused_flags_create_no_run_dir(tmp_path):
                          cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "--reward-scale: must be > 0, got 0.0" in out.stderr
     assert "Traceback" not in out.stderr and not run_dir.exists()
+
+
+def test_model_path_with_megatron_is_checked_not_refused(tmp_path):
+    """--model-path with --backend megatron builds the trainer's Megatron models from that checkpoint (the cluster
+    path's CPU rehearsal); refused by name: a layout the converter does not know, and a checkpoint whose fp32
+    trainer state would not fit this machine's memory (a sparse file stands in for 10 TiB of bf16 weights)."""
+    import json
+    import os
+
+    def ckpt(name, model_type, dtype, size):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": model_type, "dtype": dtype}))
+        with open(d / "model.safetensors", "wb") as f:
+            f.truncate(size)
+        return str(d)
+    T.check_megatron_model_path(ckpt("small", "qwen3_5_moe_text", "float32", 10 * 2**20))  # passes
+    with pytest.raises(ValueError, match="--model-path: .* 'llama' model"):
+        T.check_megatron_model_path(ckpt("llama", "llama", "bfloat16", 2**20))
+    with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*fp32 copies"):
+        T.check_megatron_model_path(ckpt("huge", "qwen3_5_moe", "bfloat16", 10 * 2**40))
+    args = T.parse_args(["--backend", "megatron", "--model-path", str(tmp_path / "huge"), "--run-dir",
+                         str(tmp_path / "run")])
+    with pytest.raises(ValueError, match="fp32 copies"):
+        T.check_args(args)
+    assert not os.path.exists(tmp_path / "run")
