@@ -415,29 +415,7 @@ def hf_expert_name(layer, expert, kind):
     return f"model.layers.{layer}.mlp.experts.{expert}.{kind}.weight"
 
 
-def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800):
-    """A process group outside the default one (trainer rank 0 + every engine rank), as SGLang builds it."""
-    try:
-        from sglang.srt.utils import init_custom_process_group as sgl_init  # identical keys (departure 4)
-    except ImportError:
-        sgl_init = None
-    import datetime
-    timeout = datetime.timedelta(seconds=timeout_s)
-    init = f"tcp://{master_address}:{master_port}"
-    if sgl_init is not None:
-        return sgl_init(backend=backend, init_method=init, world_size=world_size, rank=rank,
-                        group_name=group_name, timeout=timeout)
-    import inspect
-    from torch.distributed import distributed_c10d as c10d
-    store, rank, world_size = next(c10d.rendezvous(init, rank, world_size, timeout=timeout))
-    store.set_timeout(timeout)
-    store = c10d.PrefixStore(group_name, store)  # keys of this group apart from any other
-    opt = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters \
-        else "pg_options"
-    pg, _ = c10d._new_process_group_helper(world_size, rank, [], c10d.Backend(backend), store,
-                                           group_name=group_name, timeout=timeout, **{opt: None})
-    c10d._world.pg_group_ranks[pg] = {i: i for i in range(world_size)}
-    return pg
+init_update_group = infra.init_update_group  # (infra.py: the embedded engine joins such a group too)
 
 
 # SGLang API followed (HTTP bodies; read from sgl-project/sglang python/sglang/srt/managers/io_struct.py, main branch

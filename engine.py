@@ -2,7 +2,9 @@
 
 T1 samples from SGLang servers started with routed-expert capture. The embedded scale serves model.py's tiny
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
-and the same weight and pause endpoints, so rollout.py has one client for both scales. gateway.py shares its HTTP layer.
+and the same weight and pause endpoints (/update_weights_from_disk; /init_weights_update_group +
+/update_weights_from_distributed + /destroy_weights_update_group, the cluster publish over a gloo group), so
+rollout.py has one client for both scales and cluster.WeightPublisher can publish into it. gateway.py shares its HTTP layer.
 
     python engine.py serve --model-path DIR --port 30000 [--max-batch 64] [--weight-dtype bf16|fp32]
                            [--prefix-cache-mb 512] [--no-routed-experts]
@@ -21,7 +23,9 @@ Departures from the paper:
    only changes which token is drawn.
 4. /pause_generation waits for the running requests to finish (no abort/retract); /abort_request ends a queued or
    running request with finish_reason "abort".
-5. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
+5. A distributed publish is applied once every weight of the model has arrived (SGLang loads each bucket as it
+   comes), through the checkpoint loader (a temporary safetensors file) for the Hub-to-fused expert conversion.
+6. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
 
@@ -36,12 +40,14 @@ import re
 import select
 import socket
 import sys
+import tempfile
 import threading
 import time
 import urllib.request
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+import safetensors.torch
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
@@ -49,7 +55,7 @@ from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixi
 
 import infra
 import r3
-from model import load_actor, load_weights_from_disk, round_to_bf16
+from model import hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16
 
 # --- HTTP layer shared by this engine and gateway.py ----------------------------------------------
 LISTEN_BACKLOG = 1024  # listen(2) queue: >= the paper's 560 trials launched per step, one request in flight each
@@ -173,6 +179,8 @@ class JSONHandler(BaseHTTPRequestHandler):
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
+INIT_GROUP_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
+UPDATE_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version")
 GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "stream")
 DISCONNECT_LOG = 1024  # the last requests aborted because their client hung up (EngineServer.disconnects)
 MAX_BATCH = 64  # rows decoded together (paper silent; SGLang's default max_running_requests is larger)
@@ -496,6 +504,8 @@ class EngineServer:
         cfg = self.model.config
         self.num_layers, self.top_k = len(r3.routers(self.model)), cfg.num_experts_per_tok
         self.capture, self._capture_ctx = capture_routing, None
+        self.hub_shapes = {k: tuple(v.shape) for k, v in hub_state_dict(self.model).items()}  # what a publish sends
+        self.weight_groups, self.pending = {}, {}  # group name -> process group; -> tensors received so far
         n_max = max(cfg.max_position_embeddings, max_batch)
         self.step_buf = torch.zeros(n_max, self.num_layers, self.top_k, dtype=torch.int32)  # one forward's ids
         self.slot_buf = torch.empty(max_batch, cfg.max_position_embeddings, self.num_layers, self.top_k,
@@ -587,14 +597,15 @@ class EngineServer:
             raise box["error"]
         return box["result"]
 
-    def update_weights(self, path, version=None):
+    def update_weights(self, path, version=None, keep_path=False):
         def load():
             load_weights_from_disk(self.model, path)
             if self.weight_dtype == "bf16":
                 round_to_bf16(self.model)
             if self.prefix is not None:
                 self.prefix.clear()  # its states were computed by the old weights
-            self.model_path = path
+            if not keep_path:
+                self.model_path = path
             self.n_updates += 1
             self.weight_version = str(version) if version is not None else str(self.n_updates)
             return self.weight_version
@@ -608,6 +619,57 @@ class EngineServer:
             if self.prefix is not None:
                 self.prefix.clear()
         return self.run_when_idle(flip)
+
+    # -- weights over a process group (SGLang's /init_weights_update_group, /update_weights_from_distributed) --
+    def init_weight_group(self, master_address, master_port, rank_offset, world_size, group_name, backend):
+        """Join the trainer's weight group as rank rank_offset (this engine is one rank: TP 1). Blocks until every
+        member has joined (the trainer joins as rank 0 at the same time)."""
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest("backend: nccl needs CUDA; this engine runs on the CPU (use gloo)")
+        if group_name in self.weight_groups:
+            raise BadRequest(f"group_name: {group_name!r} is already joined")
+        self.weight_groups[group_name] = infra.init_update_group(master_address, master_port, rank_offset,
+                                                                 world_size, group_name, backend)
+        self.pending[group_name] = {}
+
+    def update_weights_from_group(self, group_name, names, dtypes, shapes, version=None):
+        """Receive one bucket: every tensor is received (broadcast from rank 0) even when the bucket is refused, so
+        the group stays in step; once every weight of the model has arrived they replace the model's (through
+        the checkpoint loader: Hub names, experts one by one, converted to the fused layout), the prefix cache is
+        cleared and the version bumps. -> the new weight_version, or None while the set is incomplete."""
+        import torch.distributed as dist
+        if group_name not in self.weight_groups:
+            raise BadRequest(f"group_name: {group_name!r} was not joined (POST /init_weights_update_group first)")
+        pg, got, want = self.weight_groups[group_name], self.pending[group_name], self.hub_shapes
+        errors = []
+        for name, dt, shape in zip(names, dtypes, shapes):
+            t = torch.empty(shape, dtype=getattr(torch, dt))
+            dist.broadcast(t, src=0, group=pg)
+            if name not in want:
+                errors.append(f"names: {name!r} is not a weight of this model")
+            elif tuple(shape) != want[name]:
+                errors.append(f"shapes: {name} is {tuple(shape)}, the model's is {want[name]}")
+            got[name] = t
+        if errors:
+            got.clear()  # nothing of a refused publish is applied
+            raise BadRequest("; ".join(errors[:3]))
+        if set(got) != set(want):
+            return None
+        state, self.pending[group_name] = dict(got), {}
+        with tempfile.TemporaryDirectory(prefix="t1_engine_weights_") as d:
+            safetensors.torch.save_file({k: v.float().contiguous() for k, v in state.items()},
+                                        os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
+            self.model.config.save_pretrained(d)
+            return self.update_weights(d, version, keep_path=True)
+
+    def destroy_weight_group(self, group_name):
+        import torch.distributed as dist
+        pg = self.weight_groups.pop(group_name, None)
+        self.pending.pop(group_name, None)
+        if pg is None:
+            return False
+        dist.destroy_process_group(pg)
+        return True
 
     def pause(self):
         """Stop admitting requests and wait until the running ones have finished."""
@@ -901,6 +963,39 @@ def _make_handler(engine):
                         self._send(400, {"success": False, "error": f"model_path: {e}", "message": str(e)})
                         return
                     self._send(200, {"success": True, "message": f"loaded {path}", "weight_version": v})
+                elif self.path == "/init_weights_update_group":
+                    for k in body:
+                        if k not in INIT_GROUP_FIELDS:
+                            raise BadRequest(f"{str(k)[:50]}: not supported (fields: {', '.join(INIT_GROUP_FIELDS)})")
+                    engine.init_weight_group(
+                        _field(body, "master_address", (str,), required=True),
+                        _field(body, "master_port", (int,), required=True),
+                        _field(body, "rank_offset", (int,), required=True),
+                        _field(body, "world_size", (int,), required=True),
+                        _field(body, "group_name", (str,), "weight_update_group"),
+                        _field(body, "backend", (str,), "nccl"))
+                    self._send(200, {"success": True, "message": "joined"})
+                elif self.path == "/update_weights_from_distributed":
+                    for k in body:
+                        if k not in UPDATE_FIELDS:
+                            raise BadRequest(f"{str(k)[:50]}: not supported (fields: {', '.join(UPDATE_FIELDS)})")
+                    names = _field(body, "names", (list,), required=True)
+                    dtypes = _field(body, "dtypes", (list,), required=True)
+                    shapes = _field(body, "shapes", (list,), required=True)
+                    if not (len(names) == len(dtypes) == len(shapes)) or not all(
+                            isinstance(n, str) for n in names) or not all(
+                            d in ("float32", "bfloat16", "float16") for d in dtypes) or not all(
+                            isinstance(sh, list) and all(_is_int(x) and 0 <= x < 2**31 for x in sh) for sh in shapes):
+                        raise BadRequest("names / dtypes / shapes: expected lists of equal length of names, "
+                                         "float32|bfloat16|float16 and lists of non-negative ints")
+                    version = _field(body, "weight_version", (str,), None)
+                    v = engine.update_weights_from_group(_field(body, "group_name", (str,), "weight_update_group"),
+                                                         names, dtypes, shapes, version)
+                    self._send(200, {"success": True, "message": "applied" if v else "received",
+                                     "weight_version": v or engine.weight_version})
+                elif self.path == "/destroy_weights_update_group":
+                    ok = engine.destroy_weight_group(_field(body, "group_name", (str,), "weight_update_group"))
+                    self._send(200, {"success": ok})
                 elif self.path == "/pause_generation":
                     engine.pause()
                     self._send(200, {"success": True})

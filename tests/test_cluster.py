@@ -418,7 +418,9 @@ def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_count
 # --- the cluster run's command line reaches train_t1.py ------------------------------------------------
 def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_missing(tmp_path, monkeypatch):
     import train_t1
-    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "dtype": "bfloat16"}))
+    with open(tmp_path / "model.safetensors", "wb") as f:  # sparse: the 122B's ~244 GB of bf16 weights
+        f.truncate(244 * 10**9)
     preset = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
     row = {"tp": 2, "pp": 1, "cp": 1, "ep": 64, "etp": 1, "dp": 32, "recompute": True}
     cmd = cluster.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
@@ -434,8 +436,8 @@ def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_mis
     with pytest.raises(ValueError, match="DAYTONA_API_KEY"):
         train_t1.check_args(args)
     monkeypatch.setenv("DAYTONA_API_KEY", "k")
-    if not torch.cuda.is_available():
-        with pytest.raises(RuntimeError, match="CUDA"):
+    if not torch.cuda.is_available():  # the CPU trainer cannot hold it; the GPU cluster model is not wired
+        with pytest.raises(ValueError, match="fp32 copies.*not wired"):
             train_t1.check_args(args)
 
 
@@ -484,3 +486,77 @@ def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
     for name, t in want.items():
         assert torch.equal(torch.tensor(res["received"][name]), t.float()), name
     assert 5 in trainer.published
+
+
+def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
+    """The cluster publish (cluster.WeightPublisher: SGLang's /init_weights_update_group and
+    /update_weights_from_distributed, every tensor broadcast over one gloo group) into an embedded engine in its own
+    process (`engine.py serve`): after ppo.Trainer publishes version 5 the engine's greedy reply and logprobs equal
+    an engine loaded from the trainer's checkpoint on disk. A bucket naming a weight the model does not have is
+    refused (400, naming it) with its tensors still received, so the group stays in step and the next publish
+    applies."""
+    import os
+    import subprocess
+    import sys
+    import threading
+    import torch.distributed as dist
+    import infra
+    import ppo
+    import train_t1
+    tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort"] * 20, vocab_size=300)
+    path = str(tmp_path / "sft")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
+    port = infra.free_port()
+    proc = subprocess.Popen([sys.executable, "engine.py", "serve", "--model-path", path, "--port", str(port),
+                             "--weight-dtype", "fp32", "--threads", "1"], cwd=os.path.dirname(cluster.__file__),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        assert "engine serving" in proc.stdout.readline()
+        args = train_t1.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--engine-urls", url,
+                                    "--engine-world-sizes", "1"])
+        trainer = ppo.Trainer(args, path, 0)
+        with torch.no_grad():  # weights the engine does not have yet
+            for p in trainer.actor.parameters():
+                p.add_(0.01 * torch.randn_like(p))
+        trainer.connect_engines([url], [1], "127.0.0.1")
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("res", _raw_update(
+            url, {"names": ["model.not_a_weight"], "dtypes": ["float32"], "shapes": [[3, 4]],
+                  "group_name": trainer.publisher.group_name})))
+        t.start()
+        dist.broadcast(torch.ones(3, 4), src=0, group=trainer.publisher.group)  # received though refused
+        t.join(timeout=120)
+        assert box["res"][0] == 400 and "model.not_a_weight" in box["res"][1]["error"], box
+        trainer.publish(5)
+        info = _raw_update(url, None, "/get_model_info")[1]
+        assert info["weight_version"] == "5"
+        trainer.save_actor(str(tmp_path / "pub"))
+        ref = EngineServer(str(tmp_path / "pub"), port=0, max_batch=2, weight_dtype="fp32").start()
+        try:
+            body = {"input_ids": model_lib.render_ids(tok, "user", "ls"), "return_logprob": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
+            a, b = (_raw_update(u, body, "/generate")[1] for u in (url, ref.url))
+            assert a["output_ids"] == b["output_ids"]
+            la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
+            lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
+            assert max(abs(x - y) for x, y in zip(la, lb)) < 1e-5  # same weights; 1 vs 2 torch threads
+        finally:
+            ref.stop()
+        trainer.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _raw_update(url, body, path="/update_weights_from_distributed"):
+    """POST body (GET when None) -> (status, JSON)."""
+    import urllib.error
+    import urllib.request
+    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
