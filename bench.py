@@ -516,6 +516,10 @@ def print_table(summary: dict) -> None:
             e = summary.get(key.format(ck))
             if not e or not e.get("n_trials"):
                 continue
+            if "trials" not in e:  # recorded by a version that kept no per-trial rows: no intervals to give
+                print(f"| {pool} | {ck.upper()} | {e['solve_rate']:.3f} [n/a] | {e['reward_mean']:.3f} [n/a] | "
+                      f"{e['turns_mean']:.1f} | {e['n_trials']} |")
+                continue
             lo, hi = wilson(sum(t["resolved"] for t in e["trials"]), e["n_trials"])
             rlo, rhi = mean_interval([t["reward"] for t in e["trials"]])
             print(f"| {pool} | {ck.upper()} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
