@@ -11,6 +11,8 @@ Run:
     python cluster.py launch --preset qwen35-122b-a10b [--model-path DIR] [-- train_t1.py flags]
     python cluster.py sglang-cmd --preset qwen35-122b-a10b --model-path DIR  # the server command lines
     python cluster.py gpu-check [--out DIR]          # one GPU: Megatron backend smoke + memory model check
+    python cluster.py launch --preset cpu-rehearsal --model-path DIR [-- flags]   # the same path on this CPU
+                                                     # (bash run.sh cluster-rehearsal [--quick] makes DIR first)
 `launch` = check (GPUs, env vars, model path, packages, a feasible plan) -> start or join Ray (RAY_ADDRESS) ->
 placement groups (trainer GPUs packed, one bundle of `engine_tp` GPUs per SGLang server) -> SGLang servers as Ray
 actors -> `train_t1.py` with the engine URLs and the chosen plan.
@@ -27,6 +29,9 @@ Departures (numbered, with why):
     equivalent from torch.distributed internals (the CPU tests, gloo).
  5. Nothing here has run on a GPU or a cluster yet (RESULTS.md): the request bodies are checked against SGLang's
     schemas and the publish protocol end to end over gloo on CPU (tests/test_cluster.py).
+ 6. The CPU rehearsal (preset cpu-rehearsal) runs the launcher's path with the embedded engine in SGLang's place
+    (its /update_weights_from_distributed takes the publish), bubblewrap in Daytona's, the Megatron trainer's
+    local modules in fp32 over gloo ranks in place of TE + bf16 on GPUs; Ray and the planner are the real ones.
 """
 import argparse
 import concurrent.futures as cf
@@ -70,6 +75,8 @@ class ClusterPreset:
     """engines share the trainer's GPUs (release their memory while the trainer runs)"""
     env_vars: tuple = ("DAYTONA_API_KEY",)
     model_path_env: str = "T1_MODEL_PATH"
+    device: str = "gpu"
+    """gpu: SGLang servers, Daytona, GPUs; cpu: the rehearsal (embedded engines, bubblewrap, gloo trainer ranks)"""
 
     @property
     def gpus(self) -> int:
@@ -83,7 +90,14 @@ CLUSTER_PRESETS = {
                                     nodes=1, gpus_per_node=8, train_gpus=8, engine_tp=8, n_engines=1,
                                     colocate=True, tokens=8192),  # T = 16384 fits no plan once the behaviour
     # copy of the actor is counted (infra.py: best 100.6 GiB > M = 95; 93.8 GiB at T = 8192)
+    # the whole cluster path on this CPU: 4 gloo trainer ranks ("devices") under the planner's plan, one embedded
+    # engine taking the publish over a gloo group, bubblewrap jails; its model is the embedded SFT's checkpoint
+    "cpu-rehearsal": ClusterPreset("cpu-rehearsal", "t1-tiny", "(a checkpoint written by the embedded SFT)",
+                                   nodes=1, gpus_per_node=0, train_gpus=4, engine_tp=1, n_engines=1, tokens=4096,
+                                   mem_gib=6.0, gpu_mem_gib=0.0, env_vars=(), device="cpu"),  # M: the memory
+    # model's fixed 4 GiB a device (CUDA context, buffers) is counted on the CPU too
 }
+CPU_PACKAGES = {"megatron.core": "megatron-core", "ray": "ray"}  # what the rehearsal needs beyond requirements.txt
 PACKAGES = {"sglang": "sglang", "megatron.core": "megatron-core", "ray": "ray", "daytona": "daytona",
             "transformer_engine": "transformer-engine"}
 
@@ -146,6 +160,8 @@ def check_preset(preset, env, gpus, model_path, packages=None):
         if not env.get(var):
             errs.append(f"env: {var} is not set (Daytona sandboxes: create a key at app.daytona.io and "
                         f"`export {var}=...`)")
+    if preset.device == "cpu":
+        return errs + _check_cpu_preset(preset, env, model_path, packages)
     need = preset.gpus_per_node
     if len(gpus) < need:
         errs.append(f"GPUs: this node has {len(gpus)} visible GPU(s), preset {preset.name} needs {need} per node "
@@ -165,6 +181,17 @@ def check_preset(preset, env, gpus, model_path, packages=None):
                                            preset.train_gpus + preset.n_engines * preset.engine_tp > preset.gpus):
         errs.append(f"preset {preset.name}: trainer {preset.train_gpus} + engines "
                     f"{preset.n_engines}x{preset.engine_tp} GPUs exceed {preset.gpus}")
+    return errs
+
+
+def _check_cpu_preset(preset, env, model_path, packages):
+    """The rehearsal's checks: the model directory (the tiny Qwen3.5 shape), Megatron-Core and Ray importable."""
+    errs = check_model_path(model_path or env.get(preset.model_path_env), preset)
+    packages = packages if packages is not None else {m: importlib.util.find_spec(m.split(".")[0]) is not None
+                                                      for m in CPU_PACKAGES}
+    missing = [CPU_PACKAGES.get(m, m) for m, ok in packages.items() if not ok and m in CPU_PACKAGES]
+    if missing:
+        errs.append(f"packages: {', '.join(missing)} not installed (requirements.txt)")
     return errs
 
 
@@ -205,7 +232,10 @@ def require_ready(preset, model_path):
 # --- Ray layout ------------------------------------------------------------------------------------
 def layout(preset):
     """The preset's placement groups in infra.ray_placement's form: the trainer's GPUs packed onto the fewest nodes,
-    one bundle per SGLang server (a bundle never spans nodes, so each server sits on one node)."""
+    one bundle per SGLang server (a bundle never spans nodes, so each server sits on one node). The CPU preset: the
+    engines' bundles only (train_t1 places its own trainer ranks)."""
+    if preset.device == "cpu":
+        return [("PACK", {"engines": [{"CPU": 1} for _ in range(preset.n_engines)]})]
     train = [{"GPU": 1, "CPU": 4} for _ in range(preset.train_gpus)]
     if preset.colocate:  # engines run inside the trainer's bundles' GPUs: no GPUs of their own
         engines = [{"CPU": 4} for _ in range(preset.n_engines)]
@@ -215,7 +245,12 @@ def layout(preset):
 
 
 def ray_connect(preset, timeout_s=600):
-    """Join RAY_ADDRESS, or start a head on this node; wait until the preset's GPUs have joined."""
+    """Join RAY_ADDRESS, or start a head on this node; wait until the preset's GPUs have joined. The CPU preset
+    starts Ray in this process (infra.ray_start) and gives train_t1 its address."""
+    if preset.device == "cpu":
+        ray = infra.ray_start(preset.train_gpus + preset.n_engines + 2, os.environ.get("RAY_ADDRESS", ""), 1)
+        os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # train_t1 joins this Ray
+        return ray
     import ray
     if os.environ.get("RAY_ADDRESS"):
         ray.init(address=os.environ["RAY_ADDRESS"])
@@ -298,7 +333,13 @@ class SGLangServer:
 
 
 def start_engines(ray, preset, place, model_path, log_dir):
-    """SGLang servers as Ray actors, one per engine bundle (place: infra.ray_placement's) -> (actors, urls)."""
+    """SGLang servers as Ray actors, one per engine bundle (place: infra.ray_placement's) -> (actors, urls); the CPU
+    preset: embedded engines (engine.EngineActor, the same HTTP contract, the publish over a gloo group)."""
+    if preset.device == "cpu":
+        import engine
+        actors = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(model_path, "bf16", 1)
+                  for i in range(preset.n_engines)]
+        return actors, [info["url"] for info in ray.get([a.info.remote() for a in actors])]
     actors = []
     for i in range(preset.n_engines):
         if preset.colocate:  # share the trainer's GPUs: no GPU reservation, all of the node's devices visible
@@ -605,11 +646,16 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
 
 
 def train_command(preset, run_dir, model_path, urls, row, extra=()):
-    """The train_t1.py command line of a cluster run: the preset, the SGLang URLs and the planner's plan."""
-    return [sys.executable, "train_t1.py", "--preset", preset.name, "--run-dir", run_dir, "--model-path", model_path,
-            "--backend", "megatron", "--sandbox", "daytona", "--engine-urls", ",".join(urls),
+    """The train_t1.py command line of a cluster run: the preset, the SGLang URLs and the planner's plan (the CPU
+    preset: the embedded preset's values, bubblewrap jails, the plan's ranks as gloo trainer ranks)."""
+    plan = {k: row[k] for k in ("tp", "pp", "cp", "ep", "etp", "dp", "recompute")}
+    cpu = preset.device == "cpu"
+    return [sys.executable, "train_t1.py", "--preset", "embedded" if cpu else preset.name, "--run-dir", run_dir,
+            "--model-path", model_path, "--backend", "megatron", "--sandbox", "bwrap" if cpu else "daytona",
+            "--engine-urls", ",".join(urls),
             "--engine-world-sizes", ",".join([str(preset.engine_tp)] * preset.n_engines),
-            "--plan", json.dumps({k: row[k] for k in ("tp", "pp", "cp", "ep", "etp", "dp", "recompute")}), *extra]
+            "--plan", json.dumps(plan), *(["--trainer-ranks", str(row["tp"] * row["pp"] * row["cp"] * row["dp"])]
+                                          if cpu else []), *extra]
 
 
 # --- CLI ---------------------------------------------------------------------------------------------

@@ -88,6 +88,8 @@ MODEL_SHAPES = {  # the one table of the Qwen3.5 shapes (mcore.megatron_shape gi
                                     32, 2, 256, 16, 64, 128, 128),
     "qwen35-35b-a3b": ModelConfig("qwen35-35b-a3b", 40, 2048, 256, 8, 512, 512, 30, 10, 248320,
                                   16, 2, 256, 16, 32, 128, 128),
+    # model.tiny_config("qwen3_5_moe") at the embedded vocabulary: the CPU rehearsal of the cluster path (cluster.py)
+    "t1-tiny": ModelConfig("t1-tiny", 4, 128, 8, 2, 128, 128, 3, 1, 2048, 4, 2, 32, 2, 4, 32, 32),
 }
 
 

@@ -11,6 +11,8 @@
 #   bash run.sh qwen35-122b-a10b [--model-path DIR]   # cluster preset: checks GPUs/env/model, prints the
 #   bash run.sh qwen35-35b-a3b   [--model-path DIR]   #   memory-model plan, starts/joins Ray, launches the run
 #   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
+#   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: cluster.py launch, the planner's
+#                                    #   plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
 #
 # On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
 # tmux for the terminal, jq for the generated tasks), a virtual environment at .venv/ and requirements.txt (torch pinned to the
@@ -76,6 +78,22 @@ case "${1:-}" in
   gpu-check)
     shift
     exec .venv/bin/python cluster.py gpu-check "$@"
+    ;;
+  cluster-rehearsal)
+    # the cluster path on this CPU: the embedded SFT writes a Qwen3.5 HF checkpoint (runs/rehearsal-sft), then
+    # `cluster.py launch --preset cpu-rehearsal` runs it as a cluster would: checks, the planner's plan over 4 gloo
+    # trainer ranks (Megatron), an embedded engine as a Ray actor taking each publish over a gloo group,
+    # bubblewrap jails; the same --run-dir resumes. --quick: tiny settings; other flags go to train_t1.py
+    shift
+    quick=(); rest=()
+    for a in "$@"; do if [ "$a" = "--quick" ]; then quick=(--quick); else rest+=("$a"); fi; done
+    sft=${T1_REHEARSAL_SFT:-runs/rehearsal-sft}
+    if [ ! -f "$sft/ckpt/sft/config.json" ]; then
+      .venv/bin/python train_t1.py "${quick[@]}" --arch qwen3_5_moe --run-dir "$sft" --rl-steps 0 \
+        --eval-attempts 0 --critic-warmup-trials 1
+    fi
+    exec .venv/bin/python cluster.py launch --preset cpu-rehearsal --model-path "$sft/ckpt/sft" \
+      --run-dir "${T1_REHEARSAL_RUN:-runs/rehearsal}" -- "${quick[@]}" "${rest[@]}"
     ;;
   *)
     exec .venv/bin/python train_t1.py "$@"

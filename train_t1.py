@@ -540,6 +540,7 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
                  f"engines {infos or ax.urls}, rollout workers pids {ray.get([w.pid.remote() for w in ax.workers])}")
     sizes = [int(x) for x in args.engine_world_sizes.split(",") if x]  # cluster: weights over one process group
     ray.get(ax.trainer.connect_engines.remote(ax.urls, sizes))  # else the engines load ckpt/latest from disk
+    log(run.dir, f"publish: {'over one process group to engine ranks ' + str(sizes) if sizes else 'from disk'}")
 
 
 def publish(run: Run, ax: SimpleNamespace, version: int) -> None:

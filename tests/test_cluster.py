@@ -11,6 +11,7 @@ sandbox's calls go to a fake client that implements the SDK's method names (the 
 import contextlib
 import json
 import multiprocessing as mp
+import os
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
@@ -495,7 +496,6 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     an engine loaded from the trainer's checkpoint on disk. A bucket naming a weight the model does not have is
     refused (400, naming it) with its tensors still received, so the group stays in step and the next publish
     applies."""
-    import os
     import subprocess
     import sys
     import threading
@@ -560,3 +560,36 @@ def _raw_update(url, body, path="/update_weights_from_distributed"):
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
+    """`bash run.sh cluster-rehearsal --quick`: the embedded SFT writes a Qwen3.5 checkpoint, then cluster.py launch
+    (checks, the planner's plan for 4 devices, Ray, an embedded engine started by the launcher) runs train_t1 with
+    --model-path and --backend megatron over the plan's 4 gloo ranks, publishing over one process group; it prints
+    the end-of-run table; a second launch on the same run directory resumes and adds exactly one step."""
+    import subprocess
+    root = os.path.dirname(os.path.abspath(cluster.__file__))
+    env = dict(os.environ, T1_REHEARSAL_SFT=str(tmp_path / "sft"), T1_REHEARSAL_RUN=str(tmp_path / "run"))
+    env.pop("RAY_ADDRESS", None)
+    flags = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
+             "--critic-warmup-trials", "4", "--max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "5",
+             "--minibatch-size", "2", "--eval-train-tasks", "2", "--eval-max-turns", "3"]
+
+    def rehearse(steps):
+        out = subprocess.run(["bash", "run.sh", "cluster-rehearsal", "--quick", *flags, "--rl-steps", str(steps)],
+                             cwd=root, env=env, capture_output=True, text=True, timeout=1500)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out.stdout
+    text = rehearse(1)
+    assert json.loads((tmp_path / "sft" / "ckpt" / "sft" / "config.json").read_text())["model_type"] == \
+        "qwen3_5_moe_text"
+    assert "[cluster] chosen plan: tp=1 pp=1 cp=1 ep=4 etp=1 dp=4" in text and "| held-out | RL |" in text
+    log = (tmp_path / "run" / "log.txt").read_text()
+    assert "publish: over one process group to engine ranks [1]" in log
+    pids = log.split("other trainer ranks pids [")[1].split("]")[0]
+    assert len(pids.split(",")) == 3  # 4 trainer ranks
+    args = json.loads((tmp_path / "run" / "args.json").read_text())
+    assert (args["backend"], args["sandbox"], json.loads(args["plan"])["ep"]) == ("megatron", "bwrap", 4)
+    rehearse(2)
+    rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
+    assert [r["step"] for r in rows if r["phase"] == "rl"] == [1, 2]
