@@ -286,6 +286,9 @@ def test_check_command_exits_listing_the_problems(monkeypatch, capsys):
 def test_layout_bundles_cover_the_preset_and_keep_each_server_on_one_node():
     for p in cluster.CLUSTER_PRESETS.values():
         lay = {role: bundles for _, roles in cluster.layout(p) for role, bundles in roles.items()}
+        if p.device == "cpu":  # the rehearsal: the engines' CPU bundles; train_t1 places its trainer ranks
+            assert list(lay) == ["engines"] and all("GPU" not in b for b in lay["engines"])
+            continue
         train, engines = lay["train"], lay["engines"]
         gpus = sum(b.get("GPU", 0) for b in train + engines)
         assert gpus == (p.train_gpus if p.colocate else p.train_gpus + p.n_engines * p.engine_tp) <= p.gpus
@@ -593,3 +596,16 @@ def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
     rehearse(2)
     rows = [json.loads(x) for x in open(tmp_path / "run" / "metrics.jsonl")]
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [1, 2]
+
+
+def test_the_rehearsal_model_shape_is_the_embedded_qwen35():
+    """infra.MODEL_SHAPES["t1-tiny"] (what the planner sizes for the rehearsal) = model.tiny_config's Qwen3.5."""
+    import infra
+    c, t = infra.MODEL_SHAPES["t1-tiny"], model_lib.tiny_config(2048, "qwen3_5_moe")
+    assert (c.n_layers, c.hidden, c.n_experts, c.top_k, c.moe_ffn, c.shared_ffn, c.vocab) == (
+        t.num_hidden_layers, t.hidden_size, t.num_experts, t.num_experts_per_tok, t.moe_intermediate_size,
+        t.shared_expert_intermediate_size, t.vocab_size)
+    assert (c.n_gdn, c.n_attn) == (t.layer_types.count("linear_attention"), t.layer_types.count("full_attention"))
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim) == (
+        t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.linear_num_key_heads, t.linear_num_value_heads,
+        t.linear_key_head_dim, t.linear_value_head_dim)
