@@ -126,7 +126,8 @@ class EngineClient:
             return {"text": raw.decode(errors="replace")}
 
     def generate(self, input_ids, sampling_params, rid=None) -> dict:
-        """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, weight_version)."""
+        """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, weight_version,
+        cached_tokens: prompt tokens the server took from its prefix cache, None when it does not say)."""
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                 "return_logprob": True, "return_routed_experts": True, **({"rid": rid} if rid else {})}
         out = self._call("/generate", body)
@@ -143,7 +144,7 @@ class EngineClient:
         fin = meta.get("finish_reason")
         return {"output_ids": ids, "logprobs": [float(x[0]) for x in lps] if lps else None,
                 "routed_experts": routed, "finish_reason": fin.get("type") if isinstance(fin, dict) else fin,
-                "weight_version": meta.get("weight_version")}
+                "weight_version": meta.get("weight_version"), "cached_tokens": meta.get("cached_tokens")}
 
     def update_weights_from_disk(self, path, weight_version=None):
         version = {} if weight_version is None else {"weight_version": str(weight_version)}
@@ -249,7 +250,8 @@ class TokenChat:
         self.out, result = list(gen["output_ids"]), self.result
         result["records"].append({"prompt_ids": list(self.prompt), "output_ids": self.out,
                                   "output_logprobs": gen["logprobs"], "routed_experts": gen["routed_experts"],
-                                  "finish_reason": gen["finish_reason"], "weight_version": gen["weight_version"]})
+                                  "finish_reason": gen["finish_reason"], "weight_version": gen["weight_version"],
+                                  "cached_tokens": gen.get("cached_tokens")})
         if gen["weight_version"] is not None and gen["weight_version"] not in result["weight_versions"]:
             result["weight_versions"].append(gen["weight_version"])
         return self.tok.decode(self.out, skip_special_tokens=True), None

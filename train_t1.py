@@ -617,6 +617,14 @@ def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[li
     return samples, audit, staleness
 
 
+def prefix_cache_frac(trials: list) -> float:
+    """Prompt tokens the engines took from their prefix cache / prompt tokens sent, over the trials' turns (NaN when
+    no engine reported cached_tokens)."""
+    recs = [r for t in trials for r in t.get("records", []) if r.get("cached_tokens") is not None]
+    sent = sum(len(r["prompt_ids"]) for r in recs)
+    return sum(r["cached_tokens"] for r in recs) / sent if sent else float("nan")
+
+
 def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> dict:
     """The metrics.jsonl row of an RL step (names in the README)."""
     trials = ro["trials"]
@@ -625,7 +633,8 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
             **stats, **audit, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(ro["dropped"]),
             "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
             "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
-            "rollout_tokens_per_s": ro["tok_s"], "time_rollout": ro["t_rollout"], **timing}
+            "rollout_tokens_per_s": ro["tok_s"], "prefix_cache_frac": prefix_cache_frac(trials),
+            "time_rollout": ro["t_rollout"], **timing}
 
 
 def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list) -> None:

@@ -73,6 +73,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert [r["staleness"] for r in rl] == [0, 1]  # one-step async: step 2 was sampled while step 1 trained
     assert np.isfinite(rl[0]["dlogp"])
     assert 0.0 <= rl[0]["reward_mean"] <= 1.0
+    for r in rl:  # every turn after the first extends the trajectory the engine cached at the previous turn's end
+        assert 0.0 <= r["prefix_cache_frac"] < 1.0 and (r["prefix_cache_frac"] > 0 or r["turns_mean"] <= 1.0), r
     assert (run_dir / "ckpt" / "latest" / "model.safetensors").exists()
     # critic before actor, observable in the log
     assert log.index("step 1: critic update") < log.index("step 1: actor update")
