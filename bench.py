@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
+import transformers
 
 import chat_tokens
 import cp_gdn
@@ -37,7 +38,7 @@ import ppo
 import r3
 import rollout
 import tito
-from engine import EngineServer, sample_rows
+from engine import EngineServer, _build_cache, _cache_state, sample_rows
 from trainer import Metrics
 
 
@@ -100,11 +101,9 @@ def _capture_overhead(hf, eng, n_rows, prompt_len, steps, seed=0):
     with capture and steps without, alternating step by step on one growing cache (so drift and cache length hit
     both alike); -> median step ms each, the overhead in % of the step and its 95% bootstrap interval; and the
     added operations alone (routing context, the routers' copies, the slot copy; 2,000 repeats) in % of a step."""
-    from engine import _build_cache, _cache_state
-    from transformers import DynamicCache
     g = torch.Generator().manual_seed(seed)
     V, cfg = hf.config.vocab_size, hf.config
-    cache = DynamicCache(config=cfg)
+    cache = transformers.DynamicCache(config=cfg)
     hf(input_ids=torch.randint(3, V, (n_rows, prompt_len), generator=g), cache=cache, use_cache=True,
        logits_to_keep=1)
     cache = _build_cache(cfg, _cache_state(cache, slice(None), prompt_len, copy=False))

@@ -45,6 +45,7 @@ import subprocess
 import sys
 import time
 
+import engine
 import infra
 import mcore
 import rollout
@@ -336,7 +337,6 @@ def start_engines(ray, preset, place, model_path, log_dir):
     """SGLang servers as Ray actors, one per engine bundle (place: infra.ray_placement's) -> (actors, urls); the CPU
     preset: embedded engines (engine.EngineActor, the same HTTP contract, the publish over a gloo group)."""
     if preset.device == "cpu":
-        import engine
         actors = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(model_path, "bf16", 1)
                   for i in range(preset.n_engines)]
         return actors, [info["url"] for info in ray.get([a.info.remote() for a in actors])]

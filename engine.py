@@ -4,11 +4,12 @@ T1 samples from SGLang servers started with routed-expert capture. The embedded 
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
 and the same weight and pause endpoints (/update_weights_from_disk; /init_weights_update_group +
 /update_weights_from_distributed + /destroy_weights_update_group, the cluster publish over a gloo group), so
-rollout.py has one client for both scales and cluster.WeightPublisher can publish into it. gateway.py shares its HTTP layer.
+rollout.py has one client for both scales and cluster.WeightPublisher can publish into it. gateway.py shares its
+HTTP layer.
 
     python engine.py serve --model-path DIR --port 30000 [--max-batch 64] [--weight-dtype bf16|fp32]
                            [--prefix-cache-mb 512] [--no-routed-experts]
-    python bench.py engine         # engine vs HF generate (8 / 32 concurrent, multi-turn cache on / off, capture)
+    python bench.py engine         # engine vs HF generate (8 / 32 concurrent; multi-turn, cache on / off; capture)
 
 In-process: `EngineServer(model_path, port=0).start()` -> `.url`; `.stop()`. train_t1.py runs it inside a Ray actor
 (EngineActor). How the engine batches (continuous batching, a prefix cache across an agent's turns, one sampling
