@@ -255,7 +255,7 @@ def _generate_wave(engine, bodies):
     threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
     for t in threads:
         t.start()
-    while True:  # every request queued before the wave starts
+    while True:  # every request queued before they are admitted
         with engine.cv:
             if len(engine.queue) == len(bodies):
                 break

@@ -282,7 +282,7 @@ def test_replay_with_fp32_engine_weights_matches_rollout_logprobs(fp32_engine):
     bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
                "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": i}}
               for i, p in enumerate(prompts)]
-    outs, _ = bench._generate_wave(engine, bodies)  # one wave: left-padded batched prefill + decode
+    outs, _ = bench._generate_wave(engine, bodies)  # admitted together: left-padded batched prefill + decode
     trainer, _ = model_lib.load_actor(path)
     trainer.eval()
     for p, o in zip(prompts, outs):
