@@ -506,6 +506,7 @@ class EngineServer:
         self.num_layers, self.top_k = len(r3.routers(self.model)), cfg.num_experts_per_tok
         self.capture, self._capture_ctx = capture_routing, None
         self.hub_shapes = {k: tuple(v.shape) for k, v in hub_state_dict(self.model).items()}  # what a publish sends
+        self.hub_bytes = 4 * sum(math.prod(s) for s in self.hub_shapes.values())
         self.weight_groups, self.pending = {}, {}  # group name -> process group; -> tensors received so far
         n_max = max(cfg.max_position_embeddings, max_batch)
         self.step_buf = torch.zeros(n_max, self.num_layers, self.top_k, dtype=torch.int32)  # one forward's ids
@@ -639,6 +640,10 @@ class EngineServer:
         the checkpoint loader: Hub names, experts one by one, converted to the fused layout), the prefix cache is
         cleared and the version bumps. -> the new weight_version, or None while the set is incomplete."""
         import torch.distributed as dist
+        announced = sum(math.prod(shape) * getattr(torch, dt).itemsize for dt, shape in zip(dtypes, shapes))
+        if announced > 2 * self.hub_bytes:  # refused before anything is allocated or received
+            raise BadRequest(f"shapes: the bucket announces {announced} bytes, over twice the model's "
+                             f"{self.hub_bytes} (fp32)")
         if group_name not in self.weight_groups:
             raise BadRequest(f"group_name: {group_name!r} was not joined (POST /init_weights_update_group first)")
         pg, got, want = self.weight_groups[group_name], self.pending[group_name], self.hub_shapes

@@ -648,3 +648,22 @@ def test_routing_capture_writes_into_a_preallocated_buffer(ckpt, tok):
                                             "sampling_params": {"max_new_tokens": 2}})[0] == 200
     finally:
         eng.stop()
+
+
+def test_a_distributed_weight_update_is_refused_before_it_allocates(engine, tok):
+    """/update_weights_from_distributed: a bucket announcing more than twice the model's bytes is refused before
+    anything is allocated or received; a group never joined is refused by name; malformed lists are 400."""
+    huge = {"names": ["x"], "dtypes": ["float32"], "shapes": [[2**20, 2**12]], "group_name": "g"}  # 16 GiB
+    status, out = post(engine.url + "/update_weights_from_distributed", huge)
+    assert status == 400 and out["error"].startswith("shapes:"), out
+    small = dict(huge, shapes=[[2, 2]])
+    status, out = post(engine.url + "/update_weights_from_distributed", small)
+    assert status == 400 and out["error"].startswith("group_name:"), out
+    for bad in (dict(small, dtypes=["int64"]), dict(small, shapes=[[-1]]), dict(small, names=[1]),
+                dict(small, dtypes=[])):
+        status, out = post(engine.url + "/update_weights_from_distributed", bad)
+        assert status == 400 and "names / dtypes / shapes" in out["error"], (bad, out)
+    if not torch.cuda.is_available():  # a CPU engine cannot join an NCCL group
+        status, out = post(engine.url + "/init_weights_update_group", {
+            "master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1, "world_size": 2, "backend": "nccl"})
+        assert status == 400 and out["error"].startswith("backend:"), out
