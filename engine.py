@@ -26,7 +26,9 @@ Departures from the paper:
    running request with finish_reason "abort".
 5. A distributed publish is applied once every weight of the model has arrived (SGLang loads each bucket as it
    comes), through the checkpoint loader (a temporary safetensors file) for the Hub-to-fused expert conversion.
-6. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
+6. The running batch is one left-padded KV cache (no paged attention): while a long request runs, every row attends
+   over its padded length; the padding is trimmed when it leaves.
+7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
 
