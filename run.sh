@@ -89,8 +89,8 @@ case "${1:-}" in
     for a in "$@"; do if [ "$a" = "--quick" ]; then quick=(--quick); else rest+=("$a"); fi; done
     sft=${T1_REHEARSAL_SFT:-runs/rehearsal-sft}
     if [ ! -f "$sft/ckpt/sft/config.json" ]; then
-      .venv/bin/python train_t1.py "${quick[@]}" --arch qwen3_5_moe --run-dir "$sft" --rl-steps 0 \
-        --eval-attempts 0 --critic-warmup-trials 1
+      .venv/bin/python train_t1.py "${quick[@]}" "${rest[@]}" --arch qwen3_5_moe --run-dir "$sft" --rl-steps 0 \
+        --eval-attempts 0 --critic-warmup-trials 1   # the same flags, then what makes it an SFT-only run
     fi
     exec .venv/bin/python cluster.py launch --preset cpu-rehearsal --model-path "$sft/ckpt/sft" \
       --run-dir "${T1_REHEARSAL_RUN:-runs/rehearsal}" -- "${quick[@]}" "${rest[@]}"
