@@ -5,7 +5,6 @@ import torch
 
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
-import infra  # noqa: E402
 import mcore  # noqa: E402
 import mcore_weights  # noqa: E402
 import r3  # noqa: E402
