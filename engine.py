@@ -630,8 +630,8 @@ class EngineServer:
         member has joined (the trainer joins as rank 0 at the same time)."""
         if backend == "nccl" and not torch.cuda.is_available():
             raise BadRequest("backend: nccl needs CUDA; this engine runs on the CPU (use gloo)")
-        if group_name in self.weight_groups:
-            raise BadRequest(f"group_name: {group_name!r} is already joined")
+        if group_name in self.weight_groups:  # a trainer that died without /destroy_weights_update_group: its
+            self.destroy_weight_group(group_name)  # successor (a resumed run) takes the name over
         self.weight_groups[group_name] = infra.init_update_group(master_address, master_port, rank_offset,
                                                                  world_size, group_name, backend)
         self.pending[group_name] = {}

@@ -497,8 +497,8 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     /update_weights_from_distributed, every tensor broadcast over one gloo group) into an embedded engine in its own
     process (`engine.py serve`): after ppo.Trainer publishes version 5 the engine's greedy reply and logprobs equal
     an engine loaded from the trainer's checkpoint on disk. A bucket naming a weight the model does not have is
-    refused (400, naming it) with its tensors still received, so the group stays in step and the next publish
-    applies."""
+    refused (400, naming it) with its tensors still received, so the group stays in step; a trainer that dies
+    without leaving the group is replaced by one joining under the same name, whose publish applies."""
     import subprocess
     import sys
     import threading
@@ -531,6 +531,10 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
         dist.broadcast(torch.ones(3, 4), src=0, group=trainer.publisher.group)  # received though refused
         t.join(timeout=120)
         assert box["res"][0] == 400 and "model.not_a_weight" in box["res"][1]["error"], box
+        # the trainer dies without /destroy_weights_update_group; its successor joins under the same group name
+        dist.destroy_process_group(trainer.publisher.group)
+        trainer.publisher.pool.shutdown(wait=False)
+        trainer.connect_engines([url], [1], "127.0.0.1")
         trainer.publish(5)
         info = _raw_update(url, None, "/get_model_info")[1]
         assert info["weight_version"] == "5"
