@@ -480,8 +480,9 @@ class EngineServer:
       field SGLang has that this engine does not implement (GENERATE_FIELDS / SAMPLING_FIELDS list what is
       served: an unknown field is refused, never ignored).
     - A request that still fails inside the engine fails alone where it can: its prefill or seeding (before it
-      joins the batch), or its row's sampling. A batched decode forward that raises fails the rows running in it
-      (each gets HTTP 500 with the error; the engine goes on with the queue).
+      joins the batch), or its row's sampling. A batched decode forward that raises fails the rows running in it,
+      and any other fault of a step fails every running request (each gets HTTP 500 with the error); the
+      scheduler goes on with the queue, so no client is left hanging.
     - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
       (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
       not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
@@ -737,7 +738,17 @@ class EngineServer:
                         box["error"] = e
                     ev.set()
                 continue
-            self._step(admit)
+            try:
+                self._step(admit)
+            except Exception as e:  # a fault outside a forward: fail what runs, start over, keep serving
+                with self.cv:
+                    failed = list(self.running.values())
+                    self.running = {}
+                for req in failed:
+                    if not req.done.is_set():
+                        req.fail(e)
+                self.rows, self.cache, self.mask = [], None, None
+                self.free_slots = list(range(self.max_batch))[::-1]
             with self.cv:
                 if not self.running:
                     self.cv.notify_all()  # pause() waits for this

@@ -679,3 +679,24 @@ def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
         assert fig[k] > 0, k
     assert fig["multi_turn"]["cache_on_vs_off"] > 0 and fig["prefix_cache"]["hits"] >= 2
     assert {"overhead_pct", "overhead_pct_95ci", "capture_ops_pct_of_step"} <= set(fig["capture"])
+
+
+def test_a_fault_outside_a_forward_fails_the_running_requests_and_the_engine_goes_on(ckpt, tok, monkeypatch):
+    """Any exception of a scheduler step (here: the prefix cache's insert raising) answers each running request
+    with HTTP 500 naming it, instead of killing the scheduler thread and leaving clients waiting forever; the next
+    request is served."""
+    eng = engine_lib.EngineServer(ckpt, port=0, max_batch=2).start()
+    try:
+        def broken(*a, **k):
+            raise RuntimeError("injected fault")
+        monkeypatch.setattr(eng.prefix, "insert", broken)
+        status, out = post(eng.url + "/generate", {"input_ids": prompt(tok, "x"), "sampling_params": {
+            "max_new_tokens": 3, "ignore_eos": True}})
+        assert status == 500 and "injected fault" in out["error"], out
+        monkeypatch.undo()
+        assert eng.health() is None and not eng.running and len(eng.free_slots) == 2
+        status, out = post(eng.url + "/generate", {"input_ids": prompt(tok, "x"), "sampling_params": {
+            "max_new_tokens": 3, "ignore_eos": True}})
+        assert status == 200 and len(out["output_ids"]) == 3
+    finally:
+        eng.stop()
