@@ -161,10 +161,9 @@ def check_preset(preset, env, gpus, model_path, packages=None):
         if not env.get(var):
             errs.append(f"env: {var} is not set (Daytona sandboxes: create a key at app.daytona.io and "
                         f"`export {var}=...`)")
-    if preset.device == "cpu":
-        return errs + _check_cpu_preset(preset, env, model_path, packages)
+    cpu = preset.device == "cpu"  # the rehearsal: no GPUs to count, the packages of requirements.txt
     need = preset.gpus_per_node
-    if len(gpus) < need:
+    if not cpu and len(gpus) < need:
         errs.append(f"GPUs: this node has {len(gpus)} visible GPU(s), preset {preset.name} needs {need} per node "
                     f"on {preset.nodes} node(s) ({preset.gpus} in all)")
     small = [f"{n} ({mib / 1024:.0f} GiB)" for n, mib in gpus if mib / 1024 < preset.gpu_mem_gib]
@@ -172,27 +171,17 @@ def check_preset(preset, env, gpus, model_path, packages=None):
         errs.append(f"GPUs: {len(small)} GPU(s) below {preset.gpu_mem_gib:g} GiB: {small[0]}; the memory model "
                     f"budgets M = {preset.mem_gib:g} GiB per network per device (H200-class GPUs)")
     errs += check_model_path(model_path or env.get(preset.model_path_env), preset)
+    wanted = CPU_PACKAGES if cpu else PACKAGES
     packages = packages if packages is not None else {m: importlib.util.find_spec(m.split(".")[0]) is not None
-                                                      for m in PACKAGES}
-    missing = [PACKAGES[m] for m, ok in packages.items() if not ok]
+                                                      for m in wanted}
+    missing = [wanted.get(m, m) for m, ok in packages.items() if not ok]
     if missing:
-        errs.append(f"packages: {', '.join(missing)} not installed; `pip install -r requirements-cluster.txt` "
-                    f"on every node (DeepEP: see that file)")
-    if preset.train_gpus > preset.gpus or (not preset.colocate and
-                                           preset.train_gpus + preset.n_engines * preset.engine_tp > preset.gpus):
+        errs.append(f"packages: {', '.join(missing)} not installed; " + ("requirements.txt" if cpu else
+                    "`pip install -r requirements-cluster.txt` on every node (DeepEP: see that file)"))
+    if not cpu and (preset.train_gpus > preset.gpus or (not preset.colocate and preset.train_gpus
+                                                        + preset.n_engines * preset.engine_tp > preset.gpus)):
         errs.append(f"preset {preset.name}: trainer {preset.train_gpus} + engines "
                     f"{preset.n_engines}x{preset.engine_tp} GPUs exceed {preset.gpus}")
-    return errs
-
-
-def _check_cpu_preset(preset, env, model_path, packages):
-    """The rehearsal's checks: the model directory (the tiny Qwen3.5 shape), Megatron-Core and Ray importable."""
-    errs = check_model_path(model_path or env.get(preset.model_path_env), preset)
-    packages = packages if packages is not None else {m: importlib.util.find_spec(m.split(".")[0]) is not None
-                                                      for m in CPU_PACKAGES}
-    missing = [CPU_PACKAGES.get(m, m) for m, ok in packages.items() if not ok and m in CPU_PACKAGES]
-    if missing:
-        errs.append(f"packages: {', '.join(missing)} not installed (requirements.txt)")
     return errs
 
 
