@@ -386,6 +386,13 @@ def _field(d, name, types, default=None, required=False, where=""):
     return v
 
 
+def _known_fields(d, fields, where=""):
+    """An unknown field is refused, never ignored (400 naming it and the fields served)."""
+    for k in d:
+        if k not in fields:
+            raise BadRequest(f"{where}{str(k)[:50]}: not supported by this engine (fields: {', '.join(fields)})")
+
+
 def _finite(d, name, default, where=""):
     v = _field(d, name, (int, float), default, where=where)
     try:
@@ -408,9 +415,7 @@ def parse_generate(body, vocab_size, max_positions, eos_id):
         raise BadRequest("body: empty (is Content-Length missing?); expected a JSON object")
     if not isinstance(body, dict):
         raise BadRequest(f"body: expected a JSON object, got {type(body).__name__}")
-    for k in body:
-        if k not in GENERATE_FIELDS:
-            raise BadRequest(f"{str(k)[:50]}: not supported by this engine (fields: {', '.join(GENERATE_FIELDS)})")
+    _known_fields(body, GENERATE_FIELDS)
     ids = _field(body, "input_ids", (list,), required=True)
     if not ids or not all(_is_int(i) and 0 <= i < vocab_size for i in ids):
         raise BadRequest(f"input_ids: expected a non-empty list of token ids in [0, {vocab_size})")
@@ -418,9 +423,7 @@ def parse_generate(body, vocab_size, max_positions, eos_id):
         raise BadRequest("stream: not supported by this engine")
     sp = _field(body, "sampling_params", (dict,), default={})
     w = "sampling_params."
-    for k in sp:
-        if k not in SAMPLING_FIELDS:
-            raise BadRequest(f"{w}{str(k)[:50]}: not supported by this engine (fields: {', '.join(SAMPLING_FIELDS)})")
+    _known_fields(sp, SAMPLING_FIELDS, where=w)
     temperature = _finite(sp, "temperature", 1.0, where=w)
     if temperature < 0 or 0 < temperature < sys.float_info.min:
         raise BadRequest(f"{w}temperature: must be 0 or a normal float > 0, got {temperature!r}")
@@ -910,9 +913,8 @@ class EngineServer:
             idx = torch.tensor(keep)
             mask = self.mask[idx]
             first = int(mask.any(0).long().argmax())  # drop the columns that are padding in every row left
-            state = [(kind, a[idx][:, :, first:] if kind == "attn" else a[idx], b[idx][:, :, first:]
-                      if kind == "attn" else b[idx]) for kind, a, b in _cache_state(self.cache, slice(None),
-                                                                                   self.mask.shape[1], copy=False)]
+            state = [(kind, a[idx][:, :, first:], b[idx][:, :, first:]) if kind == "attn" else (kind, a[idx], b[idx])
+                     for kind, a, b in _cache_state(self.cache, slice(None), self.mask.shape[1], copy=False)]
             self.cache, self.mask = _build_cache(cfg, state), mask[:, first:]
 
     def response(self, req, want_logprob=True, want_routing=True):
@@ -983,9 +985,7 @@ def _make_handler(engine):
                         return
                     self._send(200, {"success": True, "message": f"loaded {path}", "weight_version": v})
                 elif self.path == "/init_weights_update_group":
-                    for k in body:
-                        if k not in INIT_GROUP_FIELDS:
-                            raise BadRequest(f"{str(k)[:50]}: not supported (fields: {', '.join(INIT_GROUP_FIELDS)})")
+                    _known_fields(body, INIT_GROUP_FIELDS)
                     engine.init_weight_group(
                         _field(body, "master_address", (str,), required=True),
                         _field(body, "master_port", (int,), required=True),
@@ -995,9 +995,7 @@ def _make_handler(engine):
                         _field(body, "backend", (str,), "nccl"))
                     self._send(200, {"success": True, "message": "joined"})
                 elif self.path == "/update_weights_from_distributed":
-                    for k in body:
-                        if k not in UPDATE_FIELDS:
-                            raise BadRequest(f"{str(k)[:50]}: not supported (fields: {', '.join(UPDATE_FIELDS)})")
+                    _known_fields(body, UPDATE_FIELDS)
                     names = _field(body, "names", (list,), required=True)
                     dtypes = _field(body, "dtypes", (list,), required=True)
                     shapes = _field(body, "shapes", (list,), required=True)
