@@ -25,6 +25,7 @@ import daytona_sandbox
 import rollout
 import task_io
 from engine import EngineServer
+from test_engine import get, post
 
 # --- helpers: a validating fake SGLang server in its own process --------------------------------------
 INIT_FIELDS = {"master_address": str, "master_port": int, "rank_offset": int, "world_size": int,
@@ -524,9 +525,10 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
                 p.add_(0.01 * torch.randn_like(p))
         trainer.connect_engines([url], [1], "127.0.0.1")
         box = {}
-        t = threading.Thread(target=lambda: box.setdefault("res", _raw_update(
-            url, {"names": ["model.not_a_weight"], "dtypes": ["float32"], "shapes": [[3, 4]],
-                  "group_name": trainer.publisher.group_name})))
+        bucket = {"names": ["model.not_a_weight"], "dtypes": ["float32"], "shapes": [[3, 4]],
+                  "group_name": trainer.publisher.group_name}
+        t = threading.Thread(target=lambda: box.setdefault("res", post(url + "/update_weights_from_distributed",
+                                                                       bucket)))
         t.start()
         dist.broadcast(torch.ones(3, 4), src=0, group=trainer.publisher.group)  # received though refused
         t.join(timeout=120)
@@ -536,14 +538,14 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
         trainer.publisher.pool.shutdown(wait=False)
         trainer.connect_engines([url], [1], "127.0.0.1")
         trainer.publish(5)
-        info = _raw_update(url, None, "/get_model_info")[1]
+        info = get(url + "/get_model_info")[1]
         assert info["weight_version"] == "5"
         trainer.save_actor(str(tmp_path / "pub"))
         ref = EngineServer(str(tmp_path / "pub"), port=0, max_batch=2, weight_dtype="fp32").start()
         try:
             body = {"input_ids": model_lib.render_ids(tok, "user", "ls"), "return_logprob": True,
                     "sampling_params": {"temperature": 0, "max_new_tokens": 8, "ignore_eos": True}}
-            a, b = (_raw_update(u, body, "/generate")[1] for u in (url, ref.url))
+            a, b = (post(u + "/generate", body)[1] for u in (url, ref.url))
             assert a["output_ids"] == b["output_ids"]
             la = [x[0] for x in a["meta_info"]["output_token_logprobs"]]
             lb = [x[0] for x in b["meta_info"]["output_token_logprobs"]]
@@ -554,19 +556,6 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-
-
-def _raw_update(url, body, path="/update_weights_from_distributed"):
-    """POST body (GET when None) -> (status, JSON)."""
-    import urllib.error
-    import urllib.request
-    req = urllib.request.Request(url + path, data=None if body is None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
 
 
 def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
