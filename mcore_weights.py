@@ -542,75 +542,104 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
 
 
 # --- the way back: a sharded GPTModel -> the TP = EP = PP = 1 state dict -> a Hugging Face checkpoint ---------
-def gather_full_state(gpt, hf) -> dict:
+def gather_full_state(gpt, hf, to_rank0: bool = False) -> dict | None:
     """This rank's GPTModel -> the TP = EP = 1 state dict (no _extra_state), what megatron_to_hf /
     critic_megatron_to_hf take. Sharded (TP or EP > 1, parallel_state initialised) it is a collective: every rank
-    of the model-parallel job calls it and every rank gets the whole dict. Dense tensors cut by shard_for_tp's
-    rules are all-gathered over the TP group; expert tensors over the expert-TP group (its own size, ETP, which
-    may differ from TP), then over the expert-parallel group; then unshard_tp / unshard_ep. Replicated
-    tensors are this rank's, not sent (equal over ranks once grads are all-reduced). A MegatronCritic's value head
-    (mcore._ValueHead, weight (1, H) and bias) is replicated, not vocab-parallel: taken as it is. Pipeline stages: each
-    stage's TP / EP-gathered part is all-gathered over the PP group and renumbered (unshard_pp).
+    of the model-parallel job calls it. Dense tensors cut by shard_for_tp's rules are gathered over the TP group,
+    tensor by tensor; expert tensors over the expert-TP group (its own size, ETP, which may differ from TP), then
+    over the expert-parallel group; then unshard_tp / unshard_ep. Replicated tensors are this rank's, not sent
+    (equal over ranks once grads are all-reduced). A MegatronCritic's value head (mcore._ValueHead, weight (1, H)
+    and bias) is replicated, not vocab-parallel: taken as it is. Pipeline stages: each stage's TP / EP-gathered part
+    is gathered over the PP group and renumbered (unshard_pp).
+    to_rank0=False: all-gathers, every rank gets the whole dict (the tests compare ranks). to_rank0=True (save and
+    publish, issue 16: at 122B no rank but the writer may hold the model): each level gathers to its group's first
+    rank, only the data-parallel replica of global rank 0 takes part (the others return at once), and every rank
+    but global rank 0 returns None; no receive buffer is allocated off the receiving ranks.
     At TP = EP = ETP = PP = 1 it is the local state dict, no communication."""
     c = gpt.config
     tp, ep, etp = c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
     if tp == 1 and ep == 1 and etp == 1 and c.pipeline_model_parallel_size == 1:
-        return sd
+        import torch.distributed as dist
+        return sd if not to_rank0 or not dist.is_initialized() or dist.get_rank() == 0 else None
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     value_head = isinstance(getattr(gpt, "output_layer", None), mcore_parallel._ValueHead)
     head = {k: sd.pop(k) for k in list(sd) if value_head and k.startswith("output_layer.")}
     experts = {k: sd.pop(k) for k in list(sd) if ".local_experts." in k}
 
-    def all_gather(part, group, size, which):  # {k: this rank's tensor} -> [{k: rank r's tensor}] in group order
+    def gather(part, group, size, which):  # {k: this rank's tensor} -> [{k: rank r's tensor}] in group order
+        first = dist.get_rank(group) == 0  # to_rank0: the receiver; the others send and get None
         ranks = [{} for _ in range(size)]
         for k, w in part.items():  # the same keys in the same order on every rank of the group
             ws = [w] * size
-            if which(k):
+            if which(k) and not to_rank0:
                 ws = [torch.empty_like(w) for _ in range(size)]
                 dist.all_gather(ws, w.contiguous(), group=group)
-            for r in range(size):
-                ranks[r][k] = ws[r]
-        return ranks
+            elif which(k):
+                ws = [torch.empty_like(w) for _ in range(size)] if first else None
+                dist.gather(w.contiguous(), ws, group=group, group_dst=0)
+            if first or not to_rank0:
+                for r in range(size):
+                    ranks[r][k] = ws[r]
+        return ranks if first or not to_rank0 else None
 
     def cut(k):
         return _is_tp_cut(k, hf)
-    if tp > 1:  # dense tensors (the shared expert too) over the TP group
-        sd = unshard_tp(all_gather(sd, ps.get_tensor_model_parallel_group(), tp, cut), hf, tp)
-    if etp > 1:  # expert tensors over the expert-TP group
-        experts = unshard_tp(all_gather(experts, ps.get_expert_tensor_parallel_group(), etp, cut), hf, etp, etp)
-    if ep > 1:
-        experts = unshard_ep(all_gather(experts, ps.get_expert_model_parallel_group(), ep, lambda k: True),
-                             hf.num_experts, ep)
+    dense_in = expert_in = True  # to_rank0: this rank holds a part of global rank 0's gather at this level
+    if to_rank0:  # only global rank 0's data-parallel replica (dense: DP x CP rank 0; experts: expert-DP rank 0)
+        dense_in = ps.get_data_parallel_rank(with_context_parallel=True) == 0
+        expert_in = ps.get_expert_data_parallel_rank() == 0
+    if tp > 1 and dense_in:  # dense tensors (the shared expert too) over the TP group
+        got = gather(sd, ps.get_tensor_model_parallel_group(), tp, cut)
+        sd, dense_in = (unshard_tp(got, hf, tp), True) if got is not None else (None, False)
+    if etp > 1 and expert_in:  # expert tensors over the expert-TP group
+        got = gather(experts, ps.get_expert_tensor_parallel_group(), etp, cut)
+        experts, expert_in = (unshard_tp(got, hf, etp, etp), True) if got is not None else (None, False)
+    if ep > 1 and expert_in:
+        got = gather(experts, ps.get_expert_model_parallel_group(), ep, lambda k: True)
+        experts, expert_in = (unshard_ep(got, hf.num_experts, ep), True) if got is not None else (None, False)
+    if to_rank0 and not (dense_in and expert_in):
+        return None
     out = {**sd, **experts, **head}
     if c.pipeline_model_parallel_size > 1:  # every stage's layers (the stage's first global layer numbers them)
         stages = [None] * c.pipeline_model_parallel_size
-        dist.all_gather_object(stages, (mcore_parallel.stage_layers(c)[0], out),
-                               group=ps.get_pipeline_model_parallel_group())
+        mine, group = (mcore_parallel.stage_layers(c)[0], out), ps.get_pipeline_model_parallel_group()
+        if to_rank0:  # the holders of each stage's whole part are its ranks with all model-parallel ranks 0
+            first = dist.get_rank(group) == 0
+            dist.gather_object(mine, stages if first else None, group=group, group_dst=0)
+            if not first:
+                return None
+        else:
+            dist.all_gather_object(stages, mine, group=group)
         out = unshard_pp(stages)
+    if to_rank0 and dist.get_rank() != 0:
+        raise RuntimeError(f"gather_full_state(to_rank0): rank {dist.get_rank()} ended up holding the model: the "
+                           "parallel_state layout is not the one this gather assumes (rank 0 first in every group)")
     return out
 
 
-def to_hf(actor, hf_config):
+def to_hf(actor, hf_config, to_rank0: bool = False):
     """The MegatronActor's weights in a Hugging Face model of `hf_config`. Sharded over TP / EP ranks: a collective
-    (gather_full_state), every rank calls it and gets the whole model."""
+    (gather_full_state), every rank calls it and gets the whole model; with to_rank0 global rank 0 alone does (the
+    others get None)."""
     from transformers import AutoModelForCausalLM
+    sd = gather_full_state(actor.gpt, hf_config, to_rank0)
+    if sd is None:
+        return None
     hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-    hf.load_state_dict(megatron_to_hf(gather_full_state(actor.gpt, hf_config), hf_config), strict=True)
+    hf.load_state_dict(megatron_to_hf(sd, hf_config), strict=True)
     return hf
 
 
 def save_hf(actor, hf_config, tokenizer, path):
     """The MegatronActor's weights as a Hugging Face checkpoint (what the engines load). Under torch.distributed with
-    world size > 1 every rank calls it (the gather is a collective); global rank 0 writes, and no rank returns
-    before the checkpoint is on disk."""
+    world size > 1 every rank calls it (the gather to rank 0 is a collective); global rank 0 alone holds the model and
+    writes, and no rank returns before the checkpoint is on disk."""
     dist = torch.distributed
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world > 1 and dist.get_rank() != 0:
-        gather_full_state(actor.gpt, hf_config)  # this rank's part of the gather; rank 0 writes
-    else:
-        hf = to_hf(actor, hf_config)
+    hf = to_hf(actor, hf_config, to_rank0=True)  # None on every rank but 0
+    if hf is not None:
         os.makedirs(path, exist_ok=True)
         hf.save_pretrained(path)
         tokenizer.save_pretrained(path)

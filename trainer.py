@@ -368,7 +368,10 @@ class Trainer:
             self.hf_config = cfg
             self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
             self.save_actor = lambda path: mcore_weights.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
-            self.hub_weights = lambda: M.hub_state_dict(mcore_weights.to_hf(self.actor, cfg))
+            def hub_weights():  # a collective gathered to global rank 0; the other ranks get {}
+                hf = mcore_weights.to_hf(self.actor, cfg, to_rank0=True)
+                return {} if hf is None else M.hub_state_dict(hf)
+            self.hub_weights = hub_weights
         else:
             hf_actor, self.tokenizer = M.load_actor(src)
             self.hf_config = hf_actor.config
@@ -446,11 +449,12 @@ class Trainer:
         self.group = ps.get_data_parallel_group()  # rows of a batch are shared out over the DP ranks only
         self._build()
 
-    def state_dicts(self) -> dict:
+    def state_dicts(self, to_rank0: bool = False) -> dict:
         """Actor and critic weights of this rank (tests compare ranks); megatron: the whole TP = EP = 1 GPTModel
-        state dicts, gathered over the ranks when sharded (a collective: every rank calls it)."""
+        state dicts, gathered over the ranks when sharded (a collective: every rank calls it); to_rank0: gathered to
+        global rank 0 alone, as save and publish do (the other ranks get None per part)."""
         if self.args.backend == "megatron":
-            return {part: mcore_weights.gather_full_state(m.gpt, self.hf_config)
+            return {part: mcore_weights.gather_full_state(m.gpt, self.hf_config, to_rank0)
                     for part, m in (("actor", self.actor), ("critic", self.critic))}
         return {"actor": self.actor.state_dict(), "critic": self.critic.state_dict()}
 

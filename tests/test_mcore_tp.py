@@ -190,7 +190,7 @@ class _Tokenizer:
 
 def _gather_rank(rank, world, tp, ep, path, etp=None):
     """One rank: the HF weights loaded sharded; gather_full_state -> megatron_to_hf, to_hf, a MegatronCritic's
-    gather -> critic_megatron_to_hf, and save_hf to `path`."""
+    gather -> critic_megatron_to_hf, the gather to rank 0 alone, and save_hf to `path`."""
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
@@ -207,9 +207,11 @@ def _gather_rank(rank, world, tp, ep, path, etp=None):
         critic.gpt.output_layer.weight.copy_(w)
         critic.gpt.output_layer.bias.copy_(b)
     critic_hf = mcore_weights.critic_megatron_to_hf(mcore_weights.gather_full_state(critic.gpt, hf), hf)
+    to0 = mcore_weights.gather_full_state(actor.gpt, hf, to_rank0=True)  # None on every rank but 0
+    to0 = None if to0 is None else mcore_weights.megatron_to_hf(to0, hf)
     mcore_weights.save_hf(actor, hf, _Tokenizer(), path)
-    as_np = lambda d: {k: v.numpy() for k, v in d.items()}  # noqa: E731
-    return as_np(back), as_np(via_to_hf), as_np(critic_hf)
+    as_np = lambda d: None if d is None else {k: v.numpy() for k, v in d.items()}  # noqa: E731
+    return as_np(back), as_np(via_to_hf), as_np(critic_hf), as_np(to0)
 
 
 def one_rank_critic(hf):
@@ -237,15 +239,18 @@ def test_gather_full_state_gives_back_the_hf_checkpoint(tp, ep, tmp_path):
     """tp * ep gloo ranks (TP with sequence parallel), the HF weights loaded sharded: on every rank the gathered
     state converts back to the original HF state dict bit for bit (megatron_to_hf and to_hf), a MegatronCritic's
     gather (replicated scalar head) converts to the one-rank critic's, and save_hf leaves one checkpoint, written
-    by rank 0 alone, that loads back to the same weights."""
+    by rank 0 alone, that loads back to the same weights. The gather to rank 0 (save / publish) gives rank 0 the
+    same weights and every other rank None."""
     from transformers import AutoModelForCausalLM
     hf = mcore.tiny_qwen35_hf_config(V)
     want, want_critic = hf_weights(), one_rank_critic(hf)
     results = infra.gloo_ranks(_gather_rank, tp * ep, tp, ep, str(tmp_path), timeout_s=180)
-    for back, via_to_hf, critic_hf in results:
+    for rank, (back, via_to_hf, critic_hf, to0) in enumerate(results):
         assert_bit_equal(back, want)
         assert_bit_equal(via_to_hf, want)
         assert_bit_equal(critic_hf, want_critic)
+        assert (to0 is None) == (rank != 0), rank
+    assert_bit_equal(results[0][3], want)
     assert [f for f in sorted(p.name for p in tmp_path.iterdir()) if f.startswith("tokenizer_by")] == \
         ["tokenizer_by_rank0"]
     assert_bit_equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict(), want)
@@ -324,8 +329,10 @@ def test_gather_full_state_with_expert_tp_1_under_tp_2(tmp_path):
     hf = mcore.tiny_qwen35_hf_config(V)
     want, want_critic = hf_weights(), one_rank_critic(hf)
     results = infra.gloo_ranks(_gather_rank, 2, 2, 2, str(tmp_path), 1, timeout_s=180)
-    for back, via_to_hf, critic_hf in results:
+    for rank, (back, via_to_hf, critic_hf, to0) in enumerate(results):
         assert_bit_equal(back, want)
         assert_bit_equal(via_to_hf, want)
         assert_bit_equal(critic_hf, want_critic)
+        assert (to0 is None) == (rank != 0), rank
+    assert_bit_equal(results[0][3], want)
     assert_bit_equal(AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict(), want)

@@ -86,8 +86,8 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
     pipeline stages, EP = 2 over the TP ranks with expert TP 1; 2 context-parallel x 2 data-parallel ranks with
     EP = 2 over them; Megatron DDP + mcore_parallel.ShardedAdam, the distributed optimizer): critic warm-up and two
     train_steps (the second on one sample: another DP rank trains a dummy row) give the weights of the one-rank
-    Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1; rank 0 writes the HF checkpoint and every
-    rank its shard file."""
+    Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1 (on every rank, and to rank 0 alone as save and
+    publish do); rank 0 writes the HF checkpoint and every rank its shard file."""
     o = megatron_one_rank
     samples, base, ref, before, warm1, stats1 = o.samples, o.base, o.ref, o.before, o.warm1, o.stats1
     world = 4
@@ -103,12 +103,16 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
         stats2 = ray.get(group.train_step.remote(samples, 1))
         ray.get(group.train_step.remote(samples[:1], 2))
         reps = ray.get([r.state_dicts.remote() for r in group.ranks])  # gathered: a collective on both ranks
+        to0 = ray.get([r.state_dicts.remote(to_rank0=True) for r in group.ranks])  # as save and publish gather
         numel = ray.get([r.optimizer_state_numel.remote() for r in group.ranks])
         ray.get(group.close.remote())
     finally:
         ray.shutdown()
 
     for part in ("actor", "critic"):
+        assert [r[part] is None for r in to0] == [False] + [True] * (world - 1)
+        assert to0[0][part].keys() == ref[part].keys()
+        assert all(torch.equal(to0[0][part][k], reps[0][part][k]) for k in ref[part]), part
         assert reps[0][part].keys() == ref[part].keys()
         for k in ref[part]:
             for r in range(1, world):
