@@ -225,6 +225,22 @@ def test_oracle_resolves_fixture_task_and_nop_scores_zero(task):
     assert (res["exit_reason"], res["reward"], res["passed"], res["resolved"]) == ("nop", 0.0, 0, False)
 
 
+def test_verifier_pytest_loads_the_ctrf_reporter_and_no_host_plugin(tmp_path):
+    """The verifier's pytest is the host venv's: of its plugins only the CTRF reporter is loaded (sandbox.VERIFIER_ENV),
+    not xdist (installed: the suite runs with -n) nor the other auto-loaded ones; the report is still written."""
+    import importlib.util
+    assert importlib.util.find_spec("xdist") is not None  # else this test would prove nothing
+    task = make_task(tmp_path)
+    (task / "tests/test_outputs.py").write_text(
+        "def test_no_host_plugin(request):\n"
+        "    pm = request.config.pluginmanager\n"
+        "    assert not pm.has_plugin('xdist') and not pm.has_plugin('xdist.plugin')\n"
+        "    assert pm.has_plugin('ctrf.main') or pm.has_plugin('ctrf')\n\n"
+        "def test_fails():\n    assert False\n")
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["passed"], res["total"]) == ("ctrf", 1, 2), res
+
+
 def test_crash_inside_trial_is_returned(tmp_path, task):
     res = rollout.run_trial(tmp_path / "missing", "oracle")
     assert res["exit_reason"] == "error" and "does not exist" in res["error"]
