@@ -20,8 +20,8 @@ Departures (numbered; what and why):
   4. megatron gradients: Megatron DDP + mcore_parallel.ShardedAdam (the distributed optimizer's sharding over DP;
      Megatron's own needs CUDA). Rows are shared over the DP ranks only, padded to equal shares with dummy rows
      of mask 0 (a forward is a collective over the expert-parallel ranks).
-  5. megatron checkpoint: rank 0 writes the HF checkpoint gathered from every rank, each rank its shard file
-     trainer_rank{r}.pt (the plan is checked on resume).
+  5. megatron checkpoint: the HF checkpoint (and a publish's weights) gathered tensor by tensor to global rank 0
+     alone, which writes it; each rank writes its shard file trainer_rank{r}.pt (the plan is checked on resume).
   6. An expert no token reached gets a zero gradient (Adam still moves it by its momentum) where the one-rank
      torch Adam skips a grad of None: Megatron's behaviour.
 """
