@@ -7,6 +7,7 @@
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
     python bench.py cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation peak vs kappa
     python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000]  # the copy gate: copy accuracy vs steps
+    python bench.py pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]  # policy-gradient signal / noise per trajectory
     python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
 
 Each one writes what it measures to stdout (one JSON line, or a table for cp); the figures measured so far are in
@@ -430,6 +431,49 @@ def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60,
     return rows
 
 
+# --- policy-gradient signal to noise (issue 13): how many trajectories an RL update needs at this scale --------
+def snr_stats(G: torch.Tensor) -> dict:
+    """Per-trajectory gradients G (N, P) -> rho = |mu|^2 / tr(Sigma), both estimated without bias (|gbar|^2 is
+    |mu|^2 + tr(Sigma) / N), so that the mean of N trajectories has signal / noise = N * rho; and the cosine of two
+    disjoint halves' mean gradients."""
+    G = G.double()
+    n = G.shape[0]
+    if n < 4:
+        raise ValueError(f"snr_stats: need >= 4 trajectories, got {n}")
+    gbar = G.mean(0)
+    tr = ((G - gbar) ** 2).sum(1).sum() / (n - 1)
+    rho = float(((gbar ** 2).sum() - tr / n) / tr)
+    h = n // 2
+    cos = float(F.cosine_similarity(G[:h].mean(0), G[h:2 * h].mean(0), dim=0))
+    return dict(n=n, rho=rho, trajectories_for_snr_1=(1 / rho if rho > 0 else math.inf), snr_at_32=32 * rho,
+                snr_at_512=512 * rho, split_half_cos=cos)
+
+
+def pg_snr(run_dir, ckpt: str = "sft", steps=(1, 2, 3), n: int = 96, seed: int = 0) -> dict:
+    """The policy gradient of each of n trajectories of a run's samples (samples/step_*.jsonl, R3 replay of their
+    recorded routing) at ckpt/<ckpt>: g_i = grad sum_t m_t log pi(a_t) * (r_i - b), b the mean reward of the same task
+    family among the n (a plain baseline standing in for the critic); -> snr_stats. The paper's batch is 512."""
+    run_dir = Path(run_dir)
+    actor, _ = model.load_actor(run_dir / "ckpt" / ckpt)
+    samples = [s for k in steps for s in tito.load_samples(run_dir / "samples" / f"step_{int(k):06d}.jsonl")]
+    np.random.default_rng(seed).shuffle(samples)
+    samples = samples[:n]
+    scale = json.loads((run_dir / "args.json").read_text())["reward_scale"]  # the run's S
+    family = [s["task"].rsplit("-", 1)[-1] for s in samples]
+    base = {f: np.mean([s["reward"] for s, g in zip(samples, family) if g == f]) for f in set(family)}
+    params = [p for p in actor.parameters() if p.requires_grad]
+    G = []
+    for s, f in zip(samples, family):
+        batch = ppo.pad_batch([s], scale, replay=s.get("routed_experts") is not None)
+        mode = "replay" if batch["experts"] is not None else "off"
+        lp = ppo.forward_logprobs(actor, batch, mode, 1.0, grad=True)
+        actor.zero_grad(set_to_none=True)
+        ((lp * batch["mask"]).sum() * (s["reward"] - base[f])).backward()
+        G.append(torch.cat([p.grad.flatten() if p.grad is not None else torch.zeros(p.numel()) for p in params]))
+    return dict(run_dir=str(run_dir), ckpt=ckpt, steps=list(steps), baseline="family mean",
+                **snr_stats(torch.stack(G)))
+
+
 def async_vs_sequential(run_dir) -> dict:
     """Step time with the next rollout beside the update (async) vs rollout then update (sequential).
 
@@ -600,6 +644,12 @@ def main(argv=None):
     cg.add_argument("--arch", nargs="+", default=["qwen3_moe"], choices=list(model.ARCHS))
     cg.add_argument("--steps", type=int, default=1000)
     cg.add_argument("--threads", type=int, default=2)
+    sn = sub.add_parser("pg-snr", help="a run's per-trajectory policy-gradient signal / noise (one JSON line)")
+    sn.add_argument("run_dir")
+    sn.add_argument("--ckpt", default="sft", help="ckpt/<name> whose gradient is measured (sft, latest)")
+    sn.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3], help="RL steps whose samples are used")
+    sn.add_argument("--n", type=int, default=96, help="trajectories")
+    sn.add_argument("--threads", type=int, default=2)
     pl = sub.add_parser("plot", help="PNG curves of a run directory (reward, solve rate, EV, |dlogp|, ...)")
     pl.add_argument("run_dir")
     args = p.parse_args(argv)
@@ -620,6 +670,9 @@ def main(argv=None):
         print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
     elif args.cmd == "plot":
         print(plot(args.run_dir))
+    elif args.cmd == "pg-snr":
+        torch.set_num_threads(args.threads)
+        print(json.dumps(pg_snr(args.run_dir, args.ckpt, args.steps, args.n)))
     elif args.cmd == "copy":
         torch.set_num_threads(args.threads)
         for arch in args.arch:

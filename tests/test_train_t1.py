@@ -1,6 +1,7 @@
 """train_t1.py's algorithm pieces: the PPO loss and its optional terms, loss aggregation, the epoch's task draw,
 one reward, and the evaluation that counts every trial (gateway.evaluate_trials)."""
 import dataclasses
+import json
 import math
 import os
 import random
@@ -429,6 +430,29 @@ def test_paired_mcnemar_and_bootstrap_by_hand():
     assert same["mcnemar_p"] == 1.0 and same["reward_diff"] == 0.0
     with pytest.raises(ValueError, match="different trials"):
         bench.paired(a, _ev([True], [1.0]))
+
+
+def test_snr_stats_by_hand():
+    G = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, -2.0]])  # mean (2, 0)
+    st = bench.snr_stats(G)
+    tr = (1 + 1 + (1 + 4) + (1 + 4)) / 3  # sum |g_i - gbar|^2 / (n - 1) = 4
+    assert abs(st["rho"] - (4 - tr / 4) / tr) < 1e-12 and st["n"] == 4
+    assert abs(st["trajectories_for_snr_1"] - 1 / st["rho"]) < 1e-9
+    assert abs(st["split_half_cos"] - 1.0) < 1e-12  # both halves' means are (2, 0)
+    assert bench.snr_stats(torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]))["trajectories_for_snr_1"] == float("inf")
+    with pytest.raises(ValueError, match=">= 4"):
+        bench.snr_stats(G[:3])
+
+
+def test_pg_snr_on_a_run_directory(tmp_path, tiny_sft):
+    """pg-snr reads a run's checkpoint, S and step samples (R3 replay of their routing) and gives finite figures."""
+    import tito
+    shutil.copytree(tiny_sft.sft, tmp_path / "ckpt" / "sft")
+    (tmp_path / "args.json").write_text(json.dumps({"reward_scale": 20.0}))  # fake_samples: r = P / 20
+    tito.save_samples(tmp_path / "samples" / "step_000001.jsonl", [dict(s, task=f"t{i}-text", spans=[])
+                                                                   for i, s in enumerate(tiny_sft.samples)])
+    out = bench.pg_snr(tmp_path, steps=(1,), n=6)
+    assert out["n"] == 6 and math.isfinite(out["rho"]) and -1 <= out["split_half_cos"] <= 1
 
 
 def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
