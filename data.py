@@ -711,21 +711,22 @@ def epoch_order(pool, epoch, seed):
     return order
 
 
-def launch_tasks(pool: list, step: int, n_launch: int, seed: int) -> list:
-    """The n_launch tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) +
-    epoch_order(1) + ... (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly
-    once. A step that crosses an epoch's end takes the rest of that epoch and the start of the next: every step
-    launches n_launch (the oversampling ratio n_keep / n_launch stays the paper's), none is short."""
-    if not pool or n_launch < 1 or step < 1:
-        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1 and step >= 1, got {len(pool)} tasks, "
-                         f"n_launch {n_launch}, step {step}")
+def launch_tasks(pool: list, step: int, n_launch: int, seed: int, per_task: int = 1) -> list:
+    """The tasks of RL step `step` (1-based): the next n_launch of the stream epoch_order(0) + epoch_order(1) + ...
+    (the pool reshuffled per epoch), so each epoch launches every task of the pool exactly once; each task is
+    launched per_task times in a row (the paper: 1; a GRPO group: G). A step that crosses an epoch's end takes the
+    rest of that epoch and the start of the next: every step launches n_launch * per_task (the oversampling ratio
+    n_keep / n_launch stays the paper's), none is short."""
+    if not pool or n_launch < 1 or step < 1 or per_task < 1:
+        raise ValueError(f"launch_tasks: need a non-empty pool, n_launch >= 1, step >= 1 and per_task >= 1, got "
+                         f"{len(pool)} tasks, n_launch {n_launch}, step {step}, per_task {per_task}")
     orders = {}
     out = []
     for i in range((step - 1) * n_launch, step * n_launch):  # positions in the stream
         epoch, pos = divmod(i, len(pool))
         if epoch not in orders:
             orders[epoch] = epoch_order(pool, epoch, seed)  # reshuffled per epoch
-        out.append(orders[epoch][pos])
+        out += [orders[epoch][pos]] * per_task
     return out
 
 

@@ -12,6 +12,8 @@ Departures from the paper (numbered; what and why):
      frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
   2. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
+  3. The paper's comparison arms, off by default (issue 14): --reward-mode binary (1 if every test passed) and
+     --advantage grpo (group-normalised rewards over --samples-per-task G, the critic neither used nor updated).
 """
 from __future__ import annotations
 
@@ -32,8 +34,23 @@ import trainer
 from trainer import even, local_rows, log, share
 
 
-def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
-    """Right-pad samples into (B, T) tensors; the trial's reward r = P / S placed on the last sampled token.
+REWARD_MODES = ("dense", "binary")  # --reward-mode: r = P / S (paper) | 1 if every test passed, else 0
+ADVANTAGES = ("gae", "grpo")  # --advantage: GAE with the critic (paper) | group-normalised rewards, no critic
+
+
+def trained_reward(s: dict, mode: str = "dense") -> float:
+    """The reward a sample trains on: dense, the trial's r = P / S as reward.compute gave it (paper); binary, 1 when
+    every test of its report passed (passed == total > 0), else 0 (the paper's first experiment; issue 14)."""
+    if mode == "dense":
+        return s["reward"]
+    if mode == "binary":
+        return float(s["total"] > 0 and s["passed"] >= s["total"])
+    raise ValueError(f"--reward-mode: expected one of {'|'.join(REWARD_MODES)}, got {mode!r}")
+
+
+def pad_batch(samples: list[dict], scale: float, replay: bool = False, reward_mode: str = "dense") -> dict:
+    """Right-pad samples into (B, T) tensors; the trial's reward placed on the last sampled token: r = P / S, or the
+    binary outcome with reward_mode "binary" (trained_reward).
 
     One reward: r is the one reward.compute gave the trial (rollout.run_trial's reward_scale = --reward-scale);
     a CTRF sample whose r is not P / scale was scored with another S and is refused.
@@ -57,11 +74,32 @@ def pad_batch(samples: list[dict], scale: float, replay: bool = False) -> dict:
         if s.get("reward_source") == "ctrf" and abs(s["reward"] - s["passed"] / scale) > 1e-9:
             raise ValueError(f"sample of task {s.get('task')!r}: reward {s['reward']} is not P / S = {s['passed']} / "
                              f"{scale} (--reward-scale): the trial was scored with another S")
-        out["rewards"][b, last] = s["reward"]  # r = P / S, as reward.compute gave it
+        out["rewards"][b, last] = trained_reward(s, reward_mode)  # r = P / S, as reward.compute gave it
         if out["experts"] is not None and s.get("routed_experts") is not None:
             # row n-1 stays -1 (no next token)
             out["experts"][b, : n - 1] = torch.tensor(np.asarray(s["routed_experts"]))
     return out
+
+
+def task_groups(samples: list[dict]) -> list[list[int]]:
+    """Indices of the samples of each task (a GRPO group: the same task launched --samples-per-task times in a step;
+    the oversampling may have cut some members), in first-seen order."""
+    groups = {}
+    for i, s in enumerate(samples):
+        groups.setdefault(s["task"], []).append(i)
+    return list(groups.values())
+
+
+def grpo_advantages(rewards: torch.Tensor, groups: list[list[int]], eps: float = 1e-6) -> torch.Tensor:
+    """GRPO's outcome advantage per sample (DeepSeekMath): (r - group mean) / (group std + eps), std with Bessel's
+    correction as TRL computes it; a group of one, or one where every reward is equal (all fail, all pass), gives 0:
+    no signal, the case the paper's PPO-vs-GRPO comparison is about."""
+    adv = torch.zeros_like(rewards, dtype=torch.float32)
+    for g in groups:
+        if len(g) > 1:
+            r = rewards[g].float()
+            adv[g] = (r - r.mean()) / (r.std() + eps)
+    return adv
 
 
 def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None)) -> torch.Tensor:
@@ -152,7 +190,8 @@ def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:
     recs = []
     for epoch in range(args.critic_warmup_epochs):
         for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
-            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale), group, even(args, group))
+            batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale, reward_mode=args.reward_mode),
+                               group, even(args, group))  # the reward the RL phase trains on
             old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
                    else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
@@ -281,19 +320,28 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     only, and trains its share of every minibatch. ref: the frozen SFT actor (kl_coef > 0 only).
     Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
     """
-    full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay")  # every rank: whole batch, same (B, T)
+    full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay", args.reward_mode)  # every rank: (B, T)
+    groups = task_groups(samples)
+    if args.advantage == "grpo":  # on the whole batch (a group may span ranks), then this rank's rows
+        full["grpo_adv"] = grpo_advantages(full["rewards"].sum(1), groups)[:, None] * full["mask"]
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
-    # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
-    old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
-                  else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
-    advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
-    mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
-            {**batch, "old_values": old_values, "returns": returns}.items()}
-           for mb in (share(mb, group, even(args, group))
-                      for mb in minibatches(len(samples), args.minibatch_size, rng))]
-    log(run_dir, f"step {step}: critic update")
-    cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
+    if args.advantage == "grpo":  # the GRPO arm: no critic, no V_old, no critic update
+        advantages = batch["grpo_adv"] * batch["mask"]
+        nan = float("nan")
+        cstats = {"charts/explained_variance": nan, "losses/value_loss": nan, "losses/value_clipfrac": nan}
+    else:
+        # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
+        old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
+                      else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
+        advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
+        mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
+                {**batch, "old_values": old_values, "returns": returns}.items()}
+               for mb in (share(mb, group, even(args, group))
+                          for mb in minibatches(len(samples), args.minibatch_size, rng))]
+        log(run_dir, f"step {step}: critic update")
+        cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group,
+                                 args.loss_agg)
     # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     with torch.no_grad():
@@ -310,7 +358,10 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     t0 = time.time()
     astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,
                         ref_logprobs)
-    return {"reward_mean": float(full["rewards"].sum(1).mean()),  # the rewards trained on: one per sample
+    r = full["rewards"].sum(1)
+    return {"reward_mean": float(r.mean()),  # the rewards trained on: one per sample
+            # groups (tasks) in which every sample failed (reward 0): no GRPO signal there (issue 14)
+            "all_fail_group_frac": float(np.mean([bool((r[g] == 0).all()) for g in groups])),
             "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
             "value_clipfrac": cstats["losses/value_clipfrac"],
             "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|

@@ -138,6 +138,10 @@ class Args:
     clip_eps: float = 0.2  # PPO ratio clip (paper: 0.2)
     gamma: float = 1.0  # discount (paper: 1)
     lam: float = 1.0  # GAE lambda (paper: 1)
+    # ablation arms of the paper's comparisons (issue 14); the defaults are the paper's method
+    reward_mode: str = "dense"  # dense: r = P / S (paper) | binary: 1 if every test passed, else 0 (its first run)
+    advantage: str = "gae"  # gae: GAE with the critic (paper) | grpo: (r - group mean) / group std, no critic
+    samples_per_task: int = 1  # trajectories per task in a step (paper: 1); grpo's group size G (>= 2)
     # KL to the frozen SFT reference, k3 estimator on the m = 1 tokens, added to the actor loss (paper: both KL terms
     # off: the reference routes with its own experts); > 0 builds the reference copy (hf backend)
     kl_coef: float = 0.0
@@ -227,7 +231,7 @@ NUMERIC = {
     "eval_every": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
     "base_steps": ">= 0", "base_lr": "> 0", "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
-    "rl_steps": ">= 0", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+    "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
     "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "minibatch_size": ">= 1",
     "max_grad_norm": "> 0", "sync_steps": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1",
     "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0",
@@ -256,12 +260,18 @@ def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong (and, for the cluster, what is missing)."""
     check_numbers(args)
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
-               "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS}
+               "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS, "reward_mode": ppo.REWARD_MODES,
+               "advantage": ppo.ADVANTAGES}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
+    if args.n_launch % args.samples_per_task:
+        raise ValueError(f"--samples-per-task: {args.samples_per_task} must divide --n-launch {args.n_launch} "
+                         "(every task of a step is launched that many times)")
+    if args.advantage == "grpo" and args.samples_per_task < 2:
+        raise ValueError(f"--advantage grpo: needs --samples-per-task >= 2 (the group), got {args.samples_per_task}")
     urls = [u for u in args.engine_urls.split(",") if u]
     if not urls and args.n_engines < 1:
         raise ValueError("--engine-urls: empty and --n-engines 0: no engine to sample from")
@@ -585,8 +595,8 @@ def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -
         ax.ray.get(ax.trainer.mark_published.remote(0))  # the engines serve the SFT weights
         if "critic_warmup" not in state:
             def do_warmup():
-                if args.critic_warmup_epochs == 0:  # cold start (the paper's ablation: EV from -33.6)
-                    return []
+                if args.critic_warmup_epochs == 0 or args.advantage == "grpo":  # cold start (the paper's ablation:
+                    return []  # EV from -33.6), or no critic at all (GRPO)
                 pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
                 trials, _, _ = run_rollouts(pool, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                             desc="warm-up pool")
@@ -646,7 +656,8 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
     first_step = state["step"] + 1
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
-        launch = data.launch_tasks(train_pool, step, args.n_launch, args.seed)  # every task once per epoch
+        launch = data.launch_tasks(train_pool, step, args.n_launch // args.samples_per_task, args.seed,
+                                   args.samples_per_task)  # every task once per epoch, G times in its step
         t0 = time.time()
         trials, dropped, tok_s = run_rollouts(launch, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                               n_keep=args.n_keep, desc=f"rollout step {step}")  # r = P / S per trial

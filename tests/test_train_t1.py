@@ -237,6 +237,61 @@ def test_train_step_logs_the_reward_it_trains_on(tmp_path, tiny):
     assert stats["reward_mean"] == pytest.approx(float(batch["rewards"].sum(1).mean()))
 
 
+# --- the comparison arms (issue 14): binary reward, GRPO ---------------------------------------------------------
+
+def test_binary_reward_is_one_only_when_every_test_passed():
+    samples = [_sample(P, 10.0) for P in (0, 3, 10)]  # total 10
+    assert [ppo.trained_reward(s, "binary") for s in samples] == [0.0, 0.0, 1.0]
+    assert [ppo.trained_reward(s) for s in samples] == [0.0, 0.3, 1.0]  # dense: r = P / S
+    assert ppo.pad_batch(samples, 10.0, reward_mode="binary")["rewards"].sum(1).tolist() == [0.0, 0.0, 1.0]
+    with pytest.raises(ValueError, match="--reward-mode"):
+        ppo.trained_reward(samples[0], "pass-rate")
+
+
+def test_grpo_advantages_by_hand():
+    r = torch.tensor([1.0, 0.0, 0.0, 0.5, 0.0, 0.0])
+    adv = ppo.grpo_advantages(r, [[0, 1, 2], [3], [4, 5]])
+    sd = math.sqrt(((2 / 3) ** 2 + 2 * (1 / 3) ** 2) / 2)  # Bessel: n - 1 = 2
+    assert adv[:3].tolist() == pytest.approx([(2 / 3) / sd, -(1 / 3) / sd, -(1 / 3) / sd], rel=1e-5)
+    assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # a group of one; a group where every sample failed: no signal
+    samples = [dict(_sample(1, 10.0), task=t) for t in ("a", "b", "a", "c", "b")]
+    assert ppo.task_groups(samples) == [[0, 2], [1, 4], [3]]
+
+
+def test_launch_repeats_each_task_per_task_times():
+    pool = [f"task{i}" for i in range(10)]
+    got = data.launch_tasks(pool, 2, 3, seed=1, per_task=4)
+    assert len(got) == 12 and got == [t for t in data.launch_tasks(pool, 2, 3, seed=1) for _ in range(4)]
+
+
+def test_grpo_step_trains_the_actor_and_leaves_the_critic_alone(tmp_path, tiny):
+    actor0 = tiny[0]
+    actor, behaviour = (M.build_actor(actor0.config, seed=0) for _ in range(2))
+    critic = C.Critic.from_actor(actor)
+    before = {k: v.clone() for k, v in actor.state_dict().items()}
+    critic_before = {k: v.clone() for k, v in critic.state_dict().items()}
+    args = dataclasses.replace(T.Args(), reward_scale=10.0, minibatch_size=2, r3_mode="off", actor_lr=1e-3,
+                               advantage="grpo", samples_per_task=2)
+    samples = [dict(_sample(P, 10.0), task=t) for P, t in ((0, "a"), (7, "a"), (0, "b"), (0, "b"))]
+    stats = ppo.train_step(actor, behaviour, critic, torch.optim.Adam(actor.parameters(), lr=1e-3),
+                           torch.optim.Adam(critic.parameters(), lr=1e-3), samples, args, random.Random(0), tmp_path, 1)
+    assert math.isnan(stats["explained_variance"]) and stats["all_fail_group_frac"] == 0.5  # group b: all fail
+    assert all(torch.equal(critic.state_dict()[k], v) for k, v in critic_before.items())
+    assert any(not torch.equal(actor.state_dict()[k], v) for k, v in before.items())
+
+
+def test_check_args_refuses_bad_arm_flags():
+    a = T.EMBEDDED
+    for flag, bad in (("reward_mode", "pass-rate"), ("advantage", "rloo")):
+        with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
+            T.check_args(dataclasses.replace(a, **{flag: bad}))
+    with pytest.raises(ValueError, match="--samples-per-task: 5 must divide --n-launch 36"):
+        T.check_args(dataclasses.replace(a, samples_per_task=5))
+    with pytest.raises(ValueError, match="--advantage grpo: needs --samples-per-task >= 2"):
+        T.check_args(dataclasses.replace(a, advantage="grpo"))
+    T.check_args(dataclasses.replace(a, advantage="grpo", samples_per_task=4, reward_mode="binary"))
+
+
 def test_pad_batch_refuses_a_reward_scored_with_another_scale():
     with pytest.raises(ValueError, match="another S"):
         ppo.pad_batch([_sample(4, 20.0)], 10.0)  # r = 4 / 20 computed with S = 20, the run's S is 10
