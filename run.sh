@@ -11,6 +11,8 @@
 #   bash run.sh qwen35-122b-a10b [--model-path DIR]   # cluster preset: checks GPUs/env/model, prints the
 #   bash run.sh qwen35-35b-a3b   [--model-path DIR]   #   memory-model plan, starts/joins Ray, launches the run
 #   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
+#   bash run.sh paper [--quick]      # the paper's comparisons (dense vs binary, PPO vs GRPO, warm vs cold critic,
+#                                    #   R3 on / off) from one shared SFT run; the report appended to RESULTS.md
 #   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: cluster.py launch, the planner's
 #                                    #   plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
 #
@@ -78,6 +80,11 @@ case "${1:-}" in
   gpu-check)
     shift
     exec .venv/bin/python cluster.py gpu-check "$@"
+    ;;
+  paper)
+    # the paper's comparisons in miniature (issue 14): every arm's RL phase from one shared SFT run, the report
+    shift
+    exec .venv/bin/python paper.py run "$@"
     ;;
   cluster-rehearsal)
     # the cluster path on this CPU: the embedded SFT writes a Qwen3.5 HF checkpoint (runs/rehearsal-sft), then

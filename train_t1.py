@@ -68,6 +68,7 @@ import gateway
 import infra
 import mcore
 import model as M
+import paper
 import ppo
 import reward
 import rollout
@@ -577,6 +578,10 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         eval_row(run, state["eval_sft"], 0)
         state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
         run.save_state()
+    if ck == "rl" and state["step"] == 0 and "eval_rl" not in state:  # no RL step: the SFT weights, evaluated
+        state["eval_rl"] = {**state["eval_sft"], "after_step": 0}
+        state["eval_rl_train"] = state["eval_sft_train"]
+        run.save_state()
     if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
         state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
         eval_row(run, state["eval_rl"], state["step"])
@@ -783,5 +788,7 @@ def parse_args(argv=None) -> Args:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "plot":
         print(bench.plot(sys.argv[2]))
+    elif len(sys.argv) > 1 and sys.argv[1] == "paper":  # the paper's comparisons: paper.py run
+        paper.main(["run", *sys.argv[2:]])
     else:
         train(parse_args())

@@ -1,0 +1,310 @@
+"""The paper's comparisons in miniature (issue 14; paper: the ablation results): every arm's RL phase from one shared
+SFT checkpoint and warmed critic, then one report with the paper's figure beside ours.
+
+    bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold r3off] [-- train_t1 flags]
+    python paper.py run --out runs/paper [--quick | --full] [--seeds N] [--rl-steps N] [--results RESULTS.md]
+    python paper.py report runs/paper    # the report again from the run directories
+
+OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
+warm-up). Each arm x seed is its own train_t1.py run directory OUT/<arm>-s<seed>, started from a copy of the shared
+state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic except for the cold
+arm), so that arms differ only in their RL phase and are evaluated on the same held-out tasks: paired tests over
+tasks (McNemar on the discordant tasks pooled over seeds; train_t1's bootstrap for the mean reward) beside the
+interval over seeds. Every arm runs in its own process, one after the other (2 cores): a crash fails that arm and
+is reported, the others go on; after a kill the same command resumes (a finished arm, one with summary.json, is
+kept; an unfinished one resumes from its last checkpoint).
+
+Arms (ARMS; the flags they add to the shared preset):
+  ppo    the paper's method: dense r = P / S, GAE with the full critic, warm-up, R3 replay
+  binary --reward-mode binary: 1 if every test passed (the paper: 64.0 dense vs 47.2 binary)
+  grpo   --advantage grpo --samples-per-task 4 (2 in --quick): the same trajectories per step over a quarter of the
+         tasks, no critic (the paper: 64.0 vs 51.7); the fraction of all-fail groups per step is reported
+  cold   --critic-warmup-epochs 0: the critic starts from the SFT backbone and an untrained head (the paper: EV from
+         -33.6, 30 of 58 steps negative, against 0.71-0.86 warmed)
+  r3off  --r3-mode off: the trainer routes live (the mismatch R3 removes: |dlogp| and whether training suffers)
+
+Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
+interval of an arm is mean +- t * sd / sqrt(n) over its seeds (Wilson's for one seed); "agrees" in the table means
+the difference has the paper's sign and the paired test gives p < 0.05, "same sign, n.s." otherwise, "disagrees" when
+the sign is the opposite one. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives;
+its report is written to OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
+"""
+import argparse
+import datetime
+import json
+import math
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import bench
+
+ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage", "grpo", "--samples-per-task", "G"],
+        "cold": ["--critic-warmup-epochs", "0"], "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not
+# divide the preset's --n-launch (the quick preset's 10)
+SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
+T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t quantiles
+
+
+def train_cmd(preset: list, run_dir: Path, extra: list) -> list:
+    return [sys.executable, str(Path(__file__).with_name("train_t1.py")), *preset, "--run-dir", str(run_dir), *extra]
+
+
+def run_logged(cmd: list, run_dir: Path, total_steps: int, desc: str) -> int:
+    """One train_t1.py process, its output to run_dir/stdout.log, a progress bar fed by its state.json's step."""
+    from tqdm import tqdm
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "stdout.log", "a") as out, tqdm(total=max(total_steps, 1), desc=desc) as bar:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            time.sleep(2)
+            try:
+                bar.n = json.loads((run_dir / "state.json").read_text()).get("step", 0)
+                bar.refresh()
+            except (OSError, ValueError):
+                pass
+    return proc.returncode
+
+
+def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
+    """A new arm run directory from the shared one: its state (SHARED_KEYS, step 0), base / SFT checkpoints and, but
+    for the cold arm, the warmed critic. An existing arm directory is left as it is (it resumes)."""
+    if (arm_dir / "state.json").exists():
+        return
+    st = json.loads((shared / "state.json").read_text())
+    missing = [k for k in ("tasks", "reward_scale", "eval_sft") if k not in st]
+    if missing:
+        raise ValueError(f"{shared}: the shared run lacks {missing}: it did not finish its SFT phase")
+    state = {k: st[k] for k in SHARED_KEYS if k in st and not (arm == "cold" and k == "critic_warmup")}
+    (arm_dir / "ckpt").mkdir(parents=True, exist_ok=True)
+    for name in ("base", "sft"):
+        if (shared / "ckpt" / name).exists():
+            shutil.copytree(shared / "ckpt" / name, arm_dir / "ckpt" / name)
+    if arm != "cold":
+        shutil.copy2(shared / "ckpt" / "critic_warm.pt", arm_dir / "ckpt" / "critic_warm.pt")
+    (arm_dir / "state.json").write_text(json.dumps(dict(state, step=0, phase_times={}), indent=1))
+
+
+def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list) -> dict:
+    """The shared phase, then every arm x seed (sequentially); -> {name: exit code}."""
+    shared = out / "shared"
+    if not (shared / "summary.json").exists():
+        code = run_logged(train_cmd(preset, shared, ["--rl-steps", "0", *passthrough]), shared, 0, "shared: SFT")
+        if code:
+            raise RuntimeError(f"the shared phase failed (exit {code}): {shared / 'stdout.log'}")
+    st = json.loads((shared / "state.json").read_text())
+    args = json.loads((shared / "args.json").read_text())
+    steps = args["rl_steps"] if rl_steps is None else rl_steps
+    steps = steps or 1
+    pt = st.get("phase_times", {})
+    per_trial = pt.get("critic_warmup", 0.0) / max(args["critic_warmup_trials"], 1)
+    est = steps * 2 * per_trial * args["n_keep"] + 2 * pt.get("eval_sft", 0.0)  # rollout + update, 2 evaluations
+    print(f"[paper] {len(arms)} arms x {seeds} seeds, {steps} RL steps each; estimated {est / 60:.0f} min per arm "
+          f"(from the shared run's warm-up and SFT evaluation), {len(arms) * seeds * est / 60:.0f} min in all",
+          flush=True)
+    codes = {}
+    for arm in arms:
+        for s in range(seeds):
+            name, d = f"{arm}-s{s}", out / f"{arm}-s{s}"
+            if (d / "summary.json").exists() and json.loads((d / "summary.json").read_text())["rl_steps"] >= steps:
+                codes[name] = 0
+                continue
+            seed_arm(shared, d, arm)
+            flags = [("4" if args["n_launch"] % 4 == 0 else "2") if f == "G" else f for f in ARMS[arm]]
+            codes[name] = run_logged(train_cmd(preset, d, ["--rl-steps", str(steps), "--seed", str(args["seed"] + s),
+                                                          *flags, *passthrough]), d, steps, name)
+            if codes[name]:
+                print(f"[paper] arm {name} failed (exit {codes[name]}): {d / 'stdout.log'}", flush=True)
+    return codes
+
+
+# --- the report --------------------------------------------------------------------------------------------
+def _interval(xs: list, single: dict | None = None) -> tuple:
+    """Mean and 95% interval over seeds (t); one seed: the Wilson interval of its evaluation."""
+    m = float(np.mean(xs))
+    if len(xs) > 1:
+        h = T_975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / math.sqrt(len(xs))
+        return m, m - h, m + h
+    if single is not None and single.get("trials"):
+        lo, hi = bench.wilson(sum(t["resolved"] for t in single["trials"]), single["n_trials"])
+        return m, lo, hi
+    return m, float("nan"), float("nan")
+
+
+def _metrics(d: Path) -> list:
+    p = d / "metrics.jsonl"
+    return [r for r in (json.loads(l) for l in open(p)) if r["phase"] == "rl"] if p.exists() else []
+
+
+def collect(out: Path) -> dict:
+    """Every finished arm run under out: {arm: [{seed, summary, rl metrics rows, wall_s}]}."""
+    arms = {}
+    for d in sorted(out.glob("*-s*")):
+        arm, _, seed = d.name.rpartition("-s")
+        if arm not in ARMS or not (d / "summary.json").exists():
+            continue
+        sm = json.loads((d / "summary.json").read_text())
+        arms.setdefault(arm, []).append(dict(seed=int(seed), summary=sm, rl=_metrics(d),
+                                             wall_s=sum(sm["phase_times"].get(k, 0.0) for k in ("rl", "eval_rl"))))
+    return arms
+
+
+def compare(a: list, b: list) -> dict:
+    """b vs a over the seeds both have (paired over the same held-out tasks): solved gained / lost pooled, exact
+    McNemar on the pooled discordant tasks, the mean reward difference."""
+    by = {r["seed"]: r for r in a}
+    pairs = [(by[r["seed"]]["summary"]["eval_rl"], r["summary"]["eval_rl"]) for r in b if r["seed"] in by]
+    pairs = [(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
+    if not pairs:
+        return {}
+    ts = [bench.paired(x, y) for x, y in pairs]
+    g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
+    p = min(1.0, 2 * sum(math.comb(g + l, k) for k in range(min(g, l) + 1)) / 2 ** (g + l)) if g + l else 1.0
+    return dict(gained=g, lost=l, mcnemar_p=p, reward_diff=float(np.mean([t["reward_diff"] for t in ts])),
+                n_pairs=len(ts))
+
+
+def verdict(diff: float, paper_sign: int, p: float) -> str:
+    if diff == 0 or math.isnan(diff):
+        return "no difference"
+    if (diff > 0) != (paper_sign > 0):
+        return "disagrees"
+    return "agrees" if p < 0.05 else "same sign, n.s."
+
+
+def report(out: Path) -> str:
+    """The claims table (markdown) and the three pictures, from the run directories under out."""
+    arms = collect(out)
+    shared = json.loads((out / "shared" / "summary.json").read_text())
+    lines = [f"### The paper's claims in miniature ({out}, {datetime.date.today()})", "",
+             "| arm | seeds | held-out solve rate [95% CI] | mean reward | RL steps | wall time / seed (s) |",
+             "|---|---|---|---|---|---|"]
+    for k in ("eval_base", "eval_sft"):
+        e = shared.get(k)
+        if e and e.get("n_trials"):
+            m, lo, hi = _interval([e["solve_rate"]], e)
+            wall = sum(shared["phase_times"].values()) if k == "eval_sft" else "-"  # the whole shared run
+            lines.append(f"| {k[5:].upper()} (shared) | - | {m:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} | 0 "
+                         f"| {wall if isinstance(wall, str) else f'{wall:.0f}'} |")
+    for arm, runs in arms.items():
+        m, lo, hi = _interval([r["summary"]["eval_rl"]["solve_rate"] for r in runs], runs[0]["summary"]["eval_rl"])
+        rw = np.mean([r["summary"]["eval_rl"]["reward_mean"] for r in runs])
+        lines.append(f"| {arm} | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {rw:.3f} | "
+                     f"{runs[0]['summary']['rl_steps']} | {np.mean([r['wall_s'] for r in runs]):.0f} |")
+    n = (shared.get("eval_sft") or {}).get("n_trials", 0)
+    lines += ["", f"Held-out tasks: {n} (the same for every arm). Claims (ours vs the paper's):", "",
+              "| claim | paper | ours | verdict |", "|---|---|---|---|"]
+    ppo = arms.get("ppo", [])
+
+    def arm_vs_ppo(arm, paper, label):  # the paper: ppo above the arm
+        c = compare(arms.get(arm, []), ppo)
+        if not c:
+            return lines.append(f"| {label} | {paper} | not run | - |")
+        lines.append(f"| {label} | {paper} | ppo vs {arm}: solved +{c['gained']} -{c['lost']} over {c['n_pairs']} "
+                     f"seed pairs, McNemar p = {c['mcnemar_p']:.3g}; mean reward {c['reward_diff']:+.3f} | "
+                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
+    if ppo and shared.get("eval_sft", {}).get("trials"):
+        ts = [bench.paired(shared["eval_sft"], r["summary"]["eval_rl"]) for r in ppo
+              if r["summary"]["eval_rl"].get("trials")]
+        g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
+        p = min(1.0, 2 * sum(math.comb(g + l, k) for k in range(min(g, l) + 1)) / 2 ** (g + l)) if g + l else 1.0
+        lines.append(f"| RL beats SFT on held-out | 49.4 -> 64.0 | solved +{g} -{l} over {len(ts)} seeds, McNemar "
+                     f"p = {p:.3g} | {verdict(g - l, +1, p)} |")
+    arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")
+    arm_vs_ppo("grpo", "PPO 64.0 vs GRPO 51.7", "PPO with a critic beats GRPO")
+    fails = [r.get("all_fail_group_frac") for run in arms.get("grpo", []) for r in run["rl"]]
+    fails = [f for f in fails if f is not None]
+    if fails:
+        lines.append(f"| GRPO: groups where every sample failed | (the paper's reason) | {np.mean(fails):.2f} of "
+                     f"groups per step | - |")
+    for arm, label in (("ppo", "warm"), ("cold", "cold")):
+        ev = [r.get("explained_variance") for run in arms.get(arm, []) for r in run["rl"]]
+        ev = [e for e in ev if e is not None and not math.isnan(e)]
+        if ev:
+            paper = "EV 0.71-0.86" if arm == "ppo" else "EV from -33.6, 30 of 58 steps < 0"
+            lines.append(f"| critic EV per update, {label} start | {paper} | {min(ev):.2f} .. {max(ev):.2f}, first "
+                         f"{ev[0]:.2f}, {sum(e < 0 for e in ev)} of {len(ev)} updates < 0 | - |")
+    arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out")
+    rows = [r for run in ppo for r in run["rl"]]
+    if rows:
+        on, off = np.mean([r["dlogp"] for r in rows]), np.mean([r["dlogp_r3_off"] for r in rows])
+        drift = np.mean([r.get("tito_drift_pct", float("nan")) for r in rows])
+        lines.append(f"| R3 cuts abs(dlogp) | 0.021 -> 0.013 | {off:.4f} -> {on:.4f} (same batches, R3 off / on) | "
+                     f"{verdict(off - on, +1, 0.0)} |")
+        lines.append(f"| TITO: loss-region drift | 0.0000% | {drift:.4f}% | - |")
+    arm_vs_ppo("r3off", "R3 stabilises training", "R3 on beats R3 off on held-out")
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    plots(out, arms)
+    return text
+
+
+def plots(out: Path, arms: dict) -> None:
+    """reward.png (training reward per arm), ev.png (EV per update, warm vs cold), dlogp.png (R3 on vs off)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(ax, runs, key, label):
+        steps = sorted({r["step"] for run in runs for r in run["rl"]})
+        ys = [np.mean([r[key] for run in runs for r in run["rl"] if r["step"] == s and r.get(key) is not None])
+              for s in steps]
+        ax.plot(steps, ys, marker=".", label=label)
+    for name, keys in (("reward", [(a, "reward_mean", a) for a in arms]),
+                       ("ev", [(a, "explained_variance", a) for a in ("ppo", "cold") if a in arms]),
+                       ("dlogp", [("ppo", "dlogp", "R3 on"), ("ppo", "dlogp_r3_off", "R3 off")] if "ppo" in arms
+                        else [])):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for arm, key, label in keys:
+            curve(ax, arms[arm], key, label)
+        ax.set_xlabel("RL step")
+        ax.set_title({"reward": "training reward per arm", "ev": "critic EV: warm vs cold",
+                      "dlogp": "abs(dlogp) of the ppo arm: R3 on vs off"}[name])
+        if keys:
+            ax.legend()
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=80)
+        plt.close(fig)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the shared phase, every arm x seed, then the report")
+    r.add_argument("--out", default=None, help="runs/paper (runs/paper-quick with --quick)")
+    r.add_argument("--quick", action="store_true", help="the quick preset, one seed: a smoke run (the test's form)")
+    r.add_argument("--full", action="store_true", help="the full preset (150 held-out tasks)")
+    r.add_argument("--seeds", type=int, default=None, help="seeds per arm (3; --quick: 1)")
+    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
+    r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (the preset's by default)")
+    r.add_argument("--results", default="RESULTS.md", help="the report is appended here (not with --quick)")
+    r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
+    rp = sub.add_parser("report", help="the report from the run directories under OUT")
+    rp.add_argument("out")
+    a = p.parse_args(argv)
+    if a.cmd == "report":
+        print(report(Path(a.out)))
+        return
+    if a.quick and a.full:
+        p.error("--quick and --full: pick one preset")
+    preset = ["--quick"] if a.quick else ["--full"] if a.full else []
+    out = Path(a.out or ("runs/paper-quick" if a.quick else "runs/paper"))
+    seeds = a.seeds or (1 if a.quick else 3)
+    rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    codes = run(out, preset, a.arms, seeds, a.rl_steps, rest)
+    text = report(out)
+    print(text)
+    if not a.quick and a.results:
+        with open(a.results, "a") as f:
+            f.write("\n" + text)
+    failed = [k for k, c in codes.items() if c]
+    if failed:
+        sys.exit(f"[paper] arms that failed: {failed} (their stdout.log); the report holds the others")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""paper.py (issue 14): the report from arm run directories (synthetic ones, by hand), the verdicts, and the quick
+form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+import paper
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _ev(solved: list) -> dict:
+    return {"n_trials": len(solved), "solve_rate": sum(solved) / len(solved), "reward_mean": sum(solved) / len(solved),
+            "turns_mean": 3.0, "trials": [{"task": f"h{i}", "attempt": 0, "resolved": bool(s), "reward": float(s)}
+                                          for i, s in enumerate(solved)]}
+
+
+def _arm(out, name, solved, rl_rows):
+    d = out / name
+    d.mkdir(parents=True)
+    (d / "summary.json").write_text(json.dumps({"eval_rl": _ev(solved), "rl_steps": len(rl_rows),
+                                                "phase_times": {"rl": 100.0, "eval_rl": 20.0}}))
+    (d / "metrics.jsonl").write_text("".join(json.dumps(dict(r, phase="rl", step=i + 1)) + "\n"
+                                             for i, r in enumerate(rl_rows)))
+
+
+def test_verdicts():
+    assert paper.verdict(+5, +1, 0.01) == "agrees"
+    assert paper.verdict(+5, +1, 0.2) == "same sign, n.s."
+    assert paper.verdict(-5, +1, 0.01) == "disagrees"
+    assert paper.verdict(0, +1, 1.0) == "no difference"
+
+
+def test_report_from_run_directories(tmp_path):
+    """40 held-out tasks: SFT solves 10, ppo 30 (+20 -0: McNemar p = 2 / 2^20), binary 12, grpo 31 (one more than
+    ppo), cold with negative EV; the table says which claims hold and the pictures are written."""
+    (tmp_path / "shared").mkdir()
+    sft = [1] * 10 + [0] * 30
+    (tmp_path / "shared" / "summary.json").write_text(json.dumps(
+        {"eval_base": _ev([0] * 40), "eval_sft": _ev(sft), "phase_times": {"eval_sft": 30.0}}))
+    row = {"reward_mean": 0.5, "explained_variance": 0.6, "dlogp": 0.0015, "dlogp_r3_off": 0.0025,
+           "tito_drift_pct": 0.0}
+    _arm(tmp_path, "ppo-s0", [1] * 30 + [0] * 10, [row, row])
+    _arm(tmp_path, "binary-s0", [1] * 12 + [0] * 28, [row])
+    _arm(tmp_path, "grpo-s0", [1] * 31 + [0] * 9, [dict(row, explained_variance=float("nan"),
+                                                         all_fail_group_frac=0.25)])
+    _arm(tmp_path, "cold-s0", [1] * 30 + [0] * 10, [dict(row, explained_variance=-3.0), row])
+    text = paper.report(tmp_path)
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
+    assert "solved +20 -0" in lines["RL beats SFT on held-out"] and lines["RL beats SFT on held-out"].endswith(
+        "| agrees |")
+    assert "ppo vs binary: solved +18 -0" in lines["dense reward beats binary"]
+    assert lines["dense reward beats binary"].endswith("| agrees |")
+    assert lines["PPO with a critic beats GRPO"].endswith("| disagrees |")  # grpo solved one more
+    assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
+    assert "1 of 2 updates < 0" in lines["critic EV per update, cold start"]
+    assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
+    assert "not run" in lines["R3 on beats R3 off on held-out"]
+    assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
+    assert (tmp_path / "report.md").read_text() == text
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
+def test_quick_form_end_to_end(tmp_path):
+    """`paper.py run --quick` with two arms: the shared SFT run, each arm's RL from a copy of it (same tasks and
+    SFT evaluation), the report; run again, the finished arms are kept (nothing re-run) and the report rewritten."""
+    out = tmp_path / "paper"
+    cmd = [sys.executable, os.path.join(ROOT, "paper.py"), "run", "--quick", "--arms", "ppo", "grpo", "--out",
+           str(out), "--rl-steps", "1"]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    shared = json.loads((out / "shared" / "state.json").read_text())
+    for arm in ("ppo-s0", "grpo-s0"):
+        st = json.loads((out / arm / "state.json").read_text())
+        assert st["step"] == 1 and st["tasks"] == shared["tasks"] and st["eval_sft"] == shared["eval_sft"]
+    grpo = [json.loads(ln) for ln in open(out / "grpo-s0" / "metrics.jsonl") if '"phase": "rl"' in ln]
+    assert grpo and "all_fail_group_frac" in grpo[0]
+    report = (out / "report.md").read_text()
+    assert "| ppo | 1 |" in report and "| grpo | 1 |" in report and "PPO with a critic beats GRPO" in report
+    mtime = (out / "ppo-s0" / "summary.json").stat().st_mtime
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0 and (out / "ppo-s0" / "summary.json").stat().st_mtime == mtime
