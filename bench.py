@@ -39,7 +39,8 @@ import ppo
 import r3
 import rollout
 import tito
-from engine import EngineServer, _build_cache, _cache_state, sample_rows
+from engine import EngineServer, sample_rows
+from kvcache import _build_cache, _cache_state
 from trainer import Metrics
 
 

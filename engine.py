@@ -4,8 +4,8 @@ T1 samples from SGLang servers started with routed-expert capture. The embedded 
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
 and the same weight and pause endpoints (/update_weights_from_disk; /init_weights_update_group +
 /update_weights_from_distributed + /destroy_weights_update_group, the cluster publish over a gloo group), so
-rollout.py has one client for both scales and cluster.WeightPublisher can publish into it. gateway.py shares its
-HTTP layer.
+rollout.py has one client for both scales and cluster.WeightPublisher can publish into it. Its HTTP layer
+(httpjson.py) is gateway.py's too; the batch state and prefix cache are kvcache.py.
 
     python engine.py serve --model-path DIR --port 30000 [--max-batch 64] [--weight-dtype bf16|fp32]
                            [--prefix-cache-mb 512] [--no-routed-experts]
@@ -34,149 +34,26 @@ Departures from the paper:
 
 import argparse
 import collections
-import contextlib
-import json
 import math
 import os
 import queue
-import re
-import select
-import socket
 import sys
 import tempfile
 import threading
 import time
 import urllib.request
 import uuid
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import safetensors.torch
 import torch
 import torch.nn.functional as F
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
 
 import infra
 import r3
+from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
+from kvcache import PrefixCache, _build_cache, _cache_state, _merge
 from model import hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16
-
-# --- HTTP layer shared by this engine and gateway.py ----------------------------------------------
-LISTEN_BACKLOG = 1024  # listen(2) queue: >= the paper's 560 trials launched per step, one request in flight each
-MAX_BODY_BYTES = 8 * 2**20  # a 131k-token prompt is ~1 MB as JSON ids; a longer body is refused unread (413)
-READ_TIMEOUT_S = 30.0  # one socket read (request line, a header, the body) waiting longer: 408 / connection closed
-DISCONNECT_POLL_S = 1.0  # a disconnect watcher wakes at once on a hang-up; this only bounds its life after the reply
-
-
-class HTTPError(ValueError):
-    """A client error answered with `status`; the message starts with the field / header at fault."""
-
-    def __init__(self, status, message, param=None, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-class BadRequest(HTTPError):
-    def __init__(self, message, param=None, code=None):
-        super().__init__(400, message, param, code)
-
-
-class JSONServer(ThreadingHTTPServer):
-    """ThreadingHTTPServer with a listen backlog that holds the rollout fan-out (socketserver's default is 5)."""
-    request_queue_size = LISTEN_BACKLOG
-    daemon_threads = True
-
-
-class JSONHandler(BaseHTTPRequestHandler):
-    """Quiet HTTP/1.1 handler with JSON replies (the engine's and the gateway's servers): strict body framing,
-    a read timeout, and a disconnect watcher."""
-    protocol_version = "HTTP/1.1"
-    timeout = READ_TIMEOUT_S  # socketserver sets it on the connection: a silent client cannot hold a thread forever
-
-    def log_message(self, *args):  # quiet
-        pass
-
-    def _send(self, code, obj):
-        data = json.dumps(obj).encode()
-        try:
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            if self.close_connection:
-                self.send_header("Connection", "close")
-            self.end_headers()
-            self.wfile.write(data)
-        except OSError:  # the client hung up: nobody to answer
-            self.close_connection = True
-
-    def send_error(self, code, message=None, explain=None):
-        """http.server's own refusals (malformed request line, oversized headers, unknown method) as JSON too."""
-        self.close_connection = True
-        self.send_error_json(HTTPError(code, f"request: {message or 'refused'}"))
-
-    def send_error_json(self, err: HTTPError):
-        """Engine error shape {"error": "field: message"}; gateway.py answers in OpenAI's shape instead."""
-        self._send(err.status, {"error": str(err)})
-
-    def read_json(self):
-        """The request body parsed as JSON, None when there is none (RFC 9112 6.3: a request without
-        Content-Length has an empty body). HTTPError: chunked 411, bad Content-Length 400, over MAX_BODY_BYTES
-        413, body shorter than announced 400 (closed) / 408 (stalled), not JSON 400. Any of these closes the
-        connection afterwards (its framing is lost)."""
-        def fail(status, message):
-            self.close_connection = True
-            return HTTPError(status, message)
-        if self.headers.get("Transfer-Encoding"):
-            raise fail(411, "Content-Length: required (a Transfer-Encoding body is not accepted)")
-        values = [v.strip() for v in self.headers.get_all("Content-Length") or []]
-        if not values:
-            return None
-        if len(set(values)) > 1 or not re.fullmatch(r"[0-9]+", values[0]):
-            raise fail(400, f"Content-Length: expected one non-negative integer, got {', '.join(values)[:100]!r}")
-        if len(values[0]) > 12 or int(values[0]) > MAX_BODY_BYTES:
-            raise fail(413, f"Content-Length: {values[0][:20]} bytes is over the limit of {MAX_BODY_BYTES}")
-        n = int(values[0])
-        try:
-            data = self.rfile.read(n)
-        except TimeoutError:
-            raise fail(408, f"body: Content-Length is {n} but the body stalled for {self.timeout:g} s") from None
-        if len(data) < n:
-            raise fail(400, f"body: Content-Length is {n} but the client closed after {len(data)} bytes")
-        if not data.strip():
-            return None
-        try:
-            return json.loads(data)
-        except (ValueError, RecursionError) as e:  # JSONDecodeError, bad UTF-8, > 4300-digit ints, deep nesting
-            raise HTTPError(400, f"body: invalid JSON ({str(e)[:200]})") from None
-
-    @contextlib.contextmanager
-    def on_disconnect(self, callback):
-        """While the block runs, watch the client's socket; call callback() (once) if the client hangs up.
-        A hang-up is end-of-file (or a reset) on the socket; bytes from the client mean it is still there."""
-        done, lock, sock = threading.Event(), threading.Lock(), self.connection
-
-        def watch():
-            poller = select.poll()
-            poller.register(sock, select.POLLIN | select.POLLHUP | select.POLLERR)
-            while not done.is_set():
-                if not poller.poll(DISCONNECT_POLL_S * 1000):
-                    continue
-                try:
-                    gone = not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    gone = True
-                with lock:
-                    if gone and not done.is_set():
-                        callback()
-                return
-        threading.Thread(target=watch, daemon=True, name="disconnect-watch").start()
-        try:
-            yield
-        finally:
-            with lock:
-                done.set()
-
 
 # --- embedded engine ----------------------------------------------------------------------------
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
@@ -246,133 +123,6 @@ class Row:
         self.req, self.gen, self.slot = req, gen, slot
         self.fed = 0  # tokens whose state is in the cache (input + output[:-1] once decoding)
         self.prefix_key = None  # the prefix-cache entry this request extended (superseded by its own entry)
-
-
-# --- the batch's cache: KV of the attention layers, conv + recurrent state of the Gated DeltaNet layers -------
-def _is_linear(layer):
-    return isinstance(layer, LinearAttentionCacheLayerMixin)
-
-
-def _cache_state(cache, rows, n, copy=True):
-    """Per layer, the state of batch rows `rows` (a slice) whose last n columns are real tokens: attention layers
-    ("attn", keys, values) (b, H, n, D); Gated DeltaNet layers ("linear", conv, recurrent) of those rows. copy=False:
-    views into the cache (for a merge that concatenates them at once)."""
-    c = (lambda x: x.clone()) if copy else (lambda x: x)
-    out = []
-    for layer in cache.layers:
-        if _is_linear(layer):
-            out.append(("linear", c(layer.conv_states[0][rows]), c(layer.recurrent_states[0][rows])))
-        else:
-            out.append(("attn", c(layer.keys[rows, :, layer.keys.shape[2] - n:]),
-                        c(layer.values[rows, :, layer.values.shape[2] - n:])))
-    return out
-
-
-class GrowingKV(DynamicLayer):
-    """An attention layer's KV cache with spare columns: a decode step writes its column in place, where
-    DynamicLayer re-concatenates the whole cache every step; the capacity doubles when full. keys / values are
-    views of the filled columns."""
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-            self.n, self.kbuf, self.vbuf = 0, None, None
-        n, s = self.n, key_states.shape[-2]
-        if self.kbuf is None or n + s > self.kbuf.shape[-2]:
-            cap = max(2 * (n + s), 64)
-            kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
-            if n:
-                kb[..., :n, :], vb[..., :n, :] = self.kbuf[..., :n, :], self.vbuf[..., :n, :]
-            self.kbuf, self.vbuf = kb, vb
-        self.kbuf[..., n:n + s, :] = key_states
-        self.vbuf[..., n:n + s, :] = value_states
-        self.n = n + s
-        self.keys, self.values = self.kbuf[..., :self.n, :], self.vbuf[..., :self.n, :]
-        return self.keys, self.values
-
-
-def _build_cache(config, state):
-    """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods; the
-    attention layers are GrowingKV."""
-    cache = DynamicCache(config=config)
-    for i, (kind, a, b) in enumerate(state):
-        if kind == "linear":
-            cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])  # copied into the layer's own tensors
-            cache.update_recurrent_state(b, i)
-        else:
-            cache.layers[i] = GrowingKV()
-            cache.layers[i].update(a, b)  # copied into the layer's buffer
-    return cache
-
-
-def _left_pad(x, T):
-    """(B, H, t, D) -> (B, H, T, D) with zeros on the left."""
-    return x if x.shape[2] == T else F.pad(x, (0, 0, T - x.shape[2], 0))
-
-
-def _merge(parts):
-    """[(state, mask (b, t))] -> (state of all rows, mask): attention columns left-padded to the longest part."""
-    T = max(m.shape[1] for _, m in parts)
-    mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
-    state = []
-    for i, (kind, _, _) in enumerate(parts[0][0]):
-        a = [s[i][1] for s, _ in parts]
-        b = [s[i][2] for s, _ in parts]
-        if kind == "attn":
-            a, b = [_left_pad(x, T) for x in a], [_left_pad(x, T) for x in b]
-        state.append((kind, torch.cat(a), torch.cat(b)))
-    return state, mask
-
-
-class PrefixCache:
-    """LRU of model states at the end of finished requests, keyed by the token ids they were computed over
-    (SGLang's radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
-
-    An entry = (ids, per-layer state of one row, routed experts of those ids (len, L, k) int32). lookup(ids) returns
-    the longest entry that is a proper prefix of ids (at least one token is left to prefill). Evicted least
-    recently used when the entries' bytes pass cap_bytes; cleared when the weights change."""
-
-    def __init__(self, cap_bytes):
-        self.cap, self.bytes = cap_bytes, 0
-        self.entries = collections.OrderedDict()  # tuple(ids) -> (ids, state, routing, nbytes)
-        self.hits = self.misses = self.hit_tokens = 0
-
-    def lookup(self, ids):
-        best = None
-        for key, entry in self.entries.items():
-            n = len(entry[0])
-            if n < len(ids) and (best is None or n > len(best[0])) and ids[:n] == entry[0]:
-                best = entry
-        if best is None:
-            self.misses += 1
-            return None
-        self.entries.move_to_end(tuple(best[0]))
-        self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + len(best[0])
-        return best
-
-    def insert(self, ids, state, routing, supersedes=None):
-        if supersedes is not None:
-            self.drop(supersedes)  # the request's own prefix: its next turn extends this entry, not that one
-        key = tuple(ids)
-        self.drop(key)
-        nbytes = sum(a.nbytes + b.nbytes for _, a, b in state) + (routing.nbytes if routing is not None else 0)
-        nbytes += 8 * len(ids)
-        if nbytes > self.cap:
-            return
-        self.entries[key] = (list(ids), state, routing, nbytes)
-        self.bytes += nbytes
-        while self.bytes > self.cap:
-            self.drop(next(iter(self.entries)))
-
-    def drop(self, key):
-        entry = self.entries.pop(tuple(key), None)
-        if entry is not None:
-            self.bytes -= entry[3]
-
-    def clear(self):
-        self.entries.clear()
-        self.bytes = 0
 
 
 def _field(d, name, types, default=None, required=False, where=""):

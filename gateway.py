@@ -16,7 +16,7 @@ Sessions: keyed by the client's session id (header X-Session-ID, body `session_i
 new. One idle past SESSION_IDLE_S or the least recently used past MAX_SESSIONS is evicted with a line on stderr;
 trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
 
-Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is engine.JSONHandler):
+Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is httpjson.JSONHandler):
 400 naming any invalid field (parse_chat: OpenAI's types and ranges; messages of {role: system|user|assistant,
 content: str | null | text parts}); 400 "not supported" (code unsupported_parameter) for the non-neutral values of
 UNSUPPORTED (n > 1, stream, tools, response_format other than text, penalties, ...), image parts, tool messages;
@@ -76,7 +76,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-import engine
+import httpjson
 import reward
 import rollout
 import sandbox
@@ -241,7 +241,7 @@ class Gateway:
         self.evicted: dict[str, str] = collections.OrderedDict()  # session id -> why (the last max_sessions)
         self.disconnects = collections.deque(maxlen=1024)  # rids aborted because the client hung up
         self.lock = threading.Lock()
-        self.httpd = engine.JSONServer((host, port), _make_handler(self))
+        self.httpd = httpjson.JSONServer((host, port), _make_handler(self))
         self.thread = None
 
     @property
@@ -395,7 +395,7 @@ def _model_object():
 
 
 def _make_handler(gw: Gateway):
-    class Handler(engine.JSONHandler):
+    class Handler(httpjson.JSONHandler):
         def send_error_json(self, e):
             kind = "invalid_request_error" if e.status < 500 else "server_error"
             self._send(e.status, {"error": {"message": str(e), "type": kind, "param": getattr(e, "param", None),
@@ -439,7 +439,7 @@ def _make_handler(gw: Gateway):
                         return
                     raise
                 self._send(200, resp)
-            except (APIError, engine.HTTPError) as e:
+            except (APIError, httpjson.HTTPError) as e:
                 self.send_error_json(e)
             except OSError as e:  # the engine cannot be reached
                 self.send_error_json(APIError(503, f"engine: unreachable ({e})", None, "engine_unavailable"))

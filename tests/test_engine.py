@@ -14,7 +14,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import engine as engine_lib  # noqa: E402
+import httpjson  # noqa: E402
 import infra  # noqa: E402
+import kvcache  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 from test_model import prompt  # noqa: E402
@@ -418,7 +420,7 @@ def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
         (http_post("/generate", good, ["Content-Length: abc"]), 400, "Content-Length:"),
         (http_post("/generate", good, [f"Content-Length: {len(good)}", "Content-Length: 3"]), 400, "Content-Length:"),
         (http_post("/generate", good, ["Content-Length: 99999999999999999999999"]), 413, "Content-Length:"),
-        (http_post("/generate", good, [f"Content-Length: {engine_lib.MAX_BODY_BYTES + 1}"]), 413, "Content-Length:"),
+        (http_post("/generate", good, [f"Content-Length: {httpjson.MAX_BODY_BYTES + 1}"]), 413, "Content-Length:"),
         (http_post("/generate", b"5\r\nabcde\r\n0\r\n\r\n", ["Transfer-Encoding: chunked"]), 411, "Content-Length:"),
         (http_post("/generate", b""), 400, "body:"),  # no Content-Length: an empty body
         (http_post("/generate", b"1" * 5000, ["Content-Length: 5000"]), 400, "body:"),  # int of 5000 digits
@@ -439,7 +441,7 @@ def test_bad_content_length_or_body_gets_4xx_never_a_hang_or_500(engine, tok):
     try:
         status, res = raw_http(engine, http_post("/generate", good[:10], [f"Content-Length: {len(good)}"]))
     finally:
-        handler.timeout = engine_lib.READ_TIMEOUT_S
+        handler.timeout = httpjson.READ_TIMEOUT_S
     assert status == 408 and res["error"].startswith("body:"), res
     assert get(engine.url + "/health")[0] == 200 and not engine.queue
 
@@ -581,7 +583,7 @@ def test_a_prefix_cache_hit_equals_a_cold_prefill(tok, tmp_path, arch):
 
 
 def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, tmp_path):
-    cache = engine_lib.PrefixCache(cap_bytes=10_000)
+    cache = kvcache.PrefixCache(cap_bytes=10_000)
     state = [("attn", torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))]  # 6,400 bytes + 8 per id
     cache.insert([1, 2, 3], state, None)
     cache.insert([4, 5, 6], state, None)  # over the cap: [1, 2, 3] is evicted

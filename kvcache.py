@@ -1,0 +1,140 @@
+"""The embedded engine's batch state (engine.py): machinery, no paper section. Per-layer state of running rows
+(the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place,
+merging rows of different lengths (left padding), and the prefix cache across an agent's turns (SGLang's radix cache,
+kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
+
+Run: not by itself; tests/test_engine.py checks a cache hit against a cold prefill (tokens, logprobs, routing).
+"""
+import collections
+
+import torch
+import torch.nn.functional as F
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionCacheLayerMixin
+
+
+# --- the batch's cache: KV of the attention layers, conv + recurrent state of the Gated DeltaNet layers -------
+def _is_linear(layer):
+    return isinstance(layer, LinearAttentionCacheLayerMixin)
+
+
+def _cache_state(cache, rows, n, copy=True):
+    """Per layer, the state of batch rows `rows` (a slice) whose last n columns are real tokens: attention layers
+    ("attn", keys, values) (b, H, n, D); Gated DeltaNet layers ("linear", conv, recurrent) of those rows. copy=False:
+    views into the cache (for a merge that concatenates them at once)."""
+    c = (lambda x: x.clone()) if copy else (lambda x: x)
+    out = []
+    for layer in cache.layers:
+        if _is_linear(layer):
+            out.append(("linear", c(layer.conv_states[0][rows]), c(layer.recurrent_states[0][rows])))
+        else:
+            out.append(("attn", c(layer.keys[rows, :, layer.keys.shape[2] - n:]),
+                        c(layer.values[rows, :, layer.values.shape[2] - n:])))
+    return out
+
+
+class GrowingKV(DynamicLayer):
+    """An attention layer's KV cache with spare columns: a decode step writes its column in place, where
+    DynamicLayer re-concatenates the whole cache every step; the capacity doubles when full. keys / values are
+    views of the filled columns."""
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            self.n, self.kbuf, self.vbuf = 0, None, None
+        n, s = self.n, key_states.shape[-2]
+        if self.kbuf is None or n + s > self.kbuf.shape[-2]:
+            cap = max(2 * (n + s), 64)
+            kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
+            vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            if n:
+                kb[..., :n, :], vb[..., :n, :] = self.kbuf[..., :n, :], self.vbuf[..., :n, :]
+            self.kbuf, self.vbuf = kb, vb
+        self.kbuf[..., n:n + s, :] = key_states
+        self.vbuf[..., n:n + s, :] = value_states
+        self.n = n + s
+        self.keys, self.values = self.kbuf[..., :self.n, :], self.vbuf[..., :self.n, :]
+        return self.keys, self.values
+
+
+def _build_cache(config, state):
+    """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods; the
+    attention layers are GrowingKV."""
+    cache = DynamicCache(config=config)
+    for i, (kind, a, b) in enumerate(state):
+        if kind == "linear":
+            cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])  # copied into the layer's own tensors
+            cache.update_recurrent_state(b, i)
+        else:
+            cache.layers[i] = GrowingKV()
+            cache.layers[i].update(a, b)  # copied into the layer's buffer
+    return cache
+
+
+def _left_pad(x, T):
+    """(B, H, t, D) -> (B, H, T, D) with zeros on the left."""
+    return x if x.shape[2] == T else F.pad(x, (0, 0, T - x.shape[2], 0))
+
+
+def _merge(parts):
+    """[(state, mask (b, t))] -> (state of all rows, mask): attention columns left-padded to the longest part."""
+    T = max(m.shape[1] for _, m in parts)
+    mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
+    state = []
+    for i, (kind, _, _) in enumerate(parts[0][0]):
+        a = [s[i][1] for s, _ in parts]
+        b = [s[i][2] for s, _ in parts]
+        if kind == "attn":
+            a, b = [_left_pad(x, T) for x in a], [_left_pad(x, T) for x in b]
+        state.append((kind, torch.cat(a), torch.cat(b)))
+    return state, mask
+
+
+class PrefixCache:
+    """LRU of model states at the end of finished requests, keyed by the token ids they were computed over
+    (SGLang's radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
+
+    An entry = (ids, per-layer state of one row, routed experts of those ids (len, L, k) int32). lookup(ids) returns
+    the longest entry that is a proper prefix of ids (at least one token is left to prefill). Evicted least
+    recently used when the entries' bytes pass cap_bytes; cleared when the weights change."""
+
+    def __init__(self, cap_bytes):
+        self.cap, self.bytes = cap_bytes, 0
+        self.entries = collections.OrderedDict()  # tuple(ids) -> (ids, state, routing, nbytes)
+        self.hits = self.misses = self.hit_tokens = 0
+
+    def lookup(self, ids):
+        best = None
+        for key, entry in self.entries.items():
+            n = len(entry[0])
+            if n < len(ids) and (best is None or n > len(best[0])) and ids[:n] == entry[0]:
+                best = entry
+        if best is None:
+            self.misses += 1
+            return None
+        self.entries.move_to_end(tuple(best[0]))
+        self.hits, self.hit_tokens = self.hits + 1, self.hit_tokens + len(best[0])
+        return best
+
+    def insert(self, ids, state, routing, supersedes=None):
+        if supersedes is not None:
+            self.drop(supersedes)  # the request's own prefix: its next turn extends this entry, not that one
+        key = tuple(ids)
+        self.drop(key)
+        nbytes = sum(a.nbytes + b.nbytes for _, a, b in state) + (routing.nbytes if routing is not None else 0)
+        nbytes += 8 * len(ids)
+        if nbytes > self.cap:
+            return
+        self.entries[key] = (list(ids), state, routing, nbytes)
+        self.bytes += nbytes
+        while self.bytes > self.cap:
+            self.drop(next(iter(self.entries)))
+
+    def drop(self, key):
+        entry = self.entries.pop(tuple(key), None)
+        if entry is not None:
+            self.bytes -= entry[3]
+
+    def clear(self):
+        self.entries.clear()
+        self.bytes = 0
