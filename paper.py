@@ -85,6 +85,9 @@ def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
         if (shared / "ckpt" / name).exists():
             shutil.copytree(shared / "ckpt" / name, arm_dir / "ckpt" / name)
     if arm != "cold":
+        if not (shared / "ckpt" / "critic_warm.pt").exists():
+            raise ValueError(f"{shared}: no ckpt/critic_warm.pt (the shared run's critic warm-up) for arm {arm}: "
+                             "the shared run must warm its critic (--critic-warmup-epochs >= 1)")
         shutil.copy2(shared / "ckpt" / "critic_warm.pt", arm_dir / "ckpt" / "critic_warm.pt")
     (arm_dir / "state.json").write_text(json.dumps(dict(state, step=0, phase_times={}), indent=1))
 
@@ -237,6 +240,10 @@ def report(out: Path) -> str:
                      f"{verdict(off - on, +1, 0.0)} |")
         lines.append(f"| TITO: loss-region drift | 0.0000% | {drift:.4f}% | - |")
     arm_vs_ppo("r3off", "R3 stabilises training", "R3 on beats R3 off on held-out")
+    unfinished = sorted(d.name for d in out.glob("*-s*") if (d / "state.json").exists()
+                        and not (d / "summary.json").exists())
+    if unfinished:
+        lines += ["", f"Failed or unfinished arm runs (not in the table; their stdout.log): {', '.join(unfinished)}"]
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     plots(out, arms)

@@ -61,7 +61,10 @@ def test_report_from_run_directories(tmp_path):
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
-    assert (tmp_path / "report.md").read_text() == text
+    assert "unfinished" not in text and (tmp_path / "report.md").read_text() == text
+    (tmp_path / "r3off-s0").mkdir()
+    (tmp_path / "r3off-s0" / "state.json").write_text("{}")  # an arm that crashed before its summary
+    assert "Failed or unfinished arm runs (not in the table; their stdout.log): r3off-s0" in paper.report(tmp_path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
