@@ -7,10 +7,10 @@ SFT checkpoint and warmed critic, then one report with the paper's figure beside
 
 OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
 warm-up). Each arm x seed is its own train_t1.py run directory OUT/<arm>-s<seed>, started from a copy of the shared
-state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic except for the cold
-arm), so that arms differ only in their RL phase and are evaluated on the same held-out tasks: paired tests over
-tasks (McNemar on the discordant tasks pooled over seeds; train_t1's bootstrap for the mean reward) beside the
-interval over seeds. Every arm runs in its own process, one after the other (2 cores): a crash fails that arm and
+state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic, except for the cold
+arm, which has none, and the binary arm, which warms its critic on its own reward), so that arms differ only in their
+RL phase and are evaluated on the same held-out tasks: paired tests over tasks (McNemar on the discordant tasks
+pooled over seeds; train_t1's bootstrap for the mean reward) beside the interval over seeds. Every arm runs in its own process, one after the other (2 cores): a crash fails that arm and
 is reported, the others go on; after a kill the same command resumes (a finished arm, one with summary.json, is
 kept; an unfinished one resumes from its last checkpoint).
 
@@ -46,6 +46,7 @@ import bench
 ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage", "grpo", "--samples-per-task", "G"],
         "cold": ["--critic-warmup-epochs", "0"], "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not
 # divide the preset's --n-launch (the quick preset's 10)
+OWN_WARMUP = ("cold", "binary")  # cold: no warm-up (its flag); binary: warmed on its own reward, not on P / S
 SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t quantiles
 
@@ -71,20 +72,22 @@ def run_logged(cmd: list, run_dir: Path, total_steps: int, desc: str) -> int:
 
 
 def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
-    """A new arm run directory from the shared one: its state (SHARED_KEYS, step 0), base / SFT checkpoints and, but
-    for the cold arm, the warmed critic. An existing arm directory is left as it is (it resumes)."""
+    """A new arm run directory from the shared one: its state (SHARED_KEYS, step 0), base / SFT checkpoints and the
+    warmed critic, except for the arms that warm their own (OWN_WARMUP). An existing arm directory is left as it is
+    (it resumes)."""
     if (arm_dir / "state.json").exists():
         return
     st = json.loads((shared / "state.json").read_text())
     missing = [k for k in ("tasks", "reward_scale", "eval_sft") if k not in st]
     if missing:
         raise ValueError(f"{shared}: the shared run lacks {missing}: it did not finish its SFT phase")
-    state = {k: st[k] for k in SHARED_KEYS if k in st and not (arm == "cold" and k == "critic_warmup")}
+    own = arm in OWN_WARMUP
+    state = {k: st[k] for k in SHARED_KEYS if k in st and not (own and k == "critic_warmup")}
     (arm_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     for name in ("base", "sft"):
         if (shared / "ckpt" / name).exists():
             shutil.copytree(shared / "ckpt" / name, arm_dir / "ckpt" / name)
-    if arm != "cold":
+    if not own:
         if not (shared / "ckpt" / "critic_warm.pt").exists():
             raise ValueError(f"{shared}: no ckpt/critic_warm.pt (the shared run's critic warm-up) for arm {arm}: "
                              "the shared run must warm its critic (--critic-warmup-epochs >= 1)")
