@@ -10,9 +10,10 @@ warm-up). Each arm x seed is its own train_t1.py run directory OUT/<arm>-s<seed>
 state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic, except for the cold
 arm, which has none, and the binary arm, which warms its critic on its own reward), so that arms differ only in their
 RL phase and are evaluated on the same held-out tasks: paired tests over tasks (McNemar on the discordant tasks
-pooled over seeds; train_t1's bootstrap for the mean reward) beside the interval over seeds. Every arm runs in its own process, one after the other (2 cores): a crash fails that arm and
-is reported, the others go on; after a kill the same command resumes (a finished arm, one with summary.json, is
-kept; an unfinished one resumes from its last checkpoint).
+pooled over seeds; train_t1's bootstrap for the mean reward) beside the interval over seeds. Every arm runs in its
+own process, one after the other (2 cores): a crash fails that arm and is reported, the others go on; after a kill
+the same command resumes (a finished arm, one with summary.json, is kept; an unfinished one resumes from its last
+checkpoint).
 
 Arms (ARMS; the flags they add to the shared preset):
   ppo    the paper's method: dense r = P / S, GAE with the full critic, warm-up, R3 replay

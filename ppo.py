@@ -81,12 +81,15 @@ def pad_batch(samples: list[dict], scale: float, replay: bool = False, reward_mo
     return out
 
 
-def task_groups(samples: list[dict]) -> list[list[int]]:
+def task_groups(samples: list[dict], required: bool = False) -> list[list[int]]:
     """Indices of the samples of each task (a GRPO group: the same task launched --samples-per-task times in a step;
-    the oversampling may have cut some members), in first-seen order."""
+    the oversampling may have cut some members), in first-seen order. required (GRPO): a sample without its task's
+    name is refused; otherwise it is a group of its own (the all-fail statistic only)."""
     groups = {}
     for i, s in enumerate(samples):
-        groups.setdefault(s["task"], []).append(i)
+        if required and "task" not in s:
+            raise ValueError(f"--advantage grpo: sample {i} carries no task name to group it by")
+        groups.setdefault(s.get("task", ("unnamed", i)), []).append(i)
     return list(groups.values())
 
 
@@ -321,7 +324,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
     """
     full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay", args.reward_mode)  # every rank: (B, T)
-    groups = task_groups(samples)
+    groups = task_groups(samples, required=args.advantage == "grpo")
     if args.advantage == "grpo":  # on the whole batch (a group may span ranks), then this rank's rows
         full["grpo_adv"] = grpo_advantages(full["rewards"].sum(1), groups)[:, None] * full["mask"]
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)

@@ -256,6 +256,10 @@ def test_grpo_advantages_by_hand():
     assert adv[3:].tolist() == [0.0, 0.0, 0.0]  # a group of one; a group where every sample failed: no signal
     samples = [dict(_sample(1, 10.0), task=t) for t in ("a", "b", "a", "c", "b")]
     assert ppo.task_groups(samples) == [[0, 2], [1, 4], [3]]
+    unnamed = [{k: v for k, v in s.items() if k != "task"} for s in samples[:2]]
+    assert ppo.task_groups(unnamed) == [[0], [1]]  # the statistic only: each its own group
+    with pytest.raises(ValueError, match="grpo: sample 0 carries no task name"):
+        ppo.task_groups(unnamed, required=True)
 
 
 def test_launch_repeats_each_task_per_task_times():
