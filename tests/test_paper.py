@@ -69,21 +69,25 @@ def test_report_from_run_directories(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
 def test_quick_form_end_to_end(tmp_path):
-    """`paper.py run --quick` with two arms: the shared SFT run, each arm's RL from a copy of it (same tasks and
-    SFT evaluation), the report; run again, the finished arms are kept (nothing re-run) and the report rewritten."""
+    """`paper.py run --quick` with two arms (grpo: G samples per task, the shared warmed critic; binary: its own
+    critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the shared SFT run,
+    each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the finished arms are kept
+    (nothing re-run) and the report rewritten."""
     out = tmp_path / "paper"
-    cmd = [sys.executable, os.path.join(ROOT, "paper.py"), "run", "--quick", "--arms", "ppo", "grpo", "--out",
+    cmd = [sys.executable, os.path.join(ROOT, "paper.py"), "run", "--quick", "--arms", "grpo", "binary", "--out",
            str(out), "--rl-steps", "1"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     shared = json.loads((out / "shared" / "state.json").read_text())
-    for arm in ("ppo-s0", "grpo-s0"):
+    for arm in ("grpo-s0", "binary-s0"):
         st = json.loads((out / arm / "state.json").read_text())
         assert st["step"] == 1 and st["tasks"] == shared["tasks"] and st["eval_sft"] == shared["eval_sft"]
     grpo = [json.loads(ln) for ln in open(out / "grpo-s0" / "metrics.jsonl") if '"phase": "rl"' in ln]
     assert grpo and "all_fail_group_frac" in grpo[0]
+    assert "critic_warmup" in json.loads((out / "binary-s0" / "state.json").read_text())  # warmed in the arm
+    assert (out / "binary-s0" / "ckpt" / "critic_warm.pt").exists()
     report = (out / "report.md").read_text()
-    assert "| ppo | 1 |" in report and "| grpo | 1 |" in report and "PPO with a critic beats GRPO" in report
-    mtime = (out / "ppo-s0" / "summary.json").stat().st_mtime
+    assert "| binary | 1 |" in report and "| grpo | 1 |" in report and "PPO with a critic beats GRPO" in report
+    mtime = (out / "grpo-s0" / "summary.json").stat().st_mtime
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and (out / "ppo-s0" / "summary.json").stat().st_mtime == mtime
+    assert res.returncode == 0 and (out / "grpo-s0" / "summary.json").stat().st_mtime == mtime
