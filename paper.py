@@ -26,9 +26,11 @@ Arms (ARMS; the flags they add to the shared preset):
 
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
 interval of an arm is mean +- t * sd / sqrt(n) over its seeds (Wilson's for one seed); "agrees" in the table means
-the difference has the paper's sign and the paired test gives p < 0.05, "same sign, n.s." otherwise, "disagrees" when
-the sign is the opposite one. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives;
-its report is written to OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
+the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05,
+"same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two trained models fixed: it does not
+see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims tested. --quick
+(the test's form): the quick preset, one seed, RL steps as the preset gives; its report is written to OUT/report.md
+only (the real run also appends it to --results, RESULTS.md by default).
 """
 import argparse
 import datetime
@@ -176,10 +178,11 @@ def compare(a: list, b: list) -> dict:
 
 
 def verdict(diff: float, paper_sign: int, p: float) -> str:
+    """The paper's direction and p < 0.05: agrees; the opposite direction and p < 0.05: disagrees; else n.s."""
     if diff == 0 or math.isnan(diff):
         return "no difference"
     if (diff > 0) != (paper_sign > 0):
-        return "disagrees"
+        return "disagrees" if p < 0.05 else "opposite sign, n.s."
     return "agrees" if p < 0.05 else "same sign, n.s."
 
 

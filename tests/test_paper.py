@@ -32,6 +32,7 @@ def test_verdicts():
     assert paper.verdict(+5, +1, 0.01) == "agrees"
     assert paper.verdict(+5, +1, 0.2) == "same sign, n.s."
     assert paper.verdict(-5, +1, 0.01) == "disagrees"
+    assert paper.verdict(-5, +1, 0.2) == "opposite sign, n.s."
     assert paper.verdict(0, +1, 1.0) == "no difference"
 
 
@@ -55,7 +56,7 @@ def test_report_from_run_directories(tmp_path):
         "| agrees |")
     assert "ppo vs binary: solved +18 -0" in lines["dense reward beats binary"]
     assert lines["dense reward beats binary"].endswith("| agrees |")
-    assert lines["PPO with a critic beats GRPO"].endswith("| disagrees |")  # grpo solved one more
+    assert lines["PPO with a critic beats GRPO"].endswith("| opposite sign, n.s. |")  # grpo solved one more
     assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
     assert "1 of 2 updates < 0" in lines["critic EV per update, cold start"]
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
