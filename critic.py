@@ -112,6 +112,9 @@ def allreduce_grads(model: nn.Module, group=None) -> None:
 
 # --- value model ------------------------------------------------------------------------------------
 
+HEAD_INITS = ("zero", "default")  # --critic-head-init
+
+
 class Critic(nn.Module):
     """Same architecture as the actor (Qwen3.5-MoE backbone) with a scalar value head."""
 
@@ -126,10 +129,16 @@ class Critic(nn.Module):
         nn.init.zeros_(self.value_head.bias)
 
     @classmethod
-    def from_actor(cls, actor) -> "Critic":
-        """Full-size critic initialised from the actor's backbone (departure 1)."""
+    def from_actor(cls, actor, head_init: str = "zero") -> "Critic":
+        """Full-size critic initialised from the actor's backbone (departure 1). head_init (paper silent): "zero", the
+        value head predicts 0 until trained; "default", nn.Linear's own random init (a miscalibrated cold critic, the
+        kind behind the paper's cold-start EV of -33.6; issue 14's second cold arm)."""
+        if head_init not in HEAD_INITS:
+            raise ValueError(f"--critic-head-init: expected one of {'|'.join(HEAD_INITS)}, got {head_init!r}")
         critic = cls(actor.config)
         critic.model.load_state_dict(actor.model.state_dict())
+        if head_init == "default":
+            critic.value_head.reset_parameters()
         return critic
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,8 +20,9 @@ Arms (ARMS; the flags they add to the shared preset):
   binary --reward-mode binary: 1 if every test passed (the paper: 64.0 dense vs 47.2 binary)
   grpo   --advantage grpo --samples-per-task 4 (2 in --quick): the same trajectories per step over a quarter of the
          tasks, no critic (the paper: 64.0 vs 51.7); the fraction of all-fail groups per step is reported
-  cold   --critic-warmup-epochs 0: the critic starts from the SFT backbone and an untrained head (the paper: EV from
-         -33.6, 30 of 58 steps negative, against 0.71-0.86 warmed)
+  cold   --critic-warmup-epochs 0: the critic starts from the SFT backbone and a zero head, which predicts 0 (the
+         paper: EV from -33.6, 30 of 58 steps negative, against 0.71-0.86 warmed)
+  cold_default  the same with --critic-head-init default: a randomly initialised head, the miscalibrated cold critic
   r3off  --r3-mode off: the trainer routes live (the mismatch R3 removes: |dlogp| and whether training suffers)
 
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
@@ -47,9 +48,10 @@ import numpy as np
 import bench
 
 ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage", "grpo", "--samples-per-task", "G"],
-        "cold": ["--critic-warmup-epochs", "0"], "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not
-# divide the preset's --n-launch (the quick preset's 10)
-OWN_WARMUP = ("cold", "binary")  # cold: no warm-up (its flag); binary: warmed on its own reward, not on P / S
+        "cold": ["--critic-warmup-epochs", "0"],
+        "cold_default": ["--critic-warmup-epochs", "0", "--critic-head-init", "default"],
+        "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not divide the preset's --n-launch (the quick one's 10)
+OWN_WARMUP = ("cold", "cold_default", "binary")  # the cold ones: no warm-up (their flag); binary: on its own reward
 SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t quantiles
 
@@ -231,14 +233,15 @@ def report(out: Path) -> str:
     if fails:
         lines.append(f"| GRPO: groups where every sample failed | (the paper's reason) | {np.mean(fails):.2f} of "
                      f"groups per step | - |")
-    for arm, label in (("ppo", "warm"), ("cold", "cold")):
+    for arm, label in (("ppo", "warm"), ("cold", "cold (zero head)"), ("cold_default", "cold (random head)")):
         ev = [r.get("explained_variance") for run in arms.get(arm, []) for r in run["rl"]]
         ev = [e for e in ev if e is not None and not math.isnan(e)]
         if ev:
             paper = "EV 0.71-0.86" if arm == "ppo" else "EV from -33.6, 30 of 58 steps < 0"
             lines.append(f"| critic EV per update, {label} start | {paper} | {min(ev):.2f} .. {max(ev):.2f}, first "
                          f"{ev[0]:.2f}, {sum(e < 0 for e in ev)} of {len(ev)} updates < 0 | - |")
-    arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out")
+    arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out (vs a zero head)")
+    arm_vs_ppo("cold_default", "warm-up helps", "Critic Warm-Up helps held-out (vs a random head)")
     rows = [r for run in ppo for r in run["rl"]]
     if rows:
         on, off = np.mean([r["dlogp"] for r in rows]), np.mean([r["dlogp_r3_off"] for r in rows])
@@ -269,7 +272,7 @@ def plots(out: Path, arms: dict) -> None:
               for s in steps]
         ax.plot(steps, ys, marker=".", label=label)
     for name, keys in (("reward", [(a, "reward_mean", a) for a in arms]),
-                       ("ev", [(a, "explained_variance", a) for a in ("ppo", "cold") if a in arms]),
+                       ("ev", [(a, "explained_variance", a) for a in ("ppo", "cold", "cold_default") if a in arms]),
                        ("dlogp", [("ppo", "dlogp", "R3 on"), ("ppo", "dlogp_r3_off", "R3 off")] if "ppo" in arms
                         else [])):
         fig, ax = plt.subplots(figsize=(6, 4))

@@ -132,6 +132,7 @@ class Args:
     critic_warmup_epochs: int = 1  # critic-only epochs before RL (paper: Critic Warm-Up, one epoch)
     critic_warmup_trials: int = 512  # rollouts of the SFT policy that form the warm-up pool
     critic_lr: float = 1.5e-5  # critic learning rate (paper: 1.5e-5 = 30x the actor's)
+    critic_head_init: str = "zero"  # value head: zero (predicts 0 until trained) | default (random; paper silent)
     clip_eps_v: float = 0.2  # value clip around V_old (paper: eps_v = 0.2)
     # --- PPO (paper: clip 0.2, gamma = lambda = 1, KL off, load balancing off, no schedule/entropy/shaping)
     rl_steps: int = 58  # RL steps (paper: 58 logged steps in the production run)
@@ -263,7 +264,7 @@ def check_args(args: Args) -> None:
     check_numbers(args)
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS, "reward_mode": ppo.REWARD_MODES,
-               "advantage": ppo.ADVANTAGES}
+               "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
@@ -272,6 +273,9 @@ def check_args(args: Args) -> None:
     if args.n_launch % args.samples_per_task:
         raise ValueError(f"--samples-per-task: {args.samples_per_task} must divide --n-launch {args.n_launch} "
                          "(every task of a step is launched that many times)")
+    if args.critic_head_init != "zero" and args.backend == "megatron":
+        raise NotImplementedError("--critic-head-init default with --backend megatron: not wired (the head of "
+                                  "mcore.MegatronCritic is always zero-initialised); use --backend hf or zero")
     if args.advantage == "grpo" and args.samples_per_task < 2:
         raise ValueError(f"--advantage grpo: needs --samples-per-task >= 2 (the group), got {args.samples_per_task}")
     urls = [u for u in args.engine_urls.split(",") if u]

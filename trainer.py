@@ -376,7 +376,7 @@ class Trainer:
             hf_actor, self.tokenizer = M.load_actor(src)
             self.hf_config = hf_actor.config
             self.actor, self.behaviour = hf_actor, copy.deepcopy(hf_actor)  # behaviour: weights that sampled a batch
-            self.critic = C.Critic.from_actor(self.actor)  # full-size, from the actor's backbone (critic.py)
+            self.critic = C.Critic.from_actor(self.actor, args.critic_head_init)  # full-size, the actor's backbone
             if args.kl_coef > 0:  # the frozen SFT actor: the KL reference, built only when it is used
                 self.ref = M.load_actor(self.sft_dir)[0].eval().requires_grad_(False)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)

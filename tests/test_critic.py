@@ -112,3 +112,17 @@ def test_critic_has_actor_architecture_and_aligned_values():
     ids2[:, 7] = (ids2[:, 7] + 1) % len(tok)
     v1, v2 = critic(ids), critic(ids2)
     assert torch.allclose(v1[:, :8], v2[:, :8]) and not torch.allclose(v1[:, 8:], v2[:, 8:])
+
+
+def test_critic_head_init_zero_predicts_zero_and_default_does_not():
+    """--critic-head-init: zero (the default) predicts exactly 0 before training; default (nn.Linear's init, the
+    miscalibrated cold critic of issue 14's second cold arm) does not; the backbone is the actor's either way."""
+    import model as M
+    actor = M.build_actor(M.tiny_config(300), seed=0)
+    ids = torch.randint(3, 300, (2, 9))
+    zero, rand = C.Critic.from_actor(actor), C.Critic.from_actor(actor, "default")
+    assert torch.equal(zero(ids), torch.zeros(2, 9))
+    assert zero(ids).shape == rand(ids).shape and rand(ids).abs().max() > 0
+    assert all(torch.equal(a, b) for a, b in zip(zero.model.state_dict().values(), rand.model.state_dict().values()))
+    with pytest.raises(ValueError, match="--critic-head-init"):
+        C.Critic.from_actor(actor, "xavier")

@@ -58,7 +58,7 @@ def test_report_from_run_directories(tmp_path):
     assert lines["dense reward beats binary"].endswith("| agrees |")
     assert lines["PPO with a critic beats GRPO"].endswith("| opposite sign, n.s. |")  # grpo solved one more
     assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
-    assert "1 of 2 updates < 0" in lines["critic EV per update, cold start"]
+    assert "1 of 2 updates < 0" in lines["critic EV per update, cold (zero head) start"]
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))

@@ -294,6 +294,11 @@ def test_check_args_refuses_bad_arm_flags():
     with pytest.raises(ValueError, match="--advantage grpo: needs --samples-per-task >= 2"):
         T.check_args(dataclasses.replace(a, advantage="grpo"))
     T.check_args(dataclasses.replace(a, advantage="grpo", samples_per_task=4, reward_mode="binary"))
+    with pytest.raises(ValueError, match="--critic-head-init"):
+        T.check_args(dataclasses.replace(a, critic_head_init="xavier"))
+    with pytest.raises(NotImplementedError, match="--critic-head-init default with --backend megatron"):
+        T.check_args(dataclasses.replace(a, critic_head_init="default", backend="megatron"))
+    T.check_args(dataclasses.replace(a, critic_head_init="default"))
 
 
 def test_pad_batch_refuses_a_reward_scored_with_another_scale():
