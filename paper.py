@@ -1,7 +1,7 @@
 """The paper's comparisons in miniature (issue 14; paper: the ablation results): every arm's RL phase from one shared
 SFT checkpoint and warmed critic, then one report with the paper's figure beside ours.
 
-    bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold r3off] [-- train_t1 flags]
+    bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold cold_default r3off] [-- train_t1 flags]
     python paper.py run --out runs/paper [--quick | --full] [--seeds N] [--rl-steps N] [--results RESULTS.md]
     python paper.py report runs/paper    # the report again from the run directories
 
