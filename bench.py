@@ -521,6 +521,12 @@ def mean_interval(xs: list, z: float = 1.96) -> tuple[float, float]:
     return m - z * se, m + z * se
 
 
+def mcnemar_p(gain: int, loss: int) -> float:
+    """Exact two-sided McNemar p over the discordant pairs: 2 P(X <= min(gain, loss)), X ~ Bin(gain + loss, 1/2)."""
+    m = gain + loss
+    return min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
+
+
 def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips
     (over trials: exact with one attempt per task), and the paired bootstrap over tasks of the mean-reward
@@ -532,8 +538,7 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     keys = sorted(ka)
     gain = sum(kb[k]["resolved"] and not ka[k]["resolved"] for k in keys)
     loss = sum(ka[k]["resolved"] and not kb[k]["resolved"] for k in keys)
-    m = gain + loss
-    p = min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
+    p = mcnemar_p(gain, loss)
     d = [kb[k]["reward"] - ka[k]["reward"] for k in keys]
     per_task = {}  # the bootstrap resamples tasks (their attempts together: attempts of one task are not independent)
     for k, x in zip(keys, d):

@@ -559,10 +559,9 @@ def gather_full_state(gpt, hf, to_rank0: bool = False) -> dict | None:
     c = gpt.config
     tp, ep, etp = c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    dist = torch.distributed
     if tp == 1 and ep == 1 and etp == 1 and c.pipeline_model_parallel_size == 1:
-        import torch.distributed as dist
         return sd if not to_rank0 or not dist.is_initialized() or dist.get_rank() == 0 else None
-    import torch.distributed as dist
     from megatron.core import parallel_state as ps
     value_head = isinstance(getattr(gpt, "output_layer", None), mcore_parallel._ValueHead)
     head = {k: sd.pop(k) for k in list(sd) if value_head and k.startswith("output_layer.")}

@@ -164,19 +164,21 @@ def collect(out: Path) -> dict:
     return arms
 
 
-def compare(a: list, b: list) -> dict:
-    """b vs a over the seeds both have (paired over the same held-out tasks): solved gained / lost pooled, exact
-    McNemar on the pooled discordant tasks, the mean reward difference."""
-    by = {r["seed"]: r for r in a}
-    pairs = [(by[r["seed"]]["summary"]["eval_rl"], r["summary"]["eval_rl"]) for r in b if r["seed"] in by]
-    pairs = [(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
-    if not pairs:
+def pooled(pairs: list) -> dict:
+    """[(evaluation a, evaluation b)] over the same held-out tasks -> b vs a: solved gained / lost pooled over the
+    pairs, exact McNemar on the pooled discordant tasks, the mean reward difference; {} without per-trial rows."""
+    ts = [bench.paired(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
+    if not ts:
         return {}
-    ts = [bench.paired(x, y) for x, y in pairs]
     g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
-    p = min(1.0, 2 * sum(math.comb(g + l, k) for k in range(min(g, l) + 1)) / 2 ** (g + l)) if g + l else 1.0
-    return dict(gained=g, lost=l, mcnemar_p=p, reward_diff=float(np.mean([t["reward_diff"] for t in ts])),
-                n_pairs=len(ts))
+    return dict(gained=g, lost=l, mcnemar_p=bench.mcnemar_p(g, l),
+                reward_diff=float(np.mean([t["reward_diff"] for t in ts])), n_pairs=len(ts))
+
+
+def compare(a: list, b: list) -> dict:
+    """Arm b vs arm a over the seeds both have (paired over the same held-out tasks): pooled()."""
+    by = {r["seed"]: r for r in a}
+    return pooled([(by[r["seed"]]["summary"]["eval_rl"], r["summary"]["eval_rl"]) for r in b if r["seed"] in by])
 
 
 def verdict(diff: float, paper_sign: int, p: float) -> str:
@@ -219,13 +221,11 @@ def report(out: Path) -> str:
         lines.append(f"| {label} | {paper} | ppo vs {arm}: solved +{c['gained']} -{c['lost']} over {c['n_pairs']} "
                      f"seed pairs, McNemar p = {c['mcnemar_p']:.3g}; mean reward {c['reward_diff']:+.3f} | "
                      f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
-    if ppo and shared.get("eval_sft", {}).get("trials"):
-        ts = [bench.paired(shared["eval_sft"], r["summary"]["eval_rl"]) for r in ppo
-              if r["summary"]["eval_rl"].get("trials")]
-        g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
-        p = min(1.0, 2 * sum(math.comb(g + l, k) for k in range(min(g, l) + 1)) / 2 ** (g + l)) if g + l else 1.0
-        lines.append(f"| RL beats SFT on held-out | 49.4 -> 64.0 | solved +{g} -{l} over {len(ts)} seeds, McNemar "
-                     f"p = {p:.3g} | {verdict(g - l, +1, p)} |")
+    c = pooled([(shared.get("eval_sft") or {}, r["summary"]["eval_rl"]) for r in ppo])
+    if c:
+        lines.append(f"| RL beats SFT on held-out | 49.4 -> 64.0 | solved +{c['gained']} -{c['lost']} over "
+                     f"{c['n_pairs']} seeds, McNemar p = {c['mcnemar_p']:.3g} | "
+                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
     arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")
     arm_vs_ppo("grpo", "PPO 64.0 vs GRPO 51.7", "PPO with a critic beats GRPO")
     fails = [r.get("all_fail_group_frac") for run in arms.get("grpo", []) for r in run["rl"]]
