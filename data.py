@@ -469,12 +469,25 @@ def rst_extend(spec, family, rng, rounds):
     return spec
 
 
-def expert_replies(spec):
-    """Terminus-2 replies of the expert: the work turns, then task_complete twice (confirmation)."""
-    replies = [dict(analysis=t["analysis"], plan=t["plan"],
+EXPERT_TEXTS = ("full", "terse")  # expert_replies' free text (train_t1 --expert-text)
+TERSE = dict(analysis="Working on the task.", plan="Run the commands.", done="The task is done.")
+
+
+def expert_replies(spec, text="full"):
+    """Terminus-2 replies of the expert: the work turns, then task_complete twice (confirmation).
+
+    text "full": each turn's analysis / plan restate the task's names and values (a teacher's prose); "terse": the
+    same fixed words on every task (TERSE), so that the commands are the only task-specific tokens an SFT model
+    learns to write (this project's choice, paper silent: its SFT transcripts are a teacher model's; measured:
+    at T = 1 the tiny model's free text carries 92% of the policy gradient's variance and no signal, RESULTS.md)."""
+    if text not in EXPERT_TEXTS:
+        raise ValueError(f"expert_replies: text must be one of {EXPERT_TEXTS}, got {text!r}")
+    terse = text == "terse"
+    replies = [dict(analysis=TERSE["analysis"] if terse else t["analysis"], plan=TERSE["plan"] if terse else t["plan"],
                     commands=[dict(keystrokes=c + "\n", duration=0.1) for c in t["cmds"]], task_complete=False)
                for t in spec["turns"]]
-    replies.append(dict(analysis=spec["done"], plan="The task is complete.", commands=[], task_complete=True))
+    replies.append(dict(analysis=TERSE["done"] if terse else spec["done"], plan="The task is complete.", commands=[],
+                        task_complete=True))
     replies.append(dict(analysis="I checked the result.", plan="Confirm completion.", commands=[], task_complete=True))
     return replies
 
@@ -484,8 +497,8 @@ def quality(family, n_tests):
     return round(min(1.0, 0.1 * n_tests + (0.4 if DIFFICULTY[family] == "medium" else 0.2)), 3)
 
 
-def write_task(task_dir, spec, family, split, seed):
-    """Write one Harbor task dir from a family spec."""
+def write_task(task_dir, spec, family, split, seed, expert_text="full"):
+    """Write one Harbor task dir from a family spec (solution/terminus2.json: expert_replies(spec, expert_text))."""
     if os.path.exists(task_dir):
         shutil.rmtree(task_dir)
     app = os.path.join(task_dir, "environment", "app")
@@ -506,7 +519,7 @@ def write_task(task_dir, spec, family, split, seed):
     solve = "#!/bin/bash\nset -e\ncd /app\n" + "".join(c + "\n" for t in spec["turns"] for c in t["cmds"])
     out = {"task.toml": toml, "instruction.md": spec["instruction"] + "\n", "environment/Dockerfile": DOCKERFILE,
            "tests/test.sh": TEST_SH, "tests/test_outputs.py": body, "solution/solve.sh": solve,
-           "solution/terminus2.json": json.dumps(expert_replies(spec), indent=1) + "\n"}
+           "solution/terminus2.json": json.dumps(expert_replies(spec, expert_text), indent=1) + "\n"}
     for rel, text in out.items():
         p = os.path.join(task_dir, rel)
         os.makedirs(os.path.dirname(p), exist_ok=True)
@@ -599,9 +612,11 @@ def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0):
             raise RuntimeError(f"cannot draw a new {family} task for {split} slot {slot}")
 
 
-def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0):
+def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0,
+                   validate_train=True, expert_text="full"):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
-    rst_rounds RST steps: rst_extend).
+    rst_rounds RST steps: rst_extend; solution/terminus2.json's free text by expert_text: expert_replies).
+    validate_train=False audits the held-out split alone (a large RL pool: the audit costs ~2.6 s a task here).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
     (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
@@ -612,7 +627,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
         for slot in range(n):
             family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds)
             name = f"{split}-{slot:04d}-{family}"
-            specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd)
+            specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd, expert_text)
     tokenizer, scripted_note = None, "off"
     if validate_tasks and scripted:
         try:
@@ -620,7 +635,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
         except (ImportError, AttributeError) as e:
             scripted_note = f"skipped: no tokenizer ({e})"
     drops, unrecovered = collections.Counter(), 0
-    pending = dict(specs) if validate_tasks else {}
+    pending = {k: d for k, d in specs.items() if validate_tasks and (validate_train or k[0] != "train")}
     work_root = os.path.join(out_dir, ".sandboxes")
     audits = []  # one row per audited draft (redrawn slots too): family, verdict, reason, seconds
 
@@ -651,7 +666,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
                 continue
             family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), rst_rounds=rst_rounds)
             d = os.path.join(out_dir, key[0], f"{key[0]}-{key[1]:04d}-{family}")
-            specs[key] = pending[key] = write_task(d, spec, family, key[0], sd)
+            specs[key] = pending[key] = write_task(d, spec, family, key[0], sd, expert_text)
         if not pending:
             break
     shutil.rmtree(work_root, ignore_errors=True)
@@ -662,7 +677,8 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     n_asserts = [t.config["metadata"]["n_assertions"] for t in tasks.values()]
     summary = dict(train=len(train), heldout=len(heldout), seed=seed,
                    families=dict(collections.Counter(t.config["metadata"]["family"] for t in tasks.values())),
-                   validated=validate_tasks, scripted_check=scripted_note, dropped=dict(drops),
+                   validated=validate_tasks, train_validated=validate_tasks and validate_train,
+                   scripted_check=scripted_note, dropped=dict(drops),
                    dropped_total=sum(drops.values()), unrecovered=unrecovered,
                    assertions_min=min(n_asserts, default=0), assertions_max=max(n_asserts, default=0),
                    assertions_mean=round(sum(n_asserts) / max(1, len(n_asserts)), 2),

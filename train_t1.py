@@ -90,6 +90,12 @@ class Args:
     # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
     rst_rounds: int = 0  # RST steps added to every synthesized task (data.rst_extend; paper silent on the count)
+    # False: the training (RL) pool is written by the generator but not audited in sandboxes, like the SFT pool (the
+    # held-out pool always is); for a large fresh RL pool on 2 cores (paper: every T1-15k task is audited)
+    validate_train: bool = True
+    # the free text of the SFT pool's expert replies: full (analysis / plan restate the task) | terse (fixed words on
+    # every task: data.expert_replies); paper silent (its SFT transcripts come from a teacher model)
+    expert_text: str = "full"
     # --- model
     arch: str = "qwen3_5_moe"  # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention) | qwen3_moe
     vocab_size: int = 2048  # embedded tokenizer size (the cluster uses Qwen3.5's 248,320-token vocabulary)
@@ -264,7 +270,8 @@ def check_args(args: Args) -> None:
     check_numbers(args)
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS, "reward_mode": ppo.REWARD_MODES,
-               "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS}
+               "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS,
+               "expert_text": data.EXPERT_TEXTS}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
@@ -474,7 +481,8 @@ def make_tasks(run: Run) -> tuple[list, list]:
     args, state = run.args, run.state
     if "tasks" not in state:
         train_dirs, heldout_dirs = run.timed("tasks", lambda: data.generate_tasks(
-            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed, rst_rounds=args.rst_rounds))
+            run.dir / "tasks", args.n_train_tasks, args.n_heldout_tasks, args.seed, rst_rounds=args.rst_rounds,
+            validate_train=args.validate_train, expert_text=args.expert_text))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
         run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
@@ -510,7 +518,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     sft_pool = list(train_pool)
     if args.n_sft_tasks:
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
-                                       validate_tasks=False, rst_rounds=args.rst_rounds)
+                                       validate_tasks=False, rst_rounds=args.rst_rounds, expert_text=args.expert_text)
         taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)}
         sft_pool = [d for d in extra if task_io.load_task(d).instruction not in taken]
     texts = data.corpus(sft_pool)

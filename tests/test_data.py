@@ -2,6 +2,7 @@
 import concurrent.futures as cf
 import json
 import os
+import random
 import subprocess
 import sys
 
@@ -107,6 +108,34 @@ def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
     for d in train:
         meta = task_io.load_task(d).config["metadata"]
         assert meta["audit"] in ("accepted", "borderline") and 0.7 <= meta["quality"] <= 1
+
+
+def test_terse_expert_text_keeps_the_commands_and_resolves_for_every_family(tmp_path):
+    """--expert-text terse: the same tasks and commands, fixed free text; the scripted expert still solves each
+    family (through the real sandbox), and the held-out split alone is audited with validate_train=False."""
+    rollout = pytest.importorskip("rollout")
+    model = pytest.importorskip("model")
+    full, _ = data.generate_tasks(str(tmp_path / "full"), 12, 0, seed=8, validate_tasks=False)
+    terse, held = data.generate_tasks(str(tmp_path / "terse"), 12, 1, seed=8, validate_train=False,
+                                      expert_text="terse", scripted=False)
+    summary = json.load(open(tmp_path / "terse" / "summary.json"))
+    assert summary["validated"] is True and summary["train_validated"] is False
+    assert summary["audit"]["audited"] == 1 and len(terse) == 12 and len(held) == 1  # held-out only
+    words = set()
+    for a, b in zip(full, terse):
+        ra, rb = (json.load(open(os.path.join(d, "solution", "terminus2.json"))) for d in (a, b))
+        assert [r["commands"] for r in ra] == [r["commands"] for r in rb]  # same tasks, same keystrokes
+        assert _tree(os.path.join(a, "tests")) == _tree(os.path.join(b, "tests"))
+        words |= {(r["analysis"], r["plan"]) for r in rb}
+    assert len(words) == 3  # work turns, done, confirmation: the same three on every task
+    tasks = _one_per_family(terse)
+    tok = model.train_tokenizer(data.corpus(terse))
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = list(ex.map(lambda d: rollout.run_trial(d, "scripted", tokenizer=tok, work_root=str(tmp_path)), tasks))
+    for d, r in zip(tasks, res):
+        assert r["resolved"] and r["exit_reason"] == "task_complete", (d, r)
+    with pytest.raises(ValueError, match="text must be one of"):
+        data.expert_replies(data.fam_files(random.Random(0)), "short")
 
 
 def test_train_and_heldout_are_disjoint(tmp_path):

@@ -286,7 +286,7 @@ def test_grpo_step_trains_the_actor_and_leaves_the_critic_alone(tmp_path, tiny):
 
 def test_check_args_refuses_bad_arm_flags():
     a = T.EMBEDDED
-    for flag, bad in (("reward_mode", "pass-rate"), ("advantage", "rloo")):
+    for flag, bad in (("reward_mode", "pass-rate"), ("advantage", "rloo"), ("expert_text", "short")):
         with pytest.raises(ValueError, match="--" + flag.replace("_", "-")):
             T.check_args(dataclasses.replace(a, **{flag: bad}))
     with pytest.raises(ValueError, match="--samples-per-task: 5 must divide --n-launch 36"):
