@@ -63,6 +63,7 @@ from transformers import AutoTokenizer
 import bench
 import critic as C
 import data
+import families
 import engine
 import gateway
 import infra
@@ -89,12 +90,12 @@ class Args:
     # extra tasks synthesized only for the SFT warm start (their scripted trajectories, kept when the verifier resolves
     # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
-    rst_rounds: int = 0  # RST steps added to every synthesized task (data.rst_extend; paper silent on the count)
+    rst_rounds: int = 0  # RST steps added to every synthesized task (families.rst_extend; paper silent on the count)
     # False: the training (RL) pool is written by the generator but not audited in sandboxes, like the SFT pool (the
     # held-out pool always is); for a large fresh RL pool on 2 cores (paper: every T1-15k task is audited)
     validate_train: bool = True
     # the free text of the SFT pool's expert replies: full (analysis / plan restate the task) | terse (fixed words on
-    # every task: data.expert_replies); paper silent (its SFT transcripts come from a teacher model)
+    # every task: families.expert_replies); paper silent (its SFT transcripts come from a teacher model)
     expert_text: str = "full"
     # --- model
     arch: str = "qwen3_5_moe"  # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention) | qwen3_moe
@@ -271,7 +272,7 @@ def check_args(args: Args) -> None:
     choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS, "reward_mode": ppo.REWARD_MODES,
                "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS,
-               "expert_text": data.EXPERT_TEXTS}
+               "expert_text": families.EXPERT_TEXTS}
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")

@@ -11,6 +11,7 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import data  # noqa: E402
+import families  # noqa: E402
 import rst  # noqa: E402
 import task_io  # noqa: E402
 
@@ -37,11 +38,11 @@ def _tree(root):
 
 def test_every_family_generates_valid_harbor_dirs(pool):
     _, train, heldout = pool
-    families = {}
+    seen = {}
     for d in train + heldout:
         t = task_io.load_task(d)
         meta = t.config["metadata"]
-        families[meta["family"]] = families.get(meta["family"], 0) + 1
+        seen[meta["family"]] = seen.get(meta["family"], 0) + 1
         assert meta["split"] == ("train" if d in train else "heldout")
         assert 0 < meta["quality"] <= 1 and meta["difficulty"] in ("easy", "medium")
         assert t.config["verifier"]["timeout_sec"] > 0 and t.config["agent"]["timeout_sec"] > 0
@@ -60,14 +61,14 @@ def test_every_family_generates_valid_harbor_dirs(pool):
             assert all(c["keystrokes"].endswith("\n") and c["duration"] > 0 for c in r["commands"])
         app_files = [f for _, _, fs in os.walk(os.path.join(t.env_dir, "app")) for f in fs]
         assert not {"test_outputs.py", "test.sh", "solve.sh"} & set(app_files)  # no leakage into /app
-    assert set(families) == set(data.FAMILIES) and len(data.FAMILIES) >= 6
+    assert set(seen) == set(families.FAMILIES) and len(families.FAMILIES) >= 6
 
 
 def _one_per_family(dirs):
     seen = {}
     for d in dirs:
         seen.setdefault(task_io.load_task(d).config["metadata"]["family"], d)
-    return [seen[f] for f in data.FAMILIES]
+    return [seen[f] for f in families.FAMILIES]
 
 
 def test_oracle_resolves_and_nop_scores_zero_for_every_family(pool, tmp_path):
@@ -135,7 +136,7 @@ def test_terse_expert_text_keeps_the_commands_and_resolves_for_every_family(tmp_
     for d, r in zip(tasks, res):
         assert r["resolved"] and r["exit_reason"] == "task_complete", (d, r)
     with pytest.raises(ValueError, match="text must be one of"):
-        data.expert_replies(data.fam_files(random.Random(0)), "short")
+        families.expert_replies(families.fam_files(random.Random(0)), "short")
 
 
 def test_train_and_heldout_are_disjoint(tmp_path):
@@ -155,6 +156,17 @@ def test_generation_is_deterministic_given_seed(tmp_path):
     assert ta == tb and _tree(a / "heldout") == _tree(b / "heldout")
     assert sorted(os.listdir(a / "train")) == sorted(os.listdir(c / "train"))  # same families per slot
     assert ta != tc  # different parameters
+
+
+def test_generation_is_byte_identical_across_processes(tmp_path):
+    """The same seed in two processes with different hash seeds writes the same bytes (no set order leaks into a
+    test file: seed 9's held-out has a uniq text task and a csvjson name set)."""
+    code = "import sys, data; data.generate_tasks(sys.argv[1], 18, 12, seed=9, validate_tasks=False, rst_rounds=1)"
+    for name, hash_seed in (("a", "1"), ("b", "2")):
+        subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], cwd=HERE, check=True,
+                       env=dict(os.environ, PYTHONHASHSEED=hash_seed))
+    for split in ("train", "heldout"):
+        assert _tree(tmp_path / "a" / split) == _tree(tmp_path / "b" / split)
 
 
 TB2_TOML = '''version = "1.0"
@@ -230,7 +242,7 @@ def test_malformed_task_dir_raises_naming_the_file(tmp_path, breakage, needle):
 
 def test_static_audit_rejects_hidden_requirement_leakage_and_weak_verifier():
     import random
-    spec = data.fam_text(random.Random(0))
+    spec = families.fam_text(random.Random(0))
     assert data.static_audit(spec) is None
     out = spec["outputs"][0]
     assert "hidden requirement" in data.static_audit(dict(spec, instruction="Do the thing."))
@@ -377,12 +389,12 @@ def _hostile_tasks(root):
     """A good text task and four copies, each breaking one rule of the audit (built from the family specs)."""
     import random
     import rollout
-    good = data.fam_text(random.Random(0))
+    good = families.fam_text(random.Random(0))
     out = good["outputs"][0]
     hidden = dict(good, tests=good["tests"] + [("report", ["assert os.path.isfile(A + '/zz_report.md')"])],
-                  turns=good["turns"] + [data._turn("Write the report.", "touch it", ["touch zz_report.md"])])
+                  turns=good["turns"] + [families._turn("Write the report.", "touch it", ["touch zz_report.md"])])
     shortcut = dict(good, tests=[(f"exists_{i}", [f"assert os.path.isfile(A + '/{out}')"]) for i in range(3)])
-    files = data.fam_files(random.Random(0))  # without its file_deleted test, the `rm` step is never checked
+    files = families.fam_files(random.Random(0))  # without its file_deleted test, the `rm` step is never checked
     weak = dict(files, tests=[t for t in files["tests"] if t[0] != "file_deleted"])
     dirs = {name: data.write_task(str(root / name), spec, fam, "train", "0") for name, spec, fam in [
         ("good", good, "text"), ("hidden", hidden, "text"), ("shortcut", shortcut, "text"), ("weak", weak, "files")]}
@@ -454,10 +466,10 @@ def test_generate_drops_and_redraws_a_draft_the_audit_rejects(tmp_path, monkeypa
     calls = []
 
     def files_first_weak(rng):  # the first draft lacks its file_deleted test: the `rm` step is never checked
-        spec = data.fam_files(rng)
+        spec = families.fam_files(rng)
         calls.append(spec["instruction"])
         return dict(spec, tests=[t for t in spec["tests"] if t[0] != "file_deleted"]) if len(calls) == 1 else spec
-    monkeypatch.setitem(data.FAMILIES, "files", files_first_weak)
+    monkeypatch.setitem(families.FAMILIES, "files", files_first_weak)
     train, _ = data.generate_tasks(str(tmp_path), 1, 0, seed=2, scripted=False)
     summary = json.load(open(tmp_path / "summary.json"))
     assert len(calls) == 2 and len(train) == 1 and task_io.load_task(train[0]).instruction.strip() == calls[1]
@@ -479,16 +491,16 @@ def test_overlap_reports_how_new_the_heldout_tasks_are(pool):
 
 def test_rst_extend_adds_steps_tests_and_rewrites_the_instruction():
     import random
-    seed = data.fam_text(random.Random(1))
+    seed = families.fam_text(random.Random(1))
     before = json.dumps(seed)
-    ext = data.rst_extend(seed, "text", random.Random(2), 2)
+    ext = families.rst_extend(seed, "text", random.Random(2), 2)
     assert json.dumps(seed) == before  # the seed spec is not changed
     assert ext["instruction"].startswith(seed["instruction"]) and ext["instruction"].count(" Then ") == 2
     assert len(ext["turns"]) == len(seed["turns"]) + 2 and len(ext["tests"]) > len(seed["tests"])
     for o in ext["outputs"][len(seed["outputs"]):]:
         assert o in ext["instruction"]  # every new output is asked for
     assert all(n.isidentifier() for n, _ in ext["tests"])
-    assert json.dumps(data.rst_extend(seed, "text", random.Random(2), 2)) == json.dumps(ext)  # deterministic
+    assert json.dumps(families.rst_extend(seed, "text", random.Random(2), 2)) == json.dumps(ext)  # deterministic
     assert data.static_audit(ext) is None
 
 
@@ -498,7 +510,7 @@ def rst_audited(tmp_path_factory):
     import random
     root = tmp_path_factory.mktemp("rst_ext")
     rng = random.Random(3)
-    ext = data.rst_extend(data.fam_text(rng), "text", rng, 2)
+    ext = families.rst_extend(families.fam_text(rng), "text", rng, 2)
     weak = dict(ext, tests=ext["tests"][:-1])  # the last step's (last) check gone: skipping that step passes
     dirs = {name: data.write_task(str(root / name), spec, "text", "train", "0")
             for name, spec in (("ext", ext), ("weak", weak))}
