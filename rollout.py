@@ -257,9 +257,10 @@ class TokenChat:
         return self.tok.decode(self.out, skip_special_tokens=True), None
 
 
-def _agent_loop(box, task, chat, limits, stop_event, t_end):
+def _agent_loop(box, task, chat, limits, stop_event, t_end, result=None):
     """Terminus-2 turns: chat.reply() -> parse -> keystrokes -> terminal output -> chat.add_user(); returns the
-    exit_reason. chat: TokenChat, or gateway.TextChat (text to the OpenAI gateway, which records the ids)."""
+    exit_reason. chat: TokenChat, or gateway.TextChat (text to the OpenAI gateway, which records the ids).
+    result["invalid_replies"] counts the replies the harness refused (not one JSON object of the format)."""
     chat.add_user(PROMPT.format(instruction=task.instruction, terminal=box.read(0.3)))
     pending, turns = False, 0  # pending: task_complete seen once, waiting for the confirmation
     while True:
@@ -276,6 +277,8 @@ def _agent_loop(box, task, chat, limits, stop_event, t_end):
         reply, err = parse_reply(text)
         if err is not None:
             obs, pending = PARSE_ERROR.format(error=err), False
+            if result is not None:
+                result["invalid_replies"] = result.get("invalid_replies", 0) + 1
         else:
             chunks = []
             for c in reply["commands"]:
@@ -325,7 +328,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
-              "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [], "records": []}
+              "invalid_replies": 0, "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [],
+              "records": []}
     root, box, done = None, None, threading.Event()
     try:
         task = task_io.load_task(task_dir)
@@ -363,7 +367,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
                 policy = (_scripted_policy(task, tokenizer) if agent == "scripted" else
                           _model_policy(engine_url, tokenizer, sampling, stop_event, done))
                 chat = TokenChat(policy, tokenizer, limits.max_total_tokens, result)
-            exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end)
+            exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end, result)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
             score(box, result, reward_scale)

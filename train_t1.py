@@ -654,6 +654,16 @@ def prefix_cache_frac(trials: list) -> float:
     return sum(r["cached_tokens"] for r in recs) / sent if sent else float("nan")
 
 
+INVALID_ALARM = 0.25  # a step where this share of the replies broke the format is logged as a warning
+
+
+def invalid_reply_frac(trials: list) -> float:
+    """Share of the step's agent replies the harness refused as not one JSON object of the format: ~0 after SFT;
+    its rise is how a format collapse starts (run r6 continued: 0 reward from step 122, RESULTS.md)."""
+    turns = sum(t["turns"] for t in trials)
+    return sum(t.get("invalid_replies", 0) for t in trials) / turns if turns else 0.0
+
+
 def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> dict:
     """The metrics.jsonl row of an RL step (names in the README)."""
     trials = ro["trials"]
@@ -662,6 +672,7 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
             **stats, **audit, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(ro["dropped"]),
             "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
             "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,
+            "invalid_reply_frac": invalid_reply_frac(trials),
             "rollout_tokens_per_s": ro["tok_s"], "prefix_cache_frac": prefix_cache_frac(trials),
             "time_rollout": ro["t_rollout"], **timing}
 
@@ -724,6 +735,10 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
                      f"|dlogp| {rec.get('dlogp', float('nan')):.4f} "
                      f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {staleness} "
                      f"{rec['time_step']:.0f}s")
+        if rec["invalid_reply_frac"] >= INVALID_ALARM:
+            log(run.dir, f"WARNING step {step}: {rec['invalid_reply_frac']:.0%} of the agent's replies broke the "
+                         "reply format (invalid_reply_frac): how a format collapse starts (RESULTS.md, run r6 "
+                         "continued: reward 0 four steps later); --kl-coef adds a KL penalty to the SFT policy")
         ro = ro_next
 
 

@@ -527,3 +527,12 @@ def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
     with pytest.raises(SystemExit):
         T.parse_args(["--full", "--quick"])
     assert "pick one preset" in capsys.readouterr().err
+
+
+def test_invalid_reply_frac_counts_refused_replies_over_all_turns():
+    """The format-collapse metric: refused replies / all replies of the kept trials (a trial run before the
+    counter existed counts 0); 0 when no trial took a turn."""
+    trials = [dict(turns=4, invalid_replies=1), dict(turns=8, invalid_replies=8), dict(turns=0)]
+    assert T.invalid_reply_frac(trials) == pytest.approx(9 / 12)
+    assert T.invalid_reply_frac([]) == 0.0 and T.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
+    assert T.invalid_reply_frac(trials) >= T.INVALID_ALARM > T.invalid_reply_frac([dict(turns=10, invalid_replies=1)])
