@@ -664,9 +664,14 @@ INVALID_ALARM = 0.75
 
 def invalid_reply_frac(trials: list) -> float:
     """Share of the step's agent replies the harness refused as not one JSON object of the format; its rise is how a
-    format collapse shows (run r6 continued: 0.45-0.55 before, 0.61 / 0.70 / 0.80 at steps 120-122, reward 0 after)."""
-    turns = sum(t["turns"] for t in trials)
-    return sum(t.get("invalid_replies", 0) for t in trials) / turns if turns else 0.0
+    format collapse shows (run r6 continued: 0.45-0.55 before, 0.61 / 0.70 / 0.80 at steps 120-122, reward 0 after).
+    Trials whose harness did not count (an agent behind the gateway parses its own replies) are left out; NaN when
+    no trial counted, 0 when the counted trials took no turn."""
+    counted = [t for t in trials if "invalid_replies" in t]
+    if not counted:
+        return float("nan")
+    turns = sum(t["turns"] for t in counted)
+    return sum(t["invalid_replies"] for t in counted) / turns if turns else 0.0
 
 
 def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> dict:

@@ -530,9 +530,10 @@ def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
 
 
 def test_invalid_reply_frac_counts_refused_replies_over_all_turns():
-    """The format-collapse metric: refused replies / all replies of the kept trials (a trial run before the
-    counter existed counts 0); 0 when no trial took a turn."""
-    trials = [dict(turns=4, invalid_replies=1), dict(turns=8, invalid_replies=8), dict(turns=0)]
+    """The format-collapse metric: refused replies / all replies of the kept trials that counted them (a trial
+    without the count, e.g. an agent behind the gateway, is left out, and none counted is NaN, not 0)."""
+    trials = [dict(turns=4, invalid_replies=1), dict(turns=8, invalid_replies=8), dict(turns=5)]
     assert T.invalid_reply_frac(trials) == pytest.approx(9 / 12)
-    assert T.invalid_reply_frac([]) == 0.0 and T.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
+    assert math.isnan(T.invalid_reply_frac([])) and math.isnan(T.invalid_reply_frac([dict(turns=3)]))
+    assert T.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
     assert T.invalid_reply_frac(trials) >= T.INVALID_ALARM > T.invalid_reply_frac([dict(turns=10, invalid_replies=1)])
