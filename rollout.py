@@ -278,7 +278,7 @@ def _agent_loop(box, task, chat, limits, stop_event, t_end, result=None):
         if err is not None:
             obs, pending = PARSE_ERROR.format(error=err), False
             if result is not None:
-                result["invalid_replies"] = result.get("invalid_replies", 0) + 1
+                result["invalid_replies"] += 1  # run_trial starts it at 0
         else:
             chunks = []
             for c in reply["commands"]:

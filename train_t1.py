@@ -63,8 +63,8 @@ from transformers import AutoTokenizer
 import bench
 import critic as C
 import data
-import families
 import engine
+import families
 import gateway
 import infra
 import mcore
