@@ -12,8 +12,9 @@ Run (as root): through rollout.py, `python rollout.py --task DIR --agent oracle|
 tests/test_sandbox_security.py (a hostile agent, a hostile task dir), tests/test_rollout.py.
 
 The jails (the security contract):
-- Two per trial, one after the other, each a long-lived `bwrap ... sleep infinity` with new ipc/pid/net/uts/cgroup
-  namespaces (no network: a private loopback only), --die-with-parent, every capability dropped; /usr, /etc (and
+- Two per trial, one after the other, each a long-lived bwrap whose command waits on a lifeline pipe (it ends when
+  the process that started it dies, --die-with-parent besides) with new ipc/pid/net/uts/cgroup
+  namespaces (no network: a private loopback only), every capability dropped; /usr, /etc (and
   the /bin, /lib links) read-only; the running Python's venv and base interpreter read-only at their own paths (so
   `pytest --ctrf` works inside); a size-capped fresh /tmp tmpfs; nothing else of the host.
 - Every command enters a jail with nsenter and runs as a per-trial host uid under rlimits (prlimit): RLIMIT_NPROC,
@@ -466,6 +467,7 @@ class Sandbox:
         self.verifier_uid = self.uid + VERIFIER_UID_OFFSET
         self.run_uid = self.uid  # the uid exec() and the terminal run as: the agent's, then the verifier's
         self.jail = self.term = self.pid = self.pidns = None  # pid: host pid of the jail's pid 1; pidns: its ns
+        self._lifeline = -1  # the write end of the jail's lifeline pipe (_start_jail)
         self.master = -1  # pty master of the terminal
         self.host_dir = os.path.join(self.root, "host")  # host-written logs (oracle.txt, verifier_output.txt)
         self.verifier_logs = os.path.join(self.root, "verifier", "logs")  # the verifier's /logs/verifier
@@ -533,20 +535,25 @@ class Sandbox:
         return self
 
     def _start_jail(self, args):
-        """Start `args` (bwrap ...) running `sleep infinity` as the jail's pid 1, under the seccomp filter."""
-        (rfd, wfd), (sfd, swfd) = os.pipe(), os.pipe()
+        """Start `args` (bwrap ...) running the lifeline wait as the jail's pid 1, under the seccomp filter.
+
+        The jail's command blocks reading its stdin, the lifeline pipe, whose only write end this process holds: EOF
+        and it exits (bwrap and the pid namespace with it) once this process dies, however it dies. --die-with-parent
+        alone leaves a window: a parent killed between fork and bwrap's prctl(PR_SET_PDEATHSIG) orphaned a jail
+        running `sleep infinity` for ever (seen once in CI: a SIGKILLed run left a jail behind)."""
+        (rfd, wfd), (sfd, swfd), (lfd, self._lifeline) = os.pipe(), os.pipe(), os.pipe()
         prog = seccomp_filter()
         os.write(swfd, prog)  # a few hundred bytes: fits the pipe buffer
         os.close(swfd)
         try:
             self.jail = subprocess.Popen(
                 args[:1] + ["--info-fd", str(wfd), "--seccomp", str(sfd)] + args[1:] +
-                ["--", "/bin/sh", "-c", "echo ready; exec sleep infinity"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                pass_fds=(wfd, sfd), start_new_session=True)
+                ["--", "/bin/sh", "-c", "echo ready; exec cat >/dev/null"],  # stdin: the lifeline
+                stdin=lfd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(wfd, sfd), start_new_session=True)
         finally:
             os.close(wfd)
             os.close(sfd)
+            os.close(lfd)
         with os.fdopen(rfd) as info:
             ready, _, _ = select.select([self.jail.stdout], [], [], 20)
             line = self.jail.stdout.readline() if ready else b""
@@ -567,6 +574,9 @@ class Sandbox:
         _kill_group(self.jail)
         for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
             s.close()
+        if self._lifeline >= 0:
+            os.close(self._lifeline)
+            self._lifeline = -1
         ns, self.jail, self.pid, self.pidns = self.pidns, None, None, None
         deadline = time.time() + timeout
         while ns is not None and _pidns_procs(ns):

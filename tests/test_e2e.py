@@ -61,8 +61,10 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     while time.time() < deadline and any(Path(f"/proc/{p}").exists() for p in pids):
         time.sleep(0.5)
     assert not [p for p in pids if Path(f"/proc/{p}").exists()], "an actor outlived the killed driver"
-    jails = subprocess.run(["pgrep", "-f", f"bwrap.*{run_dir}"], capture_output=True)
-    assert jails.returncode == 1, "a sandbox outlived the killed driver"
+    while time.time() < deadline and subprocess.run(["pgrep", "-f", f"bwrap.*{run_dir}"]).returncode == 0:
+        time.sleep(0.5)  # a jail ends once its lifeline's writer (the worker) is gone: asynchronous, not instant
+    jails = subprocess.run(["pgrep", "-fa", f"bwrap.*{run_dir}"], capture_output=True, text=True)
+    assert jails.returncode == 1, f"a sandbox outlived the killed driver: {jails.stdout[:300]}"
 
     recs = read_metrics(run_dir)  # the two committed steps, as the run wrote them
     assert {r["phase"] for r in recs} == {"base", "sft", "eval", "critic_warmup", "rl"}

@@ -2,7 +2,9 @@
 import json
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
 import time
 
@@ -185,6 +187,38 @@ def test_close_kills_background_and_setsid_processes(box):
     while uid_procs(box.uid) and time.time() < deadline:
         time.sleep(0.1)
     assert uid_procs(box.uid) == [] and not os.path.exists(f"/proc/{jail_pid}/status")
+
+
+ORPHAN = """import os, sys, time
+sys.path.insert(0, {root!r})
+import sandbox, task_io
+args = sandbox.Sandbox._bwrap_args  # the race: killed before bwrap's prctl(PR_SET_PDEATHSIG) ran
+sandbox.Sandbox._bwrap_args = lambda self, phase="agent": [a for a in args(self, phase) if a != "--die-with-parent"]
+box = sandbox.Sandbox(task_io.load_task({task!r}), {trial!r}, sandbox.Limits()).start()
+box.send_keys("sleep 1000 &\\n")
+box.read(0.5)
+print(box.jail.pid, box.uid, flush=True)
+time.sleep(1000)
+"""
+
+
+def test_jail_dies_with_its_parent_even_without_the_parent_death_signal(task, tmp_path):
+    """A parent SIGKILLed between fork and bwrap's prctl(PR_SET_PDEATHSIG) (a CI run once left a jail behind):
+    the jail's lifeline pipe ends it anyway, the agent's processes with it."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    code = ORPHAN.format(root=root, task=str(task), trial=str(tmp_path / "trial"))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    jail_pid, uid = map(int, proc.stdout.readline().split())
+    assert uid_procs(uid) and "--die-with-parent" not in cmdline(jail_pid)
+    proc.kill()
+    proc.wait()
+    deadline = time.time() + 10
+    while (uid_procs(uid) or cmdline(jail_pid)) and time.time() < deadline:
+        time.sleep(0.1)
+    alive = cmdline(jail_pid)
+    if alive:
+        os.killpg(jail_pid, signal.SIGKILL)  # no orphan left behind by the failing test itself
+    assert uid_procs(uid) == [] and alive == "", "the jail outlived its parent"
 
 
 def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
