@@ -35,6 +35,7 @@ import concurrent.futures as cf
 import itertools
 import json
 import os
+import random
 import sys
 import tempfile
 import threading
@@ -174,8 +175,52 @@ class EngineClient:
 
 
 # --- harness --------------------------------------------------------------------------------------
-def _scripted_policy(task, tok):
-    """Replies of solution/terminus2.json as a policy; a str entry is replayed verbatim (raw text)."""
+FAULTS = ("invalid_json", "no_plan", "bad_command")
+
+
+def fault_reply(reply: dict, kind: str, rng) -> str:
+    """One wrong reply in place of the expert's `reply` (the mistakes a T = 1 sample makes), as raw text.
+
+    invalid_json: the reply cut inside its text and closed early; no_plan: the "plan" field left out (both refused
+    by parse_reply, checked here); bad_command: the first command alone, its program name misspelled (a letter
+    doubled or one added): the shell says "command not found" and runs nothing (a redirection still creates its
+    file empty; the expert's command after it writes it)."""
+    if kind == "invalid_json":
+        text = json.dumps(reply)
+        for _ in range(100):
+            cut = rng.randint(2, len(text) - 2)
+            bad = text[:cut] + rng.choice(['"}', "}", '", "commands": true}', ""])
+            if parse_reply(bad)[1] is not None:
+                return bad
+        return '{"analysis": "'  # never reached with the expert's replies; still a refused reply
+    if kind == "no_plan":
+        return json.dumps({k: v for k, v in reply.items() if k != "plan"})
+    if kind != "bad_command":
+        raise ValueError(f"fault_reply: kind must be one of {FAULTS}, got {kind!r}")
+    keys = reply["commands"][0]["keystrokes"] if reply.get("commands") else ""
+    prog, sep, rest = keys.partition(" ")
+    if not prog.strip() or not prog.isascii() or not prog.replace("-", "").replace("_", "").isalnum():
+        prog, sep, rest = "cat", " ", "README.txt\n"  # no program word to misspell: a read of a missing file
+    i = rng.randrange(len(prog))
+    typo = prog[:i] + prog[i] * 2 + prog[i + 1:] if rng.random() < 0.5 else prog + rng.choice("xqz")
+    return json.dumps({**reply, "commands": [{"keystrokes": typo + sep + rest, "duration": 0.1}],
+                       "task_complete": False})
+
+
+def with_faults(replies: list, rate: float, rng) -> list:
+    """The expert's replies with, in a fraction `rate` of trials, one fault turn {"unscored": text} (fault_reply
+    of a random kind) before a random reply that does not complete the task; the expert's own reply follows it."""
+    at = [i for i, r in enumerate(replies) if isinstance(r, dict) and not r.get("task_complete")]
+    if not at or rng.random() >= rate:
+        return list(replies)
+    i = rng.choice(at)
+    return replies[:i] + [{"unscored": fault_reply(replies[i], rng.choice(FAULTS), rng)}] + replies[i:]
+
+
+def _scripted_policy(task, tok, faults=0.0, seed=0):
+    """Replies of solution/terminus2.json as a policy; a str entry is replayed verbatim (raw text), an
+    {"unscored": text} entry too, its record marked unscored (to_samples gives it no loss). faults: with_faults'
+    rate, drawn per task and seed (train_t1 --sft-faults: the SFT data's recoveries)."""
     path = os.path.join(task.solution_dir or "", "terminus2.json")
     if not os.path.isfile(path):
         raise ValueError(f"scripted agent: {path} not found")
@@ -183,6 +228,8 @@ def _scripted_policy(task, tok):
         replies = json.load(f)
     if not isinstance(replies, list) or not replies:
         raise ValueError(f"{path}: expected a non-empty JSON list of replies")
+    if faults:
+        replies = with_faults(replies, faults, random.Random(f"{task.name}:{seed}"))
     it = iter(replies)
     im_end = tok.convert_tokens_to_ids(IM_END)
 
@@ -190,11 +237,13 @@ def _scripted_policy(task, tok):
         reply = next(it, None)
         if reply is None:
             raise RuntimeError(f"{path}: replies ran out before task_complete was confirmed")
+        unscored = isinstance(reply, dict) and set(reply) == {"unscored"}
+        reply = reply["unscored"] if unscored else reply
         text = reply if isinstance(reply, str) else json.dumps(reply)
         ids = tok.encode(text, add_special_tokens=False) + [im_end]
         fin = "stop" if len(ids) <= max_new else "length"  # a long reply is cut like the engine would
         return {"output_ids": ids[:max_new], "logprobs": None, "routed_experts": None, "finish_reason": fin,
-                "weight_version": None}
+                "weight_version": None, **({"unscored": True} if unscored else {})}
     return policy
 
 
@@ -251,7 +300,8 @@ class TokenChat:
         result["records"].append({"prompt_ids": list(self.prompt), "output_ids": self.out,
                                   "output_logprobs": gen["logprobs"], "routed_experts": gen["routed_experts"],
                                   "finish_reason": gen["finish_reason"], "weight_version": gen["weight_version"],
-                                  "cached_tokens": gen.get("cached_tokens")})
+                                  "cached_tokens": gen.get("cached_tokens"),
+                                  **({"unscored": True} if gen.get("unscored") else {})})
         if gen["weight_version"] is not None and gen["weight_version"] not in result["weight_versions"]:
             result["weight_versions"].append(gen["weight_version"])
         return self.tok.decode(self.out, skip_special_tokens=True), None
@@ -314,7 +364,8 @@ def score(box, result: dict, reward_scale=None) -> None:
 
 
 def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None, limits=None,
-              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None, chat=None) -> dict:
+              work_root=None, stop_event=None, sandbox="bwrap", reward_scale=None, chat=None, script_faults=0.0,
+              seed=0) -> dict:
     """One trial (sandbox, agent, verifier) with this agent loop; never raises: a crash returns exit_reason
     'error'. The text and Harbor Terminus-2 harnesses: gateway.run_text_trial / run_harbor_trial (same result).
 
@@ -324,6 +375,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     (daytona_sandbox.DaytonaSandbox, the cluster's; same interface). reward_scale: S in r = P / S (train_t1's
     --reward-scale; None: reward.SCALE, the paper's 20). chat: agent "model"'s side of the conversation when it
     is not token-first (gateway.TextChat; then no engine_url / tokenizer here); None: TokenChat.
+    script_faults, seed: agent "scripted" only: with_faults' rate, drawn per task and seed.
     """
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
@@ -340,6 +392,9 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             raise ValueError(f"sandbox: expected bwrap|daytona, got {sandbox!r}")
         if chat is not None and agent != "model":
             raise ValueError(f"chat: only for agent 'model', got {agent!r}")
+        if script_faults and agent != "scripted" or not 0.0 <= script_faults <= 1.0:
+            raise ValueError(f"script_faults: a rate in [0, 1] for agent 'scripted', got {script_faults!r} "
+                             f"for agent {agent!r}")
         if agent in ("model", "scripted") and tokenizer is None and chat is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
         if sandbox == "bwrap":
@@ -364,7 +419,7 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             exit_reason = "nop"
         else:
             if chat is None:
-                policy = (_scripted_policy(task, tokenizer) if agent == "scripted" else
+                policy = (_scripted_policy(task, tokenizer, script_faults, seed) if agent == "scripted" else
                           _model_policy(engine_url, tokenizer, sampling, stop_event, done))
                 chat = TokenChat(policy, tokenizer, limits.max_total_tokens, result)
             exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end, result)
@@ -543,7 +598,8 @@ def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, des
 def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False) -> list[dict]:
     """TITO assembly; a trial that cannot be assembled is recorded with its reason and skipped, except under R3
     replay, where a turn without its routing capture (tito.CaptureError) or a placeholder routing row that feeds
-    a trained token (r3.check_capture) aborts the step: never silently dropped (paper, R3)."""
+    a trained token (r3.check_capture) aborts the step: never silently dropped (paper, R3). A scripted fault
+    turn (with_faults) stays in the context with m = 0 on its tokens (sample["unscored_turns"])."""
     samples = []
     for t in trials:
         if not t.get("records"):
@@ -563,6 +619,12 @@ def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False
                 if replay:
                     raise ValueError(f"trial {s['task']!r}: {e}") from None
                 s["routed_experts"] = None  # R3 off: routing only feeds the expert_set_mismatch figure
+        unscored = [i for i, r in enumerate(t["records"]) if r.get("unscored")]
+        for i in unscored:  # a scripted fault turn (with_faults): in the context, never trained on
+            a, b = s["spans"][i]
+            s["loss_mask"][a:b] = 0
+        if unscored:
+            s["unscored_turns"] = unscored
         samples.append(s)
     return samples
 

@@ -37,7 +37,8 @@ The jails (the security contract):
   O_EXCL | O_NOFOLLOW; it reads nothing the agent wrote, and touches /app only once every agent process is dead
   (chown -R -P -h; rm -rf at the end: no link followed, any depth).
 - Terminal: a pty (no tmux) running `bash -i` as session leader with the pty as controlling tty (C-c reaches the
-  foreground job); read() returns the output since the last read, ANSI stripped. Keystrokes never block: send_keys
+  foreground job), started once its first prompt shows (up to SHELL_START_S); read() returns the output since the
+  last read, ANSI stripped. Keystrokes never block: send_keys
   writes in chunks while draining the output, and drops what the terminal has not taken at the trial's deadline,
   on cancellation or after max_duration_s without progress (a paste into `sleep 100`), saying so in the next read().
 
@@ -126,6 +127,7 @@ def make_limits(limits):
 # --- sandbox --------------------------------------------------------------------------------------
 TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid", "chown")
 PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
+SHELL_START_S = 10.0  # how long a new terminal may take to show its first prompt before keystrokes go in
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
 _UIDS = itertools.count()
 KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
@@ -659,6 +661,22 @@ class Sandbox:
                                          env=self._env())
         finally:
             os.close(slave)
+        # wait for the shell's first prompt (kept for the next read()): on a loaded machine bash can take longer to
+        # start than a fast agent's whole trial, whose keystrokes then sat unread in the tty when it was graded
+        end, last = time.time() + SHELL_START_S, b""
+        while time.time() < end and not self.stop_event.is_set():
+            if not select.select([self.master], [], [], 0.05)[0]:
+                continue
+            try:
+                data = os.read(self.master, 65536)
+            except BlockingIOError:
+                continue
+            except OSError:
+                return  # the shell exited: the next send_keys starts another
+            self._pending_out().add(data)
+            last = (last + data)[-64:]
+            if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
+                return
 
     def send_keys(self, keystrokes: str, deadline=None) -> int:
         """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal -> bytes dropped.

@@ -28,7 +28,8 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
   2. One-step async on Ray actors (infra.py "Ray layout"); on 2 shared cores the overlap cannot give the paper's
      speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
-     --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools.
+     --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools; --sft-faults adds recoveries
+     (one untrained wrong turn before an expert reply) the scripted expert never makes on its own.
   4. --backend megatron trains Megatron-Core models (mcore.py) from local modules in fp32 on the CPU (mcore's shims),
      from --model-path too when its fp32 trainer state fits this machine (check_megatron_model_path); the cluster
      model (TE layers, bf16, the distributed optimizer on GPUs) is not wired: check_args refuses it by name.
@@ -131,6 +132,10 @@ class Args:
     sft_epochs: int = 1  # epochs over the scripted reference trajectories
     sft_lr: float = 1e-5  # SFT learning rate
     sft_batch_size: int = 8  # trajectories per SFT step
+    # fraction of the SFT reference trials given one wrong turn (invalid JSON, no plan, or a command on a missing
+    # file; rollout.with_faults) that stays in the context untrained, followed by the expert's reply: recoveries
+    # (paper silent: its teacher's transcripts have their own; the scripted expert's have none)
+    sft_faults: float = 0.0
     # --- base phase (embedded only: the paper starts from pretrained Qwen3.5, so 0 = none, the paper's case)
     base_steps: int = 0  # steps of synthetic copy pretraining before SFT (train_t1.base_phase)
     base_lr: float = ppo.BASE_LR  # its learning rate (this project's)
@@ -241,7 +246,7 @@ NUMERIC = {
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
     "eval_every": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
-    "base_steps": ">= 0", "base_lr": "> 0", "base_batch_size": ">= 1",
+    "sft_faults": "in [0, 1]", "base_steps": ">= 0", "base_lr": "> 0", "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
     "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]",
     "lam": "in [0, 1]",
@@ -373,10 +378,11 @@ def check_loss_args(args: Args) -> None:
 # --- helpers ------------------------------------------------------------------------------------------
 
 def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
-                 temperature=None, top_p=None, desc="rollout", limits=None):
+                 temperature=None, top_p=None, desc="rollout", limits=None, script_faults=0.0):
     """Trials on the Ray rollout workers (rollout.ray_run_trials), or in this process when workers is None
     (the SFT data, before any engine); returns (kept trials, dropped, tokens/s). limits: overrides of the
-    training limits (the evaluation protocol's). Every trial is scored with S = --reward-scale."""
+    training limits (the evaluation protocol's). Every trial is scored with S = --reward-scale. script_faults:
+    the scripted agent's fault rate (--sft-faults)."""
     sampling = {"temperature": args.temperature if temperature is None else temperature,
                 "top_p": args.top_p if top_p is None else top_p,
                 "max_new_tokens": args.max_new_tokens,
@@ -384,7 +390,8 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
     limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
               "trial_timeout_s": args.trial_timeout_s, **(limits or {})}
     kw = dict(sampling=sampling, limits=limits, work_root=str(run_dir / "trials"), sandbox=args.sandbox,
-              reward_scale=args.reward_scale)
+              reward_scale=args.reward_scale, **({"script_faults": script_faults, "seed": args.seed}
+                                                 if script_faults else {}))
     t0 = time.time()
     if workers is None:
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
@@ -534,10 +541,14 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     if args.base_steps:
         run.state["base"] = run.timed("base", lambda: base_phase(run, actor, tokenizer, texts))
         save_dir(actor, tokenizer, run_dir / "ckpt" / "base")
-    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
+    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data",
+                                script_faults=args.sft_faults)
     samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
+    faulted = [t for t in trials if any(r.get("unscored") for r in t.get("records") or [])]
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "
-                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
+                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens"
+                 + (f"; {len(faulted)} with a fault turn, {sum(t['resolved'] for t in faulted)} of them resolved"
+                    if args.sft_faults else ""))
     ppo.sft(actor, samples, args, run.metrics)
     save_dir(actor, tokenizer, sft_dir)
 

@@ -111,6 +111,25 @@ def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
         assert meta["audit"] in ("accepted", "borderline") and 0.7 <= meta["quality"] <= 1
 
 
+def test_every_family_resolves_with_a_fault_turn(pool, tmp_path):
+    """--sft-faults: the scripted expert recovers from each fault kind on every family, through the sandbox (the
+    SFT data keeps only resolved trials: a fault that broke a task would silently thin the SFT set)."""
+    rollout = pytest.importorskip("rollout")
+    model = pytest.importorskip("model")
+    tasks = _one_per_family(pool[1])
+    tok = model.train_tokenizer(data.corpus(tasks))
+    runs = [(d, seed) for d in tasks for seed in (1, 2)]
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = list(ex.map(lambda a: rollout.run_trial(a[0], "scripted", tokenizer=tok, script_faults=1.0, seed=a[1]),
+                          runs))
+    kinds = set()
+    for (d, seed), r in zip(runs, res):
+        assert r["resolved"] and r["exit_reason"] == "task_complete", (d, seed, r)
+        assert sum(bool(x.get("unscored")) for x in r["records"]) == 1
+        kinds.add(r["invalid_replies"])
+    assert kinds == {0, 1}  # both a refused reply and a misspelled command among them
+
+
 def test_terse_expert_text_keeps_the_commands_and_resolves_for_every_family(tmp_path):
     """--expert-text terse: the same tasks and commands, fixed free text; the scripted expert still solves each
     family (through the real sandbox), and the held-out split alone is audited with validate_train=False."""

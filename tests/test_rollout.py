@@ -1,6 +1,7 @@
 """rollout.py and sandbox.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -290,6 +291,52 @@ def test_parse_reply_names_the_error():
                                              '"duration": "x"}]}')[1]
     reply, err = rollout.parse_reply("ok " + json.dumps(SORT) + " trailing")
     assert err is None and reply["commands"][0]["keystrokes"] == "sort in.txt > out.txt\n"
+
+
+def test_fault_replies_are_refused_or_misspell_the_program():
+    """rollout.fault_reply: the two format faults are refused by the harness, the command fault parses and runs
+    one command whose program name is misspelled; with_faults puts one before a reply that does not complete."""
+    replies = [SORT, DONE, {**DONE, "analysis": "checked"}]
+    for seed in range(50):
+        rng = random.Random(seed)
+        for kind in ("invalid_json", "no_plan"):
+            assert rollout.parse_reply(rollout.fault_reply(SORT, kind, rng))[1] is not None
+        bad, err = rollout.parse_reply(rollout.fault_reply(SORT, "bad_command", rng))
+        assert err is None and not bad["task_complete"] and len(bad["commands"]) == 1
+        prog, rest = bad["commands"][0]["keystrokes"].split(" ", 1)
+        assert any(prog[:i] + prog[i + 1:] == "sort" for i in range(len(prog))) and rest == "in.txt > out.txt\n"
+        assert rollout.with_faults(replies, 0.0, rng) == replies
+        faulted = rollout.with_faults(replies, 1.0, rng)
+        assert faulted[0].keys() == {"unscored"} and faulted[1:] == replies  # the only reply that does not complete
+    with pytest.raises(ValueError, match="kind must be one of"):
+        rollout.fault_reply(SORT, "typo", random.Random(0))
+
+
+def test_scripted_fault_turn_is_in_the_context_but_not_trained(tmp_path, tok):
+    """--sft-faults: a trial of the scripted expert with a fault turn still resolves; the fault's tokens are in the
+    sample (the context the expert's reply follows) with m = 0, every expert reply's with m = 1."""
+    task = make_task(tmp_path, script=[SORT, DONE, {**DONE, "analysis": "checked"}])
+    res = rollout.run_trial(task, "scripted", tokenizer=tok, script_faults=1.0, seed=2)
+    assert res["resolved"] and res["exit_reason"] == "task_complete", res
+    recs = res["records"]
+    assert len(recs) == 4 and recs[0].get("unscored") and not any(r.get("unscored") for r in recs[1:])
+    s, = rollout.to_samples([res], tmp_path, "sft")
+    assert s["unscored_turns"] == [0]
+    for i, (a, b) in enumerate(s["spans"]):
+        assert list(s["tokens"][a:b]) == recs[i]["output_ids"]
+        assert set(s["loss_mask"][a:b].tolist()) == {0 if i == 0 else 1}
+    assert int(s["loss_mask"].sum()) == sum(len(r["output_ids"]) for r in recs[1:])
+    plain = rollout.run_trial(task, "scripted", tokenizer=tok)
+    assert plain["resolved"] and len(plain["records"]) == 3
+    for agent, rate in (("oracle", 0.5), ("scripted", 1.5)):
+        r = rollout.run_trial(task, agent, tokenizer=tok, script_faults=rate)
+        assert r["exit_reason"] == "error" and "script_faults" in r["error"], r
+
+
+def test_new_terminal_shows_its_prompt_before_keystrokes(box):
+    """The terminal starts once bash's first prompt is there (a fast agent's keys no longer sit unread in the tty
+    of a shell still starting on a loaded machine, the trial graded before they ran)."""
+    assert box.read(0.0).endswith("/app$ ")
 
 
 def _check_token_path(res, tok):
