@@ -629,6 +629,17 @@ def to_samples(trials: list[dict], run_dir: Path, tag: str, replay: bool = False
     return samples
 
 
+def after_faults(samples: list[dict]) -> list[dict]:
+    """Samples with a fault turn (to_samples' "unscored_turns") trained only after their last fault: m = 0 on
+    everything before it (the clean replay of the same task already trains that part); the others are left out."""
+    out = []
+    for s in samples:
+        if s.get("unscored_turns"):
+            s["loss_mask"][:s["spans"][max(s["unscored_turns"])][1]] = 0
+            out.append(s)
+    return out
+
+
 def audit_samples(samples: list[dict], step: int) -> dict:
     """The step's TITO audit (a drifted loss-region token aborts the step) and R3 placeholder fraction."""
     rep = tito.audit(samples)

@@ -29,7 +29,7 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
      speed-up (RESULTS.md). A process samples its first step synchronously (staleness 0); --sync-steps N the first N.
   3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
      --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools; --sft-faults adds recoveries
-     (one untrained wrong turn before an expert reply) the scripted expert never makes on its own.
+     (tasks replayed with one untrained wrong turn, trained after it) the scripted expert never makes on its own.
   4. --backend megatron trains Megatron-Core models (mcore.py) from local modules in fp32 on the CPU (mcore's shims),
      from --model-path too when its fp32 trainer state fits this machine (check_megatron_model_path); the cluster
      model (TE layers, bf16, the distributed optimizer on GPUs) is not wired: check_args refuses it by name.
@@ -132,9 +132,9 @@ class Args:
     sft_epochs: int = 1  # epochs over the scripted reference trajectories
     sft_lr: float = 1e-5  # SFT learning rate
     sft_batch_size: int = 8  # trajectories per SFT step
-    # fraction of the SFT reference trials given one wrong turn (invalid JSON, no plan, or a command on a missing
-    # file; rollout.with_faults) that stays in the context untrained, followed by the expert's reply: recoveries
-    # (paper silent: its teacher's transcripts have their own; the scripted expert's have none)
+    # recoveries in the SFT data: this fraction of the SFT tasks replayed a second time with one wrong turn
+    # (invalid JSON, no plan, a misspelled program: rollout.with_faults), untrained, and trained only on the expert's
+    # replies after it (paper silent: its teacher's transcripts have their own; the scripted expert's have none)
     sft_faults: float = 0.0
     # --- base phase (embedded only: the paper starts from pretrained Qwen3.5, so 0 = none, the paper's case)
     base_steps: int = 0  # steps of synthetic copy pretraining before SFT (train_t1.base_phase)
@@ -541,14 +541,17 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     if args.base_steps:
         run.state["base"] = run.timed("base", lambda: base_phase(run, actor, tokenizer, texts))
         save_dir(actor, tokenizer, run_dir / "ckpt" / "base")
-    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data",
-                                script_faults=args.sft_faults)
+    trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
     samples = rollout.to_samples([t for t in trials if t["resolved"]], run_dir, "sft")  # the verifier audits them
-    faulted = [t for t in trials if any(r.get("unscored") for r in t.get("records") or [])]
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "
-                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens"
-                 + (f"; {len(faulted)} with a fault turn, {sum(t['resolved'] for t in faulted)} of them resolved"
-                    if args.sft_faults else ""))
+                 f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
+    if args.sft_faults:  # recoveries: a share of the tasks again, one fault turn in each, trained after it only
+        again = random.Random(args.seed).sample(sft_pool, round(args.sft_faults * len(sft_pool)))
+        faulted, _, _ = run_rollouts(again, "scripted", args, run_dir, tokenizer, desc="sft faults", script_faults=1.0)
+        extra = rollout.after_faults(rollout.to_samples([t for t in faulted if t["resolved"]], run_dir, "sft"))
+        log(run_dir, f"sft faults: {len(extra)} of {len(again)} tasks replayed with a fault turn resolved, "
+                     f"{sum(int(s['loss_mask'].sum()) for s in extra)} loss tokens after their faults")
+        samples += extra
     ppo.sft(actor, samples, args, run.metrics)
     save_dir(actor, tokenizer, sft_dir)
 

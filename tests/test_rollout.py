@@ -328,6 +328,18 @@ def test_scripted_fault_turn_is_in_the_context_but_not_trained(tmp_path, tok):
     assert int(s["loss_mask"].sum()) == sum(len(r["output_ids"]) for r in recs[1:])
     plain = rollout.run_trial(task, "scripted", tokenizer=tok)
     assert plain["resolved"] and len(plain["records"]) == 3
+    # a fault before the second work reply: after_faults trains only the replies after it
+    check = {**SORT, "commands": [{"keystrokes": "wc -l out.txt\n", "duration": 0.1}]}
+    script = [SORT, check, DONE, {**DONE, "analysis": "checked"}]
+    task2 = make_task(tmp_path, name="sort-twice", script=script)
+    seed = next(k for k in range(100)
+                if "unscored" in rollout.with_faults(script, 1.0, random.Random(f"sort-twice:{k}"))[1])
+    res = rollout.run_trial(task2, "scripted", tokenizer=tok, script_faults=1.0, seed=seed)
+    assert res["resolved"] and [bool(r.get("unscored")) for r in res["records"]] == [False, True, False, False, False]
+    s, = rollout.after_faults(rollout.to_samples([res], tmp_path, "sft"))
+    assert int(s["loss_mask"].sum()) == sum(len(r["output_ids"]) for r in res["records"][2:])
+    assert int(s["loss_mask"][:s["spans"][1][1]].sum()) == 0
+    assert rollout.after_faults(rollout.to_samples([plain], tmp_path, "sft")) == []  # no fault: nothing to add
     for agent, rate in (("oracle", 0.5), ("scripted", 1.5)):
         r = rollout.run_trial(task, agent, tokenizer=tok, script_faults=rate)
         assert r["exit_reason"] == "error" and "script_faults" in r["error"], r
