@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
         "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2", "--n-sft-tasks", "6",
-        "--base-steps", "10"]
+        "--base-steps", "10", "--sft-faults", "0.5"]
 
 
 def read_metrics(run_dir):
@@ -78,6 +78,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     for r in rl:  # every turn after the first extends the trajectory the engine cached at the previous turn's end
         assert 0.0 <= r["prefix_cache_frac"] < 1.0 and (r["prefix_cache_frac"] > 0 or r["turns_mean"] <= 1.0), r
     assert (run_dir / "ckpt" / "latest" / "model.safetensors").exists()
+    assert re.search(r"sft faults: 3 of 3 tasks replayed with a fault turn resolved, [1-9]\d* loss tokens", log)
     # critic before actor, observable in the log
     assert log.index("step 1: critic update") < log.index("step 1: actor update")
     # TITO samples on disk audit clean
