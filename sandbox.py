@@ -663,20 +663,7 @@ class Sandbox:
             os.close(slave)
         # wait for the shell's first prompt (kept for the next read()): on a loaded machine bash can take longer to
         # start than a fast agent's whole trial, whose keystrokes then sat unread in the tty when it was graded
-        end, last = time.time() + SHELL_START_S, b""
-        while time.time() < end and not self.stop_event.is_set():
-            if not select.select([self.master], [], [], 0.05)[0]:
-                continue
-            try:
-                data = os.read(self.master, 65536)
-            except BlockingIOError:
-                continue
-            except OSError:
-                return  # the shell exited: the next send_keys starts another
-            self._pending_out().add(data)
-            last = (last + data)[-64:]
-            if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
-                return
+        self._collect(self._pending_out(), time.time() + SHELL_START_S)
 
     def send_keys(self, keystrokes: str, deadline=None) -> int:
         """Type keystrokes (a tmux key name like C-c or Enter, or literal text) into the terminal -> bytes dropped.
@@ -756,22 +743,27 @@ class Sandbox:
         if self.term is None:
             self._open_terminal()
         out, self._pending = self._pending or _Capped(self.limits.output_bytes), None
-        end, last = time.time() + wait_s, bytes((out.head + out.tail)[-64:])
+        self._collect(out, time.time() + wait_s)
+        return out.text()
+
+    def _collect(self, out, end):
+        """Terminal output into `out` (a _Capped) until time `end`, stop_event, the shell's exit, or its prompt back
+        and quiet for 50 ms."""
+        last = bytes((out.head + out.tail)[-64:])
         while time.time() < end and not self.stop_event.is_set():
             ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
             if not ready:
                 if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
-                    break  # shell prompt back and quiet for 50 ms
+                    return  # shell prompt back and quiet for 50 ms
                 continue
             try:
                 data = os.read(self.master, 65536)
             except BlockingIOError:
                 continue
             except OSError:
-                break  # shell exited
+                return  # shell exited (after the first prompt wait: the next send_keys starts another)
             out.add(data)
             last = (last + data)[-64:]
-        return out.text()
 
     # -- verifier --
     def run_verifier(self, scale=None) -> dict:
