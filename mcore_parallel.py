@@ -24,8 +24,9 @@ Departures from the paper:
    the contiguous chunk [r S, (r + 1) S), not the zig-zag (GDN state passes rank 0 -> cp - 1), and attention
    all-gathers K / V instead of TE's ring attention ("context parallel" section below). Not written: CP with PP.
 3. On CPU (gloo) the distributed optimizer is ours, `ShardedAdam` (Megatron's ZeRO-1 sharding of the DDP buckets),
-   because Megatron's refuses CPU parameters; fp32 only, no weight decay, no loss scaling. The cluster keeps
-   get_megatron_optimizer (`mcore._ddp_and_optimizer`).
+   because Megatron's refuses CPU parameters; fp32 or bf16 parameters (bf16: an fp32 master copy of this rank's
+   shard, as Megatron's keeps), no weight decay, no loss scaling (bf16 needs none). On CUDA the trainer uses
+   Megatron's own (`MegatronAdam`, the same interface).
 """
 
 import contextlib
@@ -387,8 +388,11 @@ class ShardedAdam:
     Every element of a shard steps each call: a parameter with no gradient this step (e.g. padding, an expert no
     token reached) steps with g = 0 as in Megatron's optimizer and in torch.optim.Adam given a zero grad (which
     SequentialMLP's empty expert matmul produces on one rank), not skipped as torch skips grad None.
-    state_dict() / load_state_dict(): this rank's shard (step, hyperparameters, exp_avg / exp_avg_sq per bucket);
-    the parameters are checkpointed with the model's own (sharded) state dict."""
+    bf16 parameters (the cluster's precision, Megatron's mixed-precision recipe): this rank's shard of each bf16 bucket
+    has an fp32 master copy; Adam steps the master and the bf16 parameter is its rounding (grads are fp32: wrap_ddp
+    reduces in fp32), so updates smaller than a bf16 ulp accumulate instead of vanishing.
+    state_dict() / load_state_dict(): this rank's shard (step, hyperparameters, exp_avg / exp_avg_sq per bucket, and
+    the fp32 masters of bf16 buckets); the parameters are checkpointed with the model's own (sharded) state dict."""
 
     def __init__(self, ddp, lr, betas=(0.9, 0.999), eps=1e-8):
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
@@ -397,8 +401,9 @@ class ShardedAdam:
         self.shards = []  # one per bucket: this rank's views of its grads / params and its Adam state
         expert_ids = {id(p) for n, p in ddp.module.named_parameters() if ".local_experts." in n}
         for buf in ddp.buffers + ddp.expert_parallel_buffers:
-            if buf.param_dtype != torch.float32 or buf.grad_dtype != torch.float32:
-                raise ValueError(f"ShardedAdam: fp32 params and grads only, got {buf.param_dtype} / {buf.grad_dtype}")
+            if buf.param_dtype not in (torch.float32, torch.bfloat16) or buf.grad_dtype != torch.float32:
+                raise ValueError(f"ShardedAdam: fp32 or bf16 params with fp32 grads, got {buf.param_dtype} / "
+                                 f"{buf.grad_dtype}")
             dp, r = buf.data_parallel_group.size(), buf.data_parallel_group.rank()
             for bucket in buf.buckets:
                 n = bucket.grad_data.numel() // dp  # DDP pads each bucket to a multiple of dp
@@ -411,7 +416,9 @@ class ShardedAdam:
                     if a < b and param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p):
                         norm_ranges.append((a - lo, b - lo))
                     n_expert += max(b - a, 0) if id(p) in expert_ids else 0
-                self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=bucket.param_data[lo:hi],
+                param = bucket.param_data[lo:hi]
+                master = None if param.dtype == torch.float32 else param.detach().float()  # fp32 copy of the shard
+                self.shards.append(dict(grad=bucket.grad_data[lo:hi], param=param, master=master,
                                         norm_ranges=norm_ranges, exp_avg=torch.zeros_like(bucket.grad_data[lo:hi]),
                                         exp_avg_sq=torch.zeros_like(bucket.grad_data[lo:hi]), n_expert=n_expert))
 
@@ -458,7 +465,10 @@ class ShardedAdam:
             m.lerp_(g, 1 - beta1)  # m = b1 m + (1 - b1) g
             v.mul_(beta2).addcmul_(g, g, value=1 - beta2)  # v = b2 v + (1 - b2) g^2
             denom = (v.sqrt() / bias_correction2_sqrt).add_(self.eps)  # sqrt(v_hat) + eps
-            s["param"].addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
+            p = s["param"] if s["master"] is None else s["master"]
+            p.addcdiv_(m, denom, value=-self.lr / bias_correction1)  # p -= lr m_hat / (sqrt(v_hat) + eps)
+            if s["master"] is not None:
+                s["param"].copy_(p)  # the bf16 parameter: its master rounded
         with cpu_shims():
             self.ddp.start_param_sync(force_sync=True)  # all-gather every bucket's param shards
         return norm.item()
@@ -466,7 +476,8 @@ class ShardedAdam:
     def state_dict(self):
         return dict(step=self.step_count, lr=self.lr, betas=self.betas, eps=self.eps,
                     exp_avg=[s["exp_avg"].clone() for s in self.shards],
-                    exp_avg_sq=[s["exp_avg_sq"].clone() for s in self.shards])
+                    exp_avg_sq=[s["exp_avg_sq"].clone() for s in self.shards],
+                    master=[None if s["master"] is None else s["master"].clone() for s in self.shards])
 
     def load_state_dict(self, sd):
         shapes = [tuple(s["exp_avg"].shape) for s in self.shards]
@@ -474,6 +485,13 @@ class ShardedAdam:
             raise ValueError(f"ShardedAdam.load_state_dict: shard shapes {[tuple(t.shape) for t in sd['exp_avg']]} "
                              f"!= {shapes} (another parallel layout or model?)")
         self.step_count, self.lr, self.betas, self.eps = sd["step"], sd["lr"], tuple(sd["betas"]), sd["eps"]
-        for s, m, v in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"]):
+        masters = sd.get("master", [None] * len(self.shards))
+        if [m is None for m in masters] != [s["master"] is None for s in self.shards]:
+            raise ValueError("ShardedAdam.load_state_dict: the checkpoint's fp32 masters do not match this model's "
+                             "bf16 buckets (saved with another --param-dtype?)")
+        for s, m, v, w in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"], masters):
             s["exp_avg"].copy_(m)
             s["exp_avg_sq"].copy_(v)
+            if w is not None:  # the fp32 master, exact; the bf16 parameter (loaded with the model) is its rounding
+                s["master"].copy_(w)
+                s["param"].copy_(w)

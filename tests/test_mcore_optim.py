@@ -51,10 +51,10 @@ def loss_fn(actor, ids, am, n_tokens):
     return -(actor.token_logprobs(ids, am) * am[:, 1:]).sum() / n_tokens
 
 
-def make_actor(tp=1, ep=1):
+def make_actor(tp=1, ep=1, dtype=torch.float32):
     hf = mcore.tiny_qwen35_hf_config(V)
     gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
-                           calculate_per_token_loss=True)
+                           calculate_per_token_loss=True, params_dtype=dtype, bf16=dtype == torch.bfloat16)
     return mcore.MegatronActor(mcore_weights.load_hf_into_megatron(gpt, hf_weights(), hf))
 
 
@@ -82,7 +82,56 @@ def _ranks(rank, world):
     for tp, ep in PLANS:
         ps.destroy_model_parallel()
         res[tp, ep] = _rank(tp, ep, (tp, ep) == (1, 1))
+    ps.destroy_model_parallel()
+    res["bf16"] = _rank_bf16()
     return res
+
+
+def _rank_bf16():
+    """DP = 2 with bf16 parameters: STEPS steps (the last one also from a resumed copy), then one step at a learning
+    rate far below a bf16 ulp of the weights -> (grad norms, fp32 masters, bf16 params, resumed masters, the tiny
+    step's (master moved, bf16 param moved))."""
+    from megatron.core import parallel_state as ps
+    ps.initialize_model_parallel()
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    actor = make_actor(dtype=torch.bfloat16)
+    ddp = mcore_parallel.wrap_ddp(actor)
+    opt = mcore_parallel.ShardedAdam(ddp, lr=LR, eps=EPS)
+    norms = train(actor, opt, dp, dp_rank, [0])
+    first = [s["master"].clone() for s in opt.shards]  # after step 1 (the ranks' weights still equal the reference's)
+    norms += train(actor, opt, dp, dp_rank, range(1, STEPS - 1))
+    ckpt = ({k: v.clone() if torch.is_tensor(v) else v for k, v in actor.gpt.state_dict().items()}, opt.state_dict())
+    other = make_actor(dtype=torch.bfloat16)
+    other_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(other), lr=0.0, eps=0.0)
+    other.gpt.load_state_dict(ckpt[0])
+    other_opt.load_state_dict(ckpt[1])
+    train(other, other_opt, dp, dp_rank, [STEPS - 1])
+    norms += train(actor, opt, dp, dp_rank, [STEPS - 1])
+    masters = [s["master"].clone() for s in opt.shards]
+    params = [s["param"].clone() for s in opt.shards]
+    names = {id(p): n for n, p in actor.gpt.named_parameters()}
+    pieces = {}  # name -> [(first flat index in the parameter, this rank's masters after step 1, after STEPS)]
+    shards = iter(zip(first, masters))
+    for buf in ddp.buffers + ddp.expert_parallel_buffers:  # ShardedAdam's order: a shard per bucket
+        for bucket in buf.buckets:
+            shard1, shard = next(shards)
+            lo = dp_rank * shard.numel()
+            for p in bucket.params_list:
+                start, end, _ = buf.param_index_map[p]
+                a, b = max(start - bucket.offset, lo), min(end - bucket.offset, lo + shard.numel())
+                if a < b:
+                    pieces.setdefault(names[id(p)], []).append(
+                        (a - (start - bucket.offset), shard1[a - lo:b - lo], shard[a - lo:b - lo]))
+    resumed = [s["master"].clone() for s in other_opt.shards]
+    opt.lr = 1e-6  # Adam moves each element by about lr: ~1e-4 of a bf16 ulp at |w| ~ 0.01-1
+    train(actor, opt, dp, dp_rank, [STEPS])
+    n = sum(m.numel() for m in masters)
+    tiny = (max((s["master"] - m).abs().max().item() for s, m in zip(opt.shards, masters)),
+            sum((s["master"] != m).sum().item() for s, m in zip(opt.shards, masters)) / n,  # masters that moved
+            sum((s["param"] != p).sum().item() for s, p in zip(opt.shards, params)) / n)  # bf16 params that changed
+    return (np.array(norms), [m.numpy() for m in masters], [p.float().numpy() for p in params],
+            [m.numpy() for m in resumed], tiny,
+            {n: [(i, v1.numpy(), v.numpy()) for i, v1, v in ps_] for n, ps_ in pieces.items()})
 
 
 def _rank(tp, ep, resume):
@@ -111,6 +160,35 @@ def _rank(tp, ep, resume):
     norms += train(actor, opt, dp, dp_rank, [STEPS - 1])
     out["params"] = {n: p.detach().numpy().copy() for n, p in actor.gpt.named_parameters()}
     return np.array(norms), out, sizes
+
+
+def run_reference_bf16(dp):
+    """World size 1 with bf16 parameters, the mixed-precision recipe by hand: fp32 master copies, each rank's bf16
+    grads summed in fp32 (as DDP's fp32 grad buffer), clip_grad_norm_ and torch.optim.Adam on the masters, the
+    parameters their bf16 rounding -> (grad norms, {name: fp32 master} after step 1, the same after STEPS)."""
+    actor = make_actor(dtype=torch.bfloat16)
+    params = dict(actor.gpt.named_parameters())
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in params.items()}
+    opt = torch.optim.Adam(masters.values(), lr=LR, eps=EPS)
+    norms, first = [], None
+    for step in range(STEPS):
+        ids, am = batch(step)
+        for m in masters.values():
+            m.grad = torch.zeros_like(m)
+        for r in range(dp):
+            for p in params.values():
+                p.grad = None
+            loss_fn(actor, ids.chunk(dp)[r], am.chunk(dp)[r], am[:, 1:].sum()).backward()
+            for n, p in params.items():
+                if p.grad is not None:
+                    masters[n].grad += p.grad.float()
+        norms.append(torch.nn.utils.clip_grad_norm_(masters.values(), MAX_NORM).item())
+        opt.step()
+        with torch.no_grad():
+            for n, p in params.items():
+                p.copy_(masters[n])
+        first = first or {n: m.detach().clone() for n, m in masters.items()}
+    return np.array(norms), first, {n: m.detach().clone() for n, m in masters.items()}
 
 
 def run_reference(dp):
@@ -142,7 +220,7 @@ def reference():
 def parallel_runs():
     """One spawn of 2 gloo ranks -> {(tp, ep): each rank's (grad norms, {"params", "resumed"}, sizes)}."""
     res = infra.gloo_ranks(_ranks, 2, timeout_s=600)
-    return {plan: [r[plan] for r in res] for plan in PLANS}
+    return {plan: [r[plan] for r in res] for plan in PLANS + ["bf16"]}
 
 
 def test_wrap_ddp_needs_per_token_loss():
@@ -193,3 +271,50 @@ def test_sharded_adam_matches_one_rank_adam(reference, parallel_runs, tp, ep):
     assert d_norm < NORM_RTOL
     assert d_param < PARAM_ATOL
     assert moved > 1e-3  # the steps did move the parameters
+
+
+def test_sharded_adam_bf16_keeps_fp32_masters(parallel_runs):
+    """bf16 parameters at DP = 2 (the cluster's precision): the two ranks' fp32 master shards, joined, equal a
+    one-rank reference that keeps fp32 masters and sums the halves' bf16 grads in fp32; the bf16 parameters are the
+    masters rounded; a resumed copy (model + optimizer state, masters included) takes the last step bitwise as the
+    original; a step at lr 1e-6 moves the masters while the bf16 parameters, a ulp coarser, stay put (but for the
+    few masters that sat within 1e-6 of a rounding boundary).
+    Tolerances: after step 1 the fp32 bound of the test above (both sides ran the same bf16 forward; only the grad
+    norm's summation order differs, by an ulp of the clip coefficient). From step 2 on that ulp has flipped the bf16
+    rounding of a few parameters, each a whole bf16 ulp (2^-8 relative), and the forward differs: measured
+    here, max |master - ref| after 3 steps 2.4e-3 on 2 threads; asserted: below LR / 2 (a shard not updated or updated
+    twice is off by about LR per step) and the median element within the fp32 bound."""
+    ref_norms, ref1, ref = run_reference_bf16(2)
+    runs = parallel_runs["bf16"]
+    joined1, joined = ({n: torch.full((m.numel(),), float("nan")) for n, m in ref.items()} for _ in range(2))
+    d_norm = 0.0
+    for norms, masters, params, resumed, (master_moved, masters_frac, params_frac), pieces in runs:
+        d_norm = max(d_norm, abs(norms[0] / ref_norms[0] - 1))
+        for m, p, r in zip(masters, params, resumed):
+            assert m.dtype == np.float32
+            assert np.array_equal(torch.from_numpy(m).bfloat16().float().numpy(), p)  # the bf16 param = master rounded
+            assert np.array_equal(m, r)  # resume: bitwise
+        print(f"\n  lr 1e-6 step: masters moved up to {master_moved:.1e}, {masters_frac:.3f} of them; bf16 params "
+              f"changed {params_frac:.5f}", end="")
+        assert 1e-7 < master_moved < 1e-5 and masters_frac > 0.5  # Adam moves every element with a gradient
+        assert params_frac < 0.05  # only masters within 1e-6 of a bf16 rounding boundary flip their param
+        for n, ps_ in pieces.items():
+            for i, v1, v in ps_:
+                assert torch.isnan(joined[n][i:i + v.size]).all()  # each element in exactly one rank's shard
+                joined1[n][i:i + v.size], joined[n][i:i + v.size] = torch.from_numpy(v1), torch.from_numpy(v)
+    assert joined.keys() == ref.keys()
+    d1 = max((joined1[n] - ref1[n].flatten()).abs().max().item() for n in ref)  # nan (an element no shard holds) fails
+    d = torch.cat([(joined[n] - ref[n].flatten()).abs() for n in ref])
+    moved = max((ref[n] - m.float()).abs().max().item() for n, m in hf_bf16_masters().items())
+    print(f"\n  bf16 DP=2: step 1 grad norm rel diff {d_norm:.1e}, max |master - ref| {d1:.2e} (bound {PARAM_ATOL:.1e});"
+          f" after {STEPS} steps max {d.max():.2e}, median {d.median():.1e}, moved up to {moved:.1e}")
+    assert d_norm < NORM_RTOL
+    assert d1 < PARAM_ATOL
+    assert d.max() < LR / 2 and d.median() < PARAM_ATOL
+    assert moved > 1e-3
+
+
+def hf_bf16_masters():
+    """The bf16 model's parameters before training, by Megatron name."""
+    mcore.init_cpu()
+    return {n: p.detach() for n, p in make_actor(dtype=torch.bfloat16).gpt.named_parameters()}
