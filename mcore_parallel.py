@@ -495,3 +495,83 @@ class ShardedAdam:
             if w is not None:  # the fp32 master, exact; the bf16 parameter (loaded with the model) is its rounding
                 s["master"].copy_(w)
                 s["param"].copy_(w)
+
+
+
+class MegatronAdam:
+    """Megatron's own distributed optimizer (get_megatron_optimizer with use_distributed_optimizer=True: ZeRO-1 over
+    the same DDP buckets, fp32 master shards of bf16 parameters, dense and expert optimizers chained) behind
+    ShardedAdam's interface: what the trainer steps on CUDA. Adam without weight decay at a constant lr; the grad norm
+    and its clip are Megatron's (the same formula as ShardedAdam's). state_dict(): Megatron's non-parameter state plus,
+    per parameter this rank holds a range of, its fp32 master shard and Adam moments (this rank's file, resumable on
+    the same plan, as ShardedAdam's). Megatron's refuses CPU parameters (see above); tests/test_mcore_optim.py runs it
+    on CPU under a test-only shim that maps its CUDA buffers to the CPU, against ShardedAdam."""
+
+    def __init__(self, ddp, lr, betas=(0.9, 0.999), eps=1e-8):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+        c = ddp.module.config
+        self.ddp, self.lr = ddp, lr
+        self.opt = get_megatron_optimizer(OptimizerConfig(
+            optimizer="adam", lr=lr, min_lr=lr, weight_decay=0.0, adam_beta1=betas[0], adam_beta2=betas[1],
+            adam_eps=eps, bf16=c.bf16, params_dtype=c.params_dtype, use_distributed_optimizer=True, clip_grad=0.0),
+            [ddp])
+        self.parts = getattr(self.opt, "chained_optimizers", [self.opt])  # dense, then expert
+        self.names = [n for n, _ in ddp.module.named_parameters()]
+        self.params = dict(ddp.module.named_parameters())
+
+    def zero_grad(self):
+        self.ddp.zero_grad_buffer()
+        self.opt.zero_grad()
+
+    def step(self, max_grad_norm=None):
+        """finalize_model_grads, Megatron's step (norm, clip, Adam on the shards, param all-gather) -> the grad norm."""
+        from megatron.core.distributed import finalize_model_grads
+        finalize_model_grads([self.ddp])
+        for part in self.parts:
+            part.config.clip_grad = float(max_grad_norm or 0.0)
+        ok, norm, _ = self.opt.step()
+        if not ok:
+            raise RuntimeError("MegatronAdam: Megatron's optimizer skipped the step (inf / nan in the grads)")
+        return float(norm)
+
+    def _shards(self):
+        """(part index, name) -> {"param": fp32 master shard, "exp_avg", "exp_avg_sq"} of this rank (live tensors)."""
+        return {(i, n): part._get_main_param_and_optimizer_states(self.params[n])
+                for i, part in enumerate(self.parts) for n in self.names
+                if self.params[n] in getattr(part, "model_param_group_index_map", {})}
+
+    def state_numel(self) -> dict:
+        """Adam elements per moment this rank holds: {"expert", "dense"} (ShardedAdam's, without bucket padding)."""
+        out = {"dense": 0, "expert": 0}
+        for (_, n), t in self._shards().items():
+            out["expert" if ".local_experts." in n or ".experts.linear_fc" in n else "dense"] += t["param"].numel()
+        return out
+
+    def state_dict(self):
+        return {"megatron": self.opt.state_dict(), "lr": self.lr,
+                "shards": {k: {s: v.detach().clone() for s, v in t.items() if torch.is_tensor(v)}
+                           for k, t in self._shards().items()}}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd):
+        self.opt.load_state_dict(sd["megatron"])  # allocates the moments (Megatron's init_state_fn)
+        for part in self.parts:  # that load gives every parameter the same `step` tensor (torch's Adam then counts
+            for st in part.optimizer.state.values():  # it once per parameter): one each, as a fresh run has
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].clone()
+        live = self._shards()
+        if live.keys() != sd["shards"].keys():
+            raise ValueError("MegatronAdam.load_state_dict: the checkpoint's shards are not this rank's (another "
+                             "parallel layout or model?)")
+        for k, t in live.items():
+            for s, v in t.items():
+                if torch.is_tensor(v) and v.shape != sd["shards"][k][s].shape:
+                    raise ValueError(f"MegatronAdam.load_state_dict: {k[1]} {s} has shape {tuple(v.shape)} here, "
+                                     f"{tuple(sd['shards'][k][s].shape)} in the checkpoint")
+            for part in self.parts:
+                if self.params[k[1]] in getattr(part, "model_param_group_index_map", {}):
+                    part._set_main_param_and_optimizer_states(self.params[k[1]], sd["shards"][k])
+        for part in self.parts:  # the model's bf16 params from the restored masters
+            if hasattr(part, "_copy_main_params_to_model_params"):
+                part._copy_main_params_to_model_params()
+        self.ddp.start_param_sync(force_sync=True)

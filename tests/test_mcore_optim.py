@@ -12,6 +12,8 @@ whose reduce-scatter sums exactly what the reference accumulates, is bitwise equ
 difference in the grad norm, Megatron's sum of shard squares vs torch's norm of per-parameter norms, would end
 that)."""
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -318,3 +320,106 @@ def hf_bf16_masters():
     """The bf16 model's parameters before training, by Megatron name."""
     mcore.init_cpu()
     return {n: p.detach() for n, p in make_actor(dtype=torch.bfloat16).gpt.named_parameters()}
+
+
+# --- Megatron's own distributed optimizer (mcore_parallel.MegatronAdam, the trainer's on CUDA) on CPU ----------------
+@contextlib.contextmanager
+def cuda_as_cpu():
+    """Test-only shim: Megatron's optimizer code on CPU tensors. It makes its flags and buffers with device='cuda'
+    (torch.tensor / zeros / empty / ones / full), checks param.type() against 'torch.cuda.*Tensor' and calls
+    .cuda() / torch.cuda.current_device(); inside the block those map to the CPU and type() names CPU tensors as
+    their CUDA twins. Nothing else changes: the arithmetic is Megatron's own."""
+    saved = []
+
+    def patch(obj, name, fn):
+        saved.append((obj, name, getattr(obj, name)))
+        setattr(obj, name, fn)
+
+    def on_cpu(kw):
+        d = kw.get("device")
+        if d is not None and ("cuda" in str(d) or isinstance(d, int)):
+            kw["device"] = "cpu"
+        return kw
+    for f in ("tensor", "zeros", "empty", "ones", "full"):
+        patch(torch, f, lambda *a, _f=getattr(torch, f), **kw: _f(*a, **on_cpu(kw)))
+    tensor_type = torch.Tensor.type
+
+    def cuda_type(self, *a, **kw):
+        t = tensor_type(self, *a, **kw)
+        return t.replace("torch.", "torch.cuda.", 1) if not a and not kw else t
+    patch(torch.Tensor, "type", cuda_type)
+    patch(torch.Tensor, "cuda", lambda self, *a, **kw: self)
+    patch(torch.cuda, "current_device", lambda: "cpu")
+    patch(torch.cuda, "empty_cache", lambda: None)
+    try:
+        yield
+    finally:
+        for obj, name, f in reversed(saved):
+            setattr(obj, name, f)
+
+
+OPT_PLANS = [(1, 1, torch.bfloat16), (1, 2, torch.float32)]  # (tp, ep, dtype): dp2 bf16, ep2 fp32
+
+
+def _megatron_adam_ranks(rank, world):
+    """Each plan: the same STEPS steps with MegatronAdam and with ShardedAdam (fresh models), and MegatronAdam resumed
+    from its state after STEPS - 1 -> {plan: (norms M, norms S, params M, params S, params M resumed, state numel)}."""
+    from megatron.core import parallel_state as ps
+    mcore.init_cpu()
+    out = {}
+    for tp, ep, dtype in OPT_PLANS:
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+        dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        runs = {}
+        for kind in ("megatron", "sharded"):
+            actor = make_actor(tp, ep, dtype)
+            ddp = mcore_parallel.wrap_ddp(actor)
+            with cuda_as_cpu():
+                opt = (mcore_parallel.MegatronAdam if kind == "megatron" else mcore_parallel.ShardedAdam)(
+                    ddp, lr=LR, eps=EPS)
+                norms = train(actor, opt, dp, dp_rank, range(STEPS - 1))
+                state = opt.state_dict() if kind == "megatron" else None
+                model = {k: v.clone() for k, v in actor.gpt.state_dict().items() if torch.is_tensor(v)}
+                norms += train(actor, opt, dp, dp_rank, [STEPS - 1])
+                params = {n: p.detach().float().numpy().copy() for n, p in actor.gpt.named_parameters()}
+                runs[kind] = (np.array(norms), params, opt.state_numel())
+                if kind == "megatron":  # a fresh model + optimizer from the checkpoint take the last step
+                    other = make_actor(tp, ep, dtype)
+                    other.gpt.load_state_dict(model, strict=False)
+                    other_opt = mcore_parallel.MegatronAdam(mcore_parallel.wrap_ddp(other), lr=LR, eps=EPS)
+                    other_opt.load_state_dict(state)
+                    train(other, other_opt, dp, dp_rank, [STEPS - 1])
+                    runs["resumed"] = {n: p.detach().float().numpy().copy() for n, p in other.gpt.named_parameters()}
+        out[tp, ep, str(dtype)] = runs
+    return out
+
+
+@pytest.fixture(scope="module")
+def megatron_adam_runs():
+    res = infra.gloo_ranks(_megatron_adam_ranks, 2, timeout_s=600)
+    return {k: [r[k] for r in res] for k in res[0]}
+
+
+@pytest.mark.parametrize("tp,ep,dtype", OPT_PLANS, ids=["dp2-bf16", "ep2-fp32"])
+def test_megatron_distributed_optimizer_matches_sharded_adam(megatron_adam_runs, tp, ep, dtype):
+    """The trainer's CUDA optimizer (Megatron's DistributedOptimizer via MegatronAdam) and its CPU one (ShardedAdam)
+    take the same 3 clipped steps on 2 ranks: the same grad norms and parameters (bf16: the masters may round to
+    neighbouring bf16 values after step 1, as in the bf16 test above: bound LR / 2 on the max, fp32's on the median);
+    the same Adam state per rank; MegatronAdam resumed from its state_dict (+ the model's) takes the last step
+    bitwise as the original."""
+    for rank, runs in enumerate(megatron_adam_runs[tp, ep, str(dtype)]):
+        (nm, pm, sm), (ns, ps_, ss) = runs["megatron"], runs["sharded"]
+        d_norm = np.abs(nm / ns - 1).max()
+        d = np.concatenate([np.abs(pm[n] - ps_[n]).ravel() for n in ps_])
+        print(f"\n  rank {rank} tp {tp} ep {ep} {dtype}: norms {np.round(nm, 4).tolist()} rel diff {d_norm:.1e}; "
+              f"max |param M - S| {d.max():.2e}, median {np.median(d):.1e}; state {sm} vs {ss}", end="")
+        assert d_norm < NORM_RTOL
+        if dtype == torch.float32:
+            assert d.max() < PARAM_ATOL
+        else:
+            assert d.max() < LR / 2 and np.median(d) < PARAM_ATOL
+        assert sm["expert"] == ss["expert"] and 0 <= ss["dense"] - sm["dense"] < 1024  # ShardedAdam counts padding
+        d_resumed = max(np.abs(runs["resumed"][n] - pm[n]).max() for n in pm)
+        print(f"; resumed: max |param - original| {d_resumed:.1e}", end="")
+        assert d_resumed == 0
