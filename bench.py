@@ -9,6 +9,9 @@
     python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000]  # the copy gate: copy accuracy vs steps
     python bench.py pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]  # policy-gradient signal / noise per trajectory
     python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
+    python train_t1.py trainer-bench [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # the trainer's Megatron
+                                               # path on this node (the cluster model on CUDA): step time, dlogp,
+                                               # peak memory vs the memory model (needs Args: run through train_t1)
 
 Each one writes what it measures to stdout (one JSON line, or a table for cp); the figures measured so far are in
 RESULTS.md. Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests.
@@ -499,6 +502,83 @@ def async_vs_sequential(run_dir) -> dict:
     if seq and asy:
         out["async_over_sequential_max"] = out["async_step_s"] / max(out["sequential_rollout_s"],
                                                                      out["sequential_train_s"])
+    return out
+
+
+def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: int = 4, steps: int = 2,
+                  seed: int = 0) -> dict:
+    """The trainer's Megatron path on this node, in one process (world size 1): an HF Qwen3.5-MoE checkpoint of
+    `shape` with random weights (rounded to bf16, so both sides hold the same values), written and read back the
+    way --model-path is (mcore.trainer_models: on CUDA the cluster model, TE and DeepEP where they import, Megatron's
+    distributed optimizer; on the CPU local modules and ShardedAdam), then `steps` real ppo.Trainer.train_step calls
+    (critic update, old logprobs with R3 replay, PPO epochs, checkpoint) on n_samples trajectories of `tokens` tokens
+    sampled nowhere but recorded by the HF model in fp32 (its routing replayed, its logprobs the rollout's: dlogp is
+    the HF-vs-Megatron mismatch of the same weights). -> the node's facts, seconds and trajectory tokens/s per step,
+    dlogp with R3 on and off, and on CUDA the peak allocated bytes against infra.device_memory's prediction for the
+    co-located actor (+ behaviour copy) and critic. `args`: train_t1's Args (its preset's lrs, clips, --param-dtype).
+    Shapes: infra.MODEL_SHAPES' t1-tiny, cluster.probe_config(), and "122b-slice": 4 layers (3 GDN + 1 attention) of
+    the 122B's widths with 16 of its 256 experts (the whole model's trainer state does not fit one GPU)."""
+    import dataclasses
+    import importlib.util
+    import cluster
+    shapes = {"t1-tiny": infra.MODEL_SHAPES["t1-tiny"], "probe": cluster.probe_config(),
+              "122b-slice": dataclasses.replace(infra.MODEL_SHAPES["qwen35-122b-a10b"], name="122b-slice",
+                                                n_layers=4, n_gdn=3, n_attn=1, n_experts=16)}
+    if shape not in shapes:
+        raise ValueError(f"--shape: expected one of {'|'.join(shapes)}, got {shape!r}")
+    c, cuda = shapes[shape], torch.cuda.is_available()
+    work = Path(tempfile.mkdtemp(prefix="t1-trainer-bench-"))
+    torch.manual_seed(seed)
+    hf = transformers.Qwen3_5MoeForCausalLM(cluster.hf_config(c)).to(torch.bfloat16)
+    tok = model.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
+    model.save_checkpoint(hf, tok, work / "sft")  # bf16 on disk, as the cluster's checkpoints
+    hf = r3.install(hf.float())
+    g, samples = torch.Generator().manual_seed(seed), []
+    for i in range(n_samples):
+        ids = torch.randint(3, c.vocab, (tokens,), generator=g)
+        mask = np.zeros(tokens, dtype=np.int8)
+        mask[tokens // 4:] = 1  # a prompt, then the model's reply
+        with torch.no_grad(), r3.routing(hf, "record") as rec:
+            logits = hf(input_ids=ids[None]).logits.float()  # (1, T, V)
+        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]  # (T-1,) log p(token t | < t)
+        samples.append({"tokens": ids.numpy(), "loss_mask": mask, "routed_experts": rec.experts[0, :tokens - 1].numpy(),
+                        "rollout_logprobs": (np.concatenate([[0.0], lp.double().numpy()]) * mask),
+                        "reward": (i % 4) / 20, "passed": i % 4, "total": 4, "reward_source": "ctrf",
+                        "weight_version": 0, "turns": 1})
+    del hf
+    a = dataclasses.replace(args, backend="megatron", run_dir=str(work / "run"), minibatch_size=1, plan="",
+                            trainer_ranks=1, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, reward_scale=20.0)
+    (work / "run" / "ckpt").mkdir(parents=True)
+    t0 = time.time()
+    tr = ppo.Trainer(a, str(work / "sft"), 0)
+    built = time.time() - t0
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    tr.mark_published(0)
+    rows = []
+    for k in range(steps):
+        t0 = time.time()
+        st = tr.train_step(samples, k + 1)
+        if cuda:
+            torch.cuda.synchronize()
+        dt = time.time() - t0
+        rows.append({"step": k + 1, "seconds": round(dt, 2), "tokens_per_s": round(n_samples * tokens / dt, 1),
+                     **{key: st.get(key) for key in ("dlogp", "dlogp_r3_off", "approx_kl", "clipfrac", "value_loss")}})
+    gpt = tr.actor.gpt
+    out = {"shape": shape, "params": sum(p.numel() for p in gpt.parameters()), "device": str(gpt.embedding.word_embeddings
+           .weight.device), "param_dtype": str(gpt.config.params_dtype), "transformer_impl": gpt.config.transformer_impl,
+           "dispatcher": gpt.config.moe_token_dispatcher_type, "fla": importlib.util.find_spec("fla") is not None,
+           "optimizer": type(tr.actor_opt).__name__, "build_s": round(built, 1), "tokens": tokens,
+           "samples": n_samples, "steps": rows}
+    if cuda:
+        plan = infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
+        act, cri = (infra.device_memory(c, plan, tokens, net, overhead_gib=0.0) for net in ("actor", "critic"))
+        static = ("params", "behaviour", "grads", "optimizer", "expert_optimizer")
+        pred = sum(act[k] + cri[k] for k in static) + max(act["activations"], cri["activations"])
+        out.update(peak_bytes=torch.cuda.max_memory_allocated(), predicted_bytes=pred,
+                   peak_over_predicted=round(torch.cuda.max_memory_allocated() / pred, 3))
+    tr.close()
     return out
 
 

@@ -186,8 +186,14 @@ def check_preset(preset, env, gpus, model_path, packages=None):
 
 
 def choose_plan(preset, seq_len=0):
-    """(first feasible row of infra.py's planner or None, all rows) for the trainer's W GPUs."""
+    """(first feasible row of infra.py's planner or None, all rows) for the trainer's W GPUs. On GPUs only plans the
+    CUDA trainer runs: cp = 1 (cp_gdn.py's context-parallel Gated DeltaNet is CPU only; mcore.trainer_layout refuses
+    it on CUDA); a row it cannot run is marked infeasible with that reason."""
     rows = infra.plan_table(infra.MODEL_SHAPES[preset.model], preset.train_gpus, preset.tokens, preset.mem_gib, seq_len)
+    if preset.device != "cpu":
+        for r in rows:
+            if r["feasible"] and r["cp"] > 1:
+                r.update(feasible=False, reason="cp > 1: not written for the CUDA trainer")
     feas = [r for r in rows if r["feasible"]]
     return (feas[0] if feas else None), rows
 
@@ -569,7 +575,9 @@ def measure_static(c, device="cuda"):
 
 
 def gpu_check(out_dir=None, tokens=(2048, 4096)):
-    """One GPU: (1) mcore.py's backend on a small config when mcore.py exists (its GPU tests, and its
+    """One GPU: (0) the trainer's cluster model (`train_t1.py trainer-bench`, tiny and a 122B-width slice: bf16,
+    Megatron's distributed optimizer, TE / DeepEP where they import, real train_steps with R3 replay, peak memory vs
+    infra's prediction); (1) mcore.py's backend on a small config when mcore.py exists (its GPU tests, and its
     `memory_probe(cfg, plan, tokens)` when it defines one); (2) infra.py's predicted vs measured bytes:
     the static terms (params + grads + optimizer) on the real allocation, and activations (no recompute)
     from peak - static of one forward + backward of the HF model (torch reference GDN path, not FLA)."""
@@ -578,6 +586,21 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
         raise SystemExit("[gpu-check] no CUDA device visible")
     res = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__, "checks": []}
     here = os.path.dirname(os.path.abspath(__file__))
+    # the cluster model in the trainer (issue 16): ppo.Trainer's Megatron path on this GPU, bf16 + Megatron's
+    # distributed optimizer (+ TE / DeepEP where they import), a few real train_steps with R3 replay of the HF
+    # model's routing; its peak memory against infra's prediction. First: the check that matters most.
+    for shape, tokens, samples, limit in (("t1-tiny", 512, 4, 150), ("122b-slice", 1024, 2, 330)):
+        name = f"trainer bench {shape} (bf16, cluster preset)"
+        try:
+            r = subprocess.run([sys.executable, "train_t1.py", "trainer-bench", "--shape", shape, "--tokens",
+                                str(tokens), "--samples", str(samples), "--steps", "3", "--preset", "qwen35-122b-a10b"],
+                               cwd=here,
+                               capture_output=True, text=True, timeout=limit)
+            out = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
+            res["checks"].append({"name": name, "ok": r.returncode == 0, "result": out,
+                                  "tail": None if out else (r.stdout + r.stderr)[-1500:]})
+        except Exception as e:  # a failure or timeout is reported; the checks below still run
+            res["checks"].append({"name": name, "ok": False, "error": repr(e)})
     if os.path.isfile(os.path.join(here, "mcore.py")):
         tests = [t for t in ("tests/test_mcore.py",) if os.path.isfile(os.path.join(here, t))]
         if tests:
@@ -640,7 +663,8 @@ def train_command(preset, run_dir, model_path, urls, row, extra=()):
     plan = {k: row[k] for k in ("tp", "pp", "cp", "ep", "etp", "dp", "recompute")}
     cpu = preset.device == "cpu"
     return [sys.executable, "train_t1.py", "--preset", "embedded" if cpu else preset.name, "--run-dir", run_dir,
-            "--model-path", model_path, "--backend", "megatron", "--sandbox", "bwrap" if cpu else "daytona",
+            "--model-path", model_path, "--backend", "megatron", "--param-dtype", "bf16",  # the cluster's precision
+            "--sandbox", "bwrap" if cpu else "daytona",
             "--engine-urls", ",".join(urls),
             "--engine-world-sizes", ",".join([str(preset.engine_tp)] * preset.n_engines),
             "--plan", json.dumps(plan), *(["--trainer-ranks", str(row["tp"] * row["pp"] * row["cp"] * row["dp"])]

@@ -4,27 +4,34 @@ loss 0, native `RouterReplay` for R3 with router fusion off, distributed optimiz
 
 The backend is three modules: this one (the models and what train_t1.py --backend megatron calls),
 mcore_weights.py (HF <-> Megatron weights, per-rank shards, streaming load, save) and mcore_parallel.py (context
-and pipeline parallel, DDP + ShardedAdam around Megatron-Core). Here: `qwen35_config` / `build_qwen35` (the cluster
-model, GPU nodes only), `build_tiny` (a tiny Qwen3-MoE or Qwen3.5-MoE GPTModel on CPU), `MegatronActor` (logits,
-vocab-parallel `token_logprobs`, R3 through `r3.routing`, under TP / SP / EP / PP / CP), `MegatronCritic` (scalar
-value head, critic.py's conventions) and `embedded_models` (actor, behaviour copy and critic for the trainer).
+and pipeline parallel, DDP + the distributed optimizer around Megatron-Core). Here: `build_tiny` (a Qwen3-MoE or
+Qwen3.5-MoE GPTModel from an HF config: local modules, or TE's on CUDA), `MegatronActor` (logits, vocab-parallel
+`token_logprobs`, R3 through `r3.routing`, under TP / SP / EP / PP / CP), `MegatronCritic` (scalar value head,
+critic.py's conventions), `trainer_layout` / `trainer_models` (actor, behaviour copy and critic for the trainer, on
+the CPU or, as the cluster model, on CUDA), and `qwen35_config` / `_qwen35_gpt` (a Qwen3.5 preset's shapes from
+infra.py with the TE spec: tests/test_mcore_te.py on a GPU).
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 at TP, EP, PP, CP = 2
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
+    python train_t1.py trainer-bench --shape 122b-slice --preset qwen35-122b-a10b  # GPU: the cluster model's steps
 
 Departures from the paper:
 1. On CPU Qwen3.5 is built from local modules (`_qwen35_local_spec`), not the Transformer-Engine spec: the same
    classes, unfused norms, one module per expert (mcore_weights.py renames them for the cluster model). Megatron's
    GatedDeltaNet ignores the attention mask: right padding is safe, left padding or packed sequences would leak.
-2. CPU shims, never on GPU (`init_cpu`, `cpu_shims`): current_device -> "cpu", a no-op CUDA RNG tracker, Megatron's
-   torch gated delta rule in place of flash-linear-attention; `_RMSNorm` because WrappedTorchNorm refuses
-   zero-centred gamma.
+2. CPU shims, never on GPU (`init_cpu`, `cpu_shims`): current_device -> "cpu", Megatron's torch gated delta rule in
+   place of flash-linear-attention; `_RMSNorm` because WrappedTorchNorm refuses zero-centred gamma. A no-op CUDA RNG
+   tracker on both (dropout is 0 and weights are loaded, so Megatron's model-parallel RNG has nothing to do).
 3. The critic routes live (no R3 replay): it never ran in the sampler, so there is nothing to replay. Its backbone
    starts as a copy of the SFT actor's (`MegatronCritic.from_actor`, critic.py departure 1).
-4. At world size 1 the trainer uses torch's Adam (nothing to shard); over ranks Megatron's DDP with
-   `mcore_parallel.ShardedAdam`, ours because Megatron's distributed optimizer needs CUDA.
+4. Optimizer: fp32 at world size 1 on the CPU, torch's Adam (nothing to shard); otherwise Megatron's DDP with the
+   distributed optimizer: Megatron's own on CUDA (mcore_parallel.MegatronAdam), mcore_parallel.ShardedAdam (the same
+   ZeRO-1, ours) on the CPU, where Megatron's refuses CPU parameters.
+5. The cluster model on CUDA (trainer_layout: bf16, TE where it imports, DeepEP's flex dispatcher where deep_ep
+   imports, else all-to-all) is written against megatron-core 0.16.1 and run on CPU in pieces only (the optimizer
+   under a test shim, TE names as functions): no GPU has been lent to run it yet (`bash run.sh gpu-check`).
 """
 
 import contextlib
@@ -82,8 +89,9 @@ def init_cpu():
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if not torch.cuda.is_available():  # the backward of TP / SP layers asks for the device outside any block
         torch.cuda.current_device = lambda: "cpu"
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)  # no port to collide on
+    if not dist.is_initialized():  # no port to collide on; nccl for CUDA tensors (a one-GPU trainer)
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     _CPU_READY = True
@@ -204,9 +212,24 @@ def _qwen35_local_spec(cfg, cp_attention=False):
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_RMSNorm)
 
 
+def _te_spec(hf, cfg):
+    """The Transformer-Engine layer spec of the cluster model (mcore_weights.to_te_layout's names): Qwen3.5 as
+    _qwen35_gpt builds it, Qwen3-MoE megatron-core's TE GPT spec with grouped-GEMM experts."""
+    if is_qwen35(hf):
+        from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+            get_transformer_block_with_experimental_attention_variant_spec)
+        from megatron.core import parallel_state as ps  # this stage's layers
+        return get_transformer_block_with_experimental_attention_variant_spec(
+            cfg, pp_rank=ps.get_pipeline_model_parallel_rank() if cfg.pipeline_model_parallel_size > 1 else 0)
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+    return get_gpt_layer_with_transformer_engine_spec(num_experts=hf.num_experts, moe_grouped_gemm=True,
+                                                      qk_layernorm=True)
+
+
 def build_tiny(hf, seed=0, **overrides):
-    """Megatron-Core GPTModel (local modules, CPU) with the architecture of the HF Qwen3-MoE or Qwen3.5-MoE
-    config `hf`."""
+    """Megatron-Core GPTModel with the architecture of the HF Qwen3-MoE or Qwen3.5-MoE config `hf` (any size: the
+    name is its first use): local modules, or with transformer_impl="transformer_engine" in `overrides` the
+    cluster's TE layers (CUDA; trainer_layout)."""
     init_cpu()
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -216,7 +239,9 @@ def build_tiny(hf, seed=0, **overrides):
     first, last = stage_layers(cfg)
     # context parallel: config keeps CP = 1 (GDN asserts it), parallel_state has it
     cp_attention = mcore_parallel.cp_rank_size_group()[1] > 1
-    if is_qwen35(hf):
+    if overrides.get("transformer_impl") == "transformer_engine":  # the cluster's layers (trainer_layout on CUDA)
+        spec = _te_spec(hf, cfg)
+    elif is_qwen35(hf):
         spec = _qwen35_local_spec(cfg, cp_attention)
         spec.layer_specs = spec.layer_specs[first:last]  # this pipeline stage's layers (the block builds all it gets)
     else:
@@ -269,8 +294,9 @@ def _gpt_forward(gpt, input_ids, attention_mask=None):
     chunk's (B, S, *) output (callers gather it over CP: mcore_parallel.cp_full). Under pipeline parallel
     (mcore_parallel.py departure 1) a stage receives its input with PipeRecv and sends its output with PipeSend."""
     B, T = input_ids.shape
-    dev = input_ids.device
-    key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.bool()
+    dev = gpt.embedding.word_embeddings.weight.device if gpt.pre_process else input_ids.device  # the model's device
+    input_ids = input_ids.to(dev)
+    key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
     Tp = _padded_len(gpt, T)
     if Tp > T:
         input_ids = torch.nn.functional.pad(input_ids, (0, Tp - T))
@@ -344,7 +370,7 @@ class MegatronActor(torch.nn.Module):
         logits = None if logits is None else mcore_parallel.cp_full(logits.float(), input_ids.shape[1])  # (B, T, V)
         logits = mcore_parallel.pipe_result(self.gpt, None if logits is None else logits.float(),
                                             (*input_ids.shape, self.gpt.vocab_size))
-        return types.SimpleNamespace(logits=logits.float())
+        return types.SimpleNamespace(logits=logits.float().to(input_ids.device))  # on the caller's device
 
     def token_logprobs(self, input_ids, attention_mask=None, temperature=1.0):
         """(B, T-1): log pi(tokens[j+1] | tokens[:j+1]) at temperature, from this rank's vocab shard:
@@ -363,7 +389,8 @@ class MegatronActor(torch.nn.Module):
         elif logits is not None:
             with cpu_shims():  # CE works in place on its input: the division made a fresh tensor
                 lp = -vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, input_ids[:, 1:].long())
-        return mcore_parallel.pipe_result(self.gpt, lp, (B, T - 1))  # (B, T-1) on every pipeline stage
+        lp = mcore_parallel.pipe_result(self.gpt, lp, (B, T - 1))  # (B, T-1) on every pipeline stage
+        return lp.to(input_ids.device)  # on the caller's device (the trainer's tensors stay on the host)
 
     @contextlib.contextmanager
     def routing(self, mode, experts=None):
@@ -374,7 +401,8 @@ class MegatronActor(torch.nn.Module):
             experts = r3._check_replay_experts(experts, n_moe, rs[0].topk, rs[0].config.num_moe_experts)
             pad = _padded_len(self.gpt, experts.shape[1]) - experts.shape[1]  # _gpt_forward's; -1 rows route live
             experts = torch.nn.functional.pad(experts, (0, 0, 0, 0, 0, pad), value=-1) if pad else experts
-            layer_experts = r3.slice_for_megatron(experts, **self.layout)
+            dev = next(self.gpt.parameters()).device
+            layer_experts = [e.to(dev) for e in r3.slice_for_megatron(experts, **self.layout)]
         with r3.megatron_routing(self.gpt, mode, layer_experts) as ctx:
             ctx.batch_shape = self._routed_shape
             if _seq_multiple(self.gpt) > 1 or self.gpt.config.pipeline_model_parallel_size > 1 or \
@@ -431,7 +459,7 @@ class MegatronCritic(torch.nn.Module):
 
     `gpt`: a GPTModel of the actor's architecture; its LM output layer is replaced by the scalar head (the
     vocab-size layer is built, then freed). Routing is live: build `gpt` with moe_enable_routing_replay=False
-    (as from_actor and build_qwen35_critic do). R3 pins the actor's logprobs to the sampler's experts; the
+    (as from_actor does). R3 pins the actor's logprobs to the sampler's experts; the
     critic never ran in the sampler, so there is no recording to replay and its router trains freely.
     """
 
@@ -460,30 +488,68 @@ class MegatronCritic(torch.nn.Module):
         v = None if v is None else mcore_parallel.cp_full(v, input_ids.shape[1])  # (B, T, 1) on every CP rank
         v = mcore_parallel.pipe_result(self.gpt, None if v is None else v.squeeze(-1).float(),
                                        tuple(input_ids.shape))  # (B, T):
-        return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # V of prefix ending at t; shift: V(s_j)
+        v = torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # V of prefix ending at t; shift: V(s_j)
+        return v.to(input_ids.device)
 
 
-# --- the embedded Megatron backend: world size 1 on this machine (train_t1.py --backend megatron) ---------
-def embedded_models(hf_actor, path=None):
+# --- the trainer's models, both scales (train_t1.py --backend megatron) -----------------------------------------
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def trainer_layout(dtype: str = "fp32", recompute: bool = False) -> dict:
+    """TransformerConfig overrides of the trainer's models on this rank: the layout parallel_state holds (TP / EP /
+    ETP / PP; sequence parallel with TP, which Megatron's MoE needs in training), calculate_per_token_loss for DDP
+    (mcore_parallel.wrap_ddp), the parameter dtype (--param-dtype), and what this node has: on CUDA Transformer
+    Engine's layers when transformer_engine imports (grouped-GEMM experts; Megatron's local modules otherwise: the
+    same numbers, slower), DeepEP's flex dispatcher when deep_ep imports (all-to-all otherwise); on the CPU local
+    modules, the all-gather dispatcher (gloo), CPU initialisation. recompute (the planner's, --plan): full
+    activation recompute of every layer (Megatron's "full" / "uniform" / 1), CUDA only (it saves and restores the
+    CUDA RNG state)."""
+    import importlib.util
+    from megatron.core import parallel_state as ps
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype: expected one of {'|'.join(DTYPES)}, got {dtype!r}")
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ps.get_expert_model_parallel_world_size(),
+               expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), sequence_parallel=tp > 1,
+               pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
+               calculate_per_token_loss=True, params_dtype=DTYPES[dtype], pipeline_dtype=DTYPES[dtype],
+               bf16=dtype == "bf16")
+    if torch.cuda.is_available():
+        if mcore_parallel.cp_rank_size_group()[1] > 1:
+            raise NotImplementedError("--plan: cp > 1 on a CUDA node: mcore_parallel's context-parallel Gated "
+                                      "DeltaNet (cp_gdn.py) allocates its state on the CPU; not written for CUDA "
+                                      "(use tp / pp / ep / etp / dp)")
+        te = importlib.util.find_spec("transformer_engine") is not None
+        deepep = importlib.util.find_spec("deep_ep") is not None
+        out.update(use_cpu_initialization=False, transformer_impl="transformer_engine" if te else "local",
+                   moe_grouped_gemm=te, moe_token_dispatcher_type="flex" if deepep else "alltoall")
+        if deepep:
+            out["moe_flex_dispatcher_backend"] = "deepep"
+        if recompute:
+            out.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    elif recompute:
+        raise NotImplementedError("--plan: recompute true on the CPU: Megatron's full recompute checkpoints the CUDA "
+                                  "RNG state; plan without it (the CPU rehearsal's planner does)")
+    return out
+
+
+def trainer_models(hf_actor, path=None, dtype: str = "fp32", recompute: bool = False):
     """(actor, behaviour, critic) for train_t1's Trainer from an HF Qwen3-MoE or Qwen3.5-MoE actor: two MegatronActors
-    with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic
-    from the actor's backbone. Local modules (CPU or GPU), in the layout parallel_state holds (the trainer rank
-    initialises it per --plan; one process otherwise): this rank's TP / EP / PP shards, sequence parallel with TP
-    (Megatron's MoE refuses TP without it in training), calculate_per_token_loss for DDP (mcore_parallel.wrap_ddp).
-    `hf_actor`: the HF model (its state dict converted), or with `path` (its HF checkpoint directory) only its config:
-    then each rank reads just its shards from the files (mcore_weights.load_checkpoint_into_megatron)."""
+    with its weights (the behaviour copy holds the weights that sampled a batch) and a MegatronCritic from the actor's
+    backbone, built per trainer_layout (this rank's TP / EP / PP shards; on a CUDA node on its GPU, with TE and
+    DeepEP where they import). `hf_actor`: the HF model (its state dict converted), or with `path` (its HF checkpoint
+    directory) only its config: then each rank reads just its shards from the files
+    (mcore_weights.load_checkpoint_into_megatron)."""
     cfg = hf_actor if path is not None else hf_actor.config
     if getattr(cfg, "model_type", "") not in ("qwen3_moe", "qwen3_5_moe_text"):
-        raise ValueError(f"hf_actor: the embedded Megatron backend converts the Qwen3-MoE and Qwen3.5-MoE text "
-                         f"layouts, got {getattr(cfg, 'model_type', type(hf_actor).__name__)!r}")
-    init_cpu()  # shims; parallel state of one rank unless the trainer set its plan
-    from megatron.core import parallel_state as ps
-    tp, ep = ps.get_tensor_model_parallel_world_size(), ps.get_expert_model_parallel_world_size()
-    layout = dict(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                  expert_tensor_parallel_size=ps.get_expert_tensor_parallel_world_size(), sequence_parallel=tp > 1,
-                  pipeline_model_parallel_size=ps.get_pipeline_model_parallel_world_size(),
-                  pipeline_dtype=torch.float32, calculate_per_token_loss=True)
+        raise ValueError(f"hf_actor: the Megatron backend converts the Qwen3-MoE and Qwen3.5-MoE text layouts, got "
+                         f"{getattr(cfg, 'model_type', type(hf_actor).__name__)!r}")
+    init_cpu()  # shims (CPU only); parallel state of one rank unless the trainer set its plan
+    layout = trainer_layout(dtype, recompute)
+
     def load(gpt):
+        gpt = gpt.cuda() if torch.cuda.is_available() else gpt
         if path is not None:
             return mcore_weights.load_checkpoint_into_megatron(gpt, path, cfg)
         return mcore_weights.load_hf_into_megatron(gpt, hf_actor.state_dict(), cfg)
@@ -529,16 +595,6 @@ def qwen35_config(preset, tp=1, pp=1, cp=1, ep=1, etp=1, **overrides):
     return TransformerConfig(**kw), vocab
 
 
-def require_cluster(what):
-    """Fail early, naming what is missing, instead of deep inside Megatron (no CUDA / TE / FLA / DeepEP)."""
-    import importlib.util
-    missing = [] if torch.cuda.is_available() else ["CUDA"]
-    missing += [m for m in ("transformer_engine", "fla", "deep_ep") if importlib.util.find_spec(m) is None]
-    if missing:
-        raise RuntimeError(f"{what}: needs a GPU node with {', '.join(missing)} (requirements-cluster.txt); "
-                           "on CPU use build_tiny")
-
-
 def _qwen35_gpt(preset, **config):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
@@ -552,31 +608,3 @@ def _qwen35_gpt(preset, **config):
                     share_embeddings_and_output_weights=False,
                     pre_process=parallel_state.is_pipeline_first_stage(),
                     post_process=parallel_state.is_pipeline_last_stage())
-
-
-def _ddp_and_optimizer(model, cfg, lr):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                     overlap_grad_reduce=True), model)
-    opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, bf16=True, use_distributed_optimizer=True,
-                                                 weight_decay=0.0, clip_grad=1.0), [ddp])
-    return ddp, opt
-
-
-def build_qwen35(preset, lr=1e-6, **parallel):
-    """(GPTModel wrapped in DDP, distributed optimizer) for a Qwen3.5 preset. Needs CUDA + TE + FLA + DeepEP,
-    and torch.distributed / parallel_state initialised by the launcher (one process per GPU)."""
-    require_cluster("build_qwen35")
-    gpt = _qwen35_gpt(preset, **parallel).cuda()
-    return _ddp_and_optimizer(gpt, gpt.config, lr)
-
-
-def build_qwen35_critic(preset, lr=1.5e-5, **parallel):
-    """(MegatronCritic wrapped in DDP, distributed optimizer): the actor's architecture with the scalar head,
-    live routing (replay off), paper lr 1.5e-5 (30x the actor's). Same needs as build_qwen35; load the
-    backbone from the SFT actor's checkpoint (critic.py departure 1)."""
-    require_cluster("build_qwen35_critic")
-    critic = MegatronCritic(_qwen35_gpt(preset, moe_enable_routing_replay=False, **parallel)).cuda()
-    return _ddp_and_optimizer(critic, critic.gpt.config, lr)
-

@@ -258,6 +258,11 @@ def context_parallel_gdn(model, group=None, chunk_size=64):
 # the same loss; backward counts the last stage's copy only. One microbatch at a time: GPipe without the overlap
 # (departure 1). gpt.pipe_link carries the send's autograd link (a 0-d tensor) from the stage's forward to
 # the broadcast, which on a non-last stage takes it as its input so the backward of the loss reaches the send.
+def _device():
+    """Where this rank's model lives: the current GPU (nccl) on a CUDA node, else the CPU (gloo)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 class PipeSend(torch.autograd.Function):
     """This stage's output hidden states -> the next stage (p2p); returns a 0-d link whose backward receives their
     grad from there (mcore._gpt_forward keeps it in gpt.pipe_link for pipe_result)."""
@@ -274,7 +279,7 @@ class PipeSend(torch.autograd.Function):
     def backward(ctx, _):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        grad = torch.empty(ctx.shape, dtype=ctx.dtype)
+        grad = torch.empty(ctx.shape, dtype=ctx.dtype, device=_device())
         dist.recv(grad, ps.get_pipeline_model_parallel_next_rank())
         return grad
 
@@ -287,7 +292,7 @@ class PipeRecv(torch.autograd.Function):
     def forward(ctx, link, shape, dtype):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
-        hidden = torch.empty(shape, dtype=dtype)
+        hidden = torch.empty(shape, dtype=dtype, device=_device())
         dist.recv(hidden, ps.get_pipeline_model_parallel_prev_rank())
         return hidden
 
@@ -308,7 +313,7 @@ class _PipeBroadcast(torch.autograd.Function):
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         ctx.last = ps.is_pipeline_last_stage()
-        out = x.detach().clone() if ctx.last else torch.empty(shape, dtype=dtype)
+        out = x.detach().clone() if ctx.last else torch.empty(shape, dtype=dtype, device=_device())
         dist.broadcast(out, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
         return out
 
@@ -492,9 +497,12 @@ class ShardedAdam:
         for s, m, v, w in zip(self.shards, sd["exp_avg"], sd["exp_avg_sq"], masters):
             s["exp_avg"].copy_(m)
             s["exp_avg_sq"].copy_(v)
-            if w is not None:  # the fp32 master, exact; the bf16 parameter (loaded with the model) is its rounding
-                s["master"].copy_(w)
+            if w is not None:  # the fp32 master, exact; the bf16 parameter is its rounding (the model's own
+                s["master"].copy_(w)  # checkpoint may differ: HF keeps some weights offset, e.g. norms as 1 + w)
                 s["param"].copy_(w)
+        if any(m is not None for m in masters):
+            with cpu_shims():  # every rank's shard of the rounded masters into every replica (a collective)
+                self.ddp.start_param_sync(force_sync=True)
 
 
 

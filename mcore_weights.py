@@ -18,10 +18,12 @@ checkpoints): the conversion for mcore.py's models, both ways, sharded per rank.
 Departures from the paper:
 1. Key names are the local modules' (mcore.py departure 1); `to_te_layout` renames them to the TE spec's (rules
    read from the 0.16.1 source, listed above them). That the built TE model has exactly those names is checked only
-   on a GPU (`cluster.py gpu-check`, never run yet); PP > 1 is not written for the TE names.
-2. Conversion is at TP = EP = 1, then sliced per rank (experts by expert TP, which may differ from TP); saving
-   gathers the whole model on every rank: at the cluster's scale a tensor-by-tensor gather to rank 0 is needed
-   (not written).
+   on a GPU (`cluster.py gpu-check`, never run yet). Under PP the TE names are given by global layer number, then
+   renumbered per stage (shard_for_pp / from_te_layout's `first`).
+2. Conversion is at TP = EP = 1, then sliced per rank (experts by expert TP, which may differ from TP); save and
+   publish gather tensor by tensor to global rank 0 (gather_full_state(to_rank0=True)), which then holds one copy of
+   the model in the parameter dtype. A model built with the TE spec (mcore._te_spec) is loaded under to_te_layout's
+   names and gathered back through from_te_layout (_is_te).
 """
 
 import contextlib
@@ -206,12 +208,13 @@ def _fused_input_norm(hf, i):
     return f"decoder.layers.{i}.self_attention.{'in_proj' if gdn else 'linear_qkv'}.layer_norm_weight"
 
 
-def to_te_layout(sd, hf) -> dict:
+def to_te_layout(sd, hf, whole: bool = True) -> dict:
     """Local-module GPTModel state dict (hf_to_megatron's, after shard_for_ep / shard_for_tp) -> the TE-spec model's
-    names (rules 1-2 above); tensors are not copied. Inverse: from_te_layout."""
+    names (rules 1-2 above); tensors are not copied. Inverse: from_te_layout. whole=False: `sd` may be a part of
+    the model (one layer, as load_checkpoint_into_megatron loads it)."""
     fused = {f"decoder.layers.{i}.input_layernorm.weight": _fused_input_norm(hf, i)
              for i in range(hf.num_hidden_layers)}
-    if not fused.keys() <= sd.keys():
+    if whole and not fused.keys() <= sd.keys():
         raise KeyError(f"to_te_layout: no {sorted(fused.keys() - sd.keys())[:3]}")
     out = {}
     for k, w in sd.items():
@@ -223,10 +226,11 @@ def to_te_layout(sd, hf) -> dict:
     return out
 
 
-def from_te_layout(sd, hf) -> dict:
-    """TE-spec GPTModel state dict (without `_extra_state`) -> the local-module names: the inverse of to_te_layout."""
-    unfused = {_fused_input_norm(hf, i): f"decoder.layers.{i}.input_layernorm.weight"
-               for i in range(hf.num_hidden_layers)}
+def from_te_layout(sd, hf, first: int = 0) -> dict:
+    """TE-spec GPTModel state dict (without `_extra_state`) -> the local-module names: the inverse of to_te_layout.
+    first: the global number of the state dict's layer 0 (a pipeline stage's; shard_for_pp numbers them locally)."""
+    unfused = {_fused_input_norm(hf, j + first).replace(f"layers.{j + first}.", f"layers.{j}.", 1):
+               f"decoder.layers.{j}.input_layernorm.weight" for j in range(hf.num_hidden_layers - first)}
     out = {}
     for k, w in sd.items():
         if ".mlp.experts.linear_fc" in k:  # {m}.mlp.experts.linear_fc1.weight{e}
@@ -235,6 +239,11 @@ def from_te_layout(sd, hf) -> dict:
             k = f"{head}.mlp.experts.local_experts.{rest[len(name):]}.{name}"
         out[unfused.get(k, k)] = w
     return out
+
+
+def _is_te(gpt) -> bool:
+    """Built with the Transformer-Engine spec (mcore._te_spec: its names are to_te_layout's)?"""
+    return any(k.endswith(".layer_norm_weight") for k in gpt.state_dict())
 
 
 def load_hf_into_cluster_model(gpt, hf_state_dict, hf):
@@ -402,6 +411,7 @@ def load_hf_into_megatron(gpt, hf_state_dict, hf):
         sd = shard_for_ep(sd, hf.num_experts, ps.get_expert_model_parallel_rank(), c.expert_model_parallel_size)
         sd = shard_for_tp(sd, hf, ps.get_tensor_model_parallel_rank(), c.tensor_model_parallel_size,
                           ps.get_expert_tensor_parallel_rank(), c.expert_tensor_parallel_size)
+    sd = to_te_layout(sd, hf) if _is_te(gpt) else sd  # the cluster model's names (CUDA + TE), by global layer
     if c.pipeline_model_parallel_size > 1:  # this stage's layers
         sd = shard_for_pp(sd, *mcore_parallel.stage_layers(c), gpt.pre_process, gpt.post_process)
     missing, unexpected = gpt.load_state_dict(sd, strict=False)
@@ -510,6 +520,7 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
     cut_on_read = tuple(k for k in cols + rows if k != "linear_qkv.weight")  # Megatron names of CUT_ON_READ's
     expected = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
     loaded, unexpected = set(), []
+    te = _is_te(gpt)
 
     # part of hf_to_megatron's dict (global layer numbers, this rank's experts) -> this rank's, into gpt
     def load(part):
@@ -517,7 +528,8 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
         done = {k: w for k, w in part.items() if k.endswith(cut_on_read)}  # cut at read
         part = {**shard_for_tp({k: w for k, w in part.items() if k not in done}, hf, tp_rank, tp, etp_rank, etp),
                 **done}
-        part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)
+        part = to_te_layout(part, hf, whole=False) if te else part  # the cluster model's names (CUDA + TE), by
+        part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)  # global layer number, then the stage's
         unexpected.extend(gpt.load_state_dict(part, strict=False).unexpected_keys)
         loaded.update(part)
 
@@ -559,6 +571,8 @@ def gather_full_state(gpt, hf, to_rank0: bool = False) -> dict | None:
     c = gpt.config
     tp, ep, etp = c.tensor_model_parallel_size, c.expert_model_parallel_size, c.expert_tensor_parallel_size
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
+    if _is_te(gpt):  # the cluster model's TE names -> the local modules' (this stage's layers numbered from 0)
+        sd = from_te_layout(sd, hf, mcore_parallel.stage_layers(c)[0])
     dist = torch.distributed
     if tp == 1 and ep == 1 and etp == 1 and c.pipeline_model_parallel_size == 1:
         return sd if not to_rank0 or not dist.is_initialized() or dist.get_rank() == 0 else None
@@ -626,7 +640,8 @@ def to_hf(actor, hf_config, to_rank0: bool = False):
     sd = gather_full_state(actor.gpt, hf_config, to_rank0)
     if sd is None:
         return None
-    hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    dtype = actor.gpt.config.params_dtype  # bf16 training writes bf16 (rank 0 holds one copy, not an fp32 one)
+    hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     hf.load_state_dict(megatron_to_hf(sd, hf_config), strict=True)
     return hf
 

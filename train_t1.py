@@ -30,9 +30,9 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
   3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
      --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools; --sft-faults adds recoveries
      (tasks replayed with one untrained wrong turn, trained after it) the scripted expert never makes on its own.
-  4. --backend megatron trains Megatron-Core models (mcore.py) from local modules in fp32 on the CPU (mcore's shims),
-     from --model-path too when its fp32 trainer state fits this machine (check_megatron_model_path); the cluster
-     model (TE layers, bf16, the distributed optimizer on GPUs) is not wired: check_args refuses it by name.
+  4. --backend megatron trains Megatron-Core models (mcore.trainer_models): on the CPU local modules (mcore's shims)
+     in fp32 or bf16 with mcore_parallel.ShardedAdam; on CUDA the cluster model (TE layers and DeepEP where they
+     import, Megatron's own distributed optimizer), written against megatron-core 0.16.1 but not yet run on a GPU.
   5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
   6. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
@@ -68,7 +68,6 @@ import engine
 import families
 import gateway
 import infra
-import mcore
 import model as M
 import paper
 import ppo
@@ -186,7 +185,10 @@ class Args:
     # and update then do not fight over the same cores), all of them (max 2) otherwise
     torch_threads: int = 0
     # --- cluster (the flags `cluster.py launch` passes)
-    backend: str = "hf"  # trainer backend: hf (transformers, this machine) | megatron (mcore.py; GPU nodes only)
+    backend: str = "hf"  # trainer backend: hf (transformers, this machine) | megatron (mcore.py; CPU or GPU nodes)
+    # the Megatron trainer's parameter dtype: fp32 | bf16 (with fp32 master shards in the distributed optimizer);
+    # paper silent; the cluster presets train in bf16 (Megatron's mixed precision, as slime runs it)
+    param_dtype: str = "fp32"
     # start RL from this HF checkpoint (the paper's SFT model) instead of the embedded SFT warm start
     model_path: str = ""
     # trainer layout (JSON: tp, pp, cp, ep, etp, dp, as infra.py's planner prints it); megatron: tp / pp / cp / ep / etp
@@ -228,7 +230,8 @@ FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8, n_sft_tasks=16,
     eval_train_tasks=6, base_steps=20, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
-CLUSTER = dataclasses.replace(Args(), backend="megatron", sandbox="daytona", n_engines=0)  # paper values
+CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sandbox="daytona",
+                              n_engines=0)  # paper values
 PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
            "qwen35-122b-a10b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-122b-a10b"),
            "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b")}
@@ -277,7 +280,8 @@ def check_numbers(args: Args) -> None:
 def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong (and, for the cluster, what is missing)."""
     check_numbers(args)
-    choices = {"backend": ("hf", "megatron"), "sandbox": ("bwrap", "daytona"), "r3_mode": ("replay", "off"),
+    choices = {"backend": ("hf", "megatron"), "param_dtype": ("fp32", "bf16"), "sandbox": ("bwrap", "daytona"),
+               "r3_mode": ("replay", "off"),
                "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS, "reward_mode": ppo.REWARD_MODES,
                "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS,
                "expert_text": families.EXPERT_TEXTS}
@@ -289,6 +293,9 @@ def check_args(args: Args) -> None:
     if args.n_launch % args.samples_per_task:
         raise ValueError(f"--samples-per-task: {args.samples_per_task} must divide --n-launch {args.n_launch} "
                          "(every task of a step is launched that many times)")
+    if args.param_dtype != "fp32" and args.backend == "hf":
+        raise NotImplementedError(f"--param-dtype {args.param_dtype} with --backend hf: not wired (the hf trainer "
+                                  "holds fp32 parameters and torch's Adam); use --backend megatron or fp32")
     if args.critic_head_init != "zero" and args.backend == "megatron":
         raise NotImplementedError("--critic-head-init default with --backend megatron: not wired (the head of "
                                   "mcore.MegatronCritic is always zero-initialised); use --backend hf or zero")
@@ -314,7 +321,7 @@ def check_args(args: Args) -> None:
         raise ValueError(f"--plan: {args.plan} asks for model parallel; the hf backend only runs full replicas "
                          "(dp); use --backend megatron")
     if args.backend == "megatron" and args.model_path:
-        check_megatron_model_path(args.model_path)
+        check_megatron_model_path(args.model_path, args.param_dtype)
     if args.backend == "megatron" and p["world"] > 1:
         if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
             raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
@@ -326,35 +333,38 @@ def check_args(args: Args) -> None:
     check_loss_args(args)
 
 
-TRAINER_FP32_COPIES = 7  # actor + behaviour copy + critic, and Adam's two moments of actor and critic, fp32
+# host bytes per parameter of a CPU trainer rank's state, before sharding: actor + behaviour copy + critic in the
+# parameter dtype, Adam's two fp32 moments of actor and critic, and with bf16 the fp32 masters of actor and critic
+TRAINER_BYTES_PER_PARAM = {"fp32": 3 * 4 + 4 * 4, "bf16": 3 * 2 + 4 * 4 + 2 * 4}
 
 
-def check_megatron_model_path(path: str) -> None:
-    """--model-path with --backend megatron: the trainer builds its Megatron models from that HF checkpoint the way
-    it builds the embedded ones (mcore.embedded_models: local modules, fp32, on the CPU, each rank reading its
-    shards), which is what the CPU rehearsal of the cluster path runs. Refused by name: a layout the converter does
-    not know; a checkpoint whose fp32 trainer state (TRAINER_FP32_COPIES x its parameters) exceeds this machine's
-    memory; a CUDA node (the cluster model, bf16 + Transformer Engine + Megatron's distributed optimizer on GPUs,
-    is not wired into the Trainer yet)."""
+def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
+    """--model-path with --backend megatron: the trainer builds its Megatron models from that HF checkpoint
+    (mcore.trainer_models, each rank reading its shards): on a CUDA node the cluster model (bf16 with --param-dtype
+    bf16, Megatron's distributed optimizer, TE layers and DeepEP where they import; the planner, `cluster.py check`,
+    sizes the device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path runs.
+    Refused by name: a layout the converter does not know; Qwen3.5 on CUDA without flash-linear-attention (Megatron's
+    GatedDeltaNet needs its kernels there); on the CPU a checkpoint whose trainer state (TRAINER_BYTES_PER_PARAM)
+    exceeds this machine's memory."""
+    import importlib.util
     cfg = json.loads((Path(path) / "config.json").read_text())
     kind = cfg.get("model_type", "")
     if kind not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):
         raise ValueError(f"--model-path: {path} holds a {kind!r} model; the Megatron backend converts the Qwen3-MoE "
                          "and Qwen3.5-MoE layouts")
     if torch.cuda.is_available():
-        mcore.require_cluster("--backend megatron --model-path")  # names CUDA / transformer_engine / fla / deep_ep
-        raise NotImplementedError("--model-path with --backend megatron on a CUDA node: the cluster model "
-                                  "(mcore._qwen35_gpt with TE layers, bf16 with Megatron's distributed optimizer) "
-                                  "is not wired into Trainer yet; the trainer's Megatron models run on the CPU")
+        if kind != "qwen3_moe" and importlib.util.find_spec("fla") is None:
+            raise RuntimeError(f"--model-path {path} (Qwen3.5) with --backend megatron on CUDA: needs "
+                               "flash-linear-attention (`fla`, requirements-cluster.txt) for Megatron's GatedDeltaNet")
+        return
     weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", cfg.get("dtype"))), 2)
-    need = weights / dtype_bytes * 4 * TRAINER_FP32_COPIES
+    need = weights / dtype_bytes * TRAINER_BYTES_PER_PARAM[dtype]
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
-        raise ValueError(f"--model-path: {path} has {weights / 2**30:.1f} GiB of weights; the CPU trainer holds "
-                         f"{TRAINER_FP32_COPIES} fp32 copies ({need / 2**30:.0f} GiB) and this machine has "
-                         f"{have / 2**30:.0f} GiB; the cluster model (bf16 + TE + distributed optimizer on GPUs) "
-                         "is not wired into Trainer yet")
+        raise ValueError(f"--model-path: {path} has {weights / 2**30:.1f} GiB of weights; a CPU trainer holds "
+                         f"{TRAINER_BYTES_PER_PARAM[dtype]} bytes a parameter ({need / 2**30:.0f} GiB before "
+                         f"sharding) and this machine has {have / 2**30:.0f} GiB; train it on GPU nodes")
 
 
 def check_loss_args(args: Args) -> None:
@@ -843,5 +853,13 @@ if __name__ == "__main__":
         print(bench.plot(sys.argv[2]))
     elif len(sys.argv) > 1 and sys.argv[1] == "paper":  # the paper's comparisons: paper.py run
         paper.main(["run", *sys.argv[2:]])
+    elif len(sys.argv) > 1 and sys.argv[1] == "trainer-bench":  # bench.trainer_bench with this file's Args
+        tb = argparse.ArgumentParser(prog="train_t1.py trainer-bench")
+        tb.add_argument("--shape", default="t1-tiny")
+        tb.add_argument("--tokens", type=int, default=256)
+        tb.add_argument("--samples", type=int, default=4)
+        tb.add_argument("--steps", type=int, default=2)
+        ns, rest = tb.parse_known_args(sys.argv[2:])
+        print(json.dumps(bench.trainer_bench(parse_args(rest), ns.shape, ns.tokens, ns.samples, ns.steps)))
     else:
         train(parse_args())

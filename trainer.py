@@ -93,6 +93,16 @@ def parallel_plan(args) -> dict:
     return p
 
 
+def plan_recompute(args) -> bool:
+    """--plan's "recompute" (the planner's full activation recompute, which its memory figures assume); not part of
+    parallel_plan, as it does not change a rank's shards (checkpoints of either resume in the other)."""
+    plan = json.loads(args.plan) if args.plan else {}
+    r = plan.get("recompute", False) if isinstance(plan, dict) else False
+    if not isinstance(r, bool):
+        raise ValueError(f"--plan: recompute must be true or false, got {r!r}")
+    return r
+
+
 # --- checkpoints and the run directory's commit point (state.json) -------------------------------------
 
 def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", rank: int = 0,
@@ -366,7 +376,8 @@ class Trainer:
         if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
             cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
             self.hf_config = cfg
-            self.actor, self.behaviour, self.critic = mcore.embedded_models(cfg, src)  # this rank's shards
+            self.actor, self.behaviour, self.critic = mcore.trainer_models(  # this rank's shards
+                cfg, src, args.param_dtype, plan_recompute(args))
             self.save_actor = lambda path: mcore_weights.save_hf(self.actor, cfg, self.tokenizer, path)  # a gather
             def hub_weights():  # a collective gathered to global rank 0; the other ranks get {}
                 hf = mcore_weights.to_hf(self.actor, cfg, to_rank0=True)
@@ -381,9 +392,12 @@ class Trainer:
                 self.ref = M.load_actor(self.sft_dir)[0].eval().requires_grad_(False)
             self.save_actor = lambda path: M.save_checkpoint(self.actor, self.tokenizer, path)
             self.hub_weights = lambda: M.hub_state_dict(self.actor)
-        if self.sharded:  # Megatron DDP (grads reduce-scattered over DP) + the distributed optimizer (mcore_parallel)
-            self.actor_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.actor), lr=args.actor_lr)
-            self.critic_opt = mcore_parallel.ShardedAdam(mcore_parallel.wrap_ddp(self.critic), lr=args.critic_lr)
+        if args.backend == "megatron" and (self.sharded or args.param_dtype == "bf16" or torch.cuda.is_available()):
+            # Megatron DDP (grads reduce-scattered over DP, fp32) + the distributed optimizer (fp32 master shards of
+            # bf16 parameters): Megatron's own on CUDA, mcore_parallel's ZeRO-1 of the same buckets on the CPU
+            opt = mcore_parallel.MegatronAdam if torch.cuda.is_available() else mcore_parallel.ShardedAdam
+            self.actor_opt = opt(mcore_parallel.wrap_ddp(self.actor), lr=args.actor_lr)
+            self.critic_opt = opt(mcore_parallel.wrap_ddp(self.critic), lr=args.critic_lr)
         else:
             self.actor_opt = torch.optim.Adam(self.actor.parameters(), lr=args.actor_lr)
             self.critic_opt = torch.optim.Adam(self.critic.parameters(), lr=args.critic_lr)

@@ -71,8 +71,8 @@ def test_refused_flags_create_no_run_dir(tmp_path):
 
 def test_model_path_with_megatron_is_checked_not_refused(tmp_path):
     """--model-path with --backend megatron builds the trainer's Megatron models from that checkpoint (the cluster
-    path's CPU rehearsal); refused by name: a layout the converter does not know, and a checkpoint whose fp32
-    trainer state would not fit this machine's memory (a sparse file stands in for 10 TiB of bf16 weights)."""
+    path's CPU rehearsal); refused by name: a layout the converter does not know, and a checkpoint whose CPU
+    trainer state (fp32 or bf16 + fp32 masters) would not fit this machine's memory (a sparse file stands in for 10 TiB of bf16 weights)."""
     import json
     import os
 
@@ -86,10 +86,22 @@ def test_model_path_with_megatron_is_checked_not_refused(tmp_path):
     T.check_megatron_model_path(ckpt("small", "qwen3_5_moe_text", "float32", 10 * 2**20))  # passes
     with pytest.raises(ValueError, match="--model-path: .* 'llama' model"):
         T.check_megatron_model_path(ckpt("llama", "llama", "bfloat16", 2**20))
-    with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*fp32 copies"):
+    with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*28 bytes a parameter"):
         T.check_megatron_model_path(ckpt("huge", "qwen3_5_moe", "bfloat16", 10 * 2**40))
+    with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*30 bytes a parameter"):
+        T.check_megatron_model_path(str(tmp_path / "huge"), "bf16")
     args = T.parse_args(["--backend", "megatron", "--model-path", str(tmp_path / "huge"), "--run-dir",
                          str(tmp_path / "run")])
-    with pytest.raises(ValueError, match="fp32 copies"):
+    with pytest.raises(ValueError, match="bytes a parameter"):
         T.check_args(args)
     assert not os.path.exists(tmp_path / "run")
+
+
+def test_param_dtype_is_checked():
+    """--param-dtype: fp32 | bf16, bf16 only with the Megatron trainer (the hf one holds fp32 and torch's Adam); the
+    cluster presets train in bf16."""
+    with pytest.raises(ValueError, match="--param-dtype: expected one of fp32|bf16, got 'fp16'"):
+        T.check_args(dataclasses.replace(T.QUICK, backend="megatron", param_dtype="fp16"))
+    with pytest.raises(NotImplementedError, match="--param-dtype bf16 with --backend hf"):
+        T.check_args(dataclasses.replace(T.QUICK, param_dtype="bf16"))
+    assert T.PRESETS["qwen35-122b-a10b"].param_dtype == "bf16" and T.EMBEDDED.param_dtype == "fp32"

@@ -441,8 +441,9 @@ def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_mis
     with pytest.raises(ValueError, match="DAYTONA_API_KEY"):
         train_t1.check_args(args)
     monkeypatch.setenv("DAYTONA_API_KEY", "k")
-    if not torch.cuda.is_available():  # the CPU trainer cannot hold it; the GPU cluster model is not wired
-        with pytest.raises(ValueError, match="fp32 copies.*not wired"):
+    assert args.param_dtype == "bf16"  # the cluster's precision
+    if not torch.cuda.is_available():  # a CPU trainer cannot hold it (bf16 + fp32 masters + moments); GPUs can
+        with pytest.raises(ValueError, match="30 bytes a parameter.*train it on GPU nodes"):
             train_t1.check_args(args)
 
 

@@ -140,13 +140,19 @@ def test_megatron_backend_trains_the_same_loop(tmp_path):
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "3"]))
     assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [1, 2, 3]
     # the cluster path's input: --model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its
-    # own, every rank reading its shards of it, here in another layout (data x expert parallel over 2 ranks)
+    # own, every rank reading its shards of it, here in another layout (data x expert parallel over 2 ranks) and in
+    # the cluster presets' precision (bf16 parameters, fp32 master shards)
     run2 = tmp_path / "from_model_path"
     train_t1.train(train_t1.parse_args(TINY + [
         "--run-dir", str(run2), "--backend", "megatron", "--eval-attempts", "0", "--plan", '{"dp": 2, "ep": 2}',
-        "--arch", "qwen3_5_moe", "--model-path", str(run_dir / "ckpt" / "sft"), "--rl-steps", "1"]))
+        "--arch", "qwen3_5_moe", "--model-path", str(run_dir / "ckpt" / "sft"), "--rl-steps", "1",
+        "--param-dtype", "bf16"]))
+    assert json.loads((run2 / "ckpt" / "latest" / "config.json").read_text())["dtype"] == "bfloat16"
     rows = read_metrics(run2)
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [1] and not any(r["phase"] == "sft" for r in rows)
     assert not (run2 / "ckpt" / "sft").exists()
     ck = __import__("torch").load(run2 / "ckpt" / "latest" / "trainer_rank1.pt", weights_only=False)
     assert ck["plan"]["ep"] == 2 and ck["plan"]["dp"] == 2
+    assert any(m is not None and m.dtype == __import__("torch").float32 for m in ck["actor_opt"]["master"])
+    rl = [r for r in rows if r["phase"] == "rl"]
+    assert all(np.isfinite(r["dlogp"]) and r["dlogp"] < 0.05 for r in rl if "dlogp" in r)

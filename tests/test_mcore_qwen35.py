@@ -91,11 +91,11 @@ def test_qwen35_critic_from_actor_gives_zero_values_then_trains(actor, batch):
     assert after < critic.value_loss(old, old, returns, mask, 0.2)[0].item()
 
 
-def test_embedded_models_take_the_qwen35_embedded_preset(batch):
+def test_trainer_models_take_the_qwen35_embedded_preset(batch):
     import model as model_lib
     cfg = model_lib.tiny_config(V)  # the embedded preset train_t1 builds (hidden 128, GDN x3 + attention)
     hf = model_lib.build_actor(cfg, seed=0).eval()
-    actor, behaviour, c = mcore.embedded_models(hf)
+    actor, behaviour, c = mcore.trainer_models(hf)
     ids, am = batch
     with torch.no_grad():
         a, b = hf(input_ids=ids, attention_mask=am).logits, actor(input_ids=ids, attention_mask=am).logits

@@ -108,6 +108,27 @@ def test_te_layout_after_shard_for_tp_keeps_the_norm_whole(layout):
     assert back.keys() == shard.keys() and all(torch.equal(back[k], shard[k]) for k in shard)
 
 
+@pytest.mark.parametrize("cuts", [(0, 2, 4), (0, 1, 4), (0, 3, 4)], ids=["2+2", "1+3", "3+1"])
+def test_te_layout_under_pipeline_stages_round_trips(layout, cuts):
+    """PP with the TE names (the 35B one-node preset's plan): the trainer's loads name each layer's fused input norm
+    by its GLOBAL layer number (GDN in_proj or attention linear_qkv), then cut the stage out and number its layers
+    from 0 (to_te_layout, then shard_for_pp); the gather maps a stage back with its first layer's global number
+    (from_te_layout(first=...)) before unshard_pp. The whole model comes back bit for bit for every cut, including
+    one where a stage starts on the attention layer (3+1); a stage gathered with the wrong `first` (0) does not."""
+    hf_cfg, sd = layout
+    if cuts[-1] != hf_cfg.num_hidden_layers:  # the 2-layer Qwen3-MoE: one cut, 1 + 1
+        cuts = (0, 1, hf_cfg.num_hidden_layers)
+    te = mcore_weights.to_te_layout(sd, hf_cfg)
+    stages = [(a, mcore_weights.shard_for_pp(te, a, b, a == 0, b == hf_cfg.num_hidden_layers))
+              for a, b in zip(cuts[:-1], cuts[1:])]
+    back = mcore_weights.unshard_pp([(a, mcore_weights.from_te_layout(part, hf_cfg, a)) for a, part in stages])
+    assert back.keys() == sd.keys()
+    assert all(torch.equal(back[k], sd[k]) for k in sd)
+    if mcore.is_qwen35(hf_cfg):  # GDN and attention layers name their norm differently: the offset matters
+        wrong = mcore_weights.unshard_pp([(a, mcore_weights.from_te_layout(part, hf_cfg, 0)) for a, part in stages])
+        assert wrong.keys() != sd.keys()
+
+
 def test_to_te_layout_refuses_a_dict_without_the_input_norms(layout):
     hf_cfg, local = layout
     with pytest.raises(KeyError, match="input_layernorm"):
