@@ -33,6 +33,7 @@ import torch.nn.functional as F
 import transformers
 
 import chat_tokens
+import cluster
 import cp_gdn
 import data
 import gateway
@@ -520,7 +521,6 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     the 122B's widths with 16 of its 256 experts (the whole model's trainer state does not fit one GPU)."""
     import dataclasses
     import importlib.util
-    import cluster
     shapes = {"t1-tiny": infra.MODEL_SHAPES["t1-tiny"], "probe": cluster.probe_config(),
               "122b-slice": dataclasses.replace(infra.MODEL_SHAPES["qwen35-122b-a10b"], name="122b-slice",
                                                 n_layers=4, n_gdn=3, n_attn=1, n_experts=16)}
@@ -566,8 +566,9 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
         rows.append({"step": k + 1, "seconds": round(dt, 2), "tokens_per_s": round(n_samples * tokens / dt, 1),
                      **{key: st.get(key) for key in ("dlogp", "dlogp_r3_off", "approx_kl", "clipfrac", "value_loss")}})
     gpt = tr.actor.gpt
-    out = {"shape": shape, "params": sum(p.numel() for p in gpt.parameters()), "device": str(gpt.embedding.word_embeddings
-           .weight.device), "param_dtype": str(gpt.config.params_dtype), "transformer_impl": gpt.config.transformer_impl,
+    out = {"shape": shape, "params": sum(p.numel() for p in gpt.parameters()),
+           "device": str(gpt.embedding.word_embeddings.weight.device), "param_dtype": str(gpt.config.params_dtype),
+           "transformer_impl": gpt.config.transformer_impl,
            "dispatcher": gpt.config.moe_token_dispatcher_type, "fla": importlib.util.find_spec("fla") is not None,
            "optimizer": type(tr.actor_opt).__name__, "build_s": round(built, 1), "tokens": tokens,
            "samples": n_samples, "steps": rows}

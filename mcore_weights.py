@@ -528,8 +528,8 @@ def load_checkpoint_into_megatron(gpt, path, hf, stats=None):
         done = {k: w for k, w in part.items() if k.endswith(cut_on_read)}  # cut at read
         part = {**shard_for_tp({k: w for k, w in part.items() if k not in done}, hf, tp_rank, tp, etp_rank, etp),
                 **done}
-        part = to_te_layout(part, hf, whole=False) if te else part  # the cluster model's names (CUDA + TE), by
-        part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)  # global layer number, then the stage's
+        part = to_te_layout(part, hf, whole=False) if te else part  # TE names (CUDA) by global layer number,
+        part = shard_for_pp(part, first, last, gpt.pre_process, gpt.post_process)  # then the stage's local ones
         unexpected.extend(gpt.load_state_dict(part, strict=False).unexpected_keys)
         loaded.update(part)
 

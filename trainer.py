@@ -422,13 +422,17 @@ class Trainer:
         plan = parallel_plan(self.args)
         if self.sharded and ck.get("plan") != plan:  # the shards of another layout do not fit this one
             raise ValueError(f"--plan: {path} holds shards of the layout {ck.get('plan')}, this run asks for {plan}")
+        if ck.get("param_dtype", "fp32") != self.args.param_dtype:  # bf16's fp32 masters would be lost, or missing
+            raise ValueError(f"--param-dtype: {path} was trained with {ck.get('param_dtype', 'fp32')}, this run asks "
+                             f"for {self.args.param_dtype}")
         return ck
 
     def _state(self, step: int) -> dict:
         """What this rank checkpoints besides the actor (HF layout): critic, optimizers, step, RNG (and the plan)."""
         return {"critic": self.critic.state_dict(), "actor_opt": self.actor_opt.state_dict(),
                 "critic_opt": self.critic_opt.state_dict(), "step": step, "rng": self.rng.getstate(),
-                "torch_rng": torch.get_rng_state(), "plan": parallel_plan(self.args) if self.sharded else None}
+                "torch_rng": torch.get_rng_state(), "plan": parallel_plan(self.args) if self.sharded else None,
+                "param_dtype": self.args.param_dtype}
 
     def _barrier(self) -> None:
         if self.sharded:
@@ -536,7 +540,8 @@ class Trainer:
             out = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
             out.parent.mkdir(parents=True, exist_ok=True)  # a --model-path run has no ckpt/sft to have made it
             torch.save({"critic": self.critic.state_dict(), "critic_opt": self.critic_opt.state_dict(),
-                        "plan": parallel_plan(self.args) if self.sharded else None}, out.with_suffix(".tmp"))
+                        "plan": parallel_plan(self.args) if self.sharded else None,
+                        "param_dtype": self.args.param_dtype}, out.with_suffix(".tmp"))
             os.replace(out.with_suffix(".tmp"), out)  # whole or absent: a kill mid-save leaves no torn file
         return recs
 

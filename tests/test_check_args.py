@@ -72,7 +72,8 @@ def test_refused_flags_create_no_run_dir(tmp_path):
 def test_model_path_with_megatron_is_checked_not_refused(tmp_path):
     """--model-path with --backend megatron builds the trainer's Megatron models from that checkpoint (the cluster
     path's CPU rehearsal); refused by name: a layout the converter does not know, and a checkpoint whose CPU
-    trainer state (fp32 or bf16 + fp32 masters) would not fit this machine's memory (a sparse file stands in for 10 TiB of bf16 weights)."""
+    trainer state (fp32 or bf16 + fp32 masters) would not fit this machine's memory (a sparse file stands in for
+    10 TiB of bf16 weights)."""
     import json
     import os
 

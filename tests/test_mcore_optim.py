@@ -308,7 +308,8 @@ def test_sharded_adam_bf16_keeps_fp32_masters(parallel_runs):
     d1 = max((joined1[n] - ref1[n].flatten()).abs().max().item() for n in ref)  # nan (an element no shard holds) fails
     d = torch.cat([(joined[n] - ref[n].flatten()).abs() for n in ref])
     moved = max((ref[n] - m.float()).abs().max().item() for n, m in hf_bf16_masters().items())
-    print(f"\n  bf16 DP=2: step 1 grad norm rel diff {d_norm:.1e}, max |master - ref| {d1:.2e} (bound {PARAM_ATOL:.1e});"
+    print(f"\n  bf16 DP=2: step 1 grad norm rel diff {d_norm:.1e}, max |master - ref| {d1:.2e} "
+          f"(bound {PARAM_ATOL:.1e});"
           f" after {STEPS} steps max {d.max():.2e}, median {d.median():.1e}, moved up to {moved:.1e}")
     assert d_norm < NORM_RTOL
     assert d1 < PARAM_ATOL

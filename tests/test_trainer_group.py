@@ -183,7 +183,8 @@ def test_megatron_bf16_trainer_over_two_ranks_resumes_exactly(tmp_path, megatron
         ray.get(group.close.remote())
         for r in group.ranks:  # their CPUs for the resumed group's ranks
             ray.kill(r)
-        resumed = ppo.TrainerGroup(ray, dataclasses.replace(args, run_dir=str(tmp_path / "resumed")), str(o.sft), 2, [{"num_cpus": 1}] * 2)  # from ckpt/latest = step 2
+        resumed = ppo.TrainerGroup(ray, dataclasses.replace(args, run_dir=str(tmp_path / "resumed")), str(o.sft), 2,
+                                   [{"num_cpus": 1}] * 2)  # from ckpt/latest = step 2
         back2 = ray.get([r.state_dicts.remote() for r in resumed.ranks])[0]
         ray.get(resumed.mark_published.remote(0))
         ray.get(resumed.train_step.remote(o.samples, 3))
@@ -202,6 +203,11 @@ def test_megatron_bf16_trainer_over_two_ranks_resumes_exactly(tmp_path, megatron
         assert all(torch.equal(back3[part][k], after3[part][k]) for k in after3[part]), f"{part}: resumed step"
     moved = max((after3["actor"][k].float() - after2["actor"][k].float()).abs().max().item() for k in after2["actor"])
     assert moved > 0  # step 3 changed the bf16 weights (the bitwise comparison is not vacuous)
+    resumed_latest = tmp_path / "resumed" / "ckpt" / "latest"  # as one rank's file, for a one-rank fp32 trainer:
+    shutil.copy(resumed_latest / "trainer_rank0.pt", resumed_latest / "trainer.pt")  # refused by name
+    with pytest.raises(ValueError, match="--param-dtype: .* was trained with bf16, this run asks for fp32"):
+        ppo.Trainer(dataclasses.replace(args, run_dir=str(tmp_path / "resumed"), param_dtype="fp32", plan=""),
+                    str(o.sft), 3)  # the resumed group's step 3
     latest = tmp_path / "run" / "ckpt" / "latest"
     import json
     assert json.loads((latest / "config.json").read_text())["dtype"] == "bfloat16"
