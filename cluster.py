@@ -377,12 +377,6 @@ class SGLangClient(rollout.EngineClient):
     def destroy_weights_update_group(self, group_name="weight_update_group"):
         return self._call("/destroy_weights_update_group", {"group_name": group_name})
 
-    def release_memory(self, tags=None):
-        return self._call("/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
-
-    def resume_memory(self, tags=None):
-        return self._call("/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
-
 
 def _ok(out, path):
     if not out.get("success", False):

@@ -59,6 +59,7 @@ from model import hub_state_dict, load_actor, load_weights_from_disk, round_to_b
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed's range
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "stop_token_ids", "ignore_eos", "seed")
+MEMORY_TAGS = ("weights", "kv_cache")  # SGLang's GPU memory tags
 INIT_GROUP_FIELDS = ("master_address", "master_port", "rank_offset", "world_size", "group_name", "backend")
 UPDATE_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version")
 GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "stream")
@@ -276,6 +277,7 @@ class EngineServer:
         self.commands = queue.Queue()  # (fn, result dict, Event) run when nothing is running
         self.cv = threading.Condition()
         self.paused, self.stopping = False, False
+        self.released, self.weights_stale = set(), False  # /release_memory_occupation tags; weights not reloaded
         self.running = {}  # rid -> Request admitted and not finished
         self.rows, self.cache, self.mask = [], None, None  # the running batch: Rows, DynamicCache, (B, T) mask
         self.disconnects = collections.deque(maxlen=DISCONNECT_LOG)  # {rid, finish, completion_tokens} per hang-up
@@ -338,6 +340,9 @@ class EngineServer:
             if req.aborted:  # its client hung up before it was queued
                 req.finish = {"type": "abort"}
                 return req
+            if self.released or self.weights_stale:
+                raise HTTPError(409, f"engine: memory released ({', '.join(sorted(self.released)) or 'weights'}); "
+                                "POST /resume_memory_occupation, then load weights, before /generate")
             self.queue.append(req)
             self.cv.notify_all()
         req.done.wait()
@@ -357,6 +362,8 @@ class EngineServer:
 
     def update_weights(self, path, version=None, keep_path=False):
         def load():
+            if "weights" in self.released:
+                raise HTTPError(409, "weights: released; POST /resume_memory_occupation before loading weights")
             load_weights_from_disk(self.model, path)
             if self.weight_dtype == "bf16":
                 round_to_bf16(self.model)
@@ -364,10 +371,45 @@ class EngineServer:
                 self.prefix.clear()  # its states were computed by the old weights
             if not keep_path:
                 self.model_path = path
+            self.weights_stale = False
             self.n_updates += 1
             self.weight_version = str(version) if version is not None else str(self.n_updates)
             return self.weight_version
         return self.run_when_idle(load)
+
+    # -- memory (SGLang's /release_memory_occupation, /resume_memory_occupation: the colocated preset) --
+    def release_memory(self, tags=None):
+        """Give the device memory to a colocated trainer: "kv_cache" drops the prefix cache's states, "weights" frees
+        the parameters' storage (tags None: both). Runs when no request is running; refused while requests wait.
+        A released engine refuses /generate (409) until resumed."""
+        tags = set(MEMORY_TAGS if tags is None else tags)
+
+        def release():
+            if self.queue:
+                raise HTTPError(409, f"engine: {len(self.queue)} requests waiting; finish or abort them first")
+            if "kv_cache" in tags and self.prefix is not None:
+                self.prefix.clear()
+            if "weights" in tags and "weights" not in self.released:
+                self._weight_shapes = {p: (tuple(p.shape), p.dtype) for p in self.model.parameters()}
+                for p in self._weight_shapes:
+                    p.data = torch.empty(0, dtype=p.dtype)
+            self.released |= tags
+            return sorted(self.released)
+        return self.run_when_idle(release)
+
+    def resume_memory(self, tags=None):
+        """Take the memory back. "weights" comes back uninitialised, as SGLang's: /generate stays refused until new
+        weights are loaded (/update_weights_from_disk or a complete /update_weights_from_distributed)."""
+        tags = set(MEMORY_TAGS if tags is None else tags)
+
+        def resume():
+            if "weights" in tags and "weights" in self.released:
+                for p, (shape, dtype) in self._weight_shapes.items():
+                    p.data = torch.empty(shape, dtype=dtype)
+                self.weights_stale = True
+            self.released -= tags
+            return sorted(self.released)
+        return self.run_when_idle(resume)
 
     def set_capture(self, on: bool):
         """Routed-expert capture on / off (bench.py's overhead measurement); clears the prefix cache."""
@@ -763,6 +805,13 @@ def _make_handler(engine):
                 elif self.path == "/destroy_weights_update_group":
                     ok = engine.destroy_weight_group(_field(body, "group_name", (str,), "weight_update_group"))
                     self._send(200, {"success": ok})
+                elif self.path in ("/release_memory_occupation", "/resume_memory_occupation"):
+                    _known_fields(body, ("tags",))
+                    tags = _field(body, "tags", (list,), None)
+                    if tags is not None and (not tags or not all(t in MEMORY_TAGS for t in tags)):
+                        raise BadRequest(f"tags: expected a non-empty list of {'|'.join(MEMORY_TAGS)}, got {tags!r}")
+                    fn = engine.release_memory if self.path.startswith("/release") else engine.resume_memory
+                    self._send(200, {"success": True, "released": fn(tags)})
                 elif self.path == "/pause_generation":
                     engine.pause()
                     self._send(200, {"success": True})

@@ -126,6 +126,13 @@ class EngineClient:
         except json.JSONDecodeError:
             return {"text": raw.decode(errors="replace")}
 
+    def release_memory(self, tags=None):
+        """The colocated preset: give the device to the trainer (SGLang's tags "weights", "kv_cache"; None: both)."""
+        return self._call("/release_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
+    def resume_memory(self, tags=None):
+        return self._call("/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
+
     def generate(self, input_ids, sampling_params, rid=None) -> dict:
         """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, weight_version,
         cached_tokens: prompt tokens the server took from its prefix cache, None when it does not say)."""

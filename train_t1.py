@@ -170,6 +170,10 @@ class Args:
     minibatch_size: int = 64  # trajectories per optimizer step
     max_grad_norm: float = 1.0  # gradient clipping
     async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)
+    # trainer and engines share devices (paper silent: its devices are disjoint; cluster.py's one-node 35B preset):
+    # the engines release their memory (weights + KV cache) for each update and take it back for the publish, the KV
+    # cache alone for the critic warm-up; synchronous (--async-rollout false: nothing samples while the trainer works)
+    colocate: bool = False
     sync_steps: int = 0  # run the first sync_steps RL steps sequentially (async vs sequential step time within one run)
     pin_cores: bool = False  # trainer and rollout side on disjoint halves of the cores (infra.core_split)
     r3_mode: str = "replay"  # routing in the trainer: replay (R3, paper) | off
@@ -234,7 +238,8 @@ CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sa
                               n_engines=0)  # paper values
 PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
            "qwen35-122b-a10b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-122b-a10b"),
-           "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b")}
+           "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b", colocate=True,
+                                                 async_rollout=False)}
 
 
 # The range of every numeric Args field (check_args refuses a value outside it, or a non-finite float, or a float
@@ -299,6 +304,9 @@ def check_args(args: Args) -> None:
     if args.critic_head_init != "zero" and args.backend == "megatron":
         raise NotImplementedError("--critic-head-init default with --backend megatron: not wired (the head of "
                                   "mcore.MegatronCritic is always zero-initialised); use --backend hf or zero")
+    if args.colocate and args.async_rollout:
+        raise ValueError("--colocate: the engines give their memory to the trainer during each update, so nothing "
+                         "can sample beside it; add --async-rollout false")
     if args.advantage == "grpo" and args.samples_per_task < 2:
         raise ValueError(f"--advantage grpo: needs --samples-per-task >= 2 (the group), got {args.samples_per_task}")
     urls = [u for u in args.engine_urls.split(",") if u]
@@ -595,6 +603,17 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     log(run.dir, f"publish: {'over one process group to engine ranks ' + str(sizes) if sizes else 'from disk'}")
 
 
+def engines_memory(run: Run, ax: SimpleNamespace, action: str, tags=None) -> None:
+    """--colocate: every engine releases ("release") or takes back ("resume") its device memory, SGLang's tags
+    ("weights", "kv_cache"; None: both)."""
+    for u in ax.urls:
+        client = rollout.EngineClient(u)
+        out = client.release_memory(tags) if action == "release" else client.resume_memory(tags)
+        if not out.get("success"):
+            raise RuntimeError(f"engine {u}: {action} memory {tags or 'all'}: {out}")
+    log(run.dir, f"engines {action} memory: {', '.join(tags or ('weights', 'kv_cache'))}")
+
+
 def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
     """Publish barrier: pause generation, the engines get weights `version`, resume; the trainer keeps a copy."""
     ax.ray.get(ax.trainer.publish.remote(version))
@@ -634,6 +653,8 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
 def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
     """Critic Warm-Up on SFT-policy rollouts (step 0), or on resume the engines get the last step's weights."""
     args, state = run.args, run.state
+    if args.colocate:  # a run killed during an update may have left the engines released (a no-op otherwise)
+        engines_memory(run, ax, "resume")
     if state["step"] > 0:
         publish(run, ax, state["step"])  # the engines serve the weights of the last finished step
         log(run.dir, f"resumed at RL step {state['step']}")
@@ -646,7 +667,11 @@ def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -
                 pool = [train_pool[i % len(train_pool)] for i in range(args.critic_warmup_trials)]
                 trials, _, _ = run_rollouts(pool, "model", args, run.dir, tokenizer, ax.workers, ax.urls,
                                             desc="warm-up pool")
+                if args.colocate:  # the engines keep the SFT weights (nothing to publish before step 1)
+                    engines_memory(run, ax, "release", ["kv_cache"])
                 recs = ax.ray.get(ax.trainer.warmup.remote(rollout.to_samples(trials, run.dir, "warmup")))
+                if args.colocate:
+                    engines_memory(run, ax, "resume", ["kv_cache"])
                 for i, r in enumerate(recs):
                     run.metrics.write(r, i + 1, "critic_warmup")
                 return [r["explained_variance"] for r in recs]
@@ -745,12 +770,18 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
         # One-step async (paper): the trainer actor updates on step t (5-6, checkpoint included) while the
         # rollout workers sample step t+1 with weights t-1 (staleness 1); at the barrier (both done) weights t
         # are published, so step t+2 samples with weights t.
+        if args.colocate:  # the device to the trainer: the engines free their weights and KV cache
+            engines_memory(run, ax, "release")
         update = ax.trainer.train_step.remote(samples, step)
         ro_next = rollout_step(step + 1) if step < args.rl_steps and overlapped(step + 1) else None
         stats = ax.ray.get(update)
         # ALGO LOGIC: 7. publish weights t to the engines (the barrier)
         t0 = time.time()
+        if args.colocate:  # as slime: weights memory back, the new weights in, then the KV cache
+            engines_memory(run, ax, "resume", ["weights"])
         publish(run, ax, step)
+        if args.colocate:
+            engines_memory(run, ax, "resume", ["kv_cache"])
         t_publish = time.time() - t0
         # plumbing: the step's row, then the commit point
         rec = {"weight_version": step, "staleness": staleness, "sampled_beside_update": overlapped(step),

@@ -141,12 +141,19 @@ def test_megatron_backend_trains_the_same_loop(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [1, 2, 3]
     # the cluster path's input: --model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its
     # own, every rank reading its shards of it, here in another layout (data x expert parallel over 2 ranks) and in
-    # the cluster presets' precision (bf16 parameters, fp32 master shards)
+    # the cluster presets' precision (bf16 parameters, fp32 master shards), the engines releasing their memory while
+    # the trainer works (--colocate, the one-node 35B preset: critic warm-up and update)
     run2 = tmp_path / "from_model_path"
     train_t1.train(train_t1.parse_args(TINY + [
         "--run-dir", str(run2), "--backend", "megatron", "--eval-attempts", "0", "--plan", '{"dp": 2, "ep": 2}',
         "--arch", "qwen3_5_moe", "--model-path", str(run_dir / "ckpt" / "sft"), "--rl-steps", "1",
-        "--param-dtype", "bf16"]))
+        "--param-dtype", "bf16", "--colocate", "true", "--async-rollout", "false"]))  # and the 35B preset's colocation
+    memory = [line.split("engines ", 1)[1] for line in (run2 / "log.txt").read_text().splitlines()
+              if "] engines re" in line and "memory: " in line]
+    assert memory == ["resume memory: weights, kv_cache",  # start: a no-op unless a kill left them released
+                      "release memory: kv_cache", "resume memory: kv_cache",  # critic warm-up
+                      "release memory: weights, kv_cache", "resume memory: weights",  # step 1's update, its publish
+                      "resume memory: kv_cache"], memory
     assert json.loads((run2 / "ckpt" / "latest" / "config.json").read_text())["dtype"] == "bfloat16"
     rows = read_metrics(run2)
     assert [r["step"] for r in rows if r["phase"] == "rl"] == [1] and not any(r["phase"] == "sft" for r in rows)

@@ -702,3 +702,38 @@ def test_a_fault_outside_a_forward_fails_the_running_requests_and_the_engine_goe
         assert status == 200 and len(out["output_ids"]) == 3
     finally:
         eng.stop()
+
+
+def test_release_and_resume_memory_as_the_colocated_preset_uses_them(ckpt, tok):
+    """SGLang's /release_memory_occupation and /resume_memory_occupation on the embedded engine (train_t1 --colocate):
+    released, /generate is refused with 409 naming the endpoint and weights cannot be loaded; after resume the
+    weights storage is back but uninitialised, so /generate stays refused until weights are loaded; then greedy
+    replies equal the engine's before the release (same checkpoint). Bad tags get 400; the KV-cache tag alone clears
+    the prefix cache and keeps the weights."""
+    eng = engine_lib.EngineServer(ckpt, port=0, max_batch=4).start()
+    try:
+        ids = prompt(tok, "hello")
+        before = generate(eng, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+        assert eng.prefix.entries  # the reply's states are cached
+        assert post(eng.url + "/release_memory_occupation", {"tags": ["gpu"]})[0] == 400
+        assert post(eng.url + "/release_memory_occupation", {"tags": []})[0] == 400
+        status, out = post(eng.url + "/release_memory_occupation", {"tags": ["kv_cache"]})
+        assert status == 200 and out["released"] == ["kv_cache"] and not eng.prefix.entries and eng.prefix.bytes == 0
+        assert post(eng.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})[0] == 409
+        assert post(eng.url + "/resume_memory_occupation", {"tags": ["kv_cache"]})[1]["released"] == []
+        assert generate(eng, ids, temperature=0, max_new_tokens=6, ignore_eos=True)["output_ids"] == before["output_ids"]
+        status, out = post(eng.url + "/release_memory_occupation", {})  # both
+        assert status == 200 and out["released"] == ["kv_cache", "weights"]
+        assert sum(p.numel() for p in eng.model.parameters()) == 0  # the storage is gone
+        status, out = post(eng.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 409 and "/resume_memory_occupation" in out["error"]
+        status, out = post(eng.url + "/update_weights_from_disk", {"model_path": ckpt})
+        assert status == 400 and "released" in out["message"]
+        assert post(eng.url + "/resume_memory_occupation", {})[1]["released"] == []
+        status, out = post(eng.url + "/generate", {"input_ids": ids, "sampling_params": {"max_new_tokens": 2}})
+        assert status == 409 and "load weights" in out["error"]  # storage back, contents not
+        assert post(eng.url + "/update_weights_from_disk", {"model_path": ckpt, "weight_version": "back"})[0] == 200
+        after = generate(eng, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+        assert after["output_ids"] == before["output_ids"] and after["meta_info"]["weight_version"] == "back"
+    finally:
+        eng.stop()
