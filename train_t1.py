@@ -653,8 +653,11 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
 def warm_up_critic(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list) -> None:
     """Critic Warm-Up on SFT-policy rollouts (step 0), or on resume the engines get the last step's weights."""
     args, state = run.args, run.state
-    if args.colocate:  # a run killed during an update may have left the engines released (a no-op otherwise)
-        engines_memory(run, ax, "resume")
+    if args.colocate:  # a run killed during an update may have left the engines released (a no-op otherwise),
+        engines_memory(run, ax, "resume")  # their weights storage back but not its contents: reloaded below (the
+        if state["step"] == 0:  # publish of the last step), here the SFT weights from disk
+            for u in ax.urls:
+                rollout.EngineClient(u).update_weights_from_disk(run.sft_dir, weight_version=0)
     if state["step"] > 0:
         publish(run, ax, state["step"])  # the engines serve the weights of the last finished step
         log(run.dir, f"resumed at RL step {state['step']}")

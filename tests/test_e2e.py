@@ -151,6 +151,7 @@ def test_megatron_backend_trains_the_same_loop(tmp_path):
     memory = [line.split("engines ", 1)[1] for line in (run2 / "log.txt").read_text().splitlines()
               if "] engines re" in line and "memory: " in line]
     assert memory == ["resume memory: weights, kv_cache",  # start: a no-op unless a kill left them released
+                      # (then the SFT weights are reloaded from disk: step 0)
                       "release memory: kv_cache", "resume memory: kv_cache",  # critic warm-up
                       "release memory: weights, kv_cache", "resume memory: weights",  # step 1's update, its publish
                       "resume memory: kv_cache"], memory
