@@ -568,6 +568,24 @@ def measure_static(c, device="cuda"):
     return model, static, (grads, master, m, v)
 
 
+def gpu_check_table(res) -> str:
+    """gpu_check's result as a short markdown table: each check, ok, its figure."""
+    lines = ["| check | ok | figure |", "|---|---|---|"]
+    for ch in res["checks"]:
+        r = ch.get("result") or {}
+        if "ratio" in ch:
+            fig = f"measured / predicted {ch['ratio']:.2f}"
+        elif r.get("steps"):
+            first, last = r["steps"][0], r["steps"][-1]
+            fig = (f"peak / predicted {r.get('peak_over_predicted')}, step {last['seconds']} s "
+                   f"({last['tokens_per_s']} tok/s), abs dlogp {first['dlogp']:.2e} "
+                   f"(R3 off {first['dlogp_r3_off']:.2e}), {r.get('transformer_impl')} / {r.get('dispatcher')} / {r.get('optimizer')}")
+        else:
+            fig = str(ch.get("error") or ch.get("tail") or "")[-100:].replace("\n", " ").replace("|", "/")
+        lines.append(f"| {ch['name']} | {ch.get('ok')} | {fig} |")
+    return "\n".join(lines)
+
+
 def gpu_check(out_dir=None, tokens=(2048, 4096)):
     """One GPU: (0) the trainer's cluster model (`train_t1.py trainer-bench`, tiny and a 122B-width slice: bf16,
     Megatron's distributed optimizer, TE / DeepEP where they import, real train_steps with R3 replay, peak memory vs
@@ -644,6 +662,7 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
             ch["ok"] = 0.5 <= ch["ratio"] <= 2.0  # the memory model is a planning tool: same order, not exact
     text = json.dumps(res, indent=1, default=str)
     print(text)
+    print(gpu_check_table(res))
     if out_dir:
         os.makedirs(out_dir, exist_ok=True)
         with open(os.path.join(out_dir, "gpu_check.json"), "w") as f:

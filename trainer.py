@@ -17,11 +17,14 @@ Departures (numbered; what and why):
      are over all ranks, expert_set_mismatch over rank 0's samples.
   3. megatron backend over tp * pp * cp * dp ranks (join_group): parallel_state carves the group per --plan; each
      rank builds its shards, read from the checkpoint's safetensors by slices (no rank holds the whole model).
-  4. megatron gradients: Megatron DDP + mcore_parallel.ShardedAdam (the distributed optimizer's sharding over DP;
-     Megatron's own needs CUDA). Rows are shared over the DP ranks only, padded to equal shares with dummy rows
-     of mask 0 (a forward is a collective over the expert-parallel ranks).
+  4. megatron gradients: Megatron DDP + the distributed optimizer: Megatron's own on CUDA (mcore_parallel.MegatronAdam),
+     mcore_parallel.ShardedAdam on the CPU (Megatron's refuses CPU tensors); bf16 parameters with --param-dtype bf16
+     (fp32 master shards). Rows are shared over the DP ranks only, padded to equal shares with dummy rows of mask 0
+     (a forward is a collective over the expert-parallel ranks).
   5. megatron checkpoint: the HF checkpoint (and a publish's weights) gathered tensor by tensor to global rank 0
-     alone, which writes it; each rank writes its shard file trainer_rank{r}.pt (the plan is checked on resume).
+     alone, which writes it; each rank writes its shard file trainer_rank{r}.pt (its fp32 masters and moments; the
+     plan and --param-dtype are checked on resume), not Megatron's dist_checkpointing: resumable on the same plan
+     only (Megatron's would reshard), one torch.save per rank and no extra dependency.
   6. An expert no token reached gets a zero gradient (Adam still moves it by its momentum) where the one-rank
      torch Adam skips a grad of None: Megatron's behaviour.
 """

@@ -603,3 +603,20 @@ def test_the_rehearsal_model_shape_is_the_embedded_qwen35():
     assert (c.n_heads, c.n_kv_heads, c.head_dim, c.lin_k_heads, c.lin_v_heads, c.lin_k_dim, c.lin_v_dim) == (
         t.num_attention_heads, t.num_key_value_heads, t.head_dim, t.linear_num_key_heads, t.linear_num_value_heads,
         t.linear_key_head_dim, t.linear_value_head_dim)
+
+
+def test_gpu_check_table_shows_each_kind_of_check():
+    """gpu-check's short table (it runs only on a GPU; its formatting is checked here on the shapes it gets)."""
+    res = {"checks": [
+        {"name": "trainer bench t1-tiny", "ok": True, "result": {
+            "steps": [{"seconds": 3.1, "tokens_per_s": 600.0, "dlogp": 1.1e-3, "dlogp_r3_off": 1.9e-3}],
+            "peak_over_predicted": 1.07, "transformer_impl": "transformer_engine", "dispatcher": "flex",
+            "optimizer": "MegatronAdam"}},
+        {"name": "trainer bench 122b-slice", "ok": False, "result": None, "tail": "Traceback ...\nOOM | boom"},
+        {"name": "static bytes", "ok": True, "measured": 10, "predicted": 9, "ratio": 1.11}]}
+    table = cluster.gpu_check_table(res)
+    print(table)
+    rows = table.splitlines()
+    assert len(rows) == 5 and all(r.count("|") == 4 for r in rows)
+    assert "peak / predicted 1.07" in rows[2] and "MegatronAdam" in rows[2] and "1.10e-03" in rows[2]
+    assert "OOM / boom" in rows[3] and "measured / predicted 1.11" in rows[4]
