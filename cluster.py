@@ -579,7 +579,8 @@ def gpu_check_table(res) -> str:
             first, last = r["steps"][0], r["steps"][-1]
             fig = (f"peak / predicted {r.get('peak_over_predicted')}, step {last['seconds']} s "
                    f"({last['tokens_per_s']} tok/s), abs dlogp {first['dlogp']:.2e} "
-                   f"(R3 off {first['dlogp_r3_off']:.2e}), {r.get('transformer_impl')} / {r.get('dispatcher')} / {r.get('optimizer')}")
+                   f"(R3 off {first['dlogp_r3_off']:.2e}), "
+                   f"{r.get('transformer_impl')} / {r.get('dispatcher')} / {r.get('optimizer')}")
         else:
             fig = str(ch.get("error") or ch.get("tail") or "")[-100:].replace("\n", " ").replace("|", "/")
         lines.append(f"| {ch['name']} | {ch.get('ok')} | {fig} |")
