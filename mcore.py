@@ -469,7 +469,7 @@ class MegatronCritic(torch.nn.Module):
         super().__init__()
         self.gpt = gpt
         if gpt.post_process:  # last pipeline stage
-            gpt.output_layer = _ValueHead(gpt.config)
+            gpt.output_layer = _ValueHead(gpt.config).to(next(gpt.parameters()).device)  # on the model's device
 
     @classmethod
     def from_actor(cls, megatron_actor) -> "MegatronCritic":

@@ -319,7 +319,7 @@ class _PipeBroadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return (grad if ctx.last else torch.zeros(())), None, None
+        return (grad if ctx.last else torch.zeros((), device=grad.device)), None, None
 
 
 def pipe_result(gpt, out, shape, dtype=torch.float32):
