@@ -70,7 +70,8 @@ class _NoCudaRngTracker:
 
 
 def init_cpu():
-    """One-process gloo group + Megatron parallel state (all sizes 1) + the process-wide CPU shims."""
+    """One-process group (gloo; nccl on CUDA) + Megatron parallel state (all sizes 1) unless the trainer set them, the
+    process-wide CPU shims, and Megatron's torch gated delta rule wherever flash-linear-attention is missing."""
     global _CPU_READY
     if _CPU_READY:
         return
@@ -81,7 +82,7 @@ def init_cpu():
     if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE: name never bound
         moe_utils.te_general_gemm = None
     from megatron.core.ssm import gated_delta_net as gdn
-    if not gdn.HAVE_FLA and not torch.cuda.is_available():  # GDN without flash-linear-attention (triton):
+    if not gdn.HAVE_FLA:  # GDN without flash-linear-attention (triton; on a GPU node without it: slower, same numbers):
         gdn.HAVE_FLA = True  # GatedDeltaNet.__init__ raises ImportError on this flag alone
         gdn.l2norm = _l2norm  # fla.modules.l2norm
         gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel

@@ -351,9 +351,9 @@ def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
     (mcore.trainer_models, each rank reading its shards): on a CUDA node the cluster model (bf16 with --param-dtype
     bf16, Megatron's distributed optimizer, TE layers and DeepEP where they import; the planner, `cluster.py check`,
     sizes the device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path runs.
-    Refused by name: a layout the converter does not know; Qwen3.5 on CUDA without flash-linear-attention (Megatron's
-    GatedDeltaNet needs its kernels there); on the CPU a checkpoint whose trainer state (TRAINER_BYTES_PER_PARAM)
-    exceeds this machine's memory."""
+    Refused by name: a layout the converter does not know; on the CPU a checkpoint whose trainer state
+    (TRAINER_BYTES_PER_PARAM) exceeds this machine's memory. A GPU node without flash-linear-attention runs Megatron's
+    torch gated delta rule (mcore.init_cpu), slower: said in the log, not refused."""
     import importlib.util
     cfg = json.loads((Path(path) / "config.json").read_text())
     kind = cfg.get("model_type", "")
@@ -362,8 +362,8 @@ def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
                          "and Qwen3.5-MoE layouts")
     if torch.cuda.is_available():
         if kind != "qwen3_moe" and importlib.util.find_spec("fla") is None:
-            raise RuntimeError(f"--model-path {path} (Qwen3.5) with --backend megatron on CUDA: needs "
-                               "flash-linear-attention (`fla`, requirements-cluster.txt) for Megatron's GatedDeltaNet")
+            print(f"[train_t1] --model-path {path}: no flash-linear-attention (`fla`) on this GPU node: Megatron's "
+                  "GatedDeltaNet runs its torch reference kernel (slower, same numbers)", file=sys.stderr)
         return
     weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", cfg.get("dtype"))), 2)
