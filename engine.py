@@ -536,14 +536,14 @@ class EngineServer:
             try:
                 self._step(admit)
             except Exception as e:  # a fault outside a forward: fail what runs, start over, keep serving
-                with self.cv:
+                with self.cv:  # the engine's state is clean before any client hears of the fault
                     failed = list(self.running.values())
                     self.running = {}
+                    self.rows, self.cache, self.mask = [], None, None
+                    self.free_slots = list(range(self.max_batch))[::-1]
                 for req in failed:
                     if not req.done.is_set():
                         req.fail(e)
-                self.rows, self.cache, self.mask = [], None, None
-                self.free_slots = list(range(self.max_batch))[::-1]
             with self.cv:
                 if not self.running:
                     self.cv.notify_all()  # pause() waits for this
