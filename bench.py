@@ -6,7 +6,7 @@
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
     python bench.py cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation peak vs kappa
-    python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000]  # the copy gate: copy accuracy vs steps
+    python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0]  # the copy gate vs steps
     python bench.py pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]  # policy-gradient signal / noise per trajectory
     python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
     python train_t1.py trainer-bench [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # the trainer's Megatron
@@ -731,6 +731,7 @@ def main(argv=None):
     cg.add_argument("--arch", nargs="+", default=["qwen3_moe"], choices=list(model.ARCHS))
     cg.add_argument("--steps", type=int, default=1000)
     cg.add_argument("--threads", type=int, default=2)
+    cg.add_argument("--seed", type=int, default=0, help="tasks, tokenizer, init and data order (seed spread)")
     sn = sub.add_parser("pg-snr", help="a run's per-trajectory policy-gradient signal / noise (one JSON line)")
     sn.add_argument("run_dir")
     sn.add_argument("--ckpt", default="sft", help="ckpt/<name> whose gradient is measured (sft, latest)")
@@ -763,7 +764,7 @@ def main(argv=None):
     elif args.cmd == "copy":
         torch.set_num_threads(args.threads)
         for arch in args.arch:
-            copy_gate(arch, args.steps)
+            copy_gate(arch, args.steps, seed=args.seed)
     else:
         cp_bench(args.kappas, dict(B=1, S=args.seq_len, nk=2, nv=4, dk=32, dv=32))
 
