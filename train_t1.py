@@ -139,6 +139,9 @@ class Args:
     base_steps: int = 0  # steps of synthetic copy pretraining before SFT (train_t1.base_phase)
     base_lr: float = ppo.BASE_LR  # its learning rate (this project's)
     base_batch_size: int = ppo.BASE_BATCH  # copy samples per step (this project's)
+    # while the copy gate (COPY_GATE) is not reached after base_steps, more steps in chunks of base_steps / 4 up to this
+    # many in all (0: exactly base_steps; this project's): run s2 read .825 after 1,000 steps, .94 after 1,250
+    base_max_steps: int = 0
     # --- critic (paper: full-size, warm-up one epoch, 30x actor lr, updated first, value clip 0.2)
     critic_warmup_epochs: int = 1  # critic-only epochs before RL (paper: Critic Warm-Up, one epoch)
     critic_warmup_trials: int = 512  # rollouts of the SFT policy that form the warm-up pool
@@ -211,6 +214,7 @@ COPY_GATE = 0.9  # the base phase should reach this greedy copy accuracy (issue 
 # sizes and lrs shrunk for 2 CPU cores. Each value sized for the tiny model says why (measured: RESULTS.md).
 EMBEDDED = dataclasses.replace(
     Args(), arch="qwen3_moe", base_steps=1000,  # departures 7 and 8: a model that can copy (gate .98 at 1,000)
+    base_max_steps=2000,  # ... for most seeds: seed 2 of r2's recipe read .825 at 1,000 (SFT held-out .333 vs .607)
     n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
     max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
     reward_scale_from_pool=True, eval_attempts=1, eval_train_tasks=30,
@@ -233,7 +237,7 @@ FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n
                            validate_train=False, rl_steps=96, eval_every=16)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8, n_sft_tasks=16,
-    eval_train_tasks=6, base_steps=20, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
+    eval_train_tasks=6, base_steps=20, base_max_steps=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
 CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sandbox="daytona",
                               n_engines=0)  # paper values
 PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
@@ -254,7 +258,8 @@ NUMERIC = {
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
     "eval_every": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
-    "sft_faults": "in [0, 1]", "base_steps": ">= 0", "base_lr": "> 0", "base_batch_size": ">= 1",
+    "sft_faults": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0", "base_lr": "> 0",
+    "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
     "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]",
     "lam": "in [0, 1]",
@@ -526,16 +531,27 @@ def make_tasks(run: Run) -> tuple[list, list]:
 def base_phase(run: Run, actor, tokenizer, texts: list) -> dict:
     """The base phase (embedded only; the paper starts from pretrained Qwen3.5): base_steps of synthetic copy
     pretraining (data.copy_samples over the SFT corpus's pieces), then the copy gate: greedy copy accuracy on 64
-    fresh samples, logged and recorded in state.json (a figure, not a stop: bench.py copy runs the gate alone)."""
+    fresh samples, logged and recorded in state.json. Below the gate, --base-max-steps allows more: chunks of
+    base_steps / 4 until a second 64-sample probe (not the reported one) reads >= COPY_GATE or the cap is reached;
+    a base still below the gate is logged as a WARNING (its SFT will generalise less: RESULTS.md, run s2)."""
     args = run.args
     items = data.copy_items(texts)
-    samples = data.copy_samples(tokenizer, items, args.base_steps * args.base_batch_size, args.seed)
-    ppo.sft(actor, samples, args, run.metrics, phase="base", epochs=1, lr=args.base_lr,
-            batch_size=args.base_batch_size)
+
+    def train(n, seed):
+        samples = data.copy_samples(tokenizer, items, n * args.base_batch_size, seed)
+        ppo.sft(actor, samples, args, run.metrics, phase="base", epochs=1, lr=args.base_lr,
+                batch_size=args.base_batch_size)
+    train(args.base_steps, args.seed)
+    steps, chunk = args.base_steps, max(1, args.base_steps // 4)
+    probe = data.copy_samples(tokenizer, items, 64, -1001 - args.seed)  # decides; the gate below reports
+    while steps + chunk <= args.base_max_steps and ppo.copy_accuracy(actor, probe) < COPY_GATE:
+        train(chunk, 10_000 + args.seed * 1000 + steps)
+        steps += chunk
     gate = {"copy_accuracy": round(ppo.copy_accuracy(actor, data.copy_samples(tokenizer, items, 64, -1 - args.seed)),
-                                   4), "steps": args.base_steps, "items": len(items)}
-    log(run.dir, f"base: {args.base_steps} copy steps over {len(items)} items; copy accuracy "
-                 f"{gate['copy_accuracy']:.3f} (gate {COPY_GATE})")
+                                   4), "steps": steps, "items": len(items)}
+    log(run.dir, f"base: {steps} copy steps over {len(items)} items; copy accuracy {gate['copy_accuracy']:.3f} "
+                 f"(gate {COPY_GATE})" + ("" if gate["copy_accuracy"] >= COPY_GATE else
+                                          " WARNING: below the gate (--base-max-steps allows more)"))
     return gate
 
 

@@ -1,6 +1,7 @@
 """train_t1.py's algorithm pieces: the PPO loss and its optional terms, loss aggregation, the epoch's task draw,
 one reward, and the evaluation that counts every trial (gateway.evaluate_trials)."""
 import dataclasses
+from types import SimpleNamespace
 import json
 import math
 import os
@@ -466,6 +467,32 @@ def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
             phase="base", epochs=1, lr=ppo.BASE_LR, batch_size=ppo.BASE_BATCH)
     after = ppo.copy_accuracy(actor, probe)
     assert before < 0.05 and after > 0.2, (before, after)
+
+
+def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
+    """--base-max-steps: below the copy gate after base_steps the base phase adds chunks of base_steps / 4 while a
+    probe reads < COPY_GATE and the cap allows (the reported gate is a second probe); still below it at the cap it
+    says WARNING; at 0 it trains exactly base_steps. The probe readings are scripted here (the arithmetic of copying
+    is the test above's); each chunk really trains."""
+    texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove")) for i in range(10, 30)]
+    tok = M.train_tokenizer(texts, vocab_size=300)
+
+    def run_base(max_steps, readings):
+        actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tok), 1), "qwen3_moe"), seed=0)
+        reads = iter(readings)
+        monkeypatch.setattr(ppo, "copy_accuracy", lambda a, s: next(reads))
+        run = SimpleNamespace(args=dataclasses.replace(T.QUICK, seed=0, base_steps=8, base_max_steps=max_steps),
+                              metrics=T.Metrics(tmp_path), dir=tmp_path)
+        before = [p.detach().clone() for p in actor.parameters()]
+        gate = T.base_phase(run, actor, tok, texts)
+        moved = max((p - b).abs().max().item() for p, b in zip(actor.parameters(), before))
+        return gate, moved, (tmp_path / "log.txt").read_text().splitlines()[-1]
+    gate, moved, line = run_base(16, [0.5, 0.95, 0.93])  # below, one chunk of 2, at the gate: stop; report .93
+    assert gate["steps"] == 10 and gate["copy_accuracy"] == 0.93 and "WARNING" not in line and moved > 0
+    gate, _, line = run_base(12, [0.5, 0.6, 0.7])  # below to the cap: 8 + 2 + 2, then the reported reading
+    assert gate["steps"] == 12 and gate["copy_accuracy"] == 0.7 and "WARNING: below the gate" in line
+    gate, _, _ = run_base(0, [0.7])  # no cap: exactly base_steps, only the reported reading
+    assert gate["steps"] == 8
 
 
 # --- the end-of-run table's statistics (bench.py) ----------------------------------------------------------
