@@ -295,7 +295,7 @@ def _gpt_forward(gpt, input_ids, attention_mask=None):
     chunk's (B, S, *) output (callers gather it over CP: mcore_parallel.cp_full). Under pipeline parallel
     (mcore_parallel.py departure 1) a stage receives its input with PipeRecv and sends its output with PipeSend."""
     B, T = input_ids.shape
-    dev = gpt.embedding.word_embeddings.weight.device if gpt.pre_process else input_ids.device  # the model's device
+    dev = next(gpt.parameters()).device  # the model's (every pipeline stage's: ids, positions and mask go there)
     input_ids = input_ids.to(dev)
     key_ok = torch.ones(B, T, dtype=torch.bool, device=dev) if attention_mask is None else attention_mask.to(dev).bool()
     Tp = _padded_len(gpt, T)
