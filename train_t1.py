@@ -627,7 +627,7 @@ def engines_memory(run: Run, ax: SimpleNamespace, action: str, tags=None) -> Non
         out = client.release_memory(tags) if action == "release" else client.resume_memory(tags)
         if not out.get("success"):
             raise RuntimeError(f"engine {u}: {action} memory {tags or 'all'}: {out}")
-    log(run.dir, f"engines {action} memory: {', '.join(tags or ('weights', 'kv_cache'))}")
+    log(run.dir, f"engines {action} memory: {', '.join(tags or engine.MEMORY_TAGS)}")
 
 
 def publish(run: Run, ax: SimpleNamespace, version: int) -> None:
