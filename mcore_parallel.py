@@ -524,7 +524,6 @@ class MegatronAdam:
             adam_eps=eps, bf16=c.bf16, params_dtype=c.params_dtype, use_distributed_optimizer=True, clip_grad=0.0),
             [ddp])
         self.parts = getattr(self.opt, "chained_optimizers", [self.opt])  # dense, then expert
-        self.names = [n for n, _ in ddp.module.named_parameters()]
         self.params = dict(ddp.module.named_parameters())
 
     def zero_grad(self):
@@ -545,7 +544,7 @@ class MegatronAdam:
     def _shards(self):
         """(part index, name) -> {"param": fp32 master shard, "exp_avg", "exp_avg_sq"} of this rank (live tensors)."""
         return {(i, n): part._get_main_param_and_optimizer_states(self.params[n])
-                for i, part in enumerate(self.parts) for n in self.names
+                for i, part in enumerate(self.parts) for n in self.params
                 if self.params[n] in getattr(part, "model_param_group_index_map", {})}
 
     def state_numel(self) -> dict:
@@ -576,9 +575,7 @@ class MegatronAdam:
                 if torch.is_tensor(v) and v.shape != sd["shards"][k][s].shape:
                     raise ValueError(f"MegatronAdam.load_state_dict: {k[1]} {s} has shape {tuple(v.shape)} here, "
                                      f"{tuple(sd['shards'][k][s].shape)} in the checkpoint")
-            for part in self.parts:
-                if self.params[k[1]] in getattr(part, "model_param_group_index_map", {}):
-                    part._set_main_param_and_optimizer_states(self.params[k[1]], sd["shards"][k])
+            self.parts[k[0]]._set_main_param_and_optimizer_states(self.params[k[1]], sd["shards"][k])  # its owner
         for part in self.parts:  # the model's bf16 params from the restored masters
             if hasattr(part, "_copy_main_params_to_model_params"):
                 part._copy_main_params_to_model_params()
