@@ -439,6 +439,9 @@ def test_copy_samples_mask_the_reply_and_mark_the_copied_items():
     tok = M.train_tokenizer(texts * 5, vocab_size=300)
     items = data.copy_items(texts)
     assert "maple42_dir/" in items and "<" in items
+    longer = data.copy_items(["juniper45_data/willow15/dune19.txt " + "x" * 64], max_chars=64)  # run u1's inventory
+    assert "juniper45_data/willow15/dune19.txt" in longer and "x" * 64 not in longer
+    assert data.copy_items(["juniper45_data/willow15/dune19.txt"]) == []  # the default leaves nested paths out
     samples = data.copy_samples(tok, items, 20, seed=3)
     assert [s["tokens"] for s in samples] == [s["tokens"] for s in data.copy_samples(tok, items, 20, seed=3)]
     for s in samples:
