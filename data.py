@@ -26,7 +26,7 @@ Departures from the paper:
    scores below full, the scripted expert resolves), then rst.audit's rule-based hard rejects, not an LLM's.
 3. `quality` is rst.audit's weighted score (task.toml, with the verdict); a draft rejected by either is redrawn,
    never repaired. With --no-validate it stays a heuristic (assertion count + family difficulty).
-4. Instructions and expert replies are short and formulaic (families.py, its departure 2).
+4. Instructions and expert replies are short and formulaic (families.py, its departures 2 and 3).
 5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
    the split is recorded in task.toml.
 """

@@ -12,6 +12,8 @@ Departures from the paper (data.py numbers them 1 and 4):
    of a fixed library (RST_OPS) instead of an LLM composing and rewriting; the files family has no file to extend.
 2. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M parameter model trained
    from scratch on CPU (--expert-text terse makes the replies' free text the same fixed words on every task).
+3. The find family's expert hands the path it finds to mv / cp by command substitution, in one command: the
+   miniature never learned to copy a path off the terminal into its next command (RESULTS.md, run u2).
 """
 import gzip
 import io
@@ -305,8 +307,8 @@ def fam_find(rng):
                  ("same_content", [f"assert _read({out!r}) == {files[target]!r}"]),
                  ("source_kept", [f"assert os.path.isfile(A + '/{out}')",
                                   f"assert _read({target!r}) == {files[target]!r}"])]
-        turns = [_turn(f"I must find which file under {d} has {w}.", f"grep -rl {w} in {d}.", [f"grep -rl {w} {d}"]),
-                 _turn(f"grep found {target}.", f"Copy it to {out}.", [f"cp {target} {out}", f"cat {out}"])]
+        turns = [_turn(f"I must copy the file under {d} that has {w}.", f"grep -rl {w} names it; cp takes it.",
+                       [f"cp $(grep -rl {w} {d}) {out}", f"cat {out}"])]
         ins = f"One file under {d} contains the word {w}. Copy that file to {out} in /app."
         return _spec(ins, files, tests, turns, f"{out} is a copy of {target}.", [out])
     base = target.rsplit("/", 1)[1]
@@ -315,8 +317,8 @@ def fam_find(rng):
                  ("same_content", [f"assert _read({base!r}) == {files[target]!r}"]),
                  ("moved_not_copied", [f"assert os.path.isfile(A + '/{base}')",
                                        f"assert not os.path.exists(A + '/{target}')"])]
-        turns = [_turn(f"I must find {base} under {d}.", "Use find -name.", [f"find {d} -name {base}"]),
-                 _turn(f"find shows {target}.", "Move it to /app.", [f"mv {target} .", "ls"])]
+        turns = [_turn(f"I must move {base} from under {d} to /app.", "find -name gives its path to mv.",
+                       [f"mv $(find {d} -name {base}) .", "ls"])]
         ins = f"Find the file named {base} under {d} and move it to /app."
         return _spec(ins, files, tests, turns, f"{base} is now in /app.", [base])
     out, = _names(rng, 1, "txt")
@@ -329,8 +331,8 @@ def fam_find(rng):
              ("moved_not_copied", [f"assert os.path.isfile(A + '/{out}')", f"assert not os.path.exists(A + '/{big}')"]),
              ("others_kept", [f"assert os.path.isfile(A + '/{out}')"]
               + [f"assert os.path.isfile(A + '/{p}')" for p in others])]
-    turns = [_turn(f"I must find the largest file in {d}.", "List it sorted by size.", [f"ls -S {d}"]),
-             _turn(f"ls -S shows {big.rsplit('/', 1)[1]} first.", f"Move it to {out}.", [f"mv {big} {out}", "ls"])]
+    turns = [_turn(f"I must move the largest file in {d} to {out}.", "ls -S lists it first; mv takes it.",
+                   [f"mv {d}/$(ls -S {d} | head -1) {out}", "ls"])]
     ins = f"Move the largest file in {d} to {out} in /app."
     return _spec(ins, flat, tests, turns, f"{out} is the largest file from {d}.", [out])
 

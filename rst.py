@@ -195,9 +195,20 @@ def test_leakage(task, initial, final):
         if words and f" {words} " in f" {instr} ":
             return f"test_leakage: instruction.md states the content of {rel}, which the solution should compute"
         for src, (is_dir, _, c0) in sorted(initial.items()):
-            if not is_dir and c0 == content and src != rel and src not in solve and os.path.basename(src) not in solve:
+            if not is_dir and c0 == content and src != rel and not _reads(solve, src):
                 return f"test_leakage: the expected {rel} is already in /app as {src}, which the solution never reads"
     return None
+
+
+def _reads(solve, src):
+    """solve.sh reads /app's src: it names src or its file name, or a command substitution searches a directory
+    holding it (`mv d/$(ls -S d | head -1) out`: the find family's expert picks the file by searching)."""
+    if src in solve or os.path.basename(src) in solve:
+        return True
+    parts = src.split("/")[:-1]
+    dirs = ["/".join(parts[:i]) for i in range(1, len(parts) + 1)]
+    return any(re.search(rf"(?<![\w./-]){re.escape(d)}(?![\w.-])", sub)
+               for sub in re.findall(r"\$\(([^)]*)\)", solve) for d in dirs)
 
 
 def _shortcuts(task, initial):

@@ -97,6 +97,55 @@ def test_scripted_expert_trajectory_resolves_for_every_family(pool, tmp_path):
         assert r["resolved"] and r["exit_reason"] == "task_complete", (d, r)
 
 
+def _find_kinds():
+    """One find spec of each kind (grep / name / largest), told apart by their instructions."""
+    kinds = {}
+    for seed in range(200):
+        spec = families.fam_find(random.Random(seed))
+        kind = ("grep" if spec["instruction"].startswith("One file") else
+                "largest" if spec["instruction"].startswith("Move the largest") else "name")
+        kinds.setdefault(kind, spec)
+    assert set(kinds) == {"grep", "name", "largest"}
+    return kinds
+
+
+def test_find_expert_copies_names_from_the_instruction_only():
+    """families departure 3: the miniature cannot copy a path off the terminal, so the find expert's one command
+    names only what the instruction names (the found path travels by command substitution)."""
+    import re
+    for kind, spec in _find_kinds().items():
+        assert len(spec["turns"]) == 1, kind
+        cmds = " ".join(c for t in spec["turns"] for c in t["cmds"])
+        names = re.findall(r"[A-Za-z]+\d+(?:_data)?(?:\.\w+)?", cmds)
+        assert names and all(n in spec["instruction"] for n in names), (kind, cmds, spec["instruction"])
+        assert "$(" in cmds, kind
+
+
+def test_find_expert_resolves_every_kind_in_a_sandbox(tmp_path):
+    """Each kind's one-command expert passes data.validate in real sandboxes: the oracle resolves, nop fails, and
+    the scripted Terminus-2 trajectory resolves."""
+    pytest.importorskip("rollout")
+    model = pytest.importorskip("model")
+    specs = _find_kinds()
+    dirs = {k: data.write_task(str(tmp_path / k), spec, "find", "train", "0") for k, spec in specs.items()}
+    tok = model.train_tokenizer(data.corpus(list(dirs.values())))
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = dict(zip(dirs, ex.map(lambda d: data.validate(d, tok, str(tmp_path / "w")), dirs.values())))
+        assert res == {k: None for k in dirs}, res
+        audits = dict(zip(dirs, ex.map(lambda d: rst.audit(d, str(tmp_path / "a")), dirs.values())))
+    # the found file is the expected output: the audit sees the search in $(...) as reading it, not as a leak
+    assert {k: a["reasons"] for k, a in audits.items()} == {k: [] for k in dirs}, audits
+
+
+def test_leakage_reads_through_a_search_of_the_files_directory_only():
+    assert rst._reads("mv d/$(ls -S d | head -1) out\n", "d/x.txt")
+    assert rst._reads("cp $(grep -rl W d) out\n", "d/s/x.txt")
+    assert not rst._reads("cp $(grep -rl W e) out\n", "d/s/x.txt")  # another directory
+    assert not rst._reads("cp $(grep -rl W dd) out\n", "d/x.txt")  # d is only a prefix of dd
+    assert not rst._reads("mv d/a.txt out\n", "d/x.txt")  # d named outside a substitution
+    assert not rst._reads("cat $(echo out)\n", ".answer")  # a file at /app's top has no directory to search
+
+
 def test_generate_with_audit_keeps_only_resolving_tasks(tmp_path):
     pytest.importorskip("rollout")
     train, heldout = data.generate_tasks(str(tmp_path), 6, 0, seed=11, scripted=False)
