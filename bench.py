@@ -636,6 +636,29 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
             "reward_p_le": sum(x <= 0 for x in boots) / n_boot}
 
 
+def compare(path_a: str, path_b: str) -> dict:
+    """`bench.py compare A B`: two held-out evaluations of one run or two (evals/step_NNNNNN.json, train_t1.eval_row)
+    over the same tasks: each one's solve rate with its 95% interval and tasks solved per family (the task name's
+    last part), then the paired tests of B against A (paired)."""
+    evs, rows = [], {}
+    for key, path in (("a", path_a), ("b", path_b)):
+        try:
+            ev = json.loads(Path(path).read_text())
+            fams = {}
+            for t in ev["trials"]:
+                fams.setdefault(t["task"].rsplit("-", 1)[-1], []).append(bool(t["resolved"]))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"compare: {path} is not an evaluation with per-trial rows (evals/step_*.json): "
+                             f"{type(e).__name__}: {e}") from None
+        k, n = sum(sum(v) for v in fams.values()), len(ev["trials"])
+        rows[key] = {"path": path, "solve_rate": round(k / max(1, n), 4), "ci": [round(x, 4) for x in wilson(k, n)],
+                     "n": n, "per_family": {f: sum(v) for f, v in sorted(fams.items())}}
+        evs.append(ev)
+    t = paired(*evs)
+    return {**rows, **{k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, tuple)
+                           else v) for k, v in t.items()}}
+
+
 def print_table(summary: dict) -> None:
     """The end-of-run table: held-out (and first training tasks) solve rate and mean reward of each checkpoint with
     95% intervals and n, then the paired tests RL vs SFT (and SFT vs base), then the phase times."""
@@ -740,6 +763,9 @@ def main(argv=None):
     sn.add_argument("--threads", type=int, default=2)
     pl = sub.add_parser("plot", help="PNG curves of a run directory (reward, solve rate, EV, |dlogp|, ...)")
     pl.add_argument("run_dir")
+    cm = sub.add_parser("compare", help="two held-out evaluations (RUN/evals/step_N.json), paired (one JSON line)")
+    cm.add_argument("a")
+    cm.add_argument("b")
     args = p.parse_args(argv)
     if args.cmd == "engine":
         torch.set_num_threads(args.threads)
@@ -758,6 +784,8 @@ def main(argv=None):
         print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
     elif args.cmd == "plot":
         print(plot(args.run_dir))
+    elif args.cmd == "compare":
+        print(json.dumps(compare(args.a, args.b)))
     elif args.cmd == "pg-snr":
         torch.set_num_threads(args.threads)
         print(json.dumps(pg_snr(args.run_dir, args.ckpt, args.steps, args.n)))

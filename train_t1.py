@@ -458,9 +458,14 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
 
 
 def eval_row(run: Run, ev: dict, step: int) -> None:
-    """A held-out evaluation as a metrics row (phase "eval", at the RL step whose weights it scored; SFT: 0)."""
+    """A held-out evaluation as a metrics row (phase "eval", at the RL step whose weights it scored; SFT: 0), and
+    whole, per-trial rows included, in evals/step_NNNNNN.json: any two compare paired (`bench.py compare A B`)."""
     run.metrics.write({"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
                        "heldout_n_trials": ev["n_trials"]}, step, "eval")
+    out = run.dir / "evals" / f"step_{step:06d}.json"
+    out.parent.mkdir(exist_ok=True)
+    out.with_suffix(".tmp").write_text(json.dumps({**ev, "after_step": step}))
+    os.replace(out.with_suffix(".tmp"), out)  # whole or absent
 
 
 def brief(ev: dict) -> dict:

@@ -526,6 +526,31 @@ def test_paired_mcnemar_and_bootstrap_by_hand():
         bench.paired(a, _ev([True], [1.0]))
 
 
+def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
+    """eval_row writes evals/step_N.json whole (per-trial rows); bench.py compare pairs two of them by task."""
+    rows = []
+    run = SimpleNamespace(dir=tmp_path, metrics=SimpleNamespace(write=lambda rec, step, phase: rows.append(step)))
+    sft = {**_ev([False] * 20 + [True] * 5, [0.0] * 20 + [1.0] * 5), "solve_rate": 0.2, "reward_mean": 0.2,
+           "n_trials": 25}
+    for t in sft["trials"]:
+        t["task"] = f"heldout-{t['task']}-" + ("find" if t["task"] in ("t0", "t21") else "files")
+    rl = json.loads(json.dumps(sft))
+    for t in rl["trials"][:12]:
+        t.update(resolved=True, reward=1.0)
+    rl["trials"][21].update(resolved=False, reward=0.0)
+    T.eval_row(run, sft, 0)
+    T.eval_row(run, rl, 16)
+    assert rows == [0, 16] and sorted(os.listdir(tmp_path / "evals")) == ["step_000000.json", "step_000016.json"]
+    assert json.loads((tmp_path / "evals" / "step_000016.json").read_text())["after_step"] == 16
+    c = bench.compare(str(tmp_path / "evals" / "step_000000.json"), str(tmp_path / "evals" / "step_000016.json"))
+    assert (c["solved_gained"], c["solved_lost"], c["n"]) == (12, 1, 25)
+    assert c["a"]["per_family"] == {"files": 4, "find": 1} and c["b"]["per_family"] == {"files": 15, "find": 1}
+    assert c["b"]["solve_rate"] == 0.64 and c["a"]["ci"][0] < 0.2 < c["a"]["ci"][1]
+    (tmp_path / "broken.json").write_text('{"solve_rate": 0.5}')
+    with pytest.raises(ValueError, match="broken.json is not an evaluation with per-trial rows"):
+        bench.compare(str(tmp_path / "broken.json"), str(tmp_path / "evals" / "step_000000.json"))
+
+
 def test_snr_stats_by_hand():
     G = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, -2.0]])  # mean (2, 0)
     st = bench.snr_stats(G)
