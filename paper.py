@@ -295,7 +295,7 @@ def main(argv=None):
     r.add_argument("--out", default=None, help="runs/paper (runs/paper-quick with --quick)")
     r.add_argument("--quick", action="store_true", help="the quick preset, one seed: a smoke run (the test's form)")
     r.add_argument("--full", action="store_true",
-                   help="the full preset (150 held-out tasks, 96 RL steps an arm: ~1.2 h per arm x seed; --rl-steps N)")
+                   help="the full preset (150 held-out tasks, 48 RL steps an arm: ~1 h per arm x seed; --rl-steps N)")
     r.add_argument("--seeds", type=int, default=None, help="seeds per arm (3; --quick: 1)")
     r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (the preset's by default)")
