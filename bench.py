@@ -655,8 +655,8 @@ def compare(path_a: str, path_b: str) -> dict:
                      "n": n, "per_family": {f: sum(v) for f, v in sorted(fams.items())}}
         evs.append(ev)
     t = paired(*evs)
-    return {**rows, **{k: (round(v, 4) if isinstance(v, float) else [round(x, 4) for x in v] if isinstance(v, tuple)
-                           else v) for k, v in t.items()}}
+    t["reward_diff_ci"] = [round(x, 4) for x in t["reward_diff_ci"]]
+    return {**rows, **{k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()}}
 
 
 def print_table(summary: dict) -> None:

@@ -75,7 +75,7 @@ import reward
 import rollout
 import task_io
 import tito
-from trainer import Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run
+from trainer import Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run, write_atomic
 
 
 @dataclass
@@ -235,7 +235,7 @@ EMBEDDED = dataclasses.replace(
 # curve every 16 steps. Critic Warm-Up on 512 trials (64 updates): the embedded 64 (8 updates) and 256 left a critic
 # with EV 0.04 (a warm-vs-cold arm compared two cold critics); 512 starts RL at EV 0.37. 48 steps: with that critic
 # held-out peaked at step 48 (0.66, +15 / -7) and fell below SFT by 64-68 (r12; r6, cold, collapsed at 122): read
-# off the held-out curve, there being no validation split. About 1.5-2 hours on 2 cores
+# off the held-out curve, there being no validation split. About 2 hours on 2 cores
 FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512)
 QUICK = dataclasses.replace(
@@ -462,10 +462,8 @@ def eval_row(run: Run, ev: dict, step: int) -> None:
     whole, per-trial rows included, in evals/step_NNNNNN.json: any two compare paired (`bench.py compare A B`)."""
     run.metrics.write({"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
                        "heldout_n_trials": ev["n_trials"]}, step, "eval")
-    out = run.dir / "evals" / f"step_{step:06d}.json"
-    out.parent.mkdir(exist_ok=True)
-    out.with_suffix(".tmp").write_text(json.dumps({**ev, "after_step": step}))
-    os.replace(out.with_suffix(".tmp"), out)  # whole or absent
+    (run.dir / "evals").mkdir(exist_ok=True)
+    write_atomic(run.dir / "evals" / f"step_{step:06d}.json", json.dumps({**ev, "after_step": step}))
 
 
 def brief(ev: dict) -> dict:
@@ -495,10 +493,7 @@ class Run:
         self.metrics = Metrics(run_dir)
 
     def save_state(self) -> None:  # the commit point (atomic): a kill at any moment leaves the old or the new state
-        path = self.dir / "state.json"
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.state, indent=1))
-        os.replace(tmp, path)
+        write_atomic(self.dir / "state.json", json.dumps(self.state, indent=1))
 
     def timed(self, name, fn):
         t0 = time.time()

@@ -126,8 +126,7 @@ def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", 
     barrier()
     if rank > 0:
         return
-    (tmp / "step.json.tmp").write_text(json.dumps({"step": int(state["step"])}))
-    os.replace(tmp / "step.json.tmp", tmp / "step.json")  # the marker is whole or absent
+    write_atomic(tmp / "step.json", json.dumps({"step": int(state["step"])}))  # the marker is whole or absent
     prev = path.with_name("previous")
     shutil.rmtree(prev, ignore_errors=True)  # state.json is at the step of `path` (the loop commits before saving)
     if path.exists():
@@ -202,6 +201,14 @@ def load_state(run_dir: Path) -> dict:
     return state
 
 
+def write_atomic(path: Path, text: str) -> None:
+    """path holds text whole or keeps what it held: a temp file beside it, renamed over it (a kill mid-write leaves
+    no torn file)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def read_jsonl(path: Path) -> tuple[list[dict], str]:
     """Rows of a JSONL file a kill may have cut: a torn last line is dropped (the note says so); a bad line
     before it is corruption, named with its line number."""
@@ -230,9 +237,7 @@ def rewrite_jsonl(path: Path, keep) -> list[str]:
     rows, note = read_jsonl(path)
     kept = [r for r in rows if keep(r)]
     if note or len(kept) < len(rows) or not path.read_text().endswith("\n"):  # unended: joins the next row
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, path)
+        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
     return ([note] if note else []) + ([f"{path.name}: dropped {len(rows) - len(kept)} row(s) of uncommitted work"]
                                        if len(kept) < len(rows) else [])
 

@@ -3,6 +3,7 @@ import concurrent.futures as cf
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 
@@ -112,7 +113,6 @@ def _find_kinds():
 def test_find_expert_copies_names_from_the_instruction_only():
     """families departure 3: the miniature cannot copy a path off the terminal, so the find expert's one command
     names only what the instruction names (the found path travels by command substitution)."""
-    import re
     for kind, spec in _find_kinds().items():
         assert len(spec["turns"]) == 1, kind
         cmds = " ".join(c for t in spec["turns"] for c in t["cmds"])
