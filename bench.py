@@ -20,6 +20,8 @@ import argparse
 import json
 import math
 import os
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -49,6 +51,11 @@ from trainer import Metrics
 
 
 # --- engine: the embedded engine vs Hugging Face generate; prefix cache; capture overhead ---------------
+def _get(url):
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return json.loads(r.read())
+
+
 def _post(url, obj):
     req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -154,21 +161,50 @@ def _capture_overhead(hf, eng, n_rows, prompt_len, steps, seed=0):
             "capture_ops_pct_of_step": round(100 * float(np.median(ops)) / float(np.median(off)), 3)}
 
 
+def _serve(path, threads, *flags):
+    """`engine.py serve` in its own process (as train_t1's engine actors and SGLang run: a process whose main thread
+    does no torch work) -> (Popen, url) once it answers."""
+    port = infra.free_port()
+    proc = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "engine.py"),
+                             "serve", "--model-path", path, "--port", str(port), "--weight-dtype", "fp32",
+                             "--threads", str(threads), *flags], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                            text=True)
+    if "engine serving" not in proc.stdout.readline():  # printed once healthy
+        proc.kill()
+        raise RuntimeError(f"engine.py serve --model-path {path}: exited with {proc.wait()} before serving")
+    return proc, f"http://127.0.0.1:{port}"
+
+
 def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, turns=8, turn_tokens=48,
                  n_agents=8, capture_steps=400, work_dir=None) -> dict:
     """Issue 15's figures in one run, repeats interleaved (the machine drifts): generated tokens/s of the engine
-    (HTTP clients, logprobs + routed experts returned) vs HF `generate` in-process on the same fp32 checkpoint at
-    8 and 32 concurrent single-turn requests (~prompt_len-token prompts, new_tokens each); a multi-turn workload
-    (n_agents agents x `turns` turns, turn_tokens new + 40 tool tokens per turn, the history growing) through HF,
-    the engine with its prefix cache off, and on; the capture overhead (_capture_overhead). Medians; ratios > 1
-    favour the engine / the cache."""
+    (`engine.py serve` processes with this process's torch threads; HTTP clients, logprobs + routed experts
+    returned) vs HF `generate` in this process on the same fp32 checkpoint at 8 and 32 concurrent single-turn
+    requests (~prompt_len-token prompts, new_tokens each); a multi-turn workload (n_agents agents x `turns` turns,
+    turn_tokens new + 40 tool tokens per turn, the history growing) through HF, the engine with its prefix cache
+    off, and on; the capture overhead (_capture_overhead, in this process). Medians; ratios > 1 favour the engine /
+    the cache."""
     work = work_dir or tempfile.mkdtemp(prefix="t1_engine_bench_")
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok), arch), seed=0), tok, work)
     hf, _ = model.load_actor(work)
     hf.eval()
-    on = EngineServer(work, weight_dtype="fp32").start()
-    off = EngineServer(work, weight_dtype="fp32", prefix_cache_mb=0).start()
+    procs = []
+    try:
+        procs.append(_serve(work, torch.get_num_threads()))
+        procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0"))
+        return _engine_figures(hf, tok, procs[0][1], procs[1][1], EngineServer(work, weight_dtype="fp32"), arch,
+                               repeats, prompt_len, new_tokens, turns, turn_tokens, n_agents, capture_steps)
+    finally:
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait()
+
+
+def _engine_figures(hf, tok, on, off, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens, n_agents,
+                    capture_steps):
+    """engine_bench's measurements: `on` / `off` the engines' URLs (prefix cache on / off); `buffers` an unstarted
+    EngineServer whose capture buffers _capture_overhead writes."""
     tool = _bench_prompts(tok, 1, 40, seed=99)[0]
     single = {n: _bench_prompts(tok, n, prompt_len, seed=n) for n in (8, 32)}
     agents = _bench_prompts(tok, n_agents, prompt_len, seed=7)
@@ -178,36 +214,32 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
         t0 = time.perf_counter()
         fn()
         t.setdefault(key, []).append(time.perf_counter() - t0)
-    try:
-        _engine_agents(on.url, single[8][:2], 1, 8, tool)  # warm-up both sides
-        _hf_generate(hf, single[8][:2], 8)
-        for _ in range(repeats):
-            for n in (8, 32):
-                timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
-                timed(f"engine_{n}", lambda: _engine_agents(off.url, single[n], 1, new_tokens, tool))
-            timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
-            timed("engine_multi_nocache", lambda: _engine_agents(off.url, agents, turns, turn_tokens, tool))
-            timed("engine_multi_cache", lambda: _engine_agents(on.url, agents, turns, turn_tokens, tool))
-        med = {k: float(np.median(v)) for k, v in t.items()}
-        fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
+    _engine_agents(on, single[8][:2], 1, 8, tool)  # warm-up both sides
+    _hf_generate(hf, single[8][:2], 8)
+    for _ in range(repeats):
         for n in (8, 32):
-            fig[f"hf_tok_s_{n}"] = round(n * new_tokens / med[f"hf_{n}"], 1)
-            fig[f"engine_tok_s_{n}"] = round(n * new_tokens / med[f"engine_{n}"], 1)
-            fig[f"engine_vs_hf_{n}"] = round(med[f"hf_{n}"] / med[f"engine_{n}"], 2)
-        multi = n_agents * turns * turn_tokens
-        fig["multi_turn"] = {"agents": n_agents, "turns": turns, "new_tokens_per_turn": turn_tokens,
-                             "hf_tok_s": round(multi / med["hf_multi"], 1),
-                             "engine_nocache_tok_s": round(multi / med["engine_multi_nocache"], 1),
-                             "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
-                             "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
-                             "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
-        fig["capture"] = _capture_overhead(hf, on, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
-        fig["prefix_cache"] = on.cache_stats()
-        fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
-        return fig
-    finally:
-        on.stop()
-        off.stop()
+            timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
+            timed(f"engine_{n}", lambda: _engine_agents(off, single[n], 1, new_tokens, tool))
+        timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
+        timed("engine_multi_nocache", lambda: _engine_agents(off, agents, turns, turn_tokens, tool))
+        timed("engine_multi_cache", lambda: _engine_agents(on, agents, turns, turn_tokens, tool))
+    med = {k: float(np.median(v)) for k, v in t.items()}
+    fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
+    for n in (8, 32):
+        fig[f"hf_tok_s_{n}"] = round(n * new_tokens / med[f"hf_{n}"], 1)
+        fig[f"engine_tok_s_{n}"] = round(n * new_tokens / med[f"engine_{n}"], 1)
+        fig[f"engine_vs_hf_{n}"] = round(med[f"hf_{n}"] / med[f"engine_{n}"], 2)
+    multi = n_agents * turns * turn_tokens
+    fig["multi_turn"] = {"agents": n_agents, "turns": turns, "new_tokens_per_turn": turn_tokens,
+                         "hf_tok_s": round(multi / med["hf_multi"], 1),
+                         "engine_nocache_tok_s": round(multi / med["engine_multi_nocache"], 1),
+                         "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
+                         "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
+                         "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
+    fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
+    fig["prefix_cache"] = _get(on + "/get_server_info")["prefix_cache"]
+    fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
+    return fig
 
 
 # --- R3: abs(delta log p) engine vs trainer with R3 off / on, capture overhead -------------------------------

@@ -225,6 +225,13 @@ class EngineServer:
     first forward computed; output rows from decode steps; the last output token is never forwarded, so a
     request returns len(input) + len(output) - 1 rows).
 
+    Threads: every forward runs on the scheduler thread with `threads` torch (OpenMP) threads, set there: OpenMP's
+    thread count is per calling thread, and a second thread's multi-threaded ops run 3-4x slower when the process's
+    main thread already owns a team of OpenMP workers (a decode step of 8 rows: 2.6 ms with one team, 10 ms with
+    two; 3.1 ms single-threaded; RESULTS.md). So the default is 1 (safe in any process: tests, benchmarks beside HF
+    on the main thread); `engine.py serve` and EngineActor, which own their process, keep the main thread at one
+    thread and give the scheduler `--threads`.
+
     Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
     - /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
       input_ids not a non-empty list of ints in [0, vocab); temperature not finite, negative or denormal
@@ -246,13 +253,16 @@ class EngineServer:
     """
 
     def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=MAX_BATCH, weight_dtype="bf16", seed=0,
-                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True):
+                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True, threads=1):
         if weight_dtype not in ("bf16", "fp32"):
             raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
         if max_batch < 1:
             raise ValueError(f"max_batch: must be >= 1, got {max_batch}")
         if prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb: must be >= 0 (0 = off), got {prefix_cache_mb}")
+        if threads < 1:
+            raise ValueError(f"threads: must be >= 1, got {threads}")
+        self.torch_threads = threads  # torch (OpenMP) threads of the scheduler thread: the class docstring
         self.model_path, self.host, self.port = model_path, host, port
         self.max_batch, self.weight_dtype = max_batch, weight_dtype
         self.model, self.tokenizer = load_actor(model_path)
@@ -501,6 +511,7 @@ class EngineServer:
 
     # -- scheduler thread --
     def _scheduler(self):
+        torch.set_num_threads(self.torch_threads)  # per thread (OpenMP): every forward and weight load runs here
         self._capture_context(self.capture)
         try:
             self._schedule()
@@ -728,6 +739,10 @@ def _make_handler(engine):
             if self.path == "/health":
                 why = engine.health()
                 self._send(503 if why else 200, {"status": "unhealthy", "error": why} if why else {"status": "ok"})
+            elif self.path == "/get_server_info":  # SGLang's endpoint; here the settings and the prefix cache
+                self._send(200, {"max_running_requests": engine.max_batch, "torch_threads": engine.torch_threads,
+                                 "weight_dtype": engine.weight_dtype, "routed_experts": engine.capture,
+                                 "prefix_cache": engine.cache_stats()})
             elif self.path == "/get_model_info":
                 self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
                                  "num_moe_layers": engine.num_layers, "top_k": engine.top_k,
@@ -838,8 +853,8 @@ class EngineActor:
                  cores=None):
         if cores:  # --pin-cores: the rollout side's half of the cores
             infra.pin(cores)
-        torch.set_num_threads(threads)
-        self.server = EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype).start()
+        torch.set_num_threads(1)  # the main thread only loads; the scheduler thread runs with `threads`
+        self.server = EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype, threads=threads).start()
 
     def info(self) -> dict:
         return {"url": self.server.url, "pid": os.getpid()}
@@ -861,11 +876,12 @@ def main():
     s.add_argument("--no-routed-experts", action="store_true", help="no routed-expert capture (SGLang without "
                    "--enable-return-routed-experts): requests asking for it get 400")
     s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
-    s.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    s.add_argument("--threads", type=int, default=2, help="torch CPU threads of the scheduler thread (the forwards)")
     args = p.parse_args()
-    torch.set_num_threads(args.threads)
+    torch.set_num_threads(1)  # the main thread only loads (EngineServer's docstring: one OpenMP team per process)
     engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype,
-                          prefix_cache_mb=args.prefix_cache_mb, capture_routing=not args.no_routed_experts).start()
+                          prefix_cache_mb=args.prefix_cache_mb, capture_routing=not args.no_routed_experts,
+                          threads=args.threads).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:
         threading.Event().wait()

@@ -201,8 +201,37 @@ def test_serve_command_line_starts_a_server(ckpt):
         assert "engine serving" in proc.stdout.readline()  # printed once healthy
         info = get(f"http://127.0.0.1:{port}/get_model_info")[1]
         assert info["num_moe_layers"] == 4 and info["top_k"] == 2 and info["weight_version"] == "0"
+        server = get(f"http://127.0.0.1:{port}/get_server_info")[1]
+        assert server["torch_threads"] == 2 and server["prefix_cache"]["enabled"], server  # serve's default
     finally:
         proc.terminate()
+
+
+def test_forwards_run_on_the_scheduler_thread_with_the_engines_own_thread_count(ckpt, tok):
+    """OpenMP's thread count is per calling thread: the engine sets `threads` on its scheduler thread, where every
+    forward runs (a second multi-threaded thread beside a main thread that owns an OpenMP team runs 3-4x slower),
+    whatever the constructing thread uses; the default is 1."""
+    before = torch.get_num_threads()
+    for threads, want in ((None, 1), (2, 2), (1, 1)):
+        kw = {} if threads is None else {"threads": threads}
+        eng = engine_lib.EngineServer(ckpt, port=0, **kw).start()
+        try:
+            seen = {}
+
+            def probe(*a, **k):
+                seen["thread"] = threading.current_thread() is eng.threads[1]
+                seen["threads"] = torch.get_num_threads()
+                return forward(*a, **k)
+            forward, eng._forward = eng._forward, probe
+            status, _ = post(eng.url + "/generate", {"input_ids": prompt(tok, "x"), "sampling_params": {
+                "max_new_tokens": 2, "ignore_eos": True}})
+            assert status == 200 and seen == {"thread": True, "threads": want}, (threads, seen)
+            assert get(eng.url + "/get_server_info")[1]["torch_threads"] == want
+        finally:
+            eng.stop()
+    assert torch.get_num_threads() == before  # the caller's own count is untouched
+    with pytest.raises(ValueError, match="threads"):
+        engine_lib.EngineServer(ckpt, port=0, threads=0)
         proc.wait(timeout=30)
 
 
