@@ -6,6 +6,9 @@ tiny size; engine.py serves its checkpoints over SGLang's protocol.
 
     python engine.py serve --model-path DIR --port 30000   # serve a checkpoint written by save_checkpoint
 
+decode_forward is the engine's own forward of one decode step for the Qwen3-MoE layout (as SGLang keeps its own
+model code beside the Hub's): the same weights and math as the transformers forward, in fewer operations.
+
 Departures from the paper:
 1. Tiny random-init model (tiny_config) on CPU instead of Qwen3.5-122B-A10B on GPUs; same HF architecture, so R3
    and the hybrid cache are exercised for real.
@@ -17,6 +20,7 @@ import json
 import os
 
 import torch
+import torch.nn.functional as F
 from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig
@@ -173,3 +177,54 @@ def load_weights_from_disk(model, path: str):
         raise FileNotFoundError(f"model_path: no config.json in {path!r}")
     fresh = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     model.load_state_dict(fresh.state_dict(), strict=True)
+
+
+def supports_decode_forward(model) -> bool:
+    """decode_forward covers Qwen3-MoE (attention + routed MoE in every layer); Qwen3.5's hybrid layers (Gated
+    DeltaNet, gated attention, a shared expert) go through the transformers forward."""
+    cfg = model.config
+    return (getattr(cfg, "model_type", "") == "qwen3_moe" and cfg.hidden_act == "silu"
+            and not getattr(cfg, "use_sliding_window", False)
+            and all(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers))
+
+
+def _rms(x, norm):
+    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+
+
+def _rotate(x, cos, sin):  # rotary embedding, transformers' rotate_half form
+    h = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
+
+
+@torch.inference_mode()
+def decode_forward(model, ids, pos, mask, cache):
+    """One decode step of a Qwen3-MoE model -> logits (B, V): ids (B,) the rows' last tokens, pos (B,) their
+    positions, mask (B, T) 1 on real columns (left padding 0; T includes this step), cache the attention layers'
+    KV (kvcache.GrowingKV; this step's column is written into it). The transformers forward's math (RMSNorm, q/k
+    norm, rotary, grouped-query attention, softmax router through the installed R3 routers, so capture records as
+    there), with the attention written as two matmuls (the CPU flash kernel is slow for one query) and every expert
+    applied to every row, then weighted by the routing (0 off the top-k): at decode's few rows the dense matmuls cost
+    less than grouping rows by expert. Logits equal the transformers forward's to ~1e-6 (tests/test_engine.py)."""
+    m = model.model
+    B = ids.shape[0]
+    h = m.embed_tokens(ids)  # (B, H)
+    cos, sin = m.rotary_emb(h, pos[:, None])  # (B, 1, D)
+    masked = (mask == 0)[:, None, None, :]  # (B, 1, 1, T)
+    for i, layer in enumerate(m.layers):
+        a, moe = layer.self_attn, layer.mlp
+        x = _rms(h, layer.input_layernorm)
+        q = _rotate(_rms(a.q_proj(x).view(B, -1, a.head_dim), a.q_norm), cos, sin)  # (B, heads, D)
+        k = _rotate(_rms(a.k_proj(x).view(B, -1, a.head_dim), a.k_norm), cos, sin)  # (B, kv heads, D)
+        keys, values = cache.layers[i].update(k[:, :, None], a.v_proj(x).view(B, -1, 1, a.head_dim))  # (B, kv, T, D)
+        q = q.view(B, keys.shape[1], -1, a.head_dim)  # (B, kv heads, heads per kv head, D)
+        w = (torch.matmul(q, keys.transpose(-1, -2)) * a.scaling).masked_fill(masked, float("-inf")).softmax(-1)
+        h = h + a.o_proj(torch.matmul(w, values).reshape(B, -1))
+        x = _rms(h, layer.post_attention_layernorm)
+        _, weights, experts = moe.gate(x)  # (B, k) each; R3Router: records into the engine's buffer when capturing
+        E, I2, H = moe.experts.gate_up_proj.shape
+        gate, up = F.linear(x, moe.experts.gate_up_proj.view(E * I2, H)).view(B, E, I2).chunk(2, dim=-1)
+        y = torch.bmm((F.silu(gate) * up).transpose(0, 1), moe.experts.down_proj.transpose(1, 2))  # (E, B, H)
+        route = torch.zeros(B, E, dtype=y.dtype).scatter_(1, experts, weights.to(y.dtype))  # (B, E)
+        h = h + torch.bmm(route[:, None, :], y.transpose(0, 1)).squeeze(1)
+    return model.lm_head(_rms(h, m.norm))
