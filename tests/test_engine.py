@@ -73,7 +73,8 @@ def test_engine_serves_the_qwen3_moe_layout_of_the_megatron_backend(tok, tmp_pat
 def test_the_engines_own_decode_forward_equals_the_transformers_forward(tok, tmp_path):
     """model.decode_forward (Qwen3-MoE decode steps, decode="own") against the transformers forward (decode="hf"):
     rows of different lengths decoding together (left padding), sampled with seeds: the same tokens, logprobs
-    within _same_reply's 1e-4 (measured: <= 1e-6), the same routed experts; the hybrid layout stays on the transformers forward."""
+    within _same_reply's 1e-4 (measured: <= 1e-6), the same routed experts; the hybrid layout stays on the
+    transformers forward."""
     path = str(tmp_path / "q3")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=2), tok, path)
     own = engine_lib.EngineServer(path, port=0, max_batch=4).start()
@@ -85,8 +86,9 @@ def test_the_engines_own_decode_forward_equals_the_transformers_forward(tok, tmp
         for name, eng in (("own", own), ("hf", hf)):
             assert post(eng.url + "/pause_generation", {})[0] == 200  # all three join one batch
             out = [None] * len(prompts)
-            threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, generate(
-                eng, prompts[i], temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=i))) for i in range(3)]
+            def worker(i, eng=eng, out=out):
+                out[i] = generate(eng, prompts[i], temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=i)
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
             for t in threads:
                 t.start()
             deadline = time.time() + 10
