@@ -180,8 +180,8 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     """Issue 15's figures in one run, repeats interleaved (the machine drifts): generated tokens/s of the engine
     (`engine.py serve` processes with this process's torch threads; HTTP clients, logprobs + routed experts
     returned) vs HF `generate` in this process on the same fp32 checkpoint at 8 and 32 concurrent single-turn
-    requests (~prompt_len-token prompts, new_tokens each), and the engine's own decode forward vs its transformers
-    one (--decode hf); a multi-turn workload (n_agents agents x `turns` turns,
+    requests (~prompt_len-token prompts, new_tokens each), and the engine's own forward vs its transformers
+    one (--forward hf); a multi-turn workload (n_agents agents x `turns` turns,
     turn_tokens new + 40 tool tokens per turn, the history growing) through HF, the engine with its prefix cache
     off, and on; the capture overhead (_capture_overhead, in this process). Medians; ratios > 1 favour the engine /
     the cache."""
@@ -194,7 +194,7 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     try:
         procs.append(_serve(work, torch.get_num_threads()))
         procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0"))
-        procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0", "--decode", "hf"))
+        procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0", "--forward", "hf"))
         return _engine_figures(hf, tok, *(url for _, url in procs), EngineServer(work, weight_dtype="fp32"), arch,
                                repeats, prompt_len, new_tokens, turns, turn_tokens, n_agents, capture_steps)
     finally:
@@ -206,7 +206,7 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
 def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens,
                     n_agents, capture_steps):
     """engine_bench's measurements: `on` / `off` the engines' URLs (prefix cache on / off), `off_hf` off's twin
-    decoding through the transformers forward (--decode hf); `buffers` an unstarted EngineServer whose capture
+    forwarding through the transformers forward (--forward hf); `buffers` an unstarted EngineServer whose capture
     buffers _capture_overhead writes."""
     tool = _bench_prompts(tok, 1, 40, seed=99)[0]
     single = {n: _bench_prompts(tok, n, prompt_len, seed=n) for n in (8, 32)}
@@ -223,7 +223,7 @@ def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len
         for n in (8, 32):
             timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
             timed(f"engine_{n}", lambda: _engine_agents(off, single[n], 1, new_tokens, tool))
-            timed(f"engine_hf_decode_{n}", lambda: _engine_agents(off_hf, single[n], 1, new_tokens, tool))
+            timed(f"engine_hf_forward_{n}", lambda: _engine_agents(off_hf, single[n], 1, new_tokens, tool))
         timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
         timed("engine_multi_nocache", lambda: _engine_agents(off, agents, turns, turn_tokens, tool))
         timed("engine_multi_cache", lambda: _engine_agents(on, agents, turns, turn_tokens, tool))
@@ -233,7 +233,7 @@ def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len
         fig[f"hf_tok_s_{n}"] = round(n * new_tokens / med[f"hf_{n}"], 1)
         fig[f"engine_tok_s_{n}"] = round(n * new_tokens / med[f"engine_{n}"], 1)
         fig[f"engine_vs_hf_{n}"] = round(med[f"hf_{n}"] / med[f"engine_{n}"], 2)
-        fig[f"own_vs_hf_decode_{n}"] = round(med[f"engine_hf_decode_{n}"] / med[f"engine_{n}"], 2)
+        fig[f"own_vs_hf_forward_{n}"] = round(med[f"engine_hf_forward_{n}"] / med[f"engine_{n}"], 2)
     multi = n_agents * turns * turn_tokens
     fig["multi_turn"] = {"agents": n_agents, "turns": turns, "new_tokens_per_turn": turn_tokens,
                          "hf_tok_s": round(multi / med["hf_multi"], 1),

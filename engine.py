@@ -53,8 +53,8 @@ import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
 from kvcache import PrefixCache, _build_cache, _cache_state, _merge
-from model import (decode_forward, hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16,
-                   supports_decode_forward)
+from model import (engine_forward, hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16,
+                   supports_engine_forward)
 
 # --- embedded engine ----------------------------------------------------------------------------
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
@@ -233,9 +233,9 @@ class EngineServer:
     on the main thread); `engine.py serve` and EngineActor, which own their process, keep the main thread at one
     thread and give the scheduler `--threads`.
 
-    Decode steps of a Qwen3-MoE model go through model.decode_forward (decode="own": the engine's own forward, as
-    SGLang has its own model code; 1.3-1.6x faster than the transformers forward at 8-32 rows, logits equal to
-    ~1e-6); prefill, and every step of other layouts (Qwen3.5's hybrid), through the transformers forward.
+    The forwards of a Qwen3-MoE model go through model.engine_forward (forward="own": the engine's own forward, as
+    SGLang has its own model code; fewer operations than the transformers forward, logits equal to ~1e-6); other
+    layouts (Qwen3.5's hybrid), or forward="hf", through the transformers forward.
 
     Request policy (what is refused; the gateway shares the HTTP layer, JSONHandler):
     - /generate: every field is checked before the request may join a batch; 400 {"error": "<field>: ..."} for
@@ -258,7 +258,7 @@ class EngineServer:
     """
 
     def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=MAX_BATCH, weight_dtype="bf16", seed=0,
-                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True, threads=1, decode="own"):
+                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True, threads=1, forward="own"):
         if weight_dtype not in ("bf16", "fp32"):
             raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
         if max_batch < 1:
@@ -267,14 +267,14 @@ class EngineServer:
             raise ValueError(f"prefix_cache_mb: must be >= 0 (0 = off), got {prefix_cache_mb}")
         if threads < 1:
             raise ValueError(f"threads: must be >= 1, got {threads}")
-        if decode not in ("own", "hf"):
-            raise ValueError(f"decode: expected own|hf, got {decode!r}")
+        if forward not in ("own", "hf"):
+            raise ValueError(f"forward: expected own|hf, got {forward!r}")
         self.torch_threads = threads  # torch (OpenMP) threads of the scheduler thread: the class docstring
         self.model_path, self.host, self.port = model_path, host, port
         self.max_batch, self.weight_dtype = max_batch, weight_dtype
         self.model, self.tokenizer = load_actor(model_path)
         self.model.eval()
-        self.own_decode = decode == "own" and supports_decode_forward(self.model)  # model.decode_forward
+        self.own_forward = forward == "own" and supports_engine_forward(self.model)  # model.engine_forward
         if weight_dtype == "bf16":
             round_to_bf16(self.model)
         cfg = self.model.config
@@ -567,11 +567,14 @@ class EngineServer:
                 if not self.running:
                     self.cv.notify_all()  # pause() waits for this
 
-    def _forward(self, ids, mask, pos, cache, logits_to_keep=0):
-        """A forward of the engine's model; with capture on the routers are in record mode into step_buf (the
-        scheduler thread holds that routing context open: entering it per forward cost ~50 us, ~0.7% of a step)."""
+    def _forward(self, ids, mask, pos, cache):
+        """A forward of the engine's model -> the last column's logits (B, V) (model.engine_forward or the
+        transformers forward); with capture on the routers are in record mode into step_buf (the scheduler thread
+        holds that routing context open: entering it per forward cost ~50 us, ~0.7% of a step)."""
+        if self.own_forward:
+            return engine_forward(self.model, ids, pos, mask, cache)
         return self.model(input_ids=ids, attention_mask=mask, position_ids=pos, cache=cache, use_cache=True,
-                          logits_to_keep=logits_to_keep)
+                          logits_to_keep=1).logits[:, -1]
 
     def _capture_context(self, on):
         """Open (on) or close the routing context in which every forward records into step_buf."""
@@ -623,7 +626,7 @@ class EngineServer:
             mask[b, T - lens[b]:] = 1
         pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, p:]  # (G, S) explicit position ids
         cache = _build_cache(cfg, entry[1]) if entry else DynamicCache(config=cfg)
-        out = self._forward(ids, mask, pos, cache, logits_to_keep=1)
+        last = self._forward(ids, mask, pos, cache)  # (G, V)
         rows, routed = [], self.step_buf[:G * S].view(G, S, self.num_layers, self.top_k)
         for b, (req, gen) in enumerate(group):
             row = Row(req, gen, self.free_slots.pop())
@@ -634,7 +637,7 @@ class EngineServer:
             row.fed, req.cached_tokens = lens[b], p
             row.prefix_key = entry[0] if entry else None
             rows.append(row)
-        return rows, out.logits[:, -1], _cache_state(cache, slice(None), T, copy=False), mask
+        return rows, last, _cache_state(cache, slice(None), T, copy=False), mask
 
     def _fail_admitted(self, req, e):
         req.fail(e)
@@ -656,11 +659,8 @@ class EngineServer:
             pos = torch.tensor([[r.fed] for r in self.rows])  # (B, 1)
             self.mask = torch.cat([self.mask, torch.ones(B, 1, dtype=torch.long)], dim=1)  # (B, T + 1)
             try:
-                ids = torch.tensor([[r.req.output_ids[-1]] for r in self.rows])  # (B, 1)
-                if self.own_decode:
-                    last = decode_forward(self.model, ids[:, 0], pos[:, 0], self.mask, self.cache)  # (B, V)
-                else:
-                    last = self._forward(ids, self.mask, pos, self.cache).logits[:, -1]
+                last = self._forward(torch.tensor([[r.req.output_ids[-1]] for r in self.rows]), self.mask, pos,
+                                     self.cache)  # (B, V)
             except Exception as e:  # the batch's rows fail together (each client gets its error)
                 for r in self.rows:
                     r.req.fail(e)
@@ -753,7 +753,7 @@ def _make_handler(engine):
             elif self.path == "/get_server_info":  # SGLang's endpoint; here the settings and the prefix cache
                 self._send(200, {"max_running_requests": engine.max_batch, "torch_threads": engine.torch_threads,
                                  "weight_dtype": engine.weight_dtype, "routed_experts": engine.capture,
-                                 "decode": "own" if engine.own_decode else "hf",
+                                 "forward": "own" if engine.own_forward else "hf",
                                  "prefix_cache": engine.cache_stats()})
             elif self.path == "/get_model_info":
                 self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
@@ -888,14 +888,14 @@ def main():
     s.add_argument("--no-routed-experts", action="store_true", help="no routed-expert capture (SGLang without "
                    "--enable-return-routed-experts): requests asking for it get 400")
     s.add_argument("--weight-dtype", choices=["bf16", "fp32"], default="bf16")
-    s.add_argument("--decode", choices=["own", "hf"], default="own", help="decode steps through model.decode_forward "
+    s.add_argument("--forward", choices=["own", "hf"], default="own", help="forwards through model.engine_forward "
                    "(Qwen3-MoE; other layouts use transformers) or always through the transformers forward")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads of the scheduler thread (the forwards)")
     args = p.parse_args()
     torch.set_num_threads(1)  # the main thread only loads (EngineServer's docstring: one OpenMP team per process)
     engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype,
                           prefix_cache_mb=args.prefix_cache_mb, capture_routing=not args.no_routed_experts,
-                          threads=args.threads, decode=args.decode).start()
+                          threads=args.threads, forward=args.forward).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:
         threading.Event().wait()

@@ -6,8 +6,8 @@ tiny size; engine.py serves its checkpoints over SGLang's protocol.
 
     python engine.py serve --model-path DIR --port 30000   # serve a checkpoint written by save_checkpoint
 
-decode_forward is the engine's own forward of one decode step for the Qwen3-MoE layout (as SGLang keeps its own
-model code beside the Hub's): the same weights and math as the transformers forward, in fewer operations.
+engine_forward is the engine's own forward (decode steps and prefills) for the Qwen3-MoE layout (as SGLang keeps its
+own model code beside the Hub's): the same weights and math as the transformers forward, in fewer operations.
 
 Departures from the paper:
 1. Tiny random-init model (tiny_config) on CPU instead of Qwen3.5-122B-A10B on GPUs; same HF architecture, so R3
@@ -179,13 +179,16 @@ def load_weights_from_disk(model, path: str):
     model.load_state_dict(fresh.state_dict(), strict=True)
 
 
-def supports_decode_forward(model) -> bool:
-    """decode_forward covers Qwen3-MoE (attention + routed MoE in every layer); Qwen3.5's hybrid layers (Gated
+def supports_engine_forward(model) -> bool:
+    """engine_forward covers Qwen3-MoE (attention + routed MoE in every layer); Qwen3.5's hybrid layers (Gated
     DeltaNet, gated attention, a shared expert) go through the transformers forward."""
     cfg = model.config
     return (getattr(cfg, "model_type", "") == "qwen3_moe" and cfg.hidden_act == "silu"
             and not getattr(cfg, "use_sliding_window", False)
             and all(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers))
+
+
+DENSE_EXPERT_ROWS = 64  # up to this many tokens a forward applies every expert to every token (decode steps)
 
 
 def _rms(x, norm):
@@ -197,34 +200,62 @@ def _rotate(x, cos, sin):  # rotary embedding, transformers' rotate_half form
     return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
 
 
+def _experts(experts, x, weights, ids):
+    """Routed experts of tokens x (N, H) with routing weights / ids (N, k) -> (N, H). Few tokens (decode): every
+    expert on every token, weighted by the routing (0 off the top-k), two matmuls for all experts; more: each expert
+    on the tokens routed to it."""
+    E, I2, H = experts.gate_up_proj.shape
+    N = x.shape[0]
+    if N <= DENSE_EXPERT_ROWS:
+        gate, up = F.linear(x, experts.gate_up_proj.view(E * I2, H)).view(N, E, I2).chunk(2, dim=-1)
+        y = torch.bmm((F.silu(gate) * up).transpose(0, 1), experts.down_proj.transpose(1, 2))  # (E, N, H)
+        route = torch.zeros(N, E, dtype=y.dtype).scatter_(1, ids, weights.to(y.dtype))  # (N, E)
+        return torch.bmm(route[:, None, :], y.transpose(0, 1)).squeeze(1)
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        rows, slot = torch.where(ids == e)
+        gate, up = F.linear(x[rows], experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, experts.down_proj[e]) * weights[rows, slot, None].to(x.dtype)
+        out.index_add_(0, rows, y)
+    return out
+
+
 @torch.inference_mode()
-def decode_forward(model, ids, pos, mask, cache):
-    """One decode step of a Qwen3-MoE model -> logits (B, V): ids (B,) the rows' last tokens, pos (B,) their
-    positions, mask (B, T) 1 on real columns (left padding 0; T includes this step), cache the attention layers'
-    KV (kvcache.GrowingKV; this step's column is written into it). The transformers forward's math (RMSNorm, q/k
-    norm, rotary, grouped-query attention, softmax router through the installed R3 routers, so capture records as
-    there), with the attention written as two matmuls (the CPU flash kernel is slow for one query) and every expert
-    applied to every row, then weighted by the routing (0 off the top-k): at decode's few rows the dense matmuls cost
-    less than grouping rows by expert. Logits equal the transformers forward's to ~1e-6 (tests/test_engine.py)."""
+def engine_forward(model, ids, pos, mask, cache):
+    """A forward of the engine (a decode step, S = 1, or a prefill) for the Qwen3-MoE layout -> logits (B, V) of
+    the last column: ids (B, S) left-padded, pos (B, S) their positions, mask (B, T) 1 on real columns (T = the
+    cached columns + S), cache the attention layers' KV (this forward's columns are written into it).
+
+    The transformers forward's math (RMSNorm, q / k norm, rotary, grouped-query attention, the softmax router
+    through the installed R3 routers, so capture records as there) in fewer operations: a query attends to the real
+    columns up to its own and always to itself (a padding query then stays finite, and no real query reads it);
+    one query per row (decode) as two matmuls (the CPU flash kernel is slow for one query), more through SDPA;
+    experts as _experts. Logits equal the transformers forward's to ~1e-6 (tests/test_engine.py)."""
     m = model.model
-    B = ids.shape[0]
-    h = m.embed_tokens(ids)  # (B, H)
-    cos, sin = m.rotary_emb(h, pos[:, None])  # (B, 1, D)
-    masked = (mask == 0)[:, None, None, :]  # (B, 1, 1, T)
+    B, S = ids.shape
+    T = mask.shape[1]
+    h = m.embed_tokens(ids)  # (B, S, H)
+    cos, sin = m.rotary_emb(h, pos)  # (B, S, D)
+    cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, D)
+    col = torch.arange(T)
+    allowed = (mask.bool()[:, None, :] & (col[None, None, :] <= col[T - S:, None])) | \
+        (col[None, None, :] == col[T - S:, None])  # (B, S, T)
+    allowed = allowed[:, None]  # (B, 1, S, T)
     for i, layer in enumerate(m.layers):
-        a, moe = layer.self_attn, layer.mlp
+        a = layer.self_attn
         x = _rms(h, layer.input_layernorm)
-        q = _rotate(_rms(a.q_proj(x).view(B, -1, a.head_dim), a.q_norm), cos, sin)  # (B, heads, D)
-        k = _rotate(_rms(a.k_proj(x).view(B, -1, a.head_dim), a.k_norm), cos, sin)  # (B, kv heads, D)
-        keys, values = cache.layers[i].update(k[:, :, None], a.v_proj(x).view(B, -1, 1, a.head_dim))  # (B, kv, T, D)
-        q = q.view(B, keys.shape[1], -1, a.head_dim)  # (B, kv heads, heads per kv head, D)
-        w = (torch.matmul(q, keys.transpose(-1, -2)) * a.scaling).masked_fill(masked, float("-inf")).softmax(-1)
-        h = h + a.o_proj(torch.matmul(w, values).reshape(B, -1))
-        x = _rms(h, layer.post_attention_layernorm)
-        _, weights, experts = moe.gate(x)  # (B, k) each; R3Router: records into the engine's buffer when capturing
-        E, I2, H = moe.experts.gate_up_proj.shape
-        gate, up = F.linear(x, moe.experts.gate_up_proj.view(E * I2, H)).view(B, E, I2).chunk(2, dim=-1)
-        y = torch.bmm((F.silu(gate) * up).transpose(0, 1), moe.experts.down_proj.transpose(1, 2))  # (E, B, H)
-        route = torch.zeros(B, E, dtype=y.dtype).scatter_(1, experts, weights.to(y.dtype))  # (B, E)
-        h = h + torch.bmm(route[:, None, :], y.transpose(0, 1)).squeeze(1)
-    return model.lm_head(_rms(h, m.norm))
+        heads = lambda t: t.view(B, S, -1, a.head_dim).transpose(1, 2)  # (B, heads, S, D)  # noqa: E731
+        q = _rotate(_rms(heads(a.q_proj(x)), a.q_norm), cos, sin)
+        k = _rotate(_rms(heads(a.k_proj(x)), a.k_norm), cos, sin)
+        keys, values = cache.layers[i].update(k, heads(a.v_proj(x)))  # (B, kv heads, T, D)
+        if S == 1:
+            q = q.view(B, keys.shape[1], -1, a.head_dim)  # (B, kv heads, query heads per kv head, D)
+            w = torch.matmul(q, keys.transpose(-1, -2)) * a.scaling
+            o = torch.matmul(w.masked_fill(~allowed, float("-inf")).softmax(-1), values)
+        else:
+            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=a.scaling, enable_gqa=True)
+        h = h + a.o_proj(o.reshape(B, -1, S, a.head_dim).transpose(1, 2).reshape(B, S, -1))
+        x = _rms(h, layer.post_attention_layernorm).reshape(B * S, -1)
+        _, weights, experts = layer.mlp.gate(x)  # (B S, k) each; R3Router: records into the engine's buffer
+        h = h + _experts(layer.mlp.experts, x, weights, experts).view(B, S, -1)
+    return model.lm_head(_rms(h[:, -1], m.norm))

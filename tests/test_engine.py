@@ -70,18 +70,20 @@ def test_engine_serves_the_qwen3_moe_layout_of_the_megatron_backend(tok, tmp_pat
         eng.stop()
 
 
-def test_the_engines_own_decode_forward_equals_the_transformers_forward(tok, tmp_path):
-    """model.decode_forward (Qwen3-MoE decode steps, decode="own") against the transformers forward (decode="hf"):
-    rows of different lengths decoding together (left padding), sampled with seeds: the same tokens, logprobs
-    within _same_reply's 1e-4 (measured: <= 1e-6), the same routed experts; the hybrid layout stays on the
-    transformers forward."""
+def test_the_engines_own_forward_equals_the_transformers_forward(tok, tmp_path):
+    """model.engine_forward (Qwen3-MoE prefills and decode steps, forward="own") against the transformers forward
+    (forward="hf"): prompts of different lengths prefilled and decoded together (left padding; one prompt past
+    DENSE_EXPERT_ROWS tokens, so both expert paths run), then each conversation's next turn on top of its
+    prefix-cache entry; sampled with seeds: the same tokens, logprobs within _same_reply's 1e-4 (measured:
+    <= 1e-6), the same routed experts. The hybrid layout stays on the transformers forward."""
     path = str(tmp_path / "q3")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=2), tok, path)
     own = engine_lib.EngineServer(path, port=0, max_batch=4).start()
-    hf = engine_lib.EngineServer(path, port=0, max_batch=4, decode="hf").start()
+    hf = engine_lib.EngineServer(path, port=0, max_batch=4, forward="hf").start()
     try:
-        assert own.own_decode and not hf.own_decode
-        prompts = [prompt(tok, t) for t in ("a", "list the files in /app please", "grep error in every log file")]
+        assert own.own_forward and not hf.own_forward
+        prompts = [prompt(tok, t) for t in ("a", "list the files in /app please", "grep error in every log " * 20)]
+        assert len(prompts[2]) > model_lib.DENSE_EXPERT_ROWS
         replies = {}
         for name, eng in (("own", own), ("hf", hf)):
             assert post(eng.url + "/pause_generation", {})[0] == 200  # all three join one batch
@@ -97,14 +99,17 @@ def test_the_engines_own_decode_forward_equals_the_transformers_forward(tok, tmp
             assert post(eng.url + "/continue_generation", {})[0] == 200
             for t in threads:
                 t.join()
-            replies[name] = out
+            nxt = [generate(eng, p + r["output_ids"] + prompt(tok, "ok"), temperature=1.0, max_new_tokens=8,
+                            ignore_eos=True, seed=7) for p, r in zip(prompts, out)]
+            assert all(r["meta_info"]["cached_tokens"] > 0 for r in nxt)
+            replies[name] = out + nxt
         for a, b in zip(replies["own"], replies["hf"]):
             _same_reply(a, b)
     finally:
         own.stop()
         hf.stop()
-    with pytest.raises(ValueError, match="decode"):
-        engine_lib.EngineServer(path, port=0, decode="fast")
+    with pytest.raises(ValueError, match="forward"):
+        engine_lib.EngineServer(path, port=0, forward="fast")
 
 
 def check_wire_format(engine, tok, ckpt):
@@ -242,6 +247,7 @@ def test_serve_command_line_starts_a_server(ckpt):
         assert server["torch_threads"] == 2 and server["prefix_cache"]["enabled"], server  # serve's default
     finally:
         proc.terminate()
+        proc.wait(timeout=30)
 
 
 def test_forwards_run_on_the_scheduler_thread_with_the_engines_own_thread_count(ckpt, tok):
@@ -269,7 +275,6 @@ def test_forwards_run_on_the_scheduler_thread_with_the_engines_own_thread_count(
     assert torch.get_num_threads() == before  # the caller's own count is untouched
     with pytest.raises(ValueError, match="threads"):
         engine_lib.EngineServer(ckpt, port=0, threads=0)
-        proc.wait(timeout=30)
 
 
 # --- hardening: bad requests are refused before they join a batch; the HTTP layer never hangs ----------------
