@@ -327,7 +327,7 @@ def test_scripted_fault_turn_is_in_the_context_but_not_trained(tmp_path, tok):
         assert set(s["loss_mask"][a:b].tolist()) == {0 if i == 0 else 1}
     assert int(s["loss_mask"].sum()) == sum(len(r["output_ids"]) for r in recs[1:])
     plain = rollout.run_trial(task, "scripted", tokenizer=tok)
-    assert plain["resolved"] and len(plain["records"]) == 3
+    assert plain["resolved"] and len(plain["records"]) == 3, {k: v for k, v in plain.items() if k != "records"}
     # a fault before the second work reply: after_faults trains only the replies after it
     check = {**SORT, "commands": [{"keystrokes": "wc -l out.txt\n", "duration": 0.1}]}
     script = [SORT, check, DONE, {**DONE, "analysis": "checked"}]
