@@ -54,6 +54,29 @@ def generate(engine, ids, **sp):
     return out
 
 
+def generate_together(engine, prompts, seeds=None, **sp):
+    """The replies to `prompts` sent while the engine is paused, so that all of them wait in its queue and then run
+    as ONE left-padded batch; seeds: one per prompt (None: unseeded)."""
+    seeds = list(seeds) if seeds is not None else [None] * len(prompts)
+    results = [None] * len(prompts)
+
+    def worker(i):
+        extra = {} if seeds[i] is None else {"seed": seeds[i]}
+        results[i] = generate(engine, prompts[i], **sp, **extra)
+    assert post(engine.url + "/pause_generation", {})[0] == 200
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    deadline = time.time() + 10
+    while len(engine.queue) < len(prompts) and time.time() < deadline:
+        time.sleep(0.01)
+    assert len(engine.queue) == len(prompts)  # all waiting
+    assert post(engine.url + "/continue_generation", {})[0] == 200
+    for t in threads:
+        t.join()
+    return results
+
+
 # --- engine ------------------------------------------------------------------------------------------
 def test_engine_wire_format_logprobs_and_routing_match_a_teacher_forced_forward(engine, tok, ckpt):
     check_wire_format(engine, tok, ckpt)
@@ -86,19 +109,8 @@ def test_the_engines_own_forward_equals_the_transformers_forward(tok, tmp_path):
         assert len(prompts[2]) > model_lib.DENSE_EXPERT_ROWS
         replies = {}
         for name, eng in (("own", own), ("hf", hf)):
-            assert post(eng.url + "/pause_generation", {})[0] == 200  # all three join one batch
-            out = [None] * len(prompts)
-            def worker(i, eng=eng, out=out):
-                out[i] = generate(eng, prompts[i], temperature=1.0, max_new_tokens=24, ignore_eos=True, seed=i)
-            threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-            for t in threads:
-                t.start()
-            deadline = time.time() + 10
-            while len(eng.queue) < len(prompts) and time.time() < deadline:
-                time.sleep(0.01)
-            assert post(eng.url + "/continue_generation", {})[0] == 200
-            for t in threads:
-                t.join()
+            out = generate_together(eng, prompts, seeds=range(len(prompts)), temperature=1.0, max_new_tokens=24,
+                                    ignore_eos=True)
             nxt = [generate(eng, p + r["output_ids"] + prompt(tok, "ok"), temperature=1.0, max_new_tokens=8,
                             ignore_eos=True, seed=7) for p, r in zip(prompts, out)]
             assert all(r["meta_info"]["cached_tokens"] > 0 for r in nxt)
@@ -110,6 +122,8 @@ def test_the_engines_own_forward_equals_the_transformers_forward(tok, tmp_path):
         hf.stop()
     with pytest.raises(ValueError, match="forward"):
         engine_lib.EngineServer(path, port=0, forward="fast")
+    hybrid = model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_5_moe"), seed=0)
+    assert not model_lib.supports_engine_forward(hybrid)
 
 
 def check_wire_format(engine, tok, ckpt):
@@ -154,21 +168,7 @@ def test_stop_token_is_included_in_output_with_its_logprob(engine, tok):
 def test_concurrent_requests_are_batched_and_match_sequential_greedy(engine, tok):
     prompts = [prompt(tok, t) for t in ("a", "list the files in /app please", "grep error", "cat notes1.txt")]
     sequential = [generate(engine, p, temperature=0, max_new_tokens=10, ignore_eos=True) for p in prompts]
-    results = [None] * len(prompts)
-
-    def worker(i):
-        results[i] = generate(engine, prompts[i], temperature=0, max_new_tokens=10, ignore_eos=True)
-    assert post(engine.url + "/pause_generation", {})[0] == 200
-    threads = [threading.Thread(target=worker, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    deadline = time.time() + 10
-    while len(engine.queue) < len(prompts) and time.time() < deadline:
-        time.sleep(0.01)
-    assert len(engine.queue) == len(prompts)  # all waiting: they will run as ONE left-padded wave
-    assert post(engine.url + "/continue_generation", {})[0] == 200
-    for t in threads:
-        t.join()
+    results = generate_together(engine, prompts, temperature=0, max_new_tokens=10, ignore_eos=True)
     for seq, par in zip(sequential, results):
         assert par["output_ids"] == seq["output_ids"]
         a = [lp for lp, _, _ in seq["meta_info"]["output_token_logprobs"]]
