@@ -51,11 +51,6 @@ from trainer import Metrics
 
 
 # --- engine: the embedded engine vs Hugging Face generate; prefix cache; capture overhead ---------------
-def _get(url):
-    with urllib.request.urlopen(url, timeout=60) as r:
-        return json.loads(r.read())
-
-
 def _post(url, obj):
     req = urllib.request.Request(url, data=json.dumps(obj).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=600) as r:
@@ -242,7 +237,7 @@ def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len
                          "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
                          "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
     fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
-    fig["prefix_cache"] = _get(on + "/get_server_info")["prefix_cache"]
+    fig["prefix_cache"] = rollout.EngineClient(on).server_info()["prefix_cache"]
     fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
     return fig
 

@@ -26,6 +26,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
+from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import r3
 from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START, PAD  # noqa: F401 (the chat format's names, re-exported)
@@ -195,11 +196,6 @@ def _rms(x, norm):
     return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
 
 
-def _rotate(x, cos, sin):  # rotary embedding, transformers' rotate_half form
-    h = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., h:], x[..., :h]), dim=-1) * sin
-
-
 def _experts(experts, x, weights, ids):
     """Routed experts of tokens x (N, H) with routing weights / ids (N, k) -> (N, H). Few tokens (decode): every
     expert on every token, weighted by the routing (0 off the top-k), two matmuls for all experts; more: each expert
@@ -236,7 +232,6 @@ def engine_forward(model, ids, pos, mask, cache):
     T = mask.shape[1]
     h = m.embed_tokens(ids)  # (B, S, H)
     cos, sin = m.rotary_emb(h, pos)  # (B, S, D)
-    cos, sin = cos[:, None], sin[:, None]  # (B, 1, S, D)
     col = torch.arange(T)
     allowed = (mask.bool()[:, None, :] & (col[None, None, :] <= col[T - S:, None])) | \
         (col[None, None, :] == col[T - S:, None])  # (B, S, T)
@@ -245,8 +240,7 @@ def engine_forward(model, ids, pos, mask, cache):
         a = layer.self_attn
         x = _rms(h, layer.input_layernorm)
         heads = lambda t: t.view(B, S, -1, a.head_dim).transpose(1, 2)  # (B, heads, S, D)  # noqa: E731
-        q = _rotate(_rms(heads(a.q_proj(x)), a.q_norm), cos, sin)
-        k = _rotate(_rms(heads(a.k_proj(x)), a.k_norm), cos, sin)
+        q, k = apply_rotary_pos_emb(_rms(heads(a.q_proj(x)), a.q_norm), _rms(heads(a.k_proj(x)), a.k_norm), cos, sin)
         keys, values = cache.layers[i].update(k, heads(a.v_proj(x)))  # (B, kv heads, T, D)
         if S == 1:
             q = q.view(B, keys.shape[1], -1, a.head_dim)  # (B, kv heads, query heads per kv head, D)

@@ -180,6 +180,10 @@ class EngineClient:
     def model_info(self) -> dict:
         return self._call("/get_model_info", method="GET", timeout=30)
 
+    def server_info(self) -> dict:
+        """SGLang's /get_server_info (the embedded engine: its settings and prefix-cache counters)."""
+        return self._call("/get_server_info", method="GET", timeout=30)
+
 
 # --- harness --------------------------------------------------------------------------------------
 FAULTS = ("invalid_json", "no_plan", "bad_command")
