@@ -4,6 +4,9 @@ What the trainer process (trainer.py) runs, given as step functions: train_step 
 -> critic update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy -> PPO actor update
 (ppo_loss, clip eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and
 the Critic Warm-Up (critic_warmup). The loop that calls them is train_t1.py; the critic's math is critic.py.
+Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each chunk and each
+minibatch cut after its longest row (by_length, trim: the same values on every token; Megatron ranks over a group
+keep one full-width forward, a collective needs equal shapes).
 
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
 
@@ -130,6 +133,37 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
     """token_logprobs under the batch's R3 context."""
     with batch_routing(actor, batch, mode, rows), torch.set_grad_enabled(grad):
         return token_logprobs(actor, batch, temperature, rows)
+
+
+# rows per no-grad forward of a training step (V_old, the old / R3-off / reference logprobs; this project's choice):
+# in chunks of similar length a forward computes about the rows' tokens, where one (B, T_max) forward of run
+# full's 32-trajectory steps computed 1.7x them (58% of its positions were tokens) and held (B, T, V) logits at once
+NOGRAD_ROWS = 8
+
+
+def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
+    """(the rows' sub-batch with the columns after their longest row cut, that length): every (B, T, ...) tensor of
+    batch. Padding is on the right, and a causal forward of a row never reads the columns after it, so a trimmed
+    forward gives the same values on the row's tokens; no rows, or cut False: the full width (Megatron ranks over a
+    group: every forward is a collective over the expert-parallel ranks, which needs the same shape on each)."""
+    am = batch["attention_mask"][rows]
+    n = int(am.sum(1).max()) if len(am) and cut else am.shape[1]
+    return {k: (v[rows][:, :n] if torch.is_tensor(v) and v.dim() >= 2 else v) for k, v in batch.items()}, n
+
+
+def by_length(fn, batch: dict, size: int | None = NOGRAD_ROWS) -> torch.Tensor:
+    """fn(sub-batch) -> (b, n), run over the batch's rows longest first, `size` rows at a time, each chunk trimmed
+    (trim) -> (B, T), zero after each row's tokens; size None: one call on the whole batch (Megatron over a group)."""
+    if size is None:
+        return fn(batch).float() * batch["attention_mask"]
+    lens = batch["attention_mask"].sum(1)
+    out = torch.zeros(batch["attention_mask"].shape)
+    order = torch.argsort(lens, descending=True, stable=True).tolist()
+    for i in range(0, len(order), size):
+        rows = order[i:i + size]
+        sub, n = trim(batch, rows)
+        out[rows, :n] = fn(sub).float() * sub["attention_mask"]
+    return out
 
 
 def minibatches(n: int, size: int, rng: random.Random):
@@ -276,27 +310,29 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
             mb = share(mb, group, even(args, group))
-            m = batch["mask"][mb]
+            sub, n_col = trim(batch, mb, cut=not even(args, group))  # this rank's rows, cut after the longest
+            m = sub["mask"]
             n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
             n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
             st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
             if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
-                with batch_routing(actor, batch, args.r3_mode, mb):  # ALGO LOGIC: the clipped surrogate, R3 replay
-                    newlogprob, entropy, aux = policy_forward(actor, batch, args.temperature, mb,
+                old, adv = old_logprobs[mb][:, :n_col], advantages[mb][:, :n_col]
+                with batch_routing(actor, sub, args.r3_mode):  # ALGO LOGIC: the clipped surrogate, R3 replay
+                    newlogprob, entropy, aux = policy_forward(actor, sub, args.temperature, slice(None),
                                                               args.entropy_coef > 0, args.aux_loss_coef > 0)
-                    logratio = newlogprob - old_logprobs[mb]
+                    logratio = newlogprob - old
                     ratio = logratio.exp()
-                    pg_loss = ppo_loss(newlogprob, old_logprobs[mb], advantages[mb], m, args.clip_eps, args.loss_agg, n)
+                    pg_loss = ppo_loss(newlogprob, old, adv, m, args.clip_eps, args.loss_agg, n)
                     loss, extra = pg_loss, torch.zeros(3)
                     if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
-                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb]), m, args.loss_agg, n)
+                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb][:, :n_col]), m, args.loss_agg, n)
                         loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
                     if args.entropy_coef > 0:  # entropy bonus
                         ent = C.aggregate(entropy, m, args.loss_agg, n)
                         loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
                     if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
-                        am = batch["attention_mask"][mb].sum().float()
+                        am = sub["attention_mask"].sum().float()
                         aux = aux if group is None else aux * am / C.dp_sum(am, group)
                         loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
                     loss.backward()  # inside the routing context: recompute replays the same experts
@@ -329,6 +365,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
         full["grpo_adv"] = grpo_advantages(full["rewards"].sum(1), groups)[:, None] * full["mask"]
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
+    chunk = None if even(args, group) else NOGRAD_ROWS  # no-grad forwards by length (by_length), unless Megatron ranks
     if args.advantage == "grpo":  # the GRPO arm: no critic, no V_old, no critic update
         advantages = batch["grpo_adv"] * batch["mask"]
         nan = float("nan")
@@ -336,10 +373,10 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     else:
         # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
         old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
-                      else C.compute_values(critic, batch["input_ids"], batch["attention_mask"]))
+                      else by_length(lambda sub: C.compute_values(critic, sub["input_ids"], sub["attention_mask"]),
+                                     batch, chunk))
         advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
-        mbs = [{k: (v[mb] if torch.is_tensor(v) else v) for k, v in
-                {**batch, "old_values": old_values, "returns": returns}.items()}
+        mbs = [trim({**batch, "old_values": old_values, "returns": returns}, mb, cut=chunk is not None)[0]
                for mb in (share(mb, group, even(args, group))
                           for mb in minibatches(len(samples), args.minibatch_size, rng))]
         log(run_dir, f"step {step}: critic update")
@@ -347,16 +384,24 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
                                  args.loss_agg)
     # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
-    with torch.no_grad():
-        old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
-            forward_logprobs(behaviour, batch, args.r3_mode, args.temperature),  # pi^t_{t-1}, R3 replay
-            forward_logprobs(behaviour, batch, "off", args.temperature))
-        if args.kl_coef > 0 and ref is None:
-            raise ValueError("--kl-coef > 0: train_step needs the SFT reference actor (ref)")
-        ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None  # pi_SFT, under the same
-                        else forward_logprobs(ref, batch, args.r3_mode, args.temperature))  # R3 replay as pi_old
-    mismatch = (r3.mismatch(behaviour, batch["input_ids"], batch["attention_mask"], batch["experts"], m)
-                if batch["experts"] is not None and no_rows is None else float("nan"))  # sets live routing would change
+    if args.kl_coef > 0 and ref is None:
+        raise ValueError("--kl-coef > 0: train_step needs the SFT reference actor (ref)")
+    sets = [0, 0]  # (position, layer) pairs whose live expert set differs from the recorded one, pairs counted
+
+    def live(sub):  # R3 off: the logprobs and the expert sets the trainer's own routing picks
+        with r3.routing(behaviour, "record") as rec, torch.no_grad():
+            lp = token_logprobs(behaviour, sub, args.temperature)
+            if sub["experts"] is not None:
+                sets[:] = np.add(sets, r3.mismatch_counts(rec.experts, sub["experts"], sub["attention_mask"],
+                                                          sub["mask"])).tolist()
+        return lp
+    old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
+        by_length(lambda sub: forward_logprobs(behaviour, sub, args.r3_mode, args.temperature), batch, chunk),
+        by_length(live, batch, chunk))  # pi^t_{t-1} with R3 replay; then R3 off
+    ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None else by_length(  # pi_SFT, under
+        lambda sub: forward_logprobs(ref, sub, args.r3_mode, args.temperature), batch, chunk))  # the same R3 replay
+    mismatch = (sets[0] / sets[1] if sets[1] else 0.0) if batch["experts"] is not None and no_rows is None \
+        else float("nan")  # the share of expert sets live routing would change
     log(run_dir, f"step {step}: actor update")
     t0 = time.time()
     astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,

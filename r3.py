@@ -296,14 +296,19 @@ def mismatch(model, input_ids, attention_mask, experts, loss_mask) -> float:
     recorded. Counted over rows j with m[j+1] = 1 (the rows whose forward produces a trained logprob).
     Runs one forward of `model` with live routing (R3 off); 0.0 when no row qualifies.
     """
-    experts = torch.as_tensor(experts)
     with routing(model, "record") as rec:
         model(input_ids=input_ids, attention_mask=attention_mask)
-        live = rec.experts  # (B, T, L, k)
+        differ, n = mismatch_counts(rec.experts, experts, attention_mask, loss_mask)
+    return differ / n if n else 0.0
+
+
+def mismatch_counts(live, experts, attention_mask, loss_mask) -> tuple[int, int]:
+    """(pairs whose live expert set differs from the recorded one, pairs counted): mismatch's fraction as a sum, for
+    a batch forwarded in parts (ppo.train_step); live, experts (B, T, L, k), the masks (B, T)."""
+    experts = torch.as_tensor(experts)
     rows = _trained_rows(experts, attention_mask, loss_mask)  # (B, T)
-    if not rows.any():
-        return 0.0
-    return float(_expert_sets_differ(live[rows], experts[rows]).float().mean())  # over (rows x L)
+    differ = _expert_sets_differ(torch.as_tensor(live)[rows], experts[rows])  # (rows, L)
+    return int(differ.sum()), differ.numel()
 
 
 # --- Megatron-Core backend: drive the native RouterReplay ------------------------------------------

@@ -183,6 +183,42 @@ def test_sample_aggregation_changes_the_update(tiny):
     assert any(not torch.equal(got[k], base[k]) for k in base)
 
 
+def test_step_forwards_by_length_match_the_padded_batch(tiny_sft):
+    """train_step's no-grad forwards run in chunks of similar length, each cut after its longest row (ppo.by_length),
+    and a minibatch is cut after its longest row (ppo.trim): on every row's tokens the same values as one forward of
+    the right-padded batch (V_old, old logprobs with R3 replay, R3 off, the expert-set mismatch)."""
+    import r3
+    actor, _ = M.load_actor(tiny_sft.sft)
+    critic = C.Critic.from_actor(actor, "default")  # a random head: values that differ per position
+    samples = tiny_sft.samples[::-1]  # the longest first: the chunks reorder the rows
+    batch = ppo.pad_batch(samples, 20.0, replay=True)
+    am = batch["attention_mask"].bool()
+    sub, n = ppo.trim(batch, [5, 6])  # rows of 23 and 20 tokens in a batch 38 wide
+    assert n == 23 and sub["input_ids"].shape == (2, 23) and sub["experts"].shape[:2] == (2, 23)
+    assert ppo.trim(batch, [])[1] == batch["input_ids"].shape[1]  # a rank with no rows keeps the full width
+    with torch.no_grad():
+        pairs = [(ppo.forward_logprobs(actor, batch, mode, 1.0),
+                  ppo.by_length(lambda b: ppo.forward_logprobs(actor, b, mode, 1.0), batch, size=3))
+                 for mode in ("replay", "off")]
+        pairs.append((C.compute_values(critic, batch["input_ids"], batch["attention_mask"]),
+                      ppo.by_length(lambda b: C.compute_values(critic, b["input_ids"], b["attention_mask"]), batch, 3)))
+    for full, chunked in pairs:
+        assert chunked.shape == full.shape and not chunked[~am].any()  # zero after each row's tokens
+        assert (chunked - full)[am].abs().max() < 1e-5
+    flipped = batch["experts"].clone()
+    flipped[..., 0] = (flipped[..., 0] + 1) % actor.config.num_experts  # a recorded set live routing will not pick
+    for experts in (batch["experts"], flipped):
+        counts = [0, 0]
+        for rows in ([0, 1, 2], [3, 4, 5, 6]):
+            s, _ = ppo.trim({**batch, "experts": experts}, rows)
+            with r3.routing(actor, "record") as rec, torch.no_grad():
+                actor(input_ids=s["input_ids"], attention_mask=s["attention_mask"])
+                counts = np.add(counts, r3.mismatch_counts(rec.experts, s["experts"], s["attention_mask"], s["mask"]))
+        assert counts[0] / counts[1] == pytest.approx(r3.mismatch(actor, batch["input_ids"], batch["attention_mask"],
+                                                                  experts, batch["mask"]))
+    assert counts[0] > 0
+
+
 def test_check_args_refuses_bad_loss_flags():
     a = T.EMBEDDED
     with pytest.raises(ValueError, match="--loss-agg"):
