@@ -52,7 +52,7 @@ from transformers import DynamicCache
 import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
-from kvcache import PrefixCache, _build_cache, _cache_state, _merge
+from kvcache import PrefixCache, _build_cache, _cache_state, _kept_cache, _merged_cache
 from model import (engine_forward, hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16,
                    supports_engine_forward)
 
@@ -678,11 +678,8 @@ class EngineServer:
             self.rows += rows
             logits.append(lg)
             parts.append((state, mask))
-        if len(parts) == 1 and self.cache is None:
-            self.cache, self.mask = _build_cache(cfg, parts[0][0]), parts[0][1]
-        elif parts:
-            state, self.mask = _merge(parts)
-            self.cache = _build_cache(cfg, state)
+        if parts:  # one copy of each part into the new batch cache
+            self.cache, self.mask = _merged_cache(cfg, parts)
         if not self.rows:
             return
         # (3) sample every row at once; abort / stop / length / a row's own sampling error end a row
@@ -724,12 +721,9 @@ class EngineServer:
             if not keep:
                 self.cache, self.mask = None, None
                 return
-            idx = torch.tensor(keep)
-            mask = self.mask[idx]
+            mask = self.mask[torch.tensor(keep)]
             first = int(mask.any(0).long().argmax())  # drop the columns that are padding in every row left
-            state = [(kind, a[idx][:, :, first:], b[idx][:, :, first:]) if kind == "attn" else (kind, a[idx], b[idx])
-                     for kind, a, b in _cache_state(self.cache, slice(None), self.mask.shape[1], copy=False)]
-            self.cache, self.mask = _build_cache(cfg, state), mask[:, first:]
+            self.cache, self.mask = _kept_cache(cfg, self.cache, keep, first), mask[:, first:]
 
     def response(self, req, want_logprob=True, want_routing=True):
         n_in, n_out = len(req.input_ids), len(req.output_ids)

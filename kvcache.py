@@ -1,6 +1,6 @@
 """The embedded engine's batch state (engine.py): machinery, no paper section. Per-layer state of running rows
 (the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place,
-merging rows of different lengths (left padding), and the prefix cache across an agent's turns (SGLang's radix cache,
+stacking rows of different lengths (left padding) with one copy of each, and the prefix cache across an agent's turns (SGLang's radix cache,
 kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
 
 Run: not by itself; tests/test_engine.py checks a cache hit against a cold prefill (tokens, logprobs, routing).
@@ -57,6 +57,18 @@ class GrowingKV(DynamicLayer):
         return self.keys, self.values
 
 
+    @classmethod
+    def filled(cls, like, B, T):
+        """An empty layer of B rows whose first T columns are to be written by the caller (rows, columns
+        :T of kbuf / vbuf), capacity 2T; like: a key tensor (B', H, t, D) that gives H, D and the dtype."""
+        layer = cls()
+        layer.lazy_initialization(like, like)
+        shape = (B, like.shape[1], max(2 * T, 64), like.shape[-1])  # (B, H, capacity, D)
+        layer.n, layer.kbuf, layer.vbuf = T, like.new_empty(shape), like.new_empty(shape)
+        layer.keys, layer.values = layer.kbuf[..., :T, :], layer.vbuf[..., :T, :]
+        return layer
+
+
 def _build_cache(config, state):
     """A DynamicCache holding `state` (as _cache_state returns it), through the cache's own update methods; the
     attention layers are GrowingKV."""
@@ -71,23 +83,48 @@ def _build_cache(config, state):
     return cache
 
 
-def _left_pad(x, T):
-    """(B, H, t, D) -> (B, H, T, D) with zeros on the left."""
-    return x if x.shape[2] == T else F.pad(x, (0, 0, T - x.shape[2], 0))
-
-
-def _merge(parts):
-    """[(state, mask (b, t))] -> (state of all rows, mask): attention columns left-padded to the longest part."""
+def _merged_cache(config, parts):
+    """[(state, mask (b, t))] -> (a DynamicCache of every part's rows, mask (B, T)): the parts stacked, the shorter
+    ones left-padded; one copy of each attention part, straight into its GrowingKV buffer (its rows, its columns
+    right-aligned; the left padding zeroed: a masked column of NaN would still poison attention)."""
     T = max(m.shape[1] for _, m in parts)
     mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
-    state = []
+    cache = DynamicCache(config=config)
     for i, (kind, _, _) in enumerate(parts[0][0]):
-        a = [s[i][1] for s, _ in parts]
-        b = [s[i][2] for s, _ in parts]
-        if kind == "attn":
-            a, b = [_left_pad(x, T) for x in a], [_left_pad(x, T) for x in b]
-        state.append((kind, torch.cat(a), torch.cat(b)))
-    return state, mask
+        if kind == "linear":
+            a = torch.cat([s[i][1] for s, _ in parts])
+            cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])
+            cache.update_recurrent_state(torch.cat([s[i][2] for s, _ in parts]), i)
+            continue
+        layer = cache.layers[i] = GrowingKV.filled(parts[0][0][i][1], mask.shape[0], T)
+        r = 0
+        for s, m in parts:
+            _, k, v = s[i]
+            b, t = k.shape[0], k.shape[2]
+            layer.kbuf[r:r + b, :, :T - t].zero_()
+            layer.vbuf[r:r + b, :, :T - t].zero_()
+            layer.kbuf[r:r + b, :, T - t:T] = k
+            layer.vbuf[r:r + b, :, T - t:T] = v
+            r += b
+    return cache, mask
+
+
+def _kept_cache(config, cache, keep, first):
+    """The cache of rows `keep` (a list) of `cache`, columns from `first` on: the rows still running after some left
+    the batch, built with one copy of each row (an index, then _build_cache, copied twice)."""
+    out = DynamicCache(config=config)
+    idx = torch.tensor(keep)
+    for i, layer in enumerate(cache.layers):
+        if _is_linear(layer):
+            out.update_conv_state(layer.conv_states[0][idx], i, conv_kernel_size=layer.conv_states[0].shape[-1])
+            out.update_recurrent_state(layer.recurrent_states[0][idx], i)
+            continue
+        T = layer.keys.shape[2] - first
+        new = out.layers[i] = GrowingKV.filled(layer.keys, len(keep), T)
+        for j, b in enumerate(keep):
+            new.kbuf[j, :, :T] = layer.keys[b, :, first:]
+            new.vbuf[j, :, :T] = layer.values[b, :, first:]
+    return out
 
 
 class PrefixCache:
