@@ -1,7 +1,7 @@
 """The embedded engine's batch state (engine.py): machinery, no paper section. Per-layer state of running rows
 (the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place,
-stacking rows of different lengths (left padding) with one copy of each, and the prefix cache across an agent's turns (SGLang's radix cache,
-kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
+stacking rows of different lengths (left padding) with one copy of each, and the prefix cache across an agent's
+turns (SGLang's radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
 
 Run: not by itself; tests/test_engine.py checks a cache hit against a cold prefill (tokens, logprobs, routing).
 """
