@@ -14,6 +14,8 @@ Departures from the paper (data.py numbers them 1 and 4):
    from scratch on CPU (--expert-text terse makes the replies' free text the same fixed words on every task).
 3. The find family's expert hands the path it finds to mv / cp by command substitution, in one command: the
    miniature never learned to copy a path off the terminal into its next command (RESULTS.md, run u2).
+4. Likewise the CSV expert's awk finds the column by the name the instruction gives (`-v c=score`, the header
+   read in the same program), where it read the header first and copied the column number into a second command.
 """
 import gzip
 import io
@@ -245,10 +247,8 @@ def fam_csvjson(rng):
     if kind in ("filter", "sum"):
         csv, = _names(rng, 1, "csv")
         cols = ["name"] + rng.sample([num, "city"], 2)
-        k = cols.index(num) + 1
         files = {csv: ",".join(cols) + "\n" + "".join(",".join(str(r[c]) for c in cols) + "\n" for r in rows)}
-        look = _turn(f"I need the {num} column of {csv}; first I read the header.", f"Show the top of {csv}.",
-                     [f"head -3 {csv}"])
+        find = f"awk -F, -v c={num} 'NR==1{{for(i=1;i<=NF;i++)if($i==c)k=i;next}} "  # the column by its name
         if kind == "filter":
             n = sorted(vals)[rng.randint(1, len(vals) - 2)]
             want = [r["name"] for r in rows if r[num] > n]
@@ -256,18 +256,19 @@ def fam_csvjson(rng):
                      ("no_header", [f"assert _lines({out!r}) and 'name' not in _lines({out!r})"]),
                      ("right_names", [f"assert set(_lines({out!r})) == set({sorted(set(want))!r})"]),
                      ("file_order", [f"assert _lines({out!r}) == {want!r}"])]
-            cmd = f"awk -F, 'NR>1 && ${k}>{n} {{print $1}}' {csv} > {out}"
+            cmd = find + f"$k>{n}{{print $1}}' {csv} > {out}"
             ins = f"Write the names in {csv} whose {num} is greater than {n} to {out}, one per line."
             done = f"{out} lists the matching names."
         else:
             tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
                      ("output_number", [f"assert _read({out!r}).strip().isdigit()"]),
                      ("sum_correct", [f"assert int(_read({out!r}).strip()) == {sum(vals)}"])]
-            cmd = f"awk -F, 'NR>1 {{s+=${k}}} END {{print s}}' {csv} > {out}"
+            cmd = find + f"{{s+=$k}} END{{print s}}' {csv} > {out}"
             ins = f"Write the sum of the {num} column of {csv} to {out}."
             done = f"{out} holds the sum {sum(vals)}."
-        act = _turn(f"The header shows {num} is column {k}.", "Use awk on that column.", [cmd, f"cat {out}"])
-        return _spec(ins, files, tests, [look, act], done, [out])
+        act = _turn(f"I need the {num} column of {csv}; awk finds it by its name in the header.",
+                    f"Use awk on the {num} column.", [cmd, f"cat {out}"])
+        return _spec(ins, files, tests, [act], done, [out])
     js, = _names(rng, 1, "json")
     files = {js: json.dumps(rows, indent=2) + "\n"}
     if kind == "jsonmax":

@@ -137,6 +137,45 @@ def test_find_expert_resolves_every_kind_in_a_sandbox(tmp_path):
     assert {k: a["reasons"] for k, a in audits.items()} == {k: [] for k in dirs}, audits
 
 
+def _csv_kinds():
+    """One csvjson spec of each CSV kind (filter / sum), told apart by their instructions."""
+    kinds = {}
+    for seed in range(200):
+        spec = families.fam_csvjson(random.Random(seed))
+        if ".csv" in spec["instruction"]:
+            kinds.setdefault("sum" if spec["instruction"].startswith("Write the sum") else "filter", spec)
+    assert set(kinds) == {"filter", "sum"}
+    return kinds
+
+
+def test_csv_expert_finds_the_column_by_the_name_the_instruction_gives():
+    """families departure 4: one awk command names the column as the instruction does (no column number read off
+    the terminal), and every file name in it is the instruction's."""
+    for kind, spec in _csv_kinds().items():
+        assert len(spec["turns"]) == 1, kind
+        cmd = spec["turns"][0]["cmds"][0]
+        column = re.search(r"-v c=(\w+)", cmd).group(1)
+        assert f"the {column} column" in spec["instruction"] or f"whose {column} is" in spec["instruction"], kind
+        names = re.findall(r"[a-z]+\d+\.\w+", cmd)
+        assert len(names) == 2 and all(n in spec["instruction"] for n in names), (kind, cmd, spec["instruction"])
+        assert not re.search(r"\$[0-9]*[02-9]", cmd), (kind, cmd)  # no column number but the name's ($1)
+
+
+def test_csv_expert_resolves_each_kind_in_a_sandbox(tmp_path):
+    """Each CSV kind's one-command expert passes data.validate in real sandboxes (the oracle resolves, nop fails, the
+    scripted Terminus-2 trajectory resolves) and rst.audit with no reason."""
+    pytest.importorskip("rollout")
+    model = pytest.importorskip("model")
+    specs = _csv_kinds()
+    dirs = {k: data.write_task(str(tmp_path / k), spec, "csvjson", "train", "0") for k, spec in specs.items()}
+    tok = model.train_tokenizer(data.corpus(list(dirs.values())))
+    with cf.ThreadPoolExecutor(2) as ex:
+        res = dict(zip(dirs, ex.map(lambda d: data.validate(d, tok, str(tmp_path / "w")), dirs.values())))
+        assert res == {k: None for k in dirs}, res
+        audits = dict(zip(dirs, ex.map(lambda d: rst.audit(d, str(tmp_path / "a")), dirs.values())))
+    assert {k: a["reasons"] for k, a in audits.items()} == {k: [] for k in dirs}, audits
+
+
 def test_leakage_reads_through_a_search_of_the_files_directory_only():
     assert rst._reads("mv d/$(ls -S d | head -1) out\n", "d/x.txt")
     assert rst._reads("cp $(grep -rl W d) out\n", "d/s/x.txt")
