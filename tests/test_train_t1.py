@@ -530,8 +530,10 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     assert gate["steps"] == 10 and gate["copy_accuracy"] == 0.93 and "WARNING" not in line and moved > 0
     gate, _, line = run_base(12, [0.5, 0.6, 0.7])  # below to the cap: 8 + 2 + 2, then the reported reading
     assert gate["steps"] == 12 and gate["copy_accuracy"] == 0.7 and "WARNING: below the gate" in line
-    gate, _, _ = run_base(0, [0.7])  # no cap: exactly base_steps, only the reported reading
-    assert gate["steps"] == 8
+    gate, _, line = run_base(0, [0.7])  # no cap: exactly base_steps, only the reported reading
+    assert gate["steps"] == 8 and "WARNING: below the gate" in line
+    gate, _, line = run_base(16, [0.5, 0.91, 0.89])  # the deciding probe passed, the reported one reads .89: no alarm
+    assert gate["steps"] == 10 and "WARNING" not in line and "the probe that decided read 0.910" in line
 
 
 # --- the end-of-run table's statistics (bench.py) ----------------------------------------------------------
