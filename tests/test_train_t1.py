@@ -616,6 +616,8 @@ def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
     full, emb = T.parse_args(["--full"]), T.parse_args([])
     assert (full.n_heldout_tasks, full.eval_every, full.arch) == (150, 16, "qwen3_moe") and full.rl_steps > emb.rl_steps
     assert (full.n_train_tasks, full.validate_train, full.rl_steps) == (1152, False, 48)  # runs r6 and r12
+    assert (full.temperature, full.kl_coef, emb.temperature, emb.kl_coef) == (0.7, 0.05, 1.0, 0.0)  # run k7
+    T.check_args(full)  # the KL is the hf backend's, as --full's
     assert emb.validate_train and emb.expert_text == full.expert_text == "full"
     assert T.parse_args(["--full", "--rl-steps", "3"]).rl_steps == 3  # a flag still wins over the preset
     assert emb.base_steps > 0 and T.Args().base_steps == 0  # the base phase is the embedded presets' only
