@@ -25,6 +25,9 @@ Arms (ARMS; the flags they add to the shared preset):
   cold_default  the same with --critic-head-init default: a randomly initialised head, the miscalibrated cold critic
   r3off  --r3-mode off: the trainer routes live (the mismatch R3 removes: |dlogp| and whether training suffers)
 
+Every arm runs the preset's RL settings: with --full that is rollouts at T = 0.7 and a KL of 0.05 to SFT (train_t1.FULL,
+not the paper's T = 1 without KL), the same for every arm.
+
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
 interval of an arm is mean +- t * sd / sqrt(n) over its seeds (Wilson's for one seed); "agrees" in the table means
 the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05,
