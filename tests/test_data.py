@@ -121,13 +121,14 @@ def test_find_expert_copies_names_from_the_instruction_only():
         assert "$(" in cmds, kind
 
 
-def test_find_expert_resolves_every_kind_in_a_sandbox(tmp_path):
-    """Each kind's one-command expert passes data.validate in real sandboxes: the oracle resolves, nop fails, and
-    the scripted Terminus-2 trajectory resolves."""
+@pytest.mark.parametrize("family", ["find", "csvjson"])
+def test_one_command_expert_resolves_every_kind_in_a_sandbox(tmp_path, family):
+    """Each kind's one-command expert (families departures 3 and 4) passes data.validate in real sandboxes: the
+    oracle resolves, nop fails, and the scripted Terminus-2 trajectory resolves; and rst.audit with no reason."""
     pytest.importorskip("rollout")
     model = pytest.importorskip("model")
-    specs = _find_kinds()
-    dirs = {k: data.write_task(str(tmp_path / k), spec, "find", "train", "0") for k, spec in specs.items()}
+    specs = {"find": _find_kinds, "csvjson": _csv_kinds}[family]()
+    dirs = {k: data.write_task(str(tmp_path / k), spec, family, "train", "0") for k, spec in specs.items()}
     tok = model.train_tokenizer(data.corpus(list(dirs.values())))
     with cf.ThreadPoolExecutor(2) as ex:
         res = dict(zip(dirs, ex.map(lambda d: data.validate(d, tok, str(tmp_path / "w")), dirs.values())))
@@ -159,21 +160,6 @@ def test_csv_expert_finds_the_column_by_the_name_the_instruction_gives():
         names = re.findall(r"[a-z]+\d+\.\w+", cmd)
         assert len(names) == 2 and all(n in spec["instruction"] for n in names), (kind, cmd, spec["instruction"])
         assert not re.search(r"\$[0-9]*[02-9]", cmd), (kind, cmd)  # no column number but the name's ($1)
-
-
-def test_csv_expert_resolves_each_kind_in_a_sandbox(tmp_path):
-    """Each CSV kind's one-command expert passes data.validate in real sandboxes (the oracle resolves, nop fails, the
-    scripted Terminus-2 trajectory resolves) and rst.audit with no reason."""
-    pytest.importorskip("rollout")
-    model = pytest.importorskip("model")
-    specs = _csv_kinds()
-    dirs = {k: data.write_task(str(tmp_path / k), spec, "csvjson", "train", "0") for k, spec in specs.items()}
-    tok = model.train_tokenizer(data.corpus(list(dirs.values())))
-    with cf.ThreadPoolExecutor(2) as ex:
-        res = dict(zip(dirs, ex.map(lambda d: data.validate(d, tok, str(tmp_path / "w")), dirs.values())))
-        assert res == {k: None for k in dirs}, res
-        audits = dict(zip(dirs, ex.map(lambda d: rst.audit(d, str(tmp_path / "a")), dirs.values())))
-    assert {k: a["reasons"] for k, a in audits.items()} == {k: [] for k in dirs}, audits
 
 
 def test_leakage_reads_through_a_search_of_the_files_directory_only():
