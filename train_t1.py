@@ -13,7 +13,7 @@ evaluation. Steps 5-6 run on the trainer actor (trainer.py) with ppo.py's step f
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
     bash run.sh --quick                           # smoke-test preset, a few minutes
-    bash run.sh --full                            # 150 held-out tasks, 48 RL steps on 1,152 fresh tasks (~2 h)
+    bash run.sh --full                            # 150 held-out tasks, 48 RL steps on 1,152 fresh tasks (~1-2 h)
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag
     python train_t1.py plot runs/x                # PNG curves of a run
 
@@ -240,7 +240,8 @@ EMBEDDED = dataclasses.replace(
 # policy (paper: T = 1, no KL; hf backend): at T = 1 the tiny model's replies were refused 37-57% of the time and
 # drifted until the format broke (r6c); with both (run k7, from the tenth session's --full SFT and warmed critic)
 # refused 0.2-0.45 and held-out 0.600 / 0.633 / 0.633 at 16 / 32 / 48 against SFT 0.560 (+19 / -8 at 48, McNemar
-# p = 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24). About 2 hours on 2 cores
+# p = 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24); from a fresh clone 0.593 -> 0.647 at 48 (+9 / -1,
+# p = 0.022). 1-2 hours on 2 cores (63 min from a fresh clone, eleventh session)
 FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05)
@@ -885,7 +886,7 @@ def parse_args(argv=None) -> Args:
     p = argparse.ArgumentParser(description="T1 PPO training (embedded by default)")
     p.add_argument("--preset", choices=sorted(PRESETS), default="embedded")
     p.add_argument("--quick", action="store_true", help="the quick preset (smoke run)")
-    p.add_argument("--full", action="store_true", help="the full preset (150 held-out tasks, 48 RL steps; ~2 h)")
+    p.add_argument("--full", action="store_true", help="the full preset (150 held-out tasks, 48 RL steps; ~1-2 h)")
     p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (the default when it exists)")
     def boolean(v: str) -> bool:
         if v.lower() not in ("true", "false", "1", "0"):
