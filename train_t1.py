@@ -240,8 +240,8 @@ EMBEDDED = dataclasses.replace(
 # policy (paper: T = 1, no KL; hf backend): at T = 1 the tiny model's replies were refused 37-57% of the time and
 # drifted until the format broke (r6c); with both (run k7, from the tenth session's --full SFT and warmed critic)
 # refused 0.2-0.45 and held-out 0.600 / 0.633 / 0.633 at 16 / 32 / 48 against SFT 0.560 (+19 / -8 at 48, McNemar
-# p = 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24); from a fresh clone 0.593 -> 0.647 at 48 (+9 / -1,
-# p = 0.022). 1-2 hours on 2 cores (63 min from a fresh clone, eleventh session)
+# p = 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24); from a fresh clone 0.593 -> 0.647 at
+# 48 (+9 / -1, p = 0.022). 1-2 hours on 2 cores (63 min from a fresh clone, eleventh session)
 FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05)
