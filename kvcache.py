@@ -56,7 +56,6 @@ class GrowingKV(DynamicLayer):
         self.keys, self.values = self.kbuf[..., :self.n, :], self.vbuf[..., :self.n, :]
         return self.keys, self.values
 
-
     @classmethod
     def filled(cls, like, B, T):
         """An empty layer of B rows whose first T columns are to be written by the caller (rows, columns
@@ -111,7 +110,7 @@ def _merged_cache(config, parts):
 
 def _kept_cache(config, cache, keep, first):
     """The cache of rows `keep` (a list) of `cache`, columns from `first` on: the rows still running after some left
-    the batch, built with one copy of each row (an index, then _build_cache, copied twice)."""
+    the batch, built with one copy of each row (an index, then _build_cache, would copy it twice)."""
     out = DynamicCache(config=config)
     idx = torch.tensor(keep)
     for i, layer in enumerate(cache.layers):

@@ -310,14 +310,15 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
             mb = share(mb, group, even(args, group))
-            sub, n_col = trim(batch, mb, cut=not even(args, group))  # this rank's rows, cut after the longest
+            sub, _ = trim({**batch, "old": old_logprobs, "adv": advantages, "ref": ref_logprobs}, mb,
+                          cut=not even(args, group))  # this rank's rows, cut after the longest
             m = sub["mask"]
             n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
             n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
             st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
             if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
-                old, adv = old_logprobs[mb][:, :n_col], advantages[mb][:, :n_col]
+                old, adv = sub["old"], sub["adv"]
                 with batch_routing(actor, sub, args.r3_mode):  # ALGO LOGIC: the clipped surrogate, R3 replay
                     newlogprob, entropy, aux = policy_forward(actor, sub, args.temperature, slice(None),
                                                               args.entropy_coef > 0, args.aux_loss_coef > 0)
@@ -326,7 +327,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
                     pg_loss = ppo_loss(newlogprob, old, adv, m, args.clip_eps, args.loss_agg, n)
                     loss, extra = pg_loss, torch.zeros(3)
                     if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
-                        kl = C.aggregate(kl_k3(newlogprob, ref_logprobs[mb][:, :n_col]), m, args.loss_agg, n)
+                        kl = C.aggregate(kl_k3(newlogprob, sub["ref"]), m, args.loss_agg, n)
                         loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
                     if args.entropy_coef > 0:  # entropy bonus
                         ent = C.aggregate(entropy, m, args.loss_agg, n)
