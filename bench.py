@@ -691,29 +691,54 @@ def compare(path_a: str, path_b: str) -> dict:
     return {**rows, **{k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()}}
 
 
+def best_val(run_dir) -> dict | None:
+    """The RL step chosen on the validation set (--n-val-tasks): of the steps > 0 with both evaluations on disk
+    (evals/val_step_N.json and evals/step_N.json), the one with the highest validation solve rate, then mean
+    reward, then the earlier step; -> that step's held-out evaluation with step, val_solve_rate, val_reward_mean
+    and val_n added, or None (no validation set). Chosen on validation alone: the held-out figures are not read."""
+    evals, best = Path(run_dir) / "evals", None
+    for f in sorted(evals.glob("val_step_*.json")) if evals.is_dir() else []:
+        step = int(f.stem[len("val_step_"):])
+        if step == 0 or not (evals / f"step_{step:06d}.json").exists():
+            continue
+        v = json.loads(f.read_text())
+        key = (v["solve_rate"], v["reward_mean"], -step)
+        if best is None or key > best[0]:
+            best = (key, step, v)
+    if best is None:
+        return None
+    _, step, v = best
+    held = json.loads((evals / f"step_{step:06d}.json").read_text())
+    return {**held, "step": step, "val_solve_rate": v["solve_rate"], "val_reward_mean": v["reward_mean"],
+            "val_n": v["n_trials"]}
+
+
 def print_table(summary: dict) -> None:
     """The end-of-run table: held-out (and first training tasks) solve rate and mean reward of each checkpoint with
-    95% intervals and n, then the paired tests RL vs SFT (and SFT vs base), then the phase times."""
+    95% intervals and n (with a validation set, also the RL step it chose: RL@val), then the paired tests RL vs
+    SFT (and RL@val vs SFT, SFT vs base), then the phase times."""
     print("\n| pool | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n"
           "|---|---|---|---|---|---|")
     for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
-        for ck in ("base", "sft", "rl"):
+        for ck in ("base", "sft", "rl", "rl_best_val"):
             e = summary.get(key.format(ck))
             if not e or not e.get("n_trials"):
                 continue
+            name = f"RL@val (step {e['step']}, val {e['val_solve_rate']:.3f})" if ck == "rl_best_val" else ck.upper()
             if "trials" not in e:  # recorded by a version that kept no per-trial rows: no intervals to give
-                print(f"| {pool} | {ck.upper()} | {e['solve_rate']:.3f} [n/a] | {e['reward_mean']:.3f} [n/a] | "
+                print(f"| {pool} | {name} | {e['solve_rate']:.3f} [n/a] | {e['reward_mean']:.3f} [n/a] | "
                       f"{e['turns_mean']:.1f} | {e['n_trials']} |")
                 continue
             lo, hi = wilson(sum(t["resolved"] for t in e["trials"]), e["n_trials"])
             rlo, rhi = mean_interval([t["reward"] for t in e["trials"]])
-            print(f"| {pool} | {ck.upper()} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
+            print(f"| {pool} | {name} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
                   f"[{rlo:.3f}, {rhi:.3f}] | {e['turns_mean']:.1f} | {e['n_trials']} |")
-    for a, b in (("sft", "rl"), ("base", "sft")):
+    for a, b in (("sft", "rl"), ("sft", "rl_best_val"), ("base", "sft")):
         ea, eb = summary.get(f"eval_{a}"), summary.get(f"eval_{b}")
         if ea and eb and ea.get("trials") and eb.get("trials"):
             t = paired(ea, eb)
-            print(f"held-out {b.upper()} vs {a.upper()} (paired, n {t['n']}): solved +{t['solved_gained']} "
+            name = f"RL@val (step {eb['step']})" if b == "rl_best_val" else b.upper()
+            print(f"held-out {name} vs {a.upper()} (paired, n {t['n']}): solved +{t['solved_gained']} "
                   f"-{t['solved_lost']}, McNemar p = {t['mcnemar_p']:.3g}; mean reward {t['reward_diff']:+.3f} "
                   f"[{t['reward_diff_ci'][0]:+.3f}, {t['reward_diff_ci'][1]:+.3f}], bootstrap p(<= 0) = "
                   f"{t['reward_p_le']:.3g}")
@@ -741,6 +766,9 @@ def plot(run_dir) -> Path:
         ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o", label="training rollouts")
         if k in ("reward_mean", "solve_rate") and held:
             ax.plot([r["step"] for r in held], [r[f"heldout_{k}"] for r in held], marker="s", label="held-out")
+            val = [r for r in held if f"val_{k}" in r]  # --n-val-tasks
+            if val:
+                ax.plot([r["step"] for r in val], [r[f"val_{k}"] for r in val], marker="^", label="validation")
             ax.legend()
         if k == "dlogp":
             ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")

@@ -210,17 +210,19 @@ def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0):
 
 
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0,
-                   validate_train=True, expert_text="full"):
+                   validate_train=True, expert_text="full", heldout_split="heldout", avoid=()):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
     rst_rounds RST steps: families.rst_extend; terminus2.json's free text by expert_text: families.expert_replies).
     validate_train=False audits the held-out split alone (a large RL pool: the audit costs ~2.6 s a task here).
+    heldout_split names the second split (its folder, its tasks' names and their draws): "val" for a validation set;
+    avoid: instructions no new task may have (the pools of an earlier call).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
     (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
     t0 = time.time()
-    seen = set()  # instructions of both splits: train and held-out never share one
+    seen = set(avoid)  # instructions of both splits (and avoid): train and held-out never share one
     specs = {}
-    for split, n in (("train", n_train), ("heldout", n_heldout)):
+    for split, n in (("train", n_train), (heldout_split, n_heldout)):
         for slot in range(n):
             family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds)
             name = f"{split}-{slot:04d}-{family}"
@@ -268,7 +270,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
             break
     shutil.rmtree(work_root, ignore_errors=True)
     train = [specs[k] for k in sorted(specs) if k[0] == "train"]
-    heldout = [specs[k] for k in sorted(specs) if k[0] == "heldout"]
+    heldout = [specs[k] for k in sorted(specs) if k[0] == heldout_split]
     tasks = {d: task_io.load_task(d) for d in train + heldout}
     assert not {tasks[d].instruction for d in train} & {tasks[d].instruction for d in heldout}, "split overlap"
     n_asserts = [t.config["metadata"]["n_assertions"] for t in tasks.values()]

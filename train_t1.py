@@ -123,6 +123,10 @@ class Args:
     # also evaluate on this many training tasks (what RL optimises, beside held-out generalisation)
     eval_train_tasks: int = 0
     eval_every: int = 0  # held-out evaluation every this many RL steps (curves.png; paper silent); 0 = after RL only
+    # validation tasks (drawn like the held-out ones, none sharing an instruction with any pool), scored beside the
+    # held-out set every eval_every steps and after RL: the end-of-run table adds held-out at the RL step that did
+    # best on them, a checkpoint chosen without reading the held-out curve (paper silent); 0 = none
+    n_val_tasks: int = 0
     # --- reward
     # S in r = P / S, fixed for the whole run (paper: 20, about the 90th percentile of assertion counts)
     reward_scale: float = float(reward.SCALE)
@@ -267,7 +271,8 @@ NUMERIC = {
     "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
-    "eval_every": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
+    "eval_every": ">= 0", "n_val_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0",
+    "sft_batch_size": ">= 1",
     "sft_faults": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0", "base_lr": "> 0",
     "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
@@ -464,13 +469,19 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
     return rep  # with its trials (task, attempt, reward, resolved): the paired tests of the end-of-run table
 
 
-def eval_row(run: Run, ev: dict, step: int) -> None:
-    """A held-out evaluation as a metrics row (phase "eval", at the RL step whose weights it scored; SFT: 0), and
-    whole, per-trial rows included, in evals/step_NNNNNN.json: any two compare paired (`bench.py compare A B`)."""
-    run.metrics.write({"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
-                       "heldout_n_trials": ev["n_trials"]}, step, "eval")
+def eval_row(run: Run, ev: dict, step: int, val: dict | None = None) -> None:
+    """A held-out evaluation (and the validation set's, --n-val-tasks) as a metrics row (phase "eval", at the RL
+    step whose weights it scored; SFT: 0), and whole, per-trial rows included, in evals/step_NNNNNN.json (and
+    evals/val_step_NNNNNN.json): any two compare paired (`bench.py compare A B`)."""
+    row = {"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
+           "heldout_n_trials": ev["n_trials"]}
+    if val is not None:
+        row.update(val_solve_rate=val["solve_rate"], val_reward_mean=val["reward_mean"], val_n_trials=val["n_trials"])
     (run.dir / "evals").mkdir(exist_ok=True)
-    write_atomic(run.dir / "evals" / f"step_{step:06d}.json", json.dumps({**ev, "after_step": step}))
+    for name, e in (("step", ev), ("val_step", val)):  # the files first: the row is what a resume keeps or drops
+        if e is not None:
+            write_atomic(run.dir / "evals" / f"{name}_{step:06d}.json", json.dumps({**e, "after_step": step}))
+    run.metrics.write(row, step, "eval")
 
 
 def brief(ev: dict) -> dict:
@@ -531,12 +542,20 @@ def make_tasks(run: Run) -> tuple[list, list]:
             validate_train=args.validate_train, expert_text=args.expert_text, workers=args.rollout_workers))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
         run.save_state()
+    if args.n_val_tasks and "val" not in state["tasks"]:  # drawn after the pools (their tasks stay as they were)
+        taken = [task_io.load_task(d).instruction for d in state["tasks"]["train"] + state["tasks"]["heldout"]]
+        _, val = run.timed("tasks", lambda: data.generate_tasks(
+            run.dir / "tasks" / "val", 0, args.n_val_tasks, args.seed, rst_rounds=args.rst_rounds,
+            expert_text=args.expert_text, workers=args.rollout_workers, heldout_split="val", avoid=taken))
+        state["tasks"]["val"] = [str(d) for d in val]
+        run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
     heldout = state["tasks"]["heldout"]
     run.args = dataclasses.replace(args, reward_scale=run_scale(args, state, train_pool))
     (run.dir / "args.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=1))  # with the run's S
     run.save_state()
-    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out; S = {run.args.reward_scale:g}")
+    n_val = f", {len(state['tasks']['val'])} validation" if state["tasks"].get("val") else ""
+    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out{n_val}; S = {run.args.reward_scale:g}")
     return train_pool, heldout
 
 
@@ -579,7 +598,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     if args.n_sft_tasks:
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
                                        validate_tasks=False, rst_rounds=args.rst_rounds, expert_text=args.expert_text)
-        taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)}
+        taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)
+                 + run.state["tasks"].get("val", [])}
         sft_pool = [d for d in extra if task_io.load_task(d).instruction not in taken]
     texts = data.corpus(sft_pool)
     log(run_dir, f"held-out vs the SFT pool: {data.overlap(sft_pool, heldout)}; vs the RL pool: "
@@ -675,7 +695,9 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         run.save_state()
     if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
         state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
-        eval_row(run, state["eval_rl"], state["step"])
+        val = state["tasks"].get("val")
+        val_ev = run.timed("eval_rl", lambda: ev(val, "rl val")) if val else None
+        eval_row(run, state["eval_rl"], state["step"], val_ev)
         state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
         run.save_state()
         log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
@@ -773,10 +795,10 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
 def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout: list) -> None:
     """RL: PPO steps, the paper's step list. One-step async: the rollout of step t+1 runs beside the update of
     step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously.
-    --eval-every K: held-out evaluation after every K-th publish (nothing else is in flight then: the next
-    step's rollout finished beside the update), a metrics row of phase "eval" (curves.png)."""
+    --eval-every K: held-out evaluation (and the validation set's) after every K-th publish (nothing else is in
+    flight then: the next step's rollout finished beside the update), a metrics row of phase "eval" (curves.png)."""
     args, state = run.args, run.state
-    first_step = state["step"] + 1
+    first_step, val = state["step"] + 1, state["tasks"].get("val")
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
         launch = data.launch_tasks(train_pool, step, args.n_launch // args.samples_per_task, args.seed,
@@ -824,7 +846,9 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
                              time_step=time.time() - t_step)}
         run.metrics.write(rec, step, "rl")
         if args.eval_every and step % args.eval_every == 0 and step < args.rl_steps:  # the last: evaluate_checkpoint
-            eval_row(run, evaluate(heldout, args, run.dir, tokenizer, ax.workers, ax.urls, f"step {step}"), step)
+            def ev(dirs, tag):
+                return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+            eval_row(run, ev(heldout, f"step {step}"), step, ev(val, f"val step {step}") if val else None)
         state["step"] = step
         state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
         run.save_state()  # commits step k: its checkpoint, metrics row and samples (resume_run)
@@ -876,6 +900,7 @@ def train(args: Args) -> dict:
     summary = {"eval_base": state.get("eval_base"), "copy_gate": state.get("base"), "eval_sft": state["eval_sft"],
                "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
+               "eval_rl_best_val": bench.best_val(run.dir),
                "rl_steps": state["step"], "async_vs_sequential": bench.async_vs_sequential(run.dir)}
     (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
     bench.plot(run.dir)

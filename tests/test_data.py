@@ -240,6 +240,23 @@ def test_train_and_heldout_are_disjoint(tmp_path):
     assert all("/train/" in d for d in train) and all("/heldout/" in d for d in heldout)
 
 
+def test_a_validation_split_avoids_the_pools_instructions(tmp_path):
+    """generate_tasks(heldout_split="val", avoid=...): the second split under val/, its tasks named val-*, drawn
+    apart from the held-out ones (the same seed gives other tasks), none with an instruction in avoid."""
+    train, heldout = data.generate_tasks(str(tmp_path / "pools"), 12, 12, seed=4, validate_tasks=False)
+    taken = {task_io.load_task(d).instruction for d in train + heldout}
+    _, val = data.generate_tasks(str(tmp_path / "val"), 0, 12, seed=4, validate_tasks=False, heldout_split="val",
+                                 avoid=taken)
+    ins = {task_io.load_task(d).instruction for d in val}
+    assert len(ins) == 12 and not ins & taken
+    assert all("/val/val-" in d for d in val) and sorted(os.listdir(tmp_path / "val")) == ["summary.json", "val"]
+    # a task drawn for the validation split that an avoided instruction would have been is redrawn
+    first = task_io.load_task(val[0]).instruction
+    _, again = data.generate_tasks(str(tmp_path / "again"), 0, 1, seed=4, validate_tasks=False, heldout_split="val",
+                                   avoid=taken | {first})
+    assert task_io.load_task(again[0]).instruction not in taken | {first}
+
+
 def test_generation_is_deterministic_given_seed(tmp_path):
     a, b, c = (tmp_path / x for x in "abc")
     data.generate_tasks(str(a), 6, 3, seed=5, validate_tasks=False)

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 import rollout
+import task_io
 import tito
 import train_t1
 from engine import EngineServer
@@ -49,7 +50,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     beside it); then a resume of the same run directory that loses and repeats nothing (train_t1.resume_run,
     the commit point state.json): every step's metrics and samples exist exactly once."""
     run_dir = tmp_path / "run"
-    log = run(run_dir, TINY + ["--rl-steps", "4", "--eval-every", "2"],  # held-out eval after step 2
+    val = ["--n-val-tasks", "2"]  # a validation set, scored beside the held-out one
+    log = run(run_dir, TINY + val + ["--rl-steps", "4", "--eval-every", "2"],  # held-out eval after step 2
               kill_at="step 3: actor update")  # killed inside step 3's update
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 2  # step 3 never checkpointed
@@ -91,7 +93,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     # an engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
     engine = EngineServer(str(run_dir / "ckpt" / "sft"), port=0).start()
     try:
-        summary = train_t1.train(train_t1.parse_args(TINY + ["--run-dir", str(run_dir), "--rl-steps", "3",
+        summary = train_t1.train(train_t1.parse_args(TINY + val + ["--run-dir", str(run_dir), "--rl-steps", "3",
                                                              "--engine-urls", engine.url]))
         assert rollout.EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
     finally:
@@ -104,6 +106,18 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
     held = [r for r in read_metrics(run_dir) if r["phase"] == "eval"]
     assert [r["step"] for r in held] == [0, 2, 3] and held[2]["heldout_n_trials"] == 3  # the last: after step 3
+    # the validation set: its own instructions (none in the RL or held-out pools), scored at steps 2 and 3;
+    # the table's RL@val is the held-out evaluation of the step that did best on it
+    st = json.loads((run_dir / "state.json").read_text())
+    assert len(st["tasks"]["val"]) == 2 and all(Path(d).name.startswith("val-") for d in st["tasks"]["val"])
+    ins = {k: {task_io.load_task(d).instruction for d in ds} for k, ds in st["tasks"].items()}
+    assert not ins["val"] & (ins["train"] | ins["heldout"]) and len(ins["val"]) == 2
+    assert "val_n_trials" not in held[0] and [r["val_n_trials"] for r in held[1:]] == [2, 2]
+    best = summary["eval_rl_best_val"]
+    assert best["step"] in (2, 3) and best == dict(json.loads((run_dir / "evals" / f"step_{best['step']:06d}.json")
+                                                              .read_text()), step=best["step"],
+                                                   val_solve_rate=best["val_solve_rate"],
+                                                   val_reward_mean=best["val_reward_mean"], val_n=2)
     n_sft = len([r for r in recs if r["phase"] == "sft"])
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == n_sft
     assert json.loads((run_dir / "state.json").read_text())["step"] == 3

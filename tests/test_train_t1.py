@@ -589,6 +589,36 @@ def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
         bench.compare(str(tmp_path / "broken.json"), str(tmp_path / "evals" / "step_000000.json"))
 
 
+def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, capsys):
+    """--n-val-tasks: eval_row writes evals/val_step_N.json beside step_N.json, and one metrics row with both;
+    bench.best_val picks the RL step by validation solve rate, then mean reward, then the earlier step (never step
+    0, never a step without a held-out file), whatever the held-out figures; print_table adds RL@val and its
+    paired test against SFT."""
+    rows = []
+    run = SimpleNamespace(dir=tmp_path, metrics=SimpleNamespace(write=lambda rec, step, phase: rows.append(rec)))
+
+    def ev(k, n=10, reward=None):  # k of n resolved
+        e = _ev([True] * k + [False] * (n - k), [1.0] * k + [0.0] * (n - k))
+        return {**e, "solve_rate": k / n, "reward_mean": reward if reward is not None else k / n, "n_trials": n,
+                "turns_mean": 3.0}
+    assert bench.best_val(tmp_path) is None  # no evals at all
+    T.eval_row(run, ev(2), 0, ev(9))  # the SFT step: not a candidate
+    T.eval_row(run, ev(3), 16, ev(5, reward=0.4))
+    T.eval_row(run, ev(9), 32, ev(4))  # the best held-out: not read
+    T.eval_row(run, ev(6), 48, ev(5, reward=0.6))  # ties 16 on solve rate, better mean reward
+    T.eval_row(run, ev(1), 64, ev(5, reward=0.6))  # a full tie with 48: the earlier step
+    (tmp_path / "evals" / "val_step_000080.json").write_text(json.dumps(ev(10)))  # no held-out file: skipped
+    assert [set(r) >= {"val_solve_rate", "val_n_trials", "heldout_solve_rate"} for r in rows] == [True] * 5
+    best = bench.best_val(tmp_path)
+    assert (best["step"], best["solve_rate"], best["val_solve_rate"], best["val_reward_mean"], best["val_n"]) == (
+        48, 0.6, 0.5, 0.6, 10)
+    bench.print_table({"eval_sft": ev(2), "eval_rl": {**ev(1), "after_step": 64}, "eval_rl_best_val": best,
+                       "phase_times": {}})
+    out = capsys.readouterr().out
+    assert "| held-out | RL@val (step 48, val 0.500) | 0.600 [" in out
+    assert "held-out RL@val (step 48) vs SFT (paired, n 10): solved +4 -0" in out
+
+
 def test_snr_stats_by_hand():
     G = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, -2.0]])  # mean (2, 0)
     st = bench.snr_stats(G)
