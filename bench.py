@@ -701,8 +701,12 @@ def best_val(run_dir) -> dict | None:
         step = int(f.stem[len("val_step_"):])
         if step == 0 or not (evals / f"step_{step:06d}.json").exists():
             continue
-        v = json.loads(f.read_text())
-        key = (v["solve_rate"], v["reward_mean"], -step)
+        try:
+            v = json.loads(f.read_text())
+            key = (float(v["solve_rate"]), float(v["reward_mean"]), -step)
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"best_val: {f} is not a validation evaluation (train_t1.eval_row): "
+                             f"{type(e).__name__}: {e}") from None
         if best is None or key > best[0]:
             best = (key, step, v)
     if best is None:

@@ -694,11 +694,13 @@ def evaluate_checkpoint(run: Run, ax: SimpleNamespace, tokenizer, train_pool: li
         state["eval_rl_train"] = state["eval_sft_train"]
         run.save_state()
     if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
-        state["eval_rl"] = {**run.timed("eval_rl", lambda: ev(heldout, "rl")), "after_step": state["step"]}
+        # the step's evaluations first, then the state (run.timed saves it): a kill among them redoes them all
+        held = run.timed("eval_rl", lambda: ev(heldout, "rl"))
         val = state["tasks"].get("val")
         val_ev = run.timed("eval_rl", lambda: ev(val, "rl val")) if val else None
+        train_ev = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
+        state["eval_rl"], state["eval_rl_train"] = {**held, "after_step": state["step"]}, train_ev
         eval_row(run, state["eval_rl"], state["step"], val_ev)
-        state["eval_rl_train"] = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
         run.save_state()
         log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
 

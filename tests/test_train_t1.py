@@ -617,6 +617,9 @@ def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, c
     out = capsys.readouterr().out
     assert "| held-out | RL@val (step 48, val 0.500) | 0.600 [" in out
     assert "held-out RL@val (step 48) vs SFT (paired, n 10): solved +4 -0" in out
+    (tmp_path / "evals" / "val_step_000016.json").write_text('{"solve_rate": 0.5')  # torn: named, not guessed
+    with pytest.raises(ValueError, match="val_step_000016.json is not a validation evaluation"):
+        bench.best_val(tmp_path)
 
 
 def test_snr_stats_by_hand():
