@@ -544,7 +544,9 @@ def make_tasks(run: Run) -> tuple[list, list]:
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
         run.save_state()
     if args.n_val_tasks and "val" not in state["tasks"]:  # drawn after the pools (their tasks stay as they were)
-        taken = [task_io.load_task(d).instruction for d in state["tasks"]["train"] + state["tasks"]["heldout"]]
+        sft = run.dir / "tasks" / "sft" / "train"  # an SFT pool drawn before (a validation set added on resume)
+        taken = [task_io.load_task(d).instruction for d in state["tasks"]["train"] + state["tasks"]["heldout"]
+                 + (data.task_dirs_under([sft]) if sft.is_dir() and any(sft.iterdir()) else [])]
         _, val = run.timed("tasks", lambda: data.generate_tasks(
             run.dir / "tasks" / "val", 0, args.n_val_tasks, args.seed, rst_rounds=args.rst_rounds,
             expert_text=args.expert_text, workers=args.rollout_workers, heldout_split="val", avoid=taken))

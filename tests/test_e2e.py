@@ -111,7 +111,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     st = json.loads((run_dir / "state.json").read_text())
     assert len(st["tasks"]["val"]) == 2 and all(Path(d).name.startswith("val-") for d in st["tasks"]["val"])
     ins = {k: {task_io.load_task(d).instruction for d in ds} for k, ds in st["tasks"].items()}
-    assert not ins["val"] & (ins["train"] | ins["heldout"]) and len(ins["val"]) == 2
+    ins["sft"] = {task_io.load_task(d).instruction for d in (run_dir / "tasks" / "sft" / "train").iterdir()}
+    assert not ins["val"] & (ins["train"] | ins["heldout"] | ins["sft"]) and len(ins["val"]) == 2
     assert "val_n_trials" not in held[0] and [r["val_n_trials"] for r in held[1:]] == [2, 2]
     best = summary["eval_rl_best_val"]
     assert best["step"] in (2, 3) and best == dict(json.loads((run_dir / "evals" / f"step_{best['step']:06d}.json")

@@ -667,3 +667,26 @@ def test_invalid_reply_frac_counts_refused_replies_over_all_turns():
     assert math.isnan(T.invalid_reply_frac([])) and math.isnan(T.invalid_reply_frac([dict(turns=3)]))
     assert T.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
     assert T.invalid_reply_frac(trials) >= T.INVALID_ALARM > T.invalid_reply_frac([dict(turns=10, invalid_replies=1)])
+
+
+def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monkeypatch):
+    """--n-val-tasks on a run whose pools and SFT pool exist: the new set is drawn avoiding all three pools'
+    instructions (a fresh run draws it before SFT, whose pool then drops any shared one: warm_start)."""
+    import task_io
+    args = T.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--n-train-tasks", "2", "--n-heldout-tasks",
+                         "1", "--validate-train", "false"])
+    monkeypatch.setattr(data, "validate", lambda *a, **k: None)
+    real, seen = data.generate_tasks, {}
+
+    def spy(out_dir, *a, **k):
+        seen.setdefault("avoid", set(k.get("avoid", ()))) if k.get("heldout_split") == "val" else None
+        return real(out_dir, *a, **dict(k, validate_tasks=False))
+    monkeypatch.setattr(data, "generate_tasks", spy)
+    run = T.Run(args)
+    T.make_tasks(run)
+    sft, _ = real(tmp_path / "run" / "tasks" / "sft", 4, 0, args.seed + 1, validate_tasks=False)
+    run.args = dataclasses.replace(run.args, n_val_tasks=2)
+    T.make_tasks(run)
+    pools = [task_io.load_task(d).instruction for d in run.state["tasks"]["train"] + run.state["tasks"]["heldout"]]
+    assert seen["avoid"] == set(pools) | {task_io.load_task(d).instruction for d in sft}
+    assert len(run.state["tasks"]["val"]) == 2
