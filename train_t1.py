@@ -805,6 +805,9 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
     args, state = run.args, run.state
     first_step, val = state["step"] + 1, state["tasks"].get("val")
 
+    def ev(dirs, tag):  # an evaluation (held-out, validation) of the weights the engines serve
+        return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
         launch = data.launch_tasks(train_pool, step, args.n_launch // args.samples_per_task, args.seed,
                                    args.samples_per_task)  # every task once per epoch, G times in its step
@@ -851,8 +854,6 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
                              time_step=time.time() - t_step)}
         run.metrics.write(rec, step, "rl")
         if args.eval_every and step % args.eval_every == 0 and step < args.rl_steps:  # the last: evaluate_checkpoint
-            def ev(dirs, tag):
-                return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
             eval_row(run, ev(heldout, f"step {step}"), step, ev(val, f"val step {step}") if val else None)
         state["step"] = step
         state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]

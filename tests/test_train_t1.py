@@ -679,7 +679,8 @@ def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monk
     real, seen = data.generate_tasks, {}
 
     def spy(out_dir, *a, **k):
-        seen.setdefault("avoid", set(k.get("avoid", ()))) if k.get("heldout_split") == "val" else None
+        if k.get("heldout_split") == "val":
+            seen["avoid"] = set(k["avoid"])
         return real(out_dir, *a, **dict(k, validate_tasks=False))
     monkeypatch.setattr(data, "generate_tasks", spy)
     run = T.Run(args)
