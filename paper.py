@@ -26,7 +26,9 @@ Arms (ARMS; the flags they add to the shared preset):
   r3off  --r3-mode off: the trainer routes live (the mismatch R3 removes: |dlogp| and whether training suffers)
 
 Every arm runs the preset's RL settings: with --full that is rollouts at T = 0.7 and a KL of 0.05 to SFT (train_t1.FULL,
-not the paper's T = 1 without KL), the same for every arm.
+not the paper's T = 1 without KL), the same for every arm. With --n-val-tasks N passed to train_t1, each arm also
+gets a row "<arm>@val": held-out at the RL step its validation set chose (bench.best_val), and RL@val vs SFT a claim
+row; the arms' comparisons stay at their last step (the paper compares fixed step counts).
 
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
 interval of an arm is mean +- t * sd / sqrt(n) over its seeds (Wilson's for one seed); "agrees" in the table means
@@ -212,6 +214,12 @@ def report(out: Path) -> str:
         rw = np.mean([r["summary"]["eval_rl"]["reward_mean"] for r in runs])
         lines.append(f"| {arm} | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {rw:.3f} | "
                      f"{runs[0]['summary']['rl_steps']} | {np.mean([r['wall_s'] for r in runs]):.0f} |")
+        best = [r["summary"].get("eval_rl_best_val") for r in runs]
+        if all(best):  # --n-val-tasks: held-out at the step each seed's validation set chose
+            m, lo, hi = _interval([b["solve_rate"] for b in best], best[0])
+            lines.append(f"| {arm}@val | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | "
+                         f"{np.mean([b['reward_mean'] for b in best]):.3f} | {', '.join(str(b['step']) for b in best)} "
+                         f"(chosen) | - |")
     n = (shared.get("eval_sft") or {}).get("n_trials", 0)
     lines += ["", f"Held-out tasks: {n} (the same for every arm). Claims (ours vs the paper's):", "",
               "| claim | paper | ours | verdict |", "|---|---|---|---|"]
@@ -228,6 +236,12 @@ def report(out: Path) -> str:
     if c:
         lines.append(f"| RL beats SFT on held-out | 49.4 -> 64.0 | solved +{c['gained']} -{c['lost']} over "
                      f"{c['n_pairs']} seeds, McNemar p = {c['mcnemar_p']:.3g} | "
+                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
+    best = [r["summary"].get("eval_rl_best_val") for r in ppo]
+    c = pooled([(shared.get("eval_sft") or {}, b) for b in best]) if ppo and all(best) else {}
+    if c:
+        lines.append(f"| RL beats SFT on held-out, at the step validation chose | 49.4 -> 64.0 | solved "
+                     f"+{c['gained']} -{c['lost']} over {c['n_pairs']} seeds, McNemar p = {c['mcnemar_p']:.3g} | "
                      f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
     arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")
     arm_vs_ppo("grpo", "PPO 64.0 vs GRPO 51.7", "PPO with a critic beats GRPO")

@@ -75,7 +75,8 @@ import reward
 import rollout
 import task_io
 import tito
-from trainer import Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run, write_atomic
+from trainer import (Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run, rewrite_jsonl,
+                     write_atomic)
 
 
 @dataclass
@@ -473,7 +474,9 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
 def eval_row(run: Run, ev: dict, step: int, val: dict | None = None) -> None:
     """A held-out evaluation (and the validation set's, --n-val-tasks) as a metrics row (phase "eval", at the RL
     step whose weights it scored; SFT: 0), and whole, per-trial rows included, in evals/step_NNNNNN.json (and
-    evals/val_step_NNNNNN.json): any two compare paired (`bench.py compare A B`)."""
+    evals/val_step_NNNNNN.json): any two compare paired (`bench.py compare A B`). A row of the same step already in
+    metrics.jsonl (written before a kill that came ahead of the state's commit; resume keeps it, as the step is
+    committed) is replaced, so each evaluation has one row."""
     row = {"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
            "heldout_n_trials": ev["n_trials"]}
     if val is not None:
@@ -482,6 +485,8 @@ def eval_row(run: Run, ev: dict, step: int, val: dict | None = None) -> None:
     for name, e in (("step", ev), ("val_step", val)):  # the files first: the row is what a resume keeps or drops
         if e is not None:
             write_atomic(run.dir / "evals" / f"{name}_{step:06d}.json", json.dumps({**e, "after_step": step}))
+    for note in rewrite_jsonl(run.dir / "metrics.jsonl", lambda r: (r.get("phase"), r.get("step")) != ("eval", step)):
+        log(run.dir, f"eval row of step {step}: {note}")
     run.metrics.write(row, step, "eval")
 
 

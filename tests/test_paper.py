@@ -63,6 +63,14 @@ def test_report_from_run_directories(tmp_path):
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
     assert "unfinished" not in text and (tmp_path / "report.md").read_text() == text
+    assert "ppo@val" not in lines and "RL beats SFT on held-out, at the step validation chose" not in lines
+    sm = json.loads((tmp_path / "ppo-s0" / "summary.json").read_text())  # --n-val-tasks: the step validation chose
+    sm["eval_rl_best_val"] = {**_ev([1] * 25 + [0] * 15), "step": 16, "val_solve_rate": 0.7}
+    (tmp_path / "ppo-s0" / "summary.json").write_text(json.dumps(sm))
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in paper.report(tmp_path).splitlines() if ln.startswith("|")}
+    assert lines["ppo@val"].startswith("| ppo@val | 1 | 0.625 [") and "| 16 (chosen) |" in lines["ppo@val"]
+    assert "solved +15 -0 over 1 seeds" in lines["RL beats SFT on held-out, at the step validation chose"]
+    assert "binary@val" not in lines and "solved +20 -0" in lines["RL beats SFT on held-out"]
     (tmp_path / "r3off-s0").mkdir()
     (tmp_path / "r3off-s0" / "state.json").write_text("{}")  # an arm that crashed before its summary
     assert "Failed or unfinished arm runs (not in the table; their stdout.log): r3off-s0" in paper.report(tmp_path)

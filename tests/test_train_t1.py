@@ -589,6 +589,26 @@ def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
         bench.compare(str(tmp_path / "broken.json"), str(tmp_path / "evals" / "step_000000.json"))
 
 
+def test_an_evaluation_redone_after_a_kill_has_one_row(tmp_path):
+    """A kill after eval_row's metrics row but before the state's commit: the resume redoes the evaluation (the step
+    is committed, so resume_run keeps the first row); the redo replaces that row, other rows untouched."""
+    from trainer import Metrics
+    run = SimpleNamespace(dir=tmp_path, metrics=Metrics(tmp_path))
+
+    def ev(k, n=4):
+        return {**_ev([True] * k + [False] * (n - k), [1.0] * k + [0.0] * (n - k)), "solve_rate": k / n,
+                "reward_mean": k / n, "n_trials": n}
+    run.metrics.write({"reward_mean": 0.5}, 16, "rl")
+    T.eval_row(run, ev(1), 0)
+    T.eval_row(run, ev(2), 16)
+    T.eval_row(run, ev(3), 16)  # the redo of step 16's evaluation
+    rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
+    assert [(r["phase"], r["step"], r.get("heldout_solve_rate")) for r in rows] == [
+        ("rl", 16, None), ("eval", 0, 0.25), ("eval", 16, 0.75)]
+    assert "eval row of step 16: metrics.jsonl: dropped 1 row(s)" in (tmp_path / "log.txt").read_text()
+    assert json.loads((tmp_path / "evals" / "step_000016.json").read_text())["solve_rate"] == 0.75
+
+
 def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, capsys):
     """--n-val-tasks: eval_row writes evals/val_step_N.json beside step_N.json, and one metrics row with both;
     bench.best_val picks the RL step by validation solve rate, then mean reward, then the earlier step (never step
