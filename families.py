@@ -402,7 +402,7 @@ def rst_extend(spec, family, rng, rounds):
     return spec
 
 
-EXPERT_TEXTS = ("full", "terse")  # expert_replies' free text (train_t1 --expert-text)
+EXPERT_TEXTS = ("full", "terse", "restate")  # expert_replies' free text (train_t1 --expert-text)
 TERSE = dict(analysis="Working on the task.", plan="Run the commands.", done="The task is done.")
 
 
@@ -412,13 +412,18 @@ def expert_replies(spec, text="full"):
     text "full": each turn's analysis / plan restate the task's names and values (a teacher's prose); "terse": the
     same fixed words on every task (TERSE), so that the commands are the only task-specific tokens an SFT model
     learns to write (this project's choice, paper silent: its SFT transcripts are a teacher model's; measured:
-    at T = 1 the tiny model's free text carries 92% of the policy gradient's variance and no signal, RESULTS.md)."""
+    at T = 1 the tiny model's free text carries 92% of the policy gradient's variance and no signal, RESULTS.md);
+    "restate": "full" with the first analysis opening on the instruction word for word ("The task: ..."), so that
+    each name, value and verb a command needs was last written a few tokens back by the agent itself (the copy a
+    tiny model can do; held-out failures were verbs and fields the "full" text never restates, RESULTS.md)."""
     if text not in EXPERT_TEXTS:
         raise ValueError(f"expert_replies: text must be one of {EXPERT_TEXTS}, got {text!r}")
     terse = text == "terse"
     replies = [dict(analysis=TERSE["analysis"] if terse else t["analysis"], plan=TERSE["plan"] if terse else t["plan"],
                     commands=[dict(keystrokes=c + "\n", duration=0.1) for c in t["cmds"]], task_complete=False)
                for t in spec["turns"]]
+    if text == "restate":
+        replies[0]["analysis"] = f"The task: {spec['instruction']} {replies[0]['analysis']}"
     replies.append(dict(analysis=TERSE["done"] if terse else spec["done"], plan="The task is complete.", commands=[],
                         task_complete=True))
     replies.append(dict(analysis="I checked the result.", plan="Confirm completion.", commands=[], task_complete=True))

@@ -96,7 +96,8 @@ class Args:
     # held-out pool always is); for a large fresh RL pool on 2 cores (paper: every T1-15k task is audited)
     validate_train: bool = True
     # the free text of the SFT pool's expert replies: full (analysis / plan restate the task) | terse (fixed words on
-    # every task: families.expert_replies); paper silent (its SFT transcripts come from a teacher model)
+    # every task) | restate (full, the first analysis opening on the instruction verbatim): families.expert_replies;
+    # paper silent (its SFT transcripts come from a teacher model)
     expert_text: str = "full"
     # --- model
     arch: str = "qwen3_5_moe"  # embedded model: qwen3_5_moe (Qwen3.5 hybrid GDN + gated attention) | qwen3_moe

@@ -232,6 +232,17 @@ def test_terse_expert_text_keeps_the_commands_and_resolves_for_every_family(tmp_
         families.expert_replies(families.fam_files(random.Random(0)), "short")
 
 
+def test_restate_expert_text_opens_on_the_instruction_verbatim():
+    """--expert-text restate: the full text, the first analysis opening on the task's instruction word for word
+    (RST's extended instruction included); the commands and the other turns' text unchanged."""
+    for fam in (families.fam_files, families.fam_csvjson):
+        spec = fam(random.Random(3))
+        spec = families.rst_extend(spec, fam.__name__[4:], random.Random(4), 1) if fam is families.fam_csvjson else spec
+        full, rest = families.expert_replies(spec, "full"), families.expert_replies(spec, "restate")
+        assert rest[0]["analysis"] == f"The task: {spec['instruction']} {full[0]['analysis']}"
+        assert [r["commands"] for r in rest] == [r["commands"] for r in full] and rest[1:] == full[1:]
+
+
 def test_train_and_heldout_are_disjoint(tmp_path):
     train, heldout = data.generate_tasks(str(tmp_path), 60, 30, seed=0, validate_tasks=False)
     ins_train = {task_io.load_task(d).instruction for d in train}
