@@ -243,9 +243,10 @@ EMBEDDED = dataclasses.replace(
 # (a warm-vs-cold arm compared two cold critics); 512 starts RL at EV 0.37. 48 steps: with that critic held-out peaked
 # at step 48 (0.66, +15 / -7) and fell below SFT by 64-68 (r12; r6, cold, collapsed at 122; the fresh-clone run below
 # continued: 0.680 / 0.607 / 0.647 at 64 / 80 / 96): read off the held-out curve, there being no validation split
-# (--n-val-tasks adds one; not yet measured in this preset). Rollouts at T = 0.7 with a k3 KL of 0.05 to the SFT
-# policy (paper: T = 1, no KL; hf backend): at T = 1 the tiny model's replies were refused 37-57% of the time and
-# drifted until the format broke (r6c); with both (run k7, from the tenth session's --full SFT and warmed critic)
+# (--n-val-tasks adds one; not in the preset: in a fresh-clone run its 150 tasks moved by ~0.03 between evaluations,
+# as much as RL's gains, and chose step 64 of 96, thirteenth session). Rollouts at T = 0.7 with a k3 KL of 0.05 to
+# the SFT policy (paper: T = 1, no KL; hf backend): at T = 1 the tiny model's replies were refused 37-57% of the time
+# and drifted until the format broke (r6c); with both (run k7, from the tenth session's --full SFT and warmed critic)
 # refused 0.2-0.45 and held-out 0.600 / 0.633 / 0.633 at 16 / 32 / 48 against SFT 0.560 (+19 / -8 at 48, McNemar p =
 # 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24); from a fresh clone 0.593 -> 0.647 at 48 (+9 /
 # -1, p = 0.022). 1-2 hours on 2 cores (63 min from a fresh clone, eleventh session)
