@@ -621,17 +621,18 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         run.state["base"] = run.timed("base", lambda: base_phase(run, actor, tokenizer, texts))
         save_dir(actor, tokenizer, run_dir / "ckpt" / "base")
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
-    # in task order, not the order the concurrent trials finished in, so that --seed alone fixes SFT's minibatches
-    # (two runs of one seed on the same data, batched in finishing order: held-out 0.593 and 0.773, RESULTS.md)
-    resolved = sorted((t for t in trials if t["resolved"]), key=lambda t: t["task"])
-    samples = rollout.to_samples(resolved, run_dir, "sft")  # the verifier audits them
+
+    def resolved(trials):  # in task order, not the order the concurrent trials finished in, so that --seed alone
+        # fixes SFT's minibatches (batched in finishing order, two runs of one seed on the same data reached held-out
+        # 0.593 and 0.773, RESULTS.md)
+        return sorted((t for t in trials if t["resolved"]), key=lambda t: t["task"])
+    samples = rollout.to_samples(resolved(trials), run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "
                  f"{sum(int(s['loss_mask'].sum()) for s in samples)} loss tokens")
     if args.sft_faults:  # recoveries: a share of the tasks again, one fault turn in each, trained after it only
         again = random.Random(args.seed).sample(sft_pool, round(args.sft_faults * len(sft_pool)))
         faulted, _, _ = run_rollouts(again, "scripted", args, run_dir, tokenizer, desc="sft faults", script_faults=1.0)
-        extra = rollout.after_faults(rollout.to_samples(sorted((t for t in faulted if t["resolved"]),
-                                                               key=lambda t: t["task"]), run_dir, "sft"))
+        extra = rollout.after_faults(rollout.to_samples(resolved(faulted), run_dir, "sft"))
         log(run_dir, f"sft faults: {len(extra)} of {len(again)} tasks replayed with a fault turn resolved, "
                      f"{sum(int(s['loss_mask'].sum()) for s in extra)} loss tokens after their faults")
         samples += extra
