@@ -5,7 +5,8 @@
 #                                    #   tasks -> base (copy pretraining) -> SFT -> critic warm-up -> PPO -> evals
 #   bash run.sh --quick              # the same pipeline, tiny settings (a smoke run of a few minutes)
 #   bash run.sh --full               # the same pipeline at the sizes of the learning targets (150 held-out
-#                                    #   tasks, 48 RL steps on 1,152 fresh tasks, held-out curve): ~1-2 h on 2 cores
+#                                    #   tasks, one RST step each, 48 RL steps on 1,152 fresh tasks, held-out
+#                                    #   curve): ~1-2 h on 2 cores
 #   bash run.sh --run-dir runs/x     # any train_t1.py flag passes through; same --run-dir resumes
 #   bash run.sh test                 # the test suite (pytest, CPU only; GPU tests skip without CUDA)
 #   bash run.sh qwen35-122b-a10b [--model-path DIR]   # cluster preset: checks GPUs/env/model, prints the

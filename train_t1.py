@@ -13,7 +13,7 @@ evaluation. Steps 5-6 run on the trainer actor (trainer.py) with ppo.py's step f
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
     bash run.sh --quick                           # smoke-test preset, a few minutes
-    bash run.sh --full                            # 150 held-out tasks, 48 RL steps on 1,152 fresh tasks (~1-2 h)
+    bash run.sh --full                            # 150 held-out RST tasks, 48 RL steps on 1,152 (~1-2 h)
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag
     python train_t1.py plot runs/x                # PNG curves of a run
 
@@ -236,21 +236,16 @@ EMBEDDED = dataclasses.replace(
     # evaluation protocol overrides (paper: 3 attempts, 60 turns, 3600 s agent): one attempt, the training turn and
     # time limits, so that an evaluation takes minutes on 2 cores (the 3072-token context fills in ~8 turns anyway)
     eval_max_turns=8, eval_agent_timeout_s=120.0)
-# bash run.sh --full: the issue-13 targets' sizes and the best RL recipe measured here (runs r6, r12, k7; RESULTS.md):
-# 150 held-out tasks (95% interval ~ +-8 points; the paired test over the same tasks is the stronger one); RL on 1,152
-# fresh tasks, written but not sandbox-audited (2.6 s a task here; 0 rejects in 270 audited); the held-out curve every
-# 16 steps. Critic Warm-Up on 512 trials (64 updates): the embedded 64 (8 updates) and 256 left a critic with EV 0.04
-# (a warm-vs-cold arm compared two cold critics); 512 starts RL at EV 0.37. 48 steps: with that critic held-out peaked
-# at step 48 (0.66, +15 / -7) and fell below SFT by 64-68 (r12; r6, cold, collapsed at 122; the fresh-clone run below
-# continued: 0.680 / 0.607 / 0.647 at 64 / 80 / 96): read off the held-out curve, there being no validation split
-# (--n-val-tasks adds one; not in the preset: in a fresh-clone run its 150 tasks moved by ~0.03 between evaluations,
-# as much as RL's gains, and chose step 64 of 96, thirteenth session). Rollouts at T = 0.7 with a k3 KL of 0.05 to
-# the SFT policy (paper: T = 1, no KL; hf backend): at T = 1 the tiny model's replies were refused 37-57% of the time
-# and drifted until the format broke (r6c); with both (run k7, from the tenth session's --full SFT and warmed critic)
-# refused 0.2-0.45 and held-out 0.600 / 0.633 / 0.633 at 16 / 32 / 48 against SFT 0.560 (+19 / -8 at 48, McNemar p =
-# 0.052; the same start at T = 1 without KL: 0.553 at 16, 0.600 at 24); from a fresh clone 0.593 -> 0.647 at 48 (+9 /
-# -1, p = 0.022). 1-2 hours on 2 cores (63 min from a fresh clone, eleventh session)
-FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152,
+# bash run.sh --full: the issue-13 targets' sizes and the RL recipe measured best here (RESULTS.md, sessions 8-14): 150
+# held-out tasks (95% interval ~ +-8 points; the paired test over the same tasks is the stronger one); every task
+# extended by one RST step on its output (3-8 assertions, S = 6: partial credit for r = P / S to grade; RL's mean reward
+# gain had p <= 0.02 at all 5 evaluations of two RL runs from one such SFT; one-step tasks' SFT left less room:
+# 0.59-0.77); RL on 1,152 fresh tasks, written but not sandbox-audited (0 rejects in 270 audited); Critic Warm-Up on 512
+# trials (64 or 256 left EV ~0.04); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there the tiny
+# model's replies were refused 37-57% of the time and its format drifted); 48 steps, the held-out curve every 16 (later
+# steps plateaued or fell back); no validation set (--n-val-tasks adds one; at 150 tasks it moved as much as RL's
+# gains). 1-2 h on 2 cores.
+FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152, rst_rounds=1,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05)
 QUICK = dataclasses.replace(

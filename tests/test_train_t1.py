@@ -687,6 +687,7 @@ def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
     full, emb = T.parse_args(["--full"]), T.parse_args([])
     assert (full.n_heldout_tasks, full.eval_every, full.arch) == (150, 16, "qwen3_moe") and full.rl_steps > emb.rl_steps
     assert (full.n_train_tasks, full.validate_train, full.rl_steps) == (1152, False, 48)  # runs r6 and r12
+    assert (full.rst_rounds, emb.rst_rounds) == (1, 0)  # RST tasks in --full (run rst1, fourteenth session)
     assert (full.temperature, full.kl_coef, emb.temperature, emb.kl_coef) == (0.7, 0.05, 1.0, 0.0)  # run k7
     T.check_args(full)  # the KL is the hf backend's, as --full's
     assert emb.validate_train and emb.expert_text == full.expert_text == "full"
