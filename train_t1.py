@@ -239,12 +239,12 @@ EMBEDDED = dataclasses.replace(
 # bash run.sh --full: the issue-13 targets' sizes and the RL recipe measured best here (RESULTS.md, sessions 8-14): 150
 # held-out tasks (95% interval ~ +-8 points; the paired test over the same tasks is the stronger one); every task
 # extended by one RST step on its output (3-8 assertions, S = 6: partial credit for r = P / S to grade; RL's mean reward
-# gain had p <= 0.02 at all 5 evaluations of two RL runs from one such SFT; one-step tasks' SFT left less room:
-# 0.59-0.77); RL on 1,152 fresh tasks, written but not sandbox-audited (0 rejects in 270 audited); Critic Warm-Up on 512
-# trials (64 or 256 left EV ~0.04); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there the tiny
-# model's replies were refused 37-57% of the time and its format drifted); 48 steps, the held-out curve every 16 (later
-# steps plateaued or fell back); no validation set (--n-val-tasks adds one; at 150 tasks it moved as much as RL's
-# gains). 1-2 h on 2 cores.
+# gain had p 0.001-0.07 at all 8 evaluations of three RL runs from two such SFT models; one-step tasks' SFT left less
+# room: 0.59-0.77); RL on 1,152 fresh tasks, written but not sandbox-audited (0 rejects in 270 audited); Critic Warm-Up
+# on 512 trials (64 or 256 left EV ~0.04); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there
+# the tiny model's replies were refused 37-57% of the time and its format drifted); 48 steps, the held-out curve every
+# 16 (later steps plateaued or fell back); no validation set (--n-val-tasks adds one; at 150 tasks it moved as much as
+# RL's gains). 1-2 h on 2 cores.
 FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152, rst_rounds=1,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05)
