@@ -191,10 +191,13 @@ def _write_audit(task_dir, doc):
 
 
 # --- pools ----------------------------------------------------------------------------------------
-def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0):
-    """Deterministic spec for one slot of a split (family = slot mod 6), extended by rst_rounds RST steps,
-    skipping instructions already used in either split and drafts that fail the static audit."""
+def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0):
+    """Deterministic spec for one slot of a split (family = slot mod 6), extended by rst_rounds RST steps (in a
+    share rst_share of the slots, drawn per slot), skipping instructions already used in either split and drafts
+    that fail the static audit."""
     family = list(families.FAMILIES)[slot % len(families.FAMILIES)]
+    if rst_share < 1.0 and random.Random(f"{seed}/{split}/{slot}/rst").random() >= rst_share:
+        rst_rounds = 0  # a seed task (the rng of the draw below is the same either way)
     first = attempt
     while True:
         rng = random.Random(f"{seed}/{split}/{slot}/{attempt}")
@@ -210,9 +213,10 @@ def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0):
 
 
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0,
-                   validate_train=True, expert_text="full", heldout_split="heldout", avoid=()):
+                   validate_train=True, expert_text="full", heldout_split="heldout", avoid=(), rst_share=1.0):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
-    rst_rounds RST steps: families.rst_extend; terminus2.json's free text by expert_text: families.expert_replies).
+    rst_rounds RST steps: families.rst_extend; in a share rst_share of the slots only, the rest seed tasks;
+    terminus2.json's free text by expert_text: families.expert_replies).
     validate_train=False audits the held-out split alone (a large RL pool: the audit costs ~2.6 s a task here).
     heldout_split names the second split (its folder, its tasks' names and their draws): "val" for a validation set;
     avoid: instructions no new task may have (the pools of an earlier call).
@@ -224,7 +228,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     specs = {}
     for split, n in (("train", n_train), (heldout_split, n_heldout)):
         for slot in range(n):
-            family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds)
+            family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds, rst_share=rst_share)
             name = f"{split}-{slot:04d}-{family}"
             specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd, expert_text)
     tokenizer, scripted_note = None, "off"
@@ -263,7 +267,8 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
             if rnd == 2:
                 unrecovered += 1
                 continue
-            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), rst_rounds=rst_rounds)
+            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), rst_rounds=rst_rounds,
+                                     rst_share=rst_share)
             d = os.path.join(out_dir, key[0], f"{key[0]}-{key[1]:04d}-{family}")
             specs[key] = pending[key] = write_task(d, spec, family, key[0], sd, expert_text)
         if not pending:

@@ -92,6 +92,10 @@ class Args:
     # them); 0 = SFT on the training pool's reference trajectories
     n_sft_tasks: int = 0
     rst_rounds: int = 0  # RST steps added to every synthesized task (families.rst_extend; paper silent on the count)
+    # the share of the SFT pool's tasks that carry the rst_rounds steps (the rest are their seed tasks, drawn per slot):
+    # the paper's SFT data are demonstrations, its RL pool the RST-synthesised T1-15k; 1.0 = the SFT pool is drawn like
+    # the RL pool (paper silent on how much of its SFT data is RST-like)
+    sft_rst_share: float = 1.0
     # False: the training (RL) pool is written by the generator but not audited in sandboxes, like the SFT pool (the
     # held-out pool always is); for a large fresh RL pool on 2 cores (paper: every T1-15k task is audited)
     validate_train: bool = True
@@ -272,7 +276,8 @@ NUMERIC = {
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
     "eval_every": ">= 0", "n_val_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0",
     "sft_batch_size": ">= 1",
-    "sft_faults": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0", "base_lr": "> 0",
+    "sft_faults": "in [0, 1]", "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0",
+    "base_lr": "> 0",
     "base_batch_size": ">= 1",
     "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
     "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]",
@@ -312,6 +317,9 @@ def check_args(args: Args) -> None:
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
+    if args.sft_rst_share < 1.0 and not (args.n_sft_tasks and args.rst_rounds):
+        raise ValueError(f"--sft-rst-share {args.sft_rst_share}: shares out the SFT pool's RST steps, so it needs "
+                         f"--n-sft-tasks and --rst-rounds (got {args.n_sft_tasks} and {args.rst_rounds})")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
     if args.n_launch % args.samples_per_task:
@@ -602,7 +610,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     sft_pool = list(train_pool)
     if args.n_sft_tasks:
         extra, _ = data.generate_tasks(run_dir / "tasks" / "sft", args.n_sft_tasks, 0, args.seed + 1,
-                                       validate_tasks=False, rst_rounds=args.rst_rounds, expert_text=args.expert_text)
+                                       validate_tasks=False, rst_rounds=args.rst_rounds, expert_text=args.expert_text,
+                                       rst_share=args.sft_rst_share)
         taken = {task_io.load_task(d).instruction for d in list(heldout) + list(train_pool)
                  + run.state["tasks"].get("val", [])}
         sft_pool = [d for d in extra if task_io.load_task(d).instruction not in taken]

@@ -58,6 +58,14 @@ def test_n_keep_above_n_launch_is_refused():
         T.check_args(dataclasses.replace(T.QUICK, n_launch=10, n_keep=11))
 
 
+def test_sft_rst_share_without_an_sft_pool_or_rst_steps_is_refused():
+    with pytest.raises(ValueError, match="--sft-rst-share 0.25: .*--n-sft-tasks and --rst-rounds"):
+        T.check_args(dataclasses.replace(T.EMBEDDED, sft_rst_share=0.25))  # rst_rounds 0: nothing to share out
+    with pytest.raises(ValueError, match="--sft-rst-share 0.5"):
+        T.check_args(dataclasses.replace(T.FULL, n_sft_tasks=0, sft_rst_share=0.5))
+    T.check_args(dataclasses.replace(T.FULL, sft_rst_share=0.25))
+
+
 def test_refused_flags_create_no_run_dir(tmp_path):
     run_dir = tmp_path / "run"
     with pytest.raises(ValueError, match="--minibatch-size"):

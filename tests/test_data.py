@@ -625,6 +625,21 @@ def test_rst_extend_adds_steps_tests_and_rewrites_the_instruction():
     assert data.static_audit(ext) is None
 
 
+def test_rst_share_extends_a_share_of_the_slots_and_leaves_the_rest_their_seed_tasks(tmp_path):
+    """generate_tasks(rst_share=): each slot is either the rst_rounds=0 draw or the rst_rounds draw of that slot
+    (drawn per slot), about a share of them extended; rst_share=1.0 draws what it drew before the option."""
+    def instructions(name, **kw):
+        tr, _ = data.generate_tasks(tmp_path / name, 60, 0, 2, validate_tasks=False, **kw)
+        return [task_io.load_task(d).instruction for d in tr]
+    seed, ext, share = instructions("s0", rst_rounds=0), instructions("s1", rst_rounds=1), instructions(
+        "sh", rst_rounds=1, rst_share=0.5)
+    assert sum(s != e for s, e in zip(seed, ext)) >= 40  # most slots have an RST step to add (47 of 60)
+    picked = [x == e != s for x, s, e in zip(share, seed, ext)]
+    assert all(x in (s, e) for x, s, e in zip(share, seed, ext))
+    assert 15 <= sum(picked) <= 45  # Binomial(60, 0.5): outside this with probability < 1e-4
+    assert instructions("again", rst_rounds=1, rst_share=1.0) == ext
+
+
 @pytest.fixture(scope="module")
 def rst_audited(tmp_path_factory):
     """An RST-extended text task, and the same task whose last step's test was dropped (its mutant passes)."""
