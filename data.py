@@ -135,7 +135,7 @@ def static_audit(spec):
     for o in spec["outputs"]:
         if o not in spec["instruction"]:
             return f"hidden requirement: output {o} not named in the instruction"
-        if any(rel == o or rel.startswith(o + "/") for rel in spec["files"]):
+        if o not in spec.get("edits", ()) and any(rel == o or rel.startswith(o + "/") for rel in spec["files"]):
             return f"solution shortcut: output {o} already in /app"
     for rel in spec["files"]:
         if os.path.basename(rel) in ("test_outputs.py", "test.sh", "solve.sh", "terminus2.json"):

@@ -16,6 +16,10 @@ Departures from the paper (data.py numbers them 1 and 4):
    miniature never learned to copy a path off the terminal into its next command (RESULTS.md, run u2).
 4. Likewise the CSV expert's awk finds the column by the name the instruction gives (`-v c=score`, the header
    read in the same program), where it read the header first and copied the column number into a second command.
+
+Every expert command prints the same text in two runs of one seed (no clock, no trial uid: the perms expert shows
+modes with `stat -c '%A %n'`, not `ls -l`). Until 2026-12-03 the static audit refused every draw of the perms
+family's modes kind (its files change in place: spec "edits"), so every perms task of earlier runs wrote a script.
 """
 import gzip
 import io
@@ -58,11 +62,13 @@ def _turn(analysis, plan, cmds):
     return dict(analysis=analysis, plan=plan, cmds=cmds)
 
 
-def _spec(instruction, files, tests, turns, done, outputs):
+def _spec(instruction, files, tests, turns, done, outputs, edits=()):
     """A family's output: app files {relpath: str|bytes}, tests [(name, [lines])], expert turns
-    (the solution is their commands), final analysis, outputs the tests read (named in the text)."""
+    (the solution is their commands), final analysis, outputs the tests read (named in the text), and which of them
+    are app files the task changes in place (data.static_audit's "already in /app" rule skips those; the nop
+    check of data.validate is what shows a changed-in-place output is not already right)."""
     return dict(instruction=instruction, files=files, tests=tests, turns=turns, done=done,
-                outputs=outputs)
+                outputs=outputs, edits=list(edits))
 
 
 def _tgz(members):
@@ -191,10 +197,10 @@ def fam_perms(rng):
              ("dir_created", [f"assert os.path.isdir(A + '/{d}')"]),
              ("dir_mode", [f"assert _mode({d!r}) == 0o{dm}"])]
     turns = [_turn(f"I need to fix permissions in /app: {s}, {k} and a new dir {d}.",
-                   "Use chmod and mkdir -m, then list the modes.",
-                   [f"chmod +x {s}", f"chmod {km} {k}", f"mkdir -m {dm} {d}", "ls -l"])]
+                   "Use chmod and mkdir -m, then show the modes.",
+                   [f"chmod +x {s}", f"chmod {km} {k}", f"mkdir -m {dm} {d}", f"stat -c '%A %n' {s} {k} {d}"])]
     ins = f"In /app, make {s} executable, set {k} to mode {km}, and create the directory {d} with mode {dm}."
-    return _spec(ins, files, tests, turns, f"Modes are set: {s} +x, {k} {km}, {d} {dm}.", [s, k, d])
+    return _spec(ins, files, tests, turns, f"Modes are set: {s} +x, {k} {km}, {d} {dm}.", [s, k, d], edits=[s, k])
 
 
 def fam_archive(rng):

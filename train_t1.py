@@ -627,8 +627,8 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     trials, _, _ = run_rollouts(sft_pool, "scripted", args, run_dir, tokenizer, desc="sft data")
 
     def resolved(trials):  # in task order, not the order the concurrent trials finished in, so that --seed fixes
-        # SFT's minibatch order (in finishing order two runs of one seed reached held-out 0.593 and 0.773); the tool
-        # output inside the trajectories (`ls -la` times) still differs between runs: 0.507 vs 0.593 (RESULTS.md)
+        # SFT's minibatch order (in finishing order two runs of one seed reached held-out 0.593 and 0.773); two runs of
+        # one seed still reached 0.507 and 0.593, from a cause not found (not the transcripts: RESULTS.md 2026-12-03)
         return sorted((t for t in trials if t["resolved"]), key=lambda t: t["task"])
     samples = rollout.to_samples(resolved(trials), run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "

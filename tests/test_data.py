@@ -121,13 +121,37 @@ def test_find_expert_copies_names_from_the_instruction_only():
         assert "$(" in cmds, kind
 
 
-@pytest.mark.parametrize("family", ["find", "csvjson"])
-def test_one_command_expert_resolves_every_kind_in_a_sandbox(tmp_path, family):
-    """Each kind's one-command expert (families departures 3 and 4) passes data.validate in real sandboxes: the
-    oracle resolves, nop fails, and the scripted Terminus-2 trajectory resolves; and rst.audit with no reason."""
+def _perms_kinds():
+    """One perms spec of each kind (a script to write / modes to set), and the modes kind with one RST step."""
+    kinds = {}
+    for seed in range(50):
+        spec = families.fam_perms(random.Random(seed))
+        kinds.setdefault("modes" if " mode " in spec["instruction"] else "script", spec)
+    kinds["modes_rst"] = families.rst_extend(kinds["modes"], "perms", random.Random(1), 1)
+    assert set(kinds) == {"script", "modes", "modes_rst"} and " Then " in kinds["modes_rst"]["instruction"]
+    return kinds
+
+
+def test_perms_modes_kind_passes_the_static_audit_and_shows_no_clock():
+    """The modes kind changes app files in place (spec "edits"): the static audit's "output already in /app" rule
+    skips those (it rejected every modes draw, so every perms task was the script kind), and its expert shows the
+    modes with stat, not `ls -l`, whose times and trial uids would differ between two runs of one seed."""
+    for seed in range(100):
+        spec = families.fam_perms(random.Random(seed))
+        assert data.static_audit(spec) is None, (seed, spec["instruction"])
+        assert not any(c.startswith("ls -l") for t in spec["turns"] for c in t["cmds"])
+    drawn = [data._draw("train", slot, 0, set())[1]["instruction"] for slot in range(2, 600, 6)]  # perms slots
+    assert 30 <= sum(" mode " in i for i in drawn) <= 90  # the modes kind is 60% of the draws again
+
+
+@pytest.mark.parametrize("family", ["find", "csvjson", "perms"])
+def test_expert_resolves_every_kind_in_a_sandbox(tmp_path, family):
+    """Each kind's expert (the one-command experts of families departures 3 and 4; both perms kinds) passes
+    data.validate in real sandboxes: the oracle resolves, nop fails, and the scripted Terminus-2 trajectory
+    resolves; and rst.audit with no reason."""
     pytest.importorskip("rollout")
     model = pytest.importorskip("model")
-    specs = {"find": _find_kinds, "csvjson": _csv_kinds}[family]()
+    specs = {"find": _find_kinds, "csvjson": _csv_kinds, "perms": _perms_kinds}[family]()
     dirs = {k: data.write_task(str(tmp_path / k), spec, family, "train", "0") for k, spec in specs.items()}
     tok = model.train_tokenizer(data.corpus(list(dirs.values())))
     with cf.ThreadPoolExecutor(2) as ex:
