@@ -94,7 +94,8 @@ class Args:
     rst_rounds: int = 0  # RST steps added to every synthesized task (families.rst_extend; paper silent on the count)
     # the share of the SFT pool's tasks that carry the rst_rounds steps (the rest are their seed tasks, drawn per slot):
     # the paper's SFT data are demonstrations, its RL pool the RST-synthesised T1-15k; 1.0 = the SFT pool is drawn like
-    # the RL pool (paper silent on how much of its SFT data is RST-like)
+    # the RL pool (paper silent on how much of its SFT data is RST-like). 0.25 left SFT solving no RST task and RL
+    # never learned one in 48 steps (RESULTS.md 2026-12-03)
     sft_rst_share: float = 1.0
     # False: the training (RL) pool is written by the generator but not audited in sandboxes, like the SFT pool (the
     # held-out pool always is); for a large fresh RL pool on 2 cores (paper: every T1-15k task is audited)
