@@ -629,7 +629,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
 
     def resolved(trials):  # in task order, not the order the concurrent trials finished in, so that --seed fixes
         # SFT's minibatch order (in finishing order two runs of one seed reached held-out 0.593 and 0.773); two runs of
-        # one seed still reached 0.507 and 0.593, from a cause not found (not the transcripts: RESULTS.md 2026-12-03)
+        # one seed still reached 0.507 and 0.593: same samples, same base, SFT's arithmetic differs (RESULTS.md 12-03)
         return sorted((t for t in trials if t["resolved"]), key=lambda t: t["task"])
     samples = rollout.to_samples(resolved(trials), run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "
