@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import math
 import os
@@ -629,7 +630,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
 
     def resolved(trials):  # in task order, not the order the concurrent trials finished in, so that --seed fixes
         # SFT's minibatch order (in finishing order two runs of one seed reached held-out 0.593 and 0.773); two runs of
-        # one seed still reached 0.507 and 0.593: same samples, same base, SFT's arithmetic differs (RESULTS.md 12-03)
+        # one seed still reached 0.507 and 0.593 (cause not found: RESULTS.md 12-03; the digest below tells)
         return sorted((t for t in trials if t["resolved"]), key=lambda t: t["task"])
     samples = rollout.to_samples(resolved(trials), run_dir, "sft")  # the verifier audits them
     log(run_dir, f"sft: {len(samples)} reference trajectories of {len(sft_pool)} tasks, "
@@ -641,6 +642,9 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         log(run_dir, f"sft faults: {len(extra)} of {len(again)} tasks replayed with a fault turn resolved, "
                      f"{sum(int(s['loss_mask'].sum()) for s in extra)} loss tokens after their faults")
         samples += extra
+    path = run_dir / "samples" / "sft.jsonl"  # what SFT trains on, in its order; the digest compares two runs
+    tito.save_samples(path, samples)
+    log(run_dir, f"sft samples: {path} sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:16]}")
     ppo.sft(actor, samples, args, run.metrics)
     save_dir(actor, tokenizer, sft_dir)
 

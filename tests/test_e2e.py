@@ -1,6 +1,7 @@
 """One tiny end-to-end run of the real pipeline: tasks -> SFT -> engine -> critic warm-up -> PPO -> eval,
 killed with SIGKILL in the middle of an RL step, then a resume of the same run directory that redoes exactly
 that step (the same for --backend megatron, without the kill)."""
+import hashlib
 import json
 import os
 import re
@@ -122,8 +123,12 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     n_sft = len([r for r in recs if r["phase"] == "sft"])
     assert len([r for r in read_metrics(run_dir) if r["phase"] == "sft"]) == n_sft
     assert json.loads((run_dir / "state.json").read_text())["step"] == 3
-    assert sorted(p.name for p in (run_dir / "samples").glob("*.jsonl")) == [f"step_{i:06d}.jsonl" for i in (1, 2, 3)]
+    assert sorted(p.name for p in (run_dir / "samples").glob("*.jsonl")) == ["sft.jsonl"] + [
+        f"step_{i:06d}.jsonl" for i in (1, 2, 3)]
     log = (run_dir / "log.txt").read_text()
+    sft = (run_dir / "samples" / "sft.jsonl").read_bytes()  # SFT's input as trained on, named by its digest
+    assert f"sha256 {hashlib.sha256(sft).hexdigest()[:16]}" in log
+    assert f"sft: {len(sft.splitlines())} reference trajectories" in log
     assert "resumed at RL step 2" in log
     assert log.count("step 3: critic update") == 2  # the killed step was redone once, from its start
 
