@@ -128,7 +128,9 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     log = (run_dir / "log.txt").read_text()
     sft = (run_dir / "samples" / "sft.jsonl").read_bytes()  # SFT's input as trained on, named by its digest
     assert f"sha256 {hashlib.sha256(sft).hexdigest()[:16]}" in log
-    assert f"sft: {len(sft.splitlines())} reference trajectories" in log
+    n_ref = re.search(r"sft: (\d+) reference trajectories", log)[1]
+    n_faults = re.search(r"sft faults: (\d+) of", log)[1]
+    assert len(sft.splitlines()) == int(n_ref) + int(n_faults)  # the reference trajectories, then the fault replays
     assert "resumed at RL step 2" in log
     assert log.count("step 3: critic update") == 2  # the killed step was redone once, from its start
 
