@@ -366,19 +366,23 @@ def r3_measure(n_requests=8, new_tokens=24, repeats=8, seed=0) -> dict:
 
 
 # --- TITO: naive retokenization vs TITO through the token gateway ---------------------------------------------
-def tito_measure(quick=True, harness="client", work_dir=None, seed=0) -> dict:
+def tito_measure(quick=True, harness="client", work_dir=None, seed=0, ckpt=None) -> dict:
     """The same tasks through the gateway in naive and in TITO mode (+ the native token-first harness):
-    boundary cases and loss-region drift of what a trainer would train on in each case."""
+    boundary cases and loss-region drift of what a trainer would train on in each case. ckpt: the checkpoint
+    that samples (paper.py passes the shared SFT model); None: a random-init tiny model on its own tokenizer."""
     work = work_dir or tempfile.mkdtemp(prefix="t1-measure-")
     n_tasks, max_turns, new_tokens = (3, 4, 48) if quick else (8, 10, 128)
     train, _ = data.generate_tasks(os.path.join(work, "tasks"), n_tasks, 0, seed=seed, validate_tasks=False)
-    tok = model.train_tokenizer(data.corpus(train), vocab_size=1024)
-    ckpt = os.path.join(work, "ckpt")
-    model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=seed), tok, ckpt)
+    if ckpt is None:
+        tok = model.train_tokenizer(data.corpus(train), vocab_size=1024)
+        ckpt = os.path.join(work, "ckpt")
+        model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=seed), tok, ckpt)
+    else:
+        tok = model.load_config(ckpt)[1]
     eng = EngineServer(ckpt, port=0).start()
     sampling = {"temperature": 1.0, "top_p": 1.0, "max_new_tokens": new_tokens}
     limits = {"max_turns": max_turns, "max_total_tokens": 8192, "trial_timeout_s": 300}
-    out = {"harness": harness, "tasks": len(train)}
+    out = {"harness": harness, "tasks": len(train), "ckpt": ckpt}
     try:
         for mode in ("naive", "tito"):
             gw = gateway.Gateway(eng.url, tok, mode, max_total_tokens=8192).start()
@@ -811,6 +815,7 @@ def main(argv=None):
     m.add_argument("--harness", choices=["client", "harbor"], default="client",
                    help="client: a text client that re-renders the history like Terminus-2; harbor: Harbor's own")
     m.add_argument("--work-dir", default=None)
+    m.add_argument("--ckpt", default=None, help="the checkpoint that samples (default: a random-init tiny model)")
     cb = sub.add_parser("cp", help="CP Gated DeltaNet: exactness and activation peak vs kappa")
     cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8])
     cb.add_argument("--seq-len", type=int, default=1024)
@@ -845,7 +850,7 @@ def main(argv=None):
               else dict(n_requests=16, new_tokens=96, repeats=6))
         print(json.dumps(r3_measure(seed=args.seed, **kw)))
     elif args.cmd == "tito":
-        print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir)))
+        print(json.dumps(tito_measure(quick=args.quick, harness=args.harness, work_dir=args.work_dir, ckpt=args.ckpt)))
     elif args.cmd == "plot":
         print(plot(args.run_dir))
     elif args.cmd == "compare":

@@ -28,6 +28,20 @@ def _arm(out, name, solved, rl_rows):
                                              for i, r in enumerate(rl_rows)))
 
 
+def _tasks(root, counts: list) -> list:
+    """Minimal held-out task dirs h0.. with these assertion counts (what paper.assertion_counts reads)."""
+    dirs = []
+    for i, n in enumerate(counts):
+        d = root / f"h{i}"
+        (d / "tests").mkdir(parents=True)
+        (d / "environment").mkdir()
+        (d / "tests" / "test.sh").write_text("#!/bin/bash\n")
+        (d / "instruction.md").write_text("do it\n")
+        (d / "task.toml").write_text(f'version = "1.0"\n[metadata]\nn_assertions = {n}\n')
+        dirs.append(str(d))
+    return dirs
+
+
 def test_verdicts():
     assert paper.verdict(+5, +1, 0.01) == "agrees"
     assert paper.verdict(+5, +1, 0.2) == "same sign, n.s."
@@ -52,6 +66,24 @@ def test_report_from_run_directories(tmp_path):
     _arm(tmp_path, "cold-s0", [1] * 30 + [0] * 10, [dict(row, explained_variance=-3.0), row])
     text = paper.report(tmp_path)
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
+    hard = "dense beats binary on the hard slice (>= 8 assertions)"
+    assert "not found from here" in lines[hard]  # no shared state.json naming the held-out task dirs
+    assert "not run" in lines["TITO vs naive re-tokenisation: loss-region drift"]
+    (tmp_path / "shared" / "state.json").write_text(json.dumps({"tasks": {"heldout": _tasks(
+        tmp_path / "tasks", [3] * 12 + [9] * 8 + [3] * 20)}}))  # h12..h19: 9 assertions, solved by ppo, not binary
+    one = {"tasks": 8, "naive": {"turns": 40, "loss_region_drift_pct": 1.25, "cases": {}}, "tito": {
+        "turns": 41, "loss_region_drift_pct": 0.0, "cases": {"strict": 30, "normalized": 0, "retokenized": 3,
+                                                             "split": 0}}}
+    (tmp_path / "tito.json").write_text(json.dumps({"sft": one, "random": dict(one, naive=dict(
+        one["naive"], loss_region_drift_pct=70.5))}))
+    text = paper.report(tmp_path)
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
+    assert "8 of 40 held-out tasks: ppo vs binary solved +8 -0, McNemar p = 0.00781" in lines[hard]
+    assert lines[hard].endswith("| agrees |")
+    tito_row = lines["TITO vs naive re-tokenisation: loss-region drift"]
+    assert "naive 1.2500% vs TITO 0.0000%" in tito_row and "retokenized 3" in tito_row
+    assert "random-init model: naive 70.5000% vs TITO 0.0000%" in tito_row
+    assert tito_row.endswith("| agrees |")
     assert "solved +20 -0" in lines["RL beats SFT on held-out"] and lines["RL beats SFT on held-out"].endswith(
         "| agrees |")
     assert "ppo vs binary: solved +18 -0" in lines["dense reward beats binary"]
@@ -74,6 +106,9 @@ def test_report_from_run_directories(tmp_path):
     (tmp_path / "r3off-s0").mkdir()
     (tmp_path / "r3off-s0" / "state.json").write_text("{}")  # an arm that crashed before its summary
     assert "Failed or unfinished arm runs (not in the table; their stdout.log): r3off-s0" in paper.report(tmp_path)
+    (tmp_path / "shared" / "state.json").write_text(json.dumps({"tasks": {"heldout": _tasks(
+        tmp_path / "tasks2", [3] * 39 + [7])}}))
+    assert "none of the 40 held-out tasks has >= 8 assertions (most: 7)" in paper.report(tmp_path)
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
@@ -97,6 +132,11 @@ def test_quick_form_end_to_end(tmp_path):
     assert (out / "binary-s0" / "ckpt" / "critic_warm.pt").exists()
     report = (out / "report.md").read_text()
     assert "| binary | 1 |" in report and "| grpo | 1 |" in report and "PPO with a critic beats GRPO" in report
+    tito = json.loads((out / "tito.json").read_text())  # the SFT and a random model through the gateway
+    assert tito["sft"]["ckpt"] == str(out / "shared" / "ckpt" / "sft") and tito["sft"]["naive"]["turns"]
+    assert tito["sft"]["tito"]["loss_region_drift_pct"] == tito["random"]["tito"]["loss_region_drift_pct"] == 0.0
+    assert tito["random"]["naive"]["loss_region_drift_pct"] > 0  # a random model's tokens are not canonical
+    assert "| TITO vs naive" in report and "random-init model: naive" in report
     mtime = (out / "grpo-s0" / "summary.json").stat().st_mtime
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and (out / "grpo-s0" / "summary.json").stat().st_mtime == mtime
