@@ -247,6 +247,19 @@ def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, cli
     old = torch.cat([b["old_values"][b["mask"].bool()] for b in batches])
     ret = torch.cat([b["returns"][b["mask"].bool()] for b in batches])
     ev = explained_variance(old, ret, torch.ones_like(ret), group)
+    first = [first_sampled(b) for b in batches]  # one (V_old, R) per trajectory: at its first sampled token
+    v0, r0 = torch.cat([f[0] for f in first]), torch.cat([f[1] for f in first])
     return {"losses/value_loss": sum(losses) / max(len(losses), 1),
             "losses/value_clipfrac": sum(clipfracs) / max(len(clipfracs), 1),
-            "charts/explained_variance": ev}
+            "charts/explained_variance": ev,
+            "charts/explained_variance_traj": explained_variance(v0, r0, torch.ones_like(r0), group)}
+
+
+def first_sampled(b: dict) -> tuple:
+    """(old value, return) at the first m = 1 token of every row that has one: the critic's prediction of the
+    trajectory's outcome before the agent's first reply, so the EV over them weighs every trajectory once (the
+    token-level EV weighs long ones more)."""
+    m = b["mask"].bool()
+    rows = torch.nonzero(m.any(1)).flatten()
+    j = m.float().argmax(1)[rows]
+    return b["old_values"][rows, j], b["returns"][rows, j]

@@ -320,8 +320,12 @@ def report(out: Path) -> str:
         ev = [e for e in ev if e is not None and not math.isnan(e)]
         if ev:
             paper = "EV 0.71-0.86" if arm == "ppo" else "EV from -33.6, 30 of 58 steps < 0"
+            tr = [[r.get("explained_variance_traj", float("nan")) for r in run["rl"][:4]] for run in arms[arm]]
+            tr = [e for run in tr for e in run if not math.isnan(e)]  # one point per trajectory, first 4 steps
             lines.append(f"| critic EV per update, {label} start | {paper} | {min(ev):.2f} .. {max(ev):.2f}, first "
-                         f"{ev[0]:.2f}, {sum(e < 0 for e in ev)} of {len(ev)} updates < 0 | - |")
+                         f"{ev[0]:.2f}, {sum(e < 0 for e in ev)} of {len(ev)} updates < 0" +
+                         (f"; per trajectory over the first 4 steps {min(tr):.2f} .. {max(tr):.2f}" if tr else "") +
+                         " | - |")
     arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out (vs a zero head)")
     arm_vs_ppo("cold_default", "warm-up helps", "Critic Warm-Up helps held-out (vs a random head)")
     rows = [r for run in ppo for r in run["rl"]]

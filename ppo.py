@@ -235,6 +235,7 @@ def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:
             batch.update(old_values=old, returns=returns)
             stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
             recs.append({"explained_variance": stats["charts/explained_variance"],
+                         "explained_variance_traj": stats["charts/explained_variance_traj"],
                          "value_loss": stats["losses/value_loss"], "value_clipfrac": stats["losses/value_clipfrac"]})
     return recs
 
@@ -370,7 +371,8 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     if args.advantage == "grpo":  # the GRPO arm: no critic, no V_old, no critic update
         advantages = batch["grpo_adv"] * batch["mask"]
         nan = float("nan")
-        cstats = {"charts/explained_variance": nan, "losses/value_loss": nan, "losses/value_clipfrac": nan}
+        cstats = {"charts/explained_variance": nan, "charts/explained_variance_traj": nan, "losses/value_loss": nan,
+                  "losses/value_clipfrac": nan}
     else:
         # ALGO LOGIC: 5. critic: V_old before its update, GAE (gamma = lambda = 1), critic update FIRST
         old_values = (no_rows if no_rows is not None  # V_old (B_local, T)
@@ -411,7 +413,9 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     return {"reward_mean": float(r.mean()),  # the rewards trained on: one per sample
             # groups (tasks) in which every sample failed (reward 0): no GRPO signal there (issue 14)
             "all_fail_group_frac": float(np.mean([bool((r[g] == 0).all()) for g in groups])),
-            "explained_variance": cstats["charts/explained_variance"], "value_loss": cstats["losses/value_loss"],
+            "explained_variance": cstats["charts/explained_variance"],
+            "explained_variance_traj": cstats["charts/explained_variance_traj"],  # one point per trajectory
+            "value_loss": cstats["losses/value_loss"],
             "value_clipfrac": cstats["losses/value_clipfrac"],
             "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
             "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),

@@ -126,3 +126,17 @@ def test_critic_head_init_zero_predicts_zero_and_default_does_not():
     assert all(torch.equal(a, b) for a, b in zip(zero.model.state_dict().values(), rand.model.state_dict().values()))
     with pytest.raises(ValueError, match="--critic-head-init"):
         C.Critic.from_actor(actor, "xavier")
+
+
+def test_explained_variance_per_trajectory_weighs_each_trajectory_once():
+    """critic_update's per-trajectory EV reads V_old and R at each row's first m = 1 token: a long trajectory whose
+    values are right at every token counts once, not once per token; a row without sampled tokens is skipped."""
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1], [0, 0, 0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0, 0, 0],
+                         [0, 0, 0, 0, 0, 0, 0, 0]], dtype=torch.float32)
+    returns = torch.tensor([1.0, 0.0, 1.0, 0.0])[:, None].expand(4, 8).clone() * mask
+    old = returns.clone()
+    old[1, 3], old[2, 2] = 1.0, 0.0  # rows 1 and 2: wrong at their first sampled token only
+    v0, r0 = C.first_sampled({"mask": mask, "returns": returns, "old_values": old})
+    assert v0.tolist() == [1.0, 1.0, 0.0] and r0.tolist() == [1.0, 0.0, 1.0]
+    assert C.explained_variance(v0, r0, torch.ones(3)) == pytest.approx(-2.0)  # 1 - Var(r - v) / Var(r) = 1 - 3
+    assert C.explained_variance(old, returns, mask) == pytest.approx(1 - (2 / 11) / (18 / 121))  # the long row's 7

@@ -63,7 +63,8 @@ def test_report_from_run_directories(tmp_path):
     _arm(tmp_path, "binary-s0", [1] * 12 + [0] * 28, [row])
     _arm(tmp_path, "grpo-s0", [1] * 31 + [0] * 9, [dict(row, explained_variance=float("nan"),
                                                          all_fail_group_frac=0.25)])
-    _arm(tmp_path, "cold-s0", [1] * 30 + [0] * 10, [dict(row, explained_variance=-3.0), row])
+    _arm(tmp_path, "cold-s0", [1] * 30 + [0] * 10, [dict(row, explained_variance=-3.0, explained_variance_traj=-1.5),
+                                                       dict(row, explained_variance_traj=0.25)])
     text = paper.report(tmp_path)
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
     hard = "dense beats binary on the hard slice (>= 8 assertions)"
@@ -90,7 +91,9 @@ def test_report_from_run_directories(tmp_path):
     assert lines["dense reward beats binary"].endswith("| agrees |")
     assert lines["PPO with a critic beats GRPO"].endswith("| opposite sign, n.s. |")  # grpo solved one more
     assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
-    assert "1 of 2 updates < 0" in lines["critic EV per update, cold (zero head) start"]
+    assert "1 of 2 updates < 0; per trajectory over the first 4 steps -1.50 .. 0.25" in lines[
+        "critic EV per update, cold (zero head) start"]
+    assert "per trajectory" not in lines["critic EV per update, warm start"]  # rows without it (older runs)
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))

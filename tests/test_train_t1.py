@@ -272,6 +272,7 @@ def test_train_step_logs_the_reward_it_trains_on(tmp_path, tiny):
     assert stats["reward_mean"] == pytest.approx((0 + 0.3 + 0.7) / 3)
     batch = ppo.pad_batch(samples, 10.0)
     assert stats["reward_mean"] == pytest.approx(float(batch["rewards"].sum(1).mean()))
+    assert math.isfinite(stats["explained_variance_traj"])  # three trajectories, rewards 0 / 0.3 / 0.7
 
 
 # --- the comparison arms (issue 14): binary reward, GRPO ---------------------------------------------------------
