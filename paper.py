@@ -57,6 +57,7 @@ import numpy as np
 
 import bench
 import task_io
+from trainer import write_atomic
 
 ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage", "grpo", "--samples-per-task", "G"],
         "cold": ["--critic-warmup-epochs", "0"],
@@ -103,13 +104,13 @@ def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
     (arm_dir / "ckpt").mkdir(parents=True, exist_ok=True)
     for name in ("base", "sft"):
         if (shared / "ckpt" / name).exists():
-            shutil.copytree(shared / "ckpt" / name, arm_dir / "ckpt" / name)
+            shutil.copytree(shared / "ckpt" / name, arm_dir / "ckpt" / name, dirs_exist_ok=True)  # over a killed copy
     if not own:
         if not (shared / "ckpt" / "critic_warm.pt").exists():
             raise ValueError(f"{shared}: no ckpt/critic_warm.pt (the shared run's critic warm-up) for arm {arm}: "
                              "the shared run must warm its critic (--critic-warmup-epochs >= 1)")
         shutil.copy2(shared / "ckpt" / "critic_warm.pt", arm_dir / "ckpt" / "critic_warm.pt")
-    (arm_dir / "state.json").write_text(json.dumps(dict(state, step=0, phase_times={}), indent=1))
+    write_atomic(arm_dir / "state.json", json.dumps(dict(state, step=0, phase_times={}), indent=1))  # last: the mark
 
 
 def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list) -> dict:
@@ -167,7 +168,7 @@ def tito_step(out: Path, quick: bool) -> int:
                   flush=True)
             return proc.returncode or 1
         res[name] = json.loads(lines[-1])
-    (out / "tito.json").write_text(json.dumps(dict(res, wall_s=time.time() - t0), indent=1))
+    write_atomic(out / "tito.json", json.dumps(dict(res, wall_s=time.time() - t0), indent=1))
     return 0
 
 

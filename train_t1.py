@@ -930,7 +930,7 @@ def train(args: Args) -> dict:
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
                "eval_rl_best_val": bench.best_val(run.dir),
                "rl_steps": state["step"], "async_vs_sequential": bench.async_vs_sequential(run.dir)}
-    (run.dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    write_atomic(run.dir / "summary.json", json.dumps(summary, indent=1))  # paper.py reads it as an arm's end
     bench.plot(run.dir)
     bench.print_table(summary)
     return summary

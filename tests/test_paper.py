@@ -143,3 +143,26 @@ def test_quick_form_end_to_end(tmp_path):
     mtime = (out / "grpo-s0" / "summary.json").stat().st_mtime
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0 and (out / "grpo-s0" / "summary.json").stat().st_mtime == mtime
+
+
+def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
+    """A kill while an arm was being seeded (its checkpoints half copied, no state.json yet) does not stop the next
+    run from seeding it; the files paper.py and train_t1 write for it are written whole (tmp + rename)."""
+    shared = tmp_path / "shared"
+    for name in ("base", "sft"):
+        (shared / "ckpt" / name).mkdir(parents=True)
+        (shared / "ckpt" / name / "config.json").write_text("{}")
+        (shared / "ckpt" / name / "model.safetensors").write_text("w" * 100)
+    (shared / "ckpt" / "critic_warm.pt").write_text("c")
+    (shared / "state.json").write_text(json.dumps({"tasks": {}, "reward_scale": 5, "eval_sft": {}, "step": 0}))
+    arm = tmp_path / "ppo-s0"
+    (arm / "ckpt" / "base").mkdir(parents=True)  # the kill: base half copied, sft not yet, no state.json
+    (arm / "ckpt" / "base" / "config.json").write_text("{}")
+    paper.seed_arm(shared, arm, "ppo")
+    assert (arm / "ckpt" / "base" / "model.safetensors").read_text() == "w" * 100
+    assert (arm / "ckpt" / "sft" / "model.safetensors").exists() and (arm / "ckpt" / "critic_warm.pt").exists()
+    assert json.loads((arm / "state.json").read_text())["step"] == 0
+    for src in (paper.__file__, os.path.join(ROOT, "train_t1.py")):  # no plain write_text of a file a resume reads
+        text = open(src).read()
+        for name in ("state.json", "summary.json", "tito.json"):
+            assert f'/ "{name}").write_text(' not in text, f"{src}: {name} written in place"
