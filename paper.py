@@ -63,6 +63,8 @@ ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage"
         "cold": ["--critic-warmup-epochs", "0"],
         "cold_default": ["--critic-warmup-epochs", "0", "--critic-head-init", "default"],
         "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not divide the preset's --n-launch (the quick one's 10)
+OWNED = {"--reward-mode", "--advantage", "--samples-per-task", "--critic-warmup-epochs", "--critic-head-init",
+         "--r3-mode", "--rl-steps", "--seed", "--run-dir"}  # the flags paper.py sets: refused after --
 OWN_WARMUP = ("cold", "cold_default", "binary")  # the cold ones: no warm-up (their flag); binary: on its own reward
 SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
 HARD_MIN = 8  # the hard slice: held-out tasks with >= 8 assertions, where full solves are rare (issue 14's notes)
@@ -87,6 +89,17 @@ def run_logged(cmd: list, run_dir: Path, total_steps: int, desc: str) -> int:
             except (OSError, ValueError):
                 pass
     return proc.returncode
+
+
+def preset_steps(preset: list, passthrough: list) -> int:
+    """The RL steps of the preset an arm runs (train_t1.parse_args of the same flags, in a subprocess: paper.py sits
+    below train_t1.py)."""
+    code = "import sys, train_t1; print(train_t1.parse_args(sys.argv[1:]).rl_steps)"
+    proc = subprocess.run([sys.executable, "-c", code, *preset, *passthrough], capture_output=True, text=True,
+                          cwd=Path(__file__).parent)
+    if proc.returncode:
+        raise ValueError(f"train_t1.py refused the flags {preset + passthrough}: {proc.stderr.strip()[-500:]}")
+    return int(proc.stdout.split()[-1])
 
 
 def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
@@ -121,9 +134,10 @@ def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, p
         if code:
             raise RuntimeError(f"the shared phase failed (exit {code}): {shared / 'stdout.log'}")
     st = json.loads((shared / "state.json").read_text())
-    args = json.loads((shared / "args.json").read_text())
-    steps = args["rl_steps"] if rl_steps is None else rl_steps
-    steps = steps or 1
+    args = json.loads((shared / "args.json").read_text())  # the shared run's: its rl_steps is 0, not the arms'
+    steps = preset_steps(preset, passthrough) if rl_steps is None else rl_steps
+    if steps < 1:
+        raise ValueError(f"the preset {preset} {passthrough} has rl_steps = {steps}: pass --rl-steps N (>= 1)")
     pt = st.get("phase_times", {})
     per_trial = pt.get("critic_warmup", 0.0) / max(args["critic_warmup_trials"], 1)
     est = steps * 2 * per_trial * args["n_keep"] + 2 * pt.get("eval_sft", 0.0)  # rollout + update, 2 evaluations
@@ -414,6 +428,11 @@ def main(argv=None):
     out = Path(a.out or ("runs/paper-quick" if a.quick else "runs/paper"))
     seeds = a.seeds or (1 if a.quick else 3)
     rest = a.rest[1:] if a.rest[:1] == ["--"] else a.rest
+    if a.seeds is not None and a.seeds < 1 or a.rl_steps is not None and a.rl_steps < 1:
+        p.error(f"--seeds {a.seeds} / --rl-steps {a.rl_steps}: each must be >= 1")
+    owned = sorted({f.split("=")[0] for f in rest if f.split("=")[0] in OWNED})
+    if owned:  # after the arm's flags they would win (argparse: the last one), every arm the same: no comparison
+        p.error(f"flags after --: {owned} are set by paper.py per arm or run (--arms, --seeds, --rl-steps, --out)")
     codes = run(out, preset, a.arms, seeds, a.rl_steps, rest)
     text = report(out)
     print(text)

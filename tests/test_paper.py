@@ -166,3 +166,25 @@ def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
         text = open(src).read()
         for name in ("state.json", "summary.json", "tito.json"):
             assert f'/ "{name}").write_text(' not in text, f"{src}: {name} written in place"
+
+
+@pytest.mark.parametrize("argv, what", [(["--seeds", "0"], "--seeds 0"), (["--rl-steps", "0"], "--rl-steps 0"),
+                                        (["--", "--r3-mode", "off"], "--r3-mode"),
+                                        (["--", "--seed=3", "--lr", "1"], "--seed")])
+def test_run_refuses_flags_that_would_break_the_comparison(argv, what, capsys):
+    """--seeds 0 / --rl-steps 0 were read as the defaults; a train_t1 flag after -- that paper.py sets per arm
+    (R3, reward, advantage, warm-up, seed, run dir) would win over the arm's own and make every arm the same."""
+    with pytest.raises(SystemExit) as e:
+        paper.main(["run", "--quick", *argv])
+    assert e.value.code == 2 and what in capsys.readouterr().err
+
+
+def test_arms_run_the_presets_rl_steps_not_the_shared_runs_zero():
+    """The shared run is a train_t1 run with --rl-steps 0, so its args.json holds 0; the arms' steps come from the
+    preset (read as 1 before: every arm of `bash run.sh paper` ran one RL step)."""
+    import train_t1
+    assert paper.preset_steps([], []) == train_t1.EMBEDDED.rl_steps == 8
+    assert paper.preset_steps(["--quick"], []) == train_t1.QUICK.rl_steps
+    assert paper.preset_steps(["--full"], ["--eval-every", "4"]) == train_t1.FULL.rl_steps
+    with pytest.raises(ValueError, match="refused the flags"):
+        paper.preset_steps([], ["--actor-lr", "fast"])
