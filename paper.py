@@ -287,7 +287,14 @@ def report(out: Path) -> str:
                          f"{np.mean([b['reward_mean'] for b in best]):.3f} | {', '.join(str(b['step']) for b in best)} "
                          f"(chosen) | - |")
     n = (shared.get("eval_sft") or {}).get("n_trials", 0)
-    lines += ["", f"Held-out tasks: {n} (the same for every arm). Claims (ours vs the paper's):", "",
+    walls = dict(shared=sum(shared.get("phase_times", {}).values()),
+                 arms=sum(r["wall_s"] for runs in arms.values() for r in runs),
+                 tito=json.loads((out / "tito.json").read_text()).get("wall_s", 0.0) if (out / "tito.json").exists()
+                 else 0.0)
+    lines += ["", f"Time: {sum(walls.values()) / 60:.0f} min of phases in all (shared run {walls['shared'] / 60:.0f}, "
+              f"{sum(len(r) for r in arms.values())} arm runs {walls['arms'] / 60:.0f}, TITO measurement "
+              f"{walls['tito'] / 60:.0f}; process start-up and checkpoint copies not counted).",
+              "", f"Held-out tasks: {n} (the same for every arm). Claims (ours vs the paper's):", "",
               "| claim | paper | ours | verdict |", "|---|---|---|---|"]
     ppo = arms.get("ppo", [])
 

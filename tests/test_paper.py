@@ -98,6 +98,7 @@ def test_report_from_run_directories(tmp_path):
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
     assert "unfinished" not in text and (tmp_path / "report.md").read_text() == text
+    assert "Time: 8 min of phases in all (shared run 0, 4 arm runs 8, TITO measurement 0;" in text  # 4 x 120 s
     assert "ppo@val" not in lines and "RL beats SFT on held-out, at the step validation chose" not in lines
     sm = json.loads((tmp_path / "ppo-s0" / "summary.json").read_text())  # --n-val-tasks: the step validation chose
     sm["eval_rl_best_val"] = {**_ev([1] * 25 + [0] * 15), "step": 16, "val_solve_rate": 0.7}
