@@ -213,7 +213,7 @@ def collect(out: Path) -> dict:
             continue
         sm = json.loads((d / "summary.json").read_text())
         arms.setdefault(arm, []).append(dict(seed=int(seed), summary=sm, rl=_metrics(d),
-                                             wall_s=sum(sm["phase_times"].get(k, 0.0) for k in ("rl", "eval_rl"))))
+                                             wall_s=sum(sm["phase_times"].values())))  # the arm's own phases
     return arms
 
 
