@@ -263,6 +263,9 @@ def verdict(diff: float, paper_sign: int, p: float) -> str:
 
 def report(out: Path) -> str:
     """The claims table (markdown) and the three pictures, from the run directories under out."""
+    if not (out / "shared" / "summary.json").is_file():
+        raise FileNotFoundError(f"{out / 'shared' / 'summary.json'}: no finished shared run under {out} (paper.py run "
+                                f"--out {out} makes one)")
     arms = collect(out)
     shared = json.loads((out / "shared" / "summary.json").read_text())
     lines = [f"### The paper's claims in miniature ({out}, {datetime.date.today()})", "",
@@ -427,7 +430,10 @@ def main(argv=None):
     rp.add_argument("out")
     a = p.parse_args(argv)
     if a.cmd == "report":
-        print(report(Path(a.out)))
+        try:
+            print(report(Path(a.out)))
+        except FileNotFoundError as e:
+            sys.exit(f"paper.py report: {e}")
         return
     if a.quick and a.full:
         p.error("--quick and --full: pick one preset")

@@ -189,3 +189,8 @@ def test_arms_run_the_presets_rl_steps_not_the_shared_runs_zero():
     assert paper.preset_steps(["--full"], ["--eval-every", "4"]) == train_t1.FULL.rl_steps
     with pytest.raises(ValueError, match="refused the flags"):
         paper.preset_steps([], ["--actor-lr", "fast"])
+
+
+def test_report_of_a_directory_without_a_shared_run_says_so(tmp_path):
+    with pytest.raises(SystemExit, match="no finished shared run under"):
+        paper.main(["report", str(tmp_path / "nothing")])
