@@ -397,7 +397,9 @@ def plots(out: Path, arms: dict) -> None:
               for s in steps]
         ax.plot(steps, ys, marker=".", label=label)
     for name, keys in (("reward", [(a, "reward_mean", a) for a in arms]),
-                       ("ev", [(a, "explained_variance", a) for a in ("ppo", "cold", "cold_default") if a in arms]),
+                       ("ev", [(a, k, f"{a}{t}") for a in ("ppo", "cold", "cold_default") if a in arms
+                               for k, t in (("explained_variance", ""), ("explained_variance_traj", " per trajectory"))
+                               if any(r.get(k) is not None for run in arms[a] for r in run["rl"])]),
                        ("dlogp", [("ppo", "dlogp", "R3 on"), ("ppo", "dlogp_r3_off", "R3 off")] if "ppo" in arms
                         else [])):
         fig, ax = plt.subplots(figsize=(6, 4))
