@@ -36,7 +36,7 @@ gets a row "<arm>@val": held-out at the RL step its validation set chose (bench.
 row; the arms' comparisons stay at their last step (the paper compares fixed step counts).
 
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
-interval of an arm is mean +- t * sd / sqrt(n) over its seeds (Wilson's for one seed); "agrees" in the table means
+interval of an arm is mean +- t * sd / sqrt(n) over its seeds, clipped to [0, 1] (Wilson's for one seed); "agrees" in the table means
 the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05,
 "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two trained models fixed: it does not
 see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims tested. --quick
@@ -192,7 +192,7 @@ def _interval(xs: list, single: dict | None = None) -> tuple:
     m = float(np.mean(xs))
     if len(xs) > 1:
         h = T_975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / math.sqrt(len(xs))
-        return m, m - h, m + h
+        return m, max(m - h, 0.0), min(m + h, 1.0)  # a rate: the interval clipped to [0, 1]
     if single is not None and single.get("trials"):
         lo, hi = bench.wilson(sum(t["resolved"] for t in single["trials"]), single["n_trials"])
         return m, lo, hi
@@ -281,7 +281,9 @@ def report(out: Path) -> str:
     for arm, runs in arms.items():
         m, lo, hi = _interval([r["summary"]["eval_rl"]["solve_rate"] for r in runs], runs[0]["summary"]["eval_rl"])
         rw = np.mean([r["summary"]["eval_rl"]["reward_mean"] for r in runs])
-        lines.append(f"| {arm} | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | {rw:.3f} | "
+        each = "" if len(runs) < 2 else "; per seed " + ", ".join(f"{r['summary']['eval_rl']['solve_rate']:.3f}"
+                                                               for r in runs)
+        lines.append(f"| {arm} | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}]{each} | {rw:.3f} | "
                      f"{runs[0]['summary']['rl_steps']} | {np.mean([r['wall_s'] for r in runs]):.0f} |")
         best = [r["summary"].get("eval_rl_best_val") for r in runs]
         if all(best):  # --n-val-tasks: held-out at the step each seed's validation set chose

@@ -98,6 +98,7 @@ def test_report_from_run_directories(tmp_path):
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
     assert "unfinished" not in text and (tmp_path / "report.md").read_text() == text
+    assert "| ppo | 1 | 0.750 [" in text and "per seed" not in text  # one seed: its Wilson interval
     assert "Time: 8 min of phases in all (shared run 0, 4 arm runs 8, TITO measurement 0;" in text  # 4 x 120 s
     assert "ppo@val" not in lines and "RL beats SFT on held-out, at the step validation chose" not in lines
     sm = json.loads((tmp_path / "ppo-s0" / "summary.json").read_text())  # --n-val-tasks: the step validation chose
@@ -194,3 +195,19 @@ def test_arms_run_the_presets_rl_steps_not_the_shared_runs_zero():
 def test_report_of_a_directory_without_a_shared_run_says_so(tmp_path):
     with pytest.raises(SystemExit, match="no finished shared run under"):
         paper.main(["report", str(tmp_path / "nothing")])
+
+
+def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "summary.json").write_text(json.dumps({"eval_sft": _ev([1] * 10 + [0] * 30),
+                                                                  "phase_times": {"sft": 60.0}}))
+    row = {"reward_mean": 0.5, "explained_variance": 0.6, "dlogp": 0.0015, "dlogp_r3_off": 0.0025}
+    _arm(tmp_path, "ppo-s0", [1] * 20 + [0] * 20, [row])
+    _arm(tmp_path, "ppo-s1", [1] * 18 + [0] * 22, [row])
+    text = paper.report(tmp_path)
+    half = 12.706 * (0.05 / 2 ** 0.5) / 2 ** 0.5  # t(1) x sd / sqrt(2) of 0.500, 0.450
+    assert f"| ppo | 2 | 0.475 [{0.475 - half:.3f}, {0.475 + half:.3f}]; per seed 0.500, 0.450 |" in text
+    assert "solved +18 -0 over 2 seeds" in text  # RL vs SFT pooled over the seeds: 10 + 8 gained
+    _arm(tmp_path, "binary-s0", [1] * 38 + [0] * 2, [row])
+    _arm(tmp_path, "binary-s1", [1] * 20 + [0] * 20, [row])
+    assert "| binary | 2 | 0.725 [0.000, 1.000]; per seed 0.950, 0.500 |" in paper.report(tmp_path)  # clipped
