@@ -38,10 +38,10 @@ row; the arms' comparisons stay at their last step (the paper compares fixed ste
 Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
 interval of an arm is mean +- t * sd / sqrt(n) over its seeds, clipped to [0, 1] (Wilson's for one seed); "agrees"
 in the table means the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the opposite
-sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two trained models fixed: it does not
-see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims tested. --quick
-(the test's form): the quick preset, one seed, RL steps as the preset gives; its report is written to OUT/report.md
-only (the real run also appends it to --results, RESULTS.md by default).
+sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two trained models
+fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims
+tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its report is written to
+OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
 """
 import argparse
 import datetime
