@@ -35,10 +35,11 @@ not the paper's T = 1 without KL), the same for every arm. With --n-val-tasks N 
 gets a row "<arm>@val": held-out at the RL step its validation set chose (bench.best_val), and RL@val vs SFT a claim
 row; the arms' comparisons stay at their last step (the paper compares fixed step counts).
 
-Choices (the issue is silent): arms run sequentially; the default is 3 seeds per arm (the issue's minimum); the
-interval of an arm is mean +- t * sd / sqrt(n) over its seeds, clipped to [0, 1] (Wilson's for one seed); "agrees"
-in the table means the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the opposite
-sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two trained models
+Choices (the issue is silent): arms run sequentially, seed by seed (every arm's seed 0, then every arm's seed 1, ...);
+the default is 3 seeds per arm (the issue's minimum); the interval of an arm is mean +- t * sd / sqrt(n) over its
+seeds, clipped to [0, 1] (Wilson's for one seed); "agrees" in the table means the difference has the paper's sign and
+the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s."
+otherwise. The paired test holds the two trained models
 fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims
 tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its report is written to
 OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
@@ -145,8 +146,8 @@ def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, p
           f"(from the shared run's warm-up and SFT evaluation), {len(arms) * seeds * est / 60:.0f} min in all",
           flush=True)
     codes = {}
-    for arm in arms:
-        for s in range(seeds):
+    for s in range(seeds):  # seed-major: every arm has a seed before any has two (a run cut short covers them all)
+        for arm in arms:
             name, d = f"{arm}-s{s}", out / f"{arm}-s{s}"
             if (d / "summary.json").exists() and json.loads((d / "summary.json").read_text())["rl_steps"] >= steps:
                 codes[name] = 0
