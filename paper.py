@@ -37,7 +37,8 @@ row; the arms' comparisons stay at their last step (the paper compares fixed ste
 
 Choices (the issue is silent): arms run sequentially, seed by seed (every arm's seed 0, then every arm's seed 1, ...);
 the default is 3 seeds per arm (the issue's minimum); the interval of an arm is mean +- t * sd / sqrt(n) over its
-seeds, clipped to [0, 1] (Wilson's for one seed); "agrees" in the table means the difference has the paper's sign and
+seeds, clipped to [0, 1], or the Wilson interval of the seeds' trials pooled where that is wider (Wilson's alone for
+one seed); "agrees" in the table means the difference has the paper's sign and
 the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s."
 otherwise. The paired test holds the two trained models
 fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims
@@ -188,16 +189,19 @@ def tito_step(out: Path, quick: bool) -> int:
 
 
 # --- the report --------------------------------------------------------------------------------------------
-def _interval(xs: list, single: dict | None = None) -> tuple:
-    """Mean and 95% interval over seeds (t); one seed: the Wilson interval of its evaluation."""
-    m = float(np.mean(xs))
+def _interval(evals: list) -> tuple:
+    """Mean solve rate of evaluations (one per seed) and its 95% interval: the wider of the t interval over the seeds
+    (clipped to [0, 1]) and the Wilson interval of all their trials pooled (seeds that agree give a t interval of
+    width 0, yet each still scored a sample of held-out tasks); one seed: its Wilson interval."""
+    xs = [e["solve_rate"] for e in evals]
+    m, lo, hi = float(np.mean(xs)), float("nan"), float("nan")
+    if all(e.get("trials") for e in evals):
+        lo, hi = bench.wilson(sum(t["resolved"] for e in evals for t in e["trials"]),
+                              sum(e["n_trials"] for e in evals))
     if len(xs) > 1:
         h = T_975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / math.sqrt(len(xs))
-        return m, max(m - h, 0.0), min(m + h, 1.0)  # a rate: the interval clipped to [0, 1]
-    if single is not None and single.get("trials"):
-        lo, hi = bench.wilson(sum(t["resolved"] for t in single["trials"]), single["n_trials"])
-        return m, lo, hi
-    return m, float("nan"), float("nan")
+        lo, hi = np.nanmin([lo, max(m - h, 0.0)]), np.nanmax([hi, min(m + h, 1.0)])
+    return m, float(lo), float(hi)
 
 
 def _metrics(d: Path) -> list:
@@ -275,12 +279,12 @@ def report(out: Path) -> str:
     for k in ("eval_base", "eval_sft"):
         e = shared.get(k)
         if e and e.get("n_trials"):
-            m, lo, hi = _interval([e["solve_rate"]], e)
+            m, lo, hi = _interval([e])
             wall = sum(shared["phase_times"].values()) if k == "eval_sft" else "-"  # the whole shared run
             lines.append(f"| {k[5:].upper()} (shared) | - | {m:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} | 0 "
                          f"| {wall if isinstance(wall, str) else f'{wall:.0f}'} |")
     for arm, runs in arms.items():
-        m, lo, hi = _interval([r["summary"]["eval_rl"]["solve_rate"] for r in runs], runs[0]["summary"]["eval_rl"])
+        m, lo, hi = _interval([r["summary"]["eval_rl"] for r in runs])
         rw = np.mean([r["summary"]["eval_rl"]["reward_mean"] for r in runs])
         each = "" if len(runs) < 2 else "; per seed " + ", ".join(f"{r['summary']['eval_rl']['solve_rate']:.3f}"
                                                                for r in runs)
@@ -288,7 +292,7 @@ def report(out: Path) -> str:
                      f"{runs[0]['summary']['rl_steps']} | {np.mean([r['wall_s'] for r in runs]):.0f} |")
         best = [r["summary"].get("eval_rl_best_val") for r in runs]
         if all(best):  # --n-val-tasks: held-out at the step each seed's validation set chose
-            m, lo, hi = _interval([b["solve_rate"] for b in best], best[0])
+            m, lo, hi = _interval(best)
             lines.append(f"| {arm}@val | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | "
                          f"{np.mean([b['reward_mean'] for b in best]):.3f} | {', '.join(str(b['step']) for b in best)} "
                          f"(chosen) | - |")

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+import bench
 import paper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -211,3 +212,7 @@ def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
     _arm(tmp_path, "binary-s0", [1] * 38 + [0] * 2, [row])
     _arm(tmp_path, "binary-s1", [1] * 20 + [0] * 20, [row])
     assert "| binary | 2 | 0.725 [0.000, 1.000]; per seed 0.950, 0.500 |" in paper.report(tmp_path)  # clipped
+    _arm(tmp_path, "cold-s0", [1] * 20 + [0] * 20, [row])
+    _arm(tmp_path, "cold-s1", [0] * 20 + [1] * 20, [row])  # seeds that agree on the rate: the pooled Wilson interval
+    lo, hi = bench.wilson(40, 80)
+    assert f"| cold | 2 | 0.500 [{lo:.3f}, {hi:.3f}]; per seed 0.500, 0.500 |" in paper.report(tmp_path)
