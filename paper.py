@@ -297,10 +297,10 @@ def report(out: Path) -> str:
                          f"{np.mean([b['reward_mean'] for b in best]):.3f} | {', '.join(str(b['step']) for b in best)} "
                          f"(chosen) | - |")
     n = (shared.get("eval_sft") or {}).get("n_trials", 0)
+    tito_res = json.loads((out / "tito.json").read_text()) if (out / "tito.json").exists() else None  # tito_step's
     walls = dict(shared=sum(shared.get("phase_times", {}).values()),
                  arms=sum(r["wall_s"] for runs in arms.values() for r in runs),
-                 tito=json.loads((out / "tito.json").read_text()).get("wall_s", 0.0) if (out / "tito.json").exists()
-                 else 0.0)
+                 tito=(tito_res or {}).get("wall_s", 0.0))
     lines += ["", f"Time: {sum(walls.values()) / 60:.0f} min of phases in all (shared run {walls['shared'] / 60:.0f}, "
               f"{sum(len(r) for r in arms.values())} arm runs {walls['arms'] / 60:.0f}, TITO measurement "
               f"{walls['tito'] / 60:.0f}; process start-up and checkpoint copies not counted).",
@@ -368,9 +368,8 @@ def report(out: Path) -> str:
                      f"{verdict(off - on, +1, 0.0)} |")
         lines.append(f"| TITO: loss-region drift | 0.0000% | {drift:.4f}% | - |")
     arm_vs_ppo("r3off", "R3 stabilises training", "R3 on beats R3 off on held-out")
-    tj = out / "tito.json"
-    if tj.exists():
-        t = json.loads(tj.read_text())
+    if tito_res is not None:
+        t = tito_res
         (nv, tt), (rn, rt) = ((t[k]["naive"], t[k]["tito"]) for k in ("sft", "random"))
         lines.append(f"| TITO vs naive re-tokenisation: loss-region drift | TITO 0.0000% (naive: paper silent) | the "
                      f"SFT model at T = 1: naive {nv['loss_region_drift_pct']:.4f}% vs TITO "
