@@ -53,8 +53,8 @@ import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
 from kvcache import PrefixCache, _build_cache, _cache_state, _kept_cache, _merged_cache
-from model import (engine_forward, hub_state_dict, load_actor, load_weights_from_disk, round_to_bf16,
-                   supports_engine_forward)
+from model import (drop_engine_layers, engine_forward, hub_state_dict, load_actor, load_weights_from_disk,
+                   round_to_bf16, supports_engine_forward)
 
 # --- embedded engine ----------------------------------------------------------------------------
 GREEDY_BELOW = 1e-6  # SGLang's _SAMPLING_EPS: a temperature in [0, 1e-6) samples greedily (raw-logit logprobs)
@@ -385,6 +385,7 @@ class EngineServer:
             load_weights_from_disk(self.model, path)
             if self.weight_dtype == "bf16":
                 round_to_bf16(self.model)
+            drop_engine_layers(self.model)  # engine_forward's copies are rebuilt from the new weights
             if self.prefix is not None:
                 self.prefix.clear()  # its states were computed by the old weights
             if not keep_path:
@@ -411,6 +412,7 @@ class EngineServer:
                 self._weight_shapes = {p: (tuple(p.shape), p.dtype) for p in self.model.parameters()}
                 for p in self._weight_shapes:
                     p.data = torch.empty(0, dtype=p.dtype)
+                drop_engine_layers(self.model)  # engine_forward's copies of the weights go too
             self.released |= tags
             return sorted(self.released)
         return self.run_when_idle(release)

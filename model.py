@@ -181,37 +181,79 @@ def load_weights_from_disk(model, path: str):
 
 
 def supports_engine_forward(model) -> bool:
-    """engine_forward covers Qwen3-MoE (attention + routed MoE in every layer); Qwen3.5's hybrid layers (Gated
-    DeltaNet, gated attention, a shared expert) go through the transformers forward."""
+    """engine_forward covers Qwen3-MoE (attention + routed MoE in every layer, rotary over the whole head); Qwen3.5's
+    hybrid layers (Gated DeltaNet, gated attention, a shared expert) go through the transformers forward."""
     cfg = model.config
     return (getattr(cfg, "model_type", "") == "qwen3_moe" and cfg.hidden_act == "silu"
             and not getattr(cfg, "use_sliding_window", False)
+            and getattr(model.model.rotary_emb, "inv_freq", torch.zeros(0)).numel() * 2 == cfg.head_dim
             and all(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers))
 
 
 DENSE_EXPERT_ROWS = 64  # up to this many tokens a forward applies every expert to every token (decode steps)
 
 
-def _rms(x, norm):
-    return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+class _Layer:
+    """One decoder layer's weights as engine_forward reads them: q, k, v projections as one matrix; the q / k norms
+    as one per-head weight (nq + nk, D) with the attention scale folded into the q heads (rotary is linear, so
+    scaling q before it is the same); the experts' down projections side by side, (E I, H)."""
+
+    def __init__(self, layer):
+        a, moe = layer.self_attn, layer.mlp
+        nq, nk = a.config.num_attention_heads, a.config.num_key_value_heads
+        self.nq, self.nk, self.D = nq, nk, a.head_dim
+        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
+        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((nq + 2 nk) D, H)
+        self.qk_w = torch.cat([(a.q_norm.weight * a.scaling).expand(nq, -1), a.k_norm.weight.expand(nk, -1)])
+        self.qk_eps = a.q_norm.variance_epsilon
+        if a.k_norm.variance_epsilon != self.qk_eps:
+            raise ValueError("engine_forward: q_norm and k_norm epsilons differ")
+        self.wo_t = a.o_proj.weight.t()  # (nq D, H)
+        self.gate = moe.gate  # the R3 router, called as is (capture records there)
+        E, I2, H = moe.experts.gate_up_proj.shape
+        self.E, self.I = E, I2 // 2
+        self.wgu = moe.experts.gate_up_proj.reshape(E * I2, H)  # (E 2I, H), expert e's gate rows then up rows
+        self.wd_t = moe.experts.down_proj.transpose(1, 2).reshape(E * self.I, H)  # (E I, H)
+        self.experts = moe.experts
 
 
-def _experts(experts, x, weights, ids):
-    """Routed experts of tokens x (N, H) with routing weights / ids (N, k) -> (N, H). Few tokens (decode): every
-    expert on every token, weighted by the routing (0 off the top-k), two matmuls for all experts; more: each expert
-    on the tokens routed to it."""
-    E, I2, H = experts.gate_up_proj.shape
+def engine_layers(model) -> list:
+    """The model's _Layers, cached on the model and rebuilt when any parameter changed: a weight load copies into
+    the parameters, which bumps their version; a released parameter changes its storage (the engine also drops
+    the cache then: drop_engine_layers)."""
+    cached = model.__dict__.get("_engine_layers")
+    if cached is not None and cached[1] == [(p.data_ptr(), p._version) for p in cached[0]]:
+        return cached[2]
+    params = list(model.parameters())
+    with torch.no_grad():
+        layers = [_Layer(layer) for layer in model.model.layers]
+    model.__dict__["_engine_layers"] = (params, [(p.data_ptr(), p._version) for p in params], layers)
+    return layers
+
+
+def drop_engine_layers(model):
+    """Free engine_forward's copies of the weights (the engine releasing its weights' memory)."""
+    model.__dict__.pop("_engine_layers", None)
+
+
+def _rms(x, weight, eps):
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _experts(L, x, weights, ids, out):
+    """Routed experts of tokens x (N, H) with routing weights / ids (N, k), added into out (N, H). Few tokens
+    (decode): every expert on every token, weighted by the routing (0 off the top-k): one matmul up, one down;
+    more: each expert on the tokens routed to it."""
     N = x.shape[0]
     if N <= DENSE_EXPERT_ROWS:
-        gate, up = F.linear(x, experts.gate_up_proj.view(E * I2, H)).view(N, E, I2).chunk(2, dim=-1)
-        y = torch.bmm((F.silu(gate) * up).transpose(0, 1), experts.down_proj.transpose(1, 2))  # (E, N, H)
-        route = torch.zeros(N, E, dtype=y.dtype).scatter_(1, ids, weights.to(y.dtype))  # (N, E)
-        return torch.bmm(route[:, None, :], y.transpose(0, 1)).squeeze(1)
-    out = torch.zeros_like(x)
+        gu = F.linear(x, L.wgu).view(N, L.E, 2 * L.I)
+        act = F.silu(gu[..., :L.I]) * gu[..., L.I:]  # (N, E, I)
+        route = torch.zeros(N, L.E, dtype=x.dtype).scatter_(1, ids, weights.to(x.dtype))  # (N, E)
+        return torch.addmm(out, act.mul_(route[:, :, None]).view(N, -1), L.wd_t)
     for e in ids.unique().tolist():
         rows, slot = torch.where(ids == e)
-        gate, up = F.linear(x[rows], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, experts.down_proj[e]) * weights[rows, slot, None].to(x.dtype)
+        gate, up = F.linear(x[rows], L.experts.gate_up_proj[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, L.experts.down_proj[e]) * weights[rows, slot, None].to(x.dtype)
         out.index_add_(0, rows, y)
     return out
 
@@ -223,33 +265,43 @@ def engine_forward(model, ids, pos, mask, cache):
     cached columns + S), cache the attention layers' KV (this forward's columns are written into it).
 
     The transformers forward's math (RMSNorm, q / k norm, rotary, grouped-query attention, the softmax router
-    through the installed R3 routers, so capture records as there) in fewer operations: a query attends to the real
-    columns up to its own and always to itself (a padding query then stays finite, and no real query reads it);
-    one query per row (decode) as two matmuls (the CPU flash kernel is slow for one query), more through SDPA;
-    experts as _experts. Logits equal the transformers forward's to ~1e-6 (tests/test_engine.py)."""
-    m = model.model
+    through the installed R3 routers, so capture records as there) in fewer operations, on engine_layers' weights:
+    q, k, v in one matmul, q and k normed and rotated together, residual adds fused into the output matmuls; a
+    query attends to the real columns up to its own and always to itself (a padding query then stays finite, and no
+    real query reads it); one query per row (decode) as one matmul with the mask added, a softmax and one matmul
+    (the CPU flash kernel is slow for one query), more through SDPA; experts as _experts. Logits equal the
+    transformers forward's to ~1e-6 (tests/test_engine.py)."""
+    m, layers = model.model, engine_layers(model)
     B, S = ids.shape
     T = mask.shape[1]
-    h = m.embed_tokens(ids)  # (B, S, H)
+    N = B * S
+    h = m.embed_tokens(ids).view(N, -1)  # (N, H): the residual stream
     cos, sin = m.rotary_emb(h, pos)  # (B, S, D)
+    half = cos.shape[-1] // 2
+    cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # (B, S, 1, D)
     col = torch.arange(T)
     allowed = (mask.bool()[:, None, :] & (col[None, None, :] <= col[T - S:, None])) | \
         (col[None, None, :] == col[T - S:, None])  # (B, S, T)
-    allowed = allowed[:, None]  # (B, 1, S, T)
-    for i, layer in enumerate(m.layers):
-        a = layer.self_attn
-        x = _rms(h, layer.input_layernorm)
-        heads = lambda t: t.view(B, S, -1, a.head_dim).transpose(1, 2)  # (B, heads, S, D)  # noqa: E731
-        q, k = apply_rotary_pos_emb(_rms(heads(a.q_proj(x)), a.q_norm), _rms(heads(a.k_proj(x)), a.k_norm), cos, sin)
-        keys, values = cache.layers[i].update(k, heads(a.v_proj(x)))  # (B, kv heads, T, D)
-        if S == 1:
-            q = q.view(B, keys.shape[1], -1, a.head_dim)  # (B, kv heads, query heads per kv head, D)
-            w = torch.matmul(q, keys.transpose(-1, -2)) * a.scaling
-            o = torch.matmul(w.masked_fill(~allowed, float("-inf")).softmax(-1), values)
+    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # (B, S, T) added to the scores
+    L0 = layers[0]
+    nq, nk, D = L0.nq, L0.nk, L0.D
+    if S == 1:
+        bias = bias.expand(B, nk, T).reshape(B * nk, 1, T)  # (B nk, 1, T), each kv head's query group
+    else:
+        bias = bias[:, None]  # (B, 1, S, T)
+    for i, L in enumerate(layers):
+        qkv = F.linear(_rms(h, L.ln1.weight, L.ln1.variance_epsilon), L.wqkv).view(B, S, nq + 2 * nk, D)
+        qk = F.rms_norm(qkv[:, :, :nq + nk], (D,), None, L.qk_eps) * L.qk_w  # (B, S, nq + nk, D), q scaled
+        qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # rotary: x cos + rotate_half(x) sin
+        keys, values = cache.layers[i].update(qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nk:].transpose(1, 2))
+        if S == 1:  # (B nk, g, D) x (B nk, D, T): keys / values (B, nk, T, D) are views with mergeable rows
+            w = torch.baddbmm(bias, qk[:, 0, :nq].reshape(B * nk, nq // nk, D), keys.reshape(B * nk, T, D).mT)
+            o = torch.bmm(w.softmax(-1), values.reshape(B * nk, T, D)).view(N, nq * D)
         else:
-            o = F.scaled_dot_product_attention(q, keys, values, attn_mask=allowed, scale=a.scaling, enable_gqa=True)
-        h = h + a.o_proj(o.reshape(B, -1, S, a.head_dim).transpose(1, 2).reshape(B, S, -1))
-        x = _rms(h, layer.post_attention_layernorm).reshape(B * S, -1)
-        _, weights, experts = layer.mlp.gate(x)  # (B S, k) each; R3Router: records into the engine's buffer
-        h = h + _experts(layer.mlp.experts, x, weights, experts).view(B, S, -1)
-    return model.lm_head(_rms(h[:, -1], m.norm))
+            o = F.scaled_dot_product_attention(qk[:, :, :nq].transpose(1, 2), keys, values, attn_mask=bias, scale=1.0,
+                                               enable_gqa=True).transpose(1, 2).reshape(N, nq * D)
+        h = torch.addmm(h, o, L.wo_t)
+        x = _rms(h, L.ln2.weight, L.ln2.variance_epsilon)
+        _, weights, experts = L.gate(x)  # (N, k) each; R3Router: records into the engine's buffer
+        h = _experts(L, x, weights, experts, h)
+    return model.lm_head(_rms(h.view(B, S, -1)[:, -1], m.norm.weight, m.norm.variance_epsilon))

@@ -126,6 +126,26 @@ def test_the_engines_own_forward_equals_the_transformers_forward(tok, tmp_path):
     assert not model_lib.supports_engine_forward(hybrid)
 
 
+def test_engine_forward_follows_weight_loads(tok):
+    """engine_forward keeps fused copies of the weights (model.engine_layers): a load into the parameters (as the
+    engine's weight updates do) must reach the next forward, and dropping the copies frees them."""
+    cfg = model_lib.tiny_config(len(tok), "qwen3_moe")
+    a, b = (model_lib.build_actor(cfg, seed=s).eval() for s in (0, 1))
+    ids = torch.tensor([prompt(tok, "list the files")])
+    mask = torch.ones_like(ids)
+    pos = torch.arange(ids.shape[1])[None]
+
+    def logits(m):
+        return model_lib.engine_forward(m, ids, pos, mask, kvcache.DynamicCache(config=cfg))
+    before, want = logits(a), logits(b)
+    assert not torch.allclose(before, want)
+    a.load_state_dict(b.state_dict())
+    assert torch.equal(logits(a), want)
+    assert "_engine_layers" in a.__dict__
+    model_lib.drop_engine_layers(a)
+    assert "_engine_layers" not in a.__dict__ and torch.equal(logits(a), want)
+
+
 def check_wire_format(engine, tok, ckpt):
     ids = prompt(tok, "count the errors")
     out = generate(engine, ids, temperature=0.8, max_new_tokens=16, seed=3)
