@@ -75,22 +75,32 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
     ValueError of a row whose distribution is not finite (that request's error only)].
 
     Per row as SGLang: temperature 0 is greedy with raw-logit logprobs; else logprob = log_softmax(logits / T), the
-    top-k highest then the smallest prefix reaching top_p kept, one draw by inverse CDF from the row's generator.
-    One log_softmax, sort and search for the batch, one host sync."""
+    top-k highest then the smallest prefix reaching top_p kept, one draw by inverse CDF from the row's generator
+    (over the probabilities sorted in descending order for a row that truncates, in vocabulary order for one that
+    keeps everything: the sort is the costliest operation here and depends on the row alone). One log_softmax and
+    search for the batch, one sort of the truncating rows, one host sync."""
+    n, V = logits.shape
     greedy = torch.tensor([x == 0 for x in temperature])  # (n,)
     t = torch.tensor(temperature, dtype=torch.float32)  # a denormal T is 0 here: its row's logits / T is not finite
     logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, t)[:, None], dim=-1)  # (n, V)
     probs = logp.exp()
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)  # (n, V)
-    rank = torch.arange(probs.shape[1])[None, :]
-    k = torch.tensor([kk if kk > 0 else probs.shape[1] for kk in top_k])[:, None]  # (n, 1)
-    sorted_p = sorted_p.masked_fill(rank >= k, 0.0)  # keep the top k
-    p = torch.tensor(top_p, dtype=torch.float32)[:, None]  # (n, 1)
-    drop = ((sorted_p.cumsum(-1) - sorted_p) >= p) & (p < 1.0)  # keep the smallest prefix reaching top_p
-    cdf = sorted_p.masked_fill(drop, 0.0).cumsum(-1)  # (n, V)
+    cut = [not g and (kk > 0 or p < 1.0) for g, kk, p in zip(greedy.tolist(), top_k, top_p)]
+    kept, order = probs, None  # kept: the probabilities in draw order; order: the vocabulary id at each place
+    if any(cut):
+        rows = torch.tensor([i for i, c in enumerate(cut) if c])
+        sorted_p, sorted_ids = torch.sort(probs[rows], dim=-1, descending=True)  # (c, V)
+        rank = torch.arange(V)[None, :]
+        k = torch.tensor([top_k[i] if top_k[i] > 0 else V for i in rows.tolist()])[:, None]  # (c, 1)
+        sorted_p = sorted_p.masked_fill(rank >= k, 0.0)  # keep the top k
+        p = torch.tensor([top_p[i] for i in rows.tolist()], dtype=torch.float32)[:, None]  # (c, 1)
+        drop = ((sorted_p.cumsum(-1) - sorted_p) >= p) & (p < 1.0)  # keep the smallest prefix reaching top_p
+        kept, order = probs.clone(), torch.arange(V).repeat(n, 1)
+        kept[rows], order[rows] = sorted_p.masked_fill(drop, 0.0), sorted_ids
+    cdf = kept.cumsum(-1)  # (n, V)
     u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]  # (n,) one draw per row
-    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=probs.shape[1] - 1)  # first cdf > u
-    tok = torch.where(greedy, logp.argmax(-1), order.gather(1, pick).squeeze(1))  # (n,)
+    pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=V - 1)  # first cdf > u
+    drawn = pick.squeeze(1) if order is None else order.gather(1, pick).squeeze(1)
+    tok = torch.where(greedy, logp.argmax(-1), drawn)  # (n,)
     lp = logp.gather(1, tok[:, None]).squeeze(1)  # (n,)
     finite = greedy | torch.isfinite(probs).all(-1)
     out = []

@@ -26,7 +26,6 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 from transformers import AutoModelForCausalLM, Qwen3_5MoeTextConfig, Qwen3MoeConfig
 from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX as QWEN_PRETOKENIZE_REGEX
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
-from transformers.models.qwen3_moe.modeling_qwen3_moe import apply_rotary_pos_emb
 
 import r3
 from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START, PAD  # noqa: F401 (the chat format's names, re-exported)
