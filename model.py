@@ -193,22 +193,24 @@ DENSE_EXPERT_ROWS = 64  # up to this many tokens a forward applies every expert 
 
 
 class _Layer:
-    """One decoder layer's weights as engine_forward reads them: q, k, v projections as one matrix; the q / k norms
-    as one per-head weight (nq + nk, D) with the attention scale folded into the q heads (rotary is linear, so
-    scaling q before it is the same); the experts' down projections side by side, (E I, H)."""
+    """One decoder layer's weights as engine_forward reads them: q, k, v projections as one matrix with the input
+    norm's weight folded in; the q / k norms as one per-head weight (nq + nk, D) with the attention scale folded into
+    the q heads (rotary is linear, so scaling q before it is the same); the experts' down projections side by side,
+    (E I, H)."""
 
     def __init__(self, layer):
         a, moe = layer.self_attn, layer.mlp
         nq, nk = a.config.num_attention_heads, a.config.num_key_value_heads
         self.nq, self.nk, self.D = nq, nk, a.head_dim
-        self.ln1, self.ln2 = layer.input_layernorm, layer.post_attention_layernorm
-        self.wqkv = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((nq + 2 nk) D, H)
+        self.eps1, self.ln2 = layer.input_layernorm.variance_epsilon, layer.post_attention_layernorm
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])  # ((nq + 2 nk) D, H)
+        self.wqkv = w * layer.input_layernorm.weight  # the input norm's weight folded in (it scales x's columns)
         self.qk_w = torch.cat([(a.q_norm.weight * a.scaling).expand(nq, -1), a.k_norm.weight.expand(nk, -1)])
         self.qk_eps = a.q_norm.variance_epsilon
         if a.k_norm.variance_epsilon != self.qk_eps:
             raise ValueError("engine_forward: q_norm and k_norm epsilons differ")
         self.wo_t = a.o_proj.weight.t()  # (nq D, H)
-        self.gate = moe.gate  # the R3 router, called as is (capture records there)
+        self.gate = moe.gate  # the R3 router: live_route records where the engine's capture reads
         E, I2, H = moe.experts.gate_up_proj.shape
         self.E, self.I = E, I2 // 2
         self.wgu = moe.experts.gate_up_proj.reshape(E * I2, H)  # (E 2I, H), expert e's gate rows then up rows
@@ -216,18 +218,18 @@ class _Layer:
         self.experts = moe.experts
 
 
-def engine_layers(model) -> list:
-    """The model's _Layers, cached on the model and rebuilt when any parameter changed: a weight load copies into
+def engine_layers(model) -> tuple:
+    """(the model's _Layers, the output matrix), cached on the model and rebuilt when any parameter changed: a weight load copies into
     the parameters, which bumps their version; a released parameter changes its storage (the engine also drops
     the cache then: drop_engine_layers)."""
     cached = model.__dict__.get("_engine_layers")
     if cached is not None and cached[1] == [(p.data_ptr(), p._version) for p in cached[0]]:
         return cached[2]
     params = list(model.parameters())
-    with torch.no_grad():
-        layers = [_Layer(layer) for layer in model.model.layers]
-    model.__dict__["_engine_layers"] = (params, [(p.data_ptr(), p._version) for p in params], layers)
-    return layers
+    with torch.no_grad():  # lm_head with the final norm's weight folded in
+        out = [_Layer(layer) for layer in model.model.layers], model.lm_head.weight * model.model.norm.weight
+    model.__dict__["_engine_layers"] = (params, [(p.data_ptr(), p._version) for p in params], out)
+    return out
 
 
 def drop_engine_layers(model):
@@ -270,7 +272,7 @@ def engine_forward(model, ids, pos, mask, cache):
     real query reads it); one query per row (decode) as one matmul with the mask added, a softmax and one matmul
     (the CPU flash kernel is slow for one query), more through SDPA; experts as _experts. Logits equal the
     transformers forward's to ~1e-6 (tests/test_engine.py)."""
-    m, layers = model.model, engine_layers(model)
+    m, (layers, head) = model.model, engine_layers(model)
     B, S = ids.shape
     T = mask.shape[1]
     N = B * S
@@ -289,7 +291,7 @@ def engine_forward(model, ids, pos, mask, cache):
     else:
         bias = bias[:, None]  # (B, 1, S, T)
     for i, L in enumerate(layers):
-        qkv = F.linear(_rms(h, L.ln1.weight, L.ln1.variance_epsilon), L.wqkv).view(B, S, nq + 2 * nk, D)
+        qkv = F.linear(F.rms_norm(h, (h.shape[-1],), None, L.eps1), L.wqkv).view(B, S, nq + 2 * nk, D)
         qk = F.rms_norm(qkv[:, :, :nq + nk], (D,), None, L.qk_eps) * L.qk_w  # (B, S, nq + nk, D), q scaled
         qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # rotary: x cos + rotate_half(x) sin
         keys, values = cache.layers[i].update(qk[:, :, nq:].transpose(1, 2), qkv[:, :, nq + nk:].transpose(1, 2))
@@ -301,6 +303,6 @@ def engine_forward(model, ids, pos, mask, cache):
                                                enable_gqa=True).transpose(1, 2).reshape(N, nq * D)
         h = torch.addmm(h, o, L.wo_t)
         x = _rms(h, L.ln2.weight, L.ln2.variance_epsilon)
-        _, weights, experts = L.gate(x)  # (N, k) each; R3Router: records into the engine's buffer
+        weights, experts = L.gate.live_route(x)  # (N, k) each; R3Router: records into the engine's buffer
         h = _experts(L, x, weights, experts, h)
-    return model.lm_head(_rms(h.view(B, S, -1)[:, -1], m.norm.weight, m.norm.variance_epsilon))
+    return F.linear(F.rms_norm(h.view(B, S, -1)[:, -1], (h.shape[-1],), None, m.norm.variance_epsilon), head)

@@ -91,6 +91,20 @@ class R3Router(Qwen3_5MoeTopKRouter):
         return router_logits, top_value.to(router_logits.dtype), idx
 
 
+    def live_route(self, hidden_states, weight=None):
+        """The engine's routing: hidden (N, H) -> (weights (N, k), ids (N, k)) of the live top-k, off or recorded into
+        the engine's buffer (routing(..., "record", into=...)). Fewer operations than forward: top-k of the logits
+        (softmax is monotonic), weights as the softmax over the k logits (forward's renormalised probabilities; equal
+        to ~1e-7). `weight`: the router matrix to use (the engine's copy with a norm's weight folded in)."""
+        if self.mode == "replay" or (self.mode == "record" and self.into is None):
+            raise ValueError(f"R3 live_route: layer {self.layer_idx} is in {self.mode} mode without a buffer "
+                             "(live_route records only into routing(..., into=...))")
+        logits = F.linear(hidden_states, self.weight if weight is None else weight)  # (N, E)
+        top, idx = torch.topk(logits, self.top_k, dim=-1)  # (N, k)
+        if self.mode == "record":
+            self.into[:idx.shape[0], self.layer_idx].copy_(idx)
+        return top.softmax(-1), idx
+
 def _moe_blocks(model):
     """[(layer_idx, moe_block)] of every decoder layer that has a routed MoE mlp."""
     layers = model.model.layers if hasattr(model, "model") else model.layers

@@ -152,6 +152,25 @@ def test_replay_holds_under_gradient_checkpointing(ids):
         assert torch.allclose(ga[n], gb[n], atol=1e-6, rtol=1e-4), n
 
 
+def test_live_route_is_forwards_routing_in_fewer_operations(actor):
+    """R3Router.live_route (the engine's): the ids forward picks and forward's weights to 1e-6 (a softmax over the k
+    logits = the softmax renormalised over the k), recorded into the routing buffer; refused in replay mode and in
+    record mode without a buffer (it cannot know the batch's shape)."""
+    r = r3.routers(actor)[1]
+    x = torch.randn(64, r.hidden_dim, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        _, w_fwd, idx_fwd = r(x)
+        w, idx = r.live_route(x)
+        assert torch.equal(idx, idx_fwd) and (w - w_fwd).abs().max() < 1e-6
+        buf = torch.full((80, len(r3.routers(actor)), r.top_k), -7, dtype=torch.int32)
+        with r3.routing(actor, "record", into=buf):
+            r.live_route(x)
+        assert torch.equal(buf[:64, 1], idx.int()) and (buf[:64, 0] == -7).all() and (buf[64:] == -7).all()
+        with r3.routing(actor, "record"):
+            with pytest.raises(ValueError, match="live_route"):
+                r.live_route(x)
+
+
 def test_wrong_shape_or_malformed_experts_raise(actor, ids):
     good = torch.zeros(B, T, 4, 2, dtype=torch.int32)
     good[..., 1] = 1
