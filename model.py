@@ -219,9 +219,9 @@ class _Layer:
 
 
 def engine_layers(model) -> tuple:
-    """(the model's _Layers, the output matrix), cached on the model and rebuilt when any parameter changed: a weight load copies into
-    the parameters, which bumps their version; a released parameter changes its storage (the engine also drops
-    the cache then: drop_engine_layers)."""
+    """(the model's _Layers, the output matrix with the final norm's weight folded in), cached on the model and rebuilt
+    when any parameter changed: a weight load copies into the parameters, which bumps their version; a released
+    parameter changes its storage (the engine also drops the cache then: drop_engine_layers)."""
     cached = model.__dict__.get("_engine_layers")
     if cached is not None and cached[1] == [(p.data_ptr(), p._version) for p in cached[0]]:
         return cached[2]
