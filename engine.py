@@ -65,6 +65,7 @@ INIT_GROUP_FIELDS = ("master_address", "master_port", "rank_offset", "world_size
 UPDATE_FIELDS = ("names", "dtypes", "shapes", "group_name", "flush_cache", "weight_version")
 GENERATE_FIELDS = ("input_ids", "sampling_params", "rid", "return_logprob", "return_routed_experts", "stream")
 DISCONNECT_LOG = 1024  # the last requests aborted because their client hung up (EngineServer.disconnects)
+MAX_PREFILL_TOKENS = 16384  # padded tokens (rows x columns) of one prefill forward (SGLang's --max-prefill-tokens)
 MAX_BATCH = 64  # rows decoded together (paper silent; SGLang's default max_running_requests is larger)
 PREFIX_CACHE_MB = 512  # prefix cache capacity (SGLang sizes its radix cache from free GPU memory)
 
@@ -268,7 +269,8 @@ class EngineServer:
     """
 
     def __init__(self, model_path, host="127.0.0.1", port=0, max_batch=MAX_BATCH, weight_dtype="bf16", seed=0,
-                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True, threads=1, forward="own"):
+                 prefix_cache_mb=PREFIX_CACHE_MB, capture_routing=True, threads=1, forward="own",
+                 max_prefill_tokens=MAX_PREFILL_TOKENS):
         if weight_dtype not in ("bf16", "fp32"):
             raise ValueError(f"weight_dtype: expected bf16|fp32, got {weight_dtype!r}")
         if max_batch < 1:
@@ -279,6 +281,8 @@ class EngineServer:
             raise ValueError(f"threads: must be >= 1, got {threads}")
         if forward not in ("own", "hf"):
             raise ValueError(f"forward: expected own|hf, got {forward!r}")
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens: must be >= 1, got {max_prefill_tokens}")
         self.torch_threads = threads  # torch (OpenMP) threads of the scheduler thread: the class docstring
         self.model_path, self.host, self.port = model_path, host, port
         self.max_batch, self.weight_dtype = max_batch, weight_dtype
@@ -293,7 +297,8 @@ class EngineServer:
         self.hub_shapes = {k: tuple(v.shape) for k, v in hub_state_dict(self.model).items()}  # what a publish sends
         self.hub_bytes = 4 * sum(math.prod(s) for s in self.hub_shapes.values())
         self.weight_groups, self.pending = {}, {}  # group name -> process group; -> tensors received so far
-        n_max = max(cfg.max_position_embeddings, max_batch)
+        self.max_prefill_tokens = max_prefill_tokens
+        n_max = max(cfg.max_position_embeddings, max_batch, max_prefill_tokens)  # the most token rows of a forward
         self.step_buf = torch.zeros(n_max, self.num_layers, self.top_k, dtype=torch.int32)  # one forward's ids
         self.slot_buf = torch.empty(max_batch, cfg.max_position_embeddings, self.num_layers, self.top_k,
                                     dtype=torch.int32)  # per running row: its routed experts so far
@@ -309,6 +314,7 @@ class EngineServer:
         self.running = {}  # rid -> Request admitted and not finished
         self.rows, self.cache, self.mask = [], None, None  # the running batch: Rows, DynamicCache, (B, T) mask
         self.disconnects = collections.deque(maxlen=DISCONNECT_LOG)  # {rid, finish, completion_tokens} per hang-up
+        self.prefill_splits = collections.deque(maxlen=DISCONNECT_LOG)  # why a group prefill was re-run one by one
         self.httpd, self.threads = None, []
 
     # -- lifecycle --
@@ -601,7 +607,9 @@ class EngineServer:
         """Prefill the admitted requests -> [(Rows, logits (g, V), state, mask (g, t))]: a request whose ids extend a
         prefix-cache entry alone, on top of the entry's state; the others together, left-padded (their state starts
         at zero, which padding keeps: attention masks it, the Gated DeltaNet layers zero padded inputs). A request
-        that cannot be seeded or prefilled fails alone (a failed group is re-run one request at a time)."""
+        that cannot be seeded or prefilled fails alone (a failed group is re-run one request at a time; prefill_splits
+        says why). Cold groups hold at most max_prefill_tokens padded tokens: a group over the capture buffer failed
+        and was re-run one by one, twice the prefill time at 32 concurrent requests (RESULTS.md 2026-12-03)."""
         parts, cold = [], []
         for req in admit:
             try:
@@ -613,17 +621,33 @@ class EngineServer:
                     parts.append(self._prefill([(req, gen)], entry))
             except Exception as e:
                 self._fail_admitted(req, e)
-        if len(cold) > 1:
-            try:
-                return parts + [self._prefill(cold, None)]
-            except Exception:
-                pass
-        for req, gen in cold:
-            try:
-                parts.append(self._prefill([(req, gen)], None))
-            except Exception as e:
-                self._fail_admitted(req, e)
+        for group in self._prefill_groups(cold):
+            if len(group) > 1:
+                try:
+                    parts.append(self._prefill(group, None))
+                    continue
+                except Exception as e:  # re-run one at a time: the request at fault fails alone
+                    self.prefill_splits.append(f"{len(group)} requests: {type(e).__name__}: {str(e)[:200]}")
+            for req, gen in group:
+                try:
+                    parts.append(self._prefill([(req, gen)], None))
+                except Exception as e:
+                    self._fail_admitted(req, e)
         return parts
+
+    def _prefill_groups(self, cold):
+        """The cold requests in admission order, cut into groups of at most max_prefill_tokens padded tokens (rows x
+        the longest), one forward each; a request longer than the budget is a group of its own."""
+        groups, longest = [], 0
+        for item in cold:
+            n = len(item[0].input_ids)
+            if groups and (len(groups[-1]) + 1) * max(longest, n) <= self.max_prefill_tokens:
+                groups[-1].append(item)
+                longest = max(longest, n)
+            else:
+                groups.append([item])
+                longest = n
+        return groups
 
     def _prefill(self, group, entry):
         """One prefill forward for [(Request, Generator)] (one request when `entry`, its prefix-cache hit)."""
@@ -760,6 +784,8 @@ def _make_handler(engine):
                 self._send(200, {"max_running_requests": engine.max_batch, "torch_threads": engine.torch_threads,
                                  "weight_dtype": engine.weight_dtype, "routed_experts": engine.capture,
                                  "forward": "own" if engine.own_forward else "hf",
+                                 "max_prefill_tokens": engine.max_prefill_tokens,
+                                 "prefill_splits": list(engine.prefill_splits)[-8:],
                                  "prefix_cache": engine.cache_stats()})
             elif self.path == "/get_model_info":
                 self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
@@ -897,11 +923,14 @@ def main():
     s.add_argument("--forward", choices=["own", "hf"], default="own", help="forwards through model.engine_forward "
                    "(Qwen3-MoE; other layouts use transformers) or always through the transformers forward")
     s.add_argument("--threads", type=int, default=2, help="torch CPU threads of the scheduler thread (the forwards)")
+    s.add_argument("--max-prefill-tokens", type=int, default=MAX_PREFILL_TOKENS, help="padded tokens of one prefill "
+                   "forward (rows x the longest); more requests are prefilled in several forwards")
     args = p.parse_args()
     torch.set_num_threads(1)  # the main thread only loads (EngineServer's docstring: one OpenMP team per process)
     engine = EngineServer(args.model_path, args.host, args.port, args.max_batch, args.weight_dtype,
                           prefix_cache_mb=args.prefix_cache_mb, capture_routing=not args.no_routed_experts,
-                          threads=args.threads, forward=args.forward).start()
+                          threads=args.threads, forward=args.forward,
+                          max_prefill_tokens=args.max_prefill_tokens).start()
     print(f"engine serving {args.model_path} at {engine.url}", flush=True)
     try:
         threading.Event().wait()

@@ -673,6 +673,33 @@ def test_a_prefix_cache_hit_equals_a_cold_prefill(tok, tmp_path, arch):
         cold.stop()
 
 
+def test_cold_requests_admitted_together_are_prefilled_in_forwards_within_the_token_budget(tok, tmp_path):
+    """30 requests of ~300 tokens admitted in one step: ONE prefill forward of 9,000+ padded tokens (more rows than
+    the model's positions: the routing capture buffer holds a whole group; a group that overflowed it was re-run
+    one request at a time); with max_prefill_tokens at 1,000, groups of 3 (the budget / the longest), replies
+    unchanged."""
+    path = str(tmp_path / "q3")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=3), tok, path)
+    eng = engine_lib.EngineServer(path, port=0, max_batch=32, weight_dtype="fp32", prefix_cache_mb=0).start()
+    groups, prefill = [], eng._prefill
+    eng._prefill = lambda group, entry: groups.append(len(group)) or prefill(group, entry)
+    try:
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, len(tok), (300 + i,), generator=g).tolist() for i in range(30)]
+        assert 30 * 329 > eng.model.config.max_position_embeddings
+        one = generate_together(eng, prompts, seeds=range(30), temperature=1.0, max_new_tokens=3, ignore_eos=True)
+        assert groups == [30] and not eng.prefill_splits
+        eng.max_prefill_tokens, groups[:] = 1000, []
+        cut = generate_together(eng, prompts, seeds=range(30), temperature=1.0, max_new_tokens=3, ignore_eos=True)
+        assert groups == [3] * 10 and not eng.prefill_splits
+        for a, b in zip(one, cut):
+            _same_reply(a, b)
+        with pytest.raises(ValueError, match="max_prefill_tokens"):
+            engine_lib.EngineServer(path, port=0, max_prefill_tokens=0)
+    finally:
+        eng.stop()
+
+
 def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, tmp_path):
     cache = kvcache.PrefixCache(cap_bytes=10_000)
     state = [("attn", torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))]  # 6,400 bytes + 8 per id
