@@ -224,8 +224,9 @@ class EngineServer:
 
     Scheduler, one iteration = one decode step of the running batch: (1) the running rows are decoded together
     (one token each, left-padded KV + attention mask + explicit position ids); (2) queued requests join while the
-    batch has room (max_batch): each is prefilled alone, from the longest prefix in the prefix cache when one
-    matches (only the new suffix is forwarded), and its state is merged into the batch; (3) one batched sampling
+    batch has room (max_batch): a request whose ids extend a prefix-cache entry is prefilled alone on top of the
+    entry's state (only the new suffix is forwarded), the others together, left-padded, in forwards of at most
+    max_prefill_tokens padded tokens; their states are merged into the batch; (3) one batched sampling
     call (sample_rows) draws the next token of every row; (4) a row that stops leaves at once, its state saved in
     the prefix cache (PrefixCache: the agent's next turn re-sends this trajectory plus the tool output). Requests
     never wait for a wave. Weight reloads (and /pause_generation) stop admission and wait for the running rows to
