@@ -219,15 +219,21 @@ class _Layer:
 
 
 def engine_layers(model) -> tuple:
-    """(the model's _Layers, the output matrix with the final norm's weight folded in), cached on the model and rebuilt
-    when any parameter changed: a weight load copies into the parameters, which bumps their version; a released
-    parameter changes its storage (the engine also drops the cache then: drop_engine_layers)."""
+    """(the model's _Layers, the output matrix with the final norm's weight folded in, the rotary cos and signed sin
+    of every position (P, D)), cached on the model and rebuilt when any parameter changed: a weight load copies into
+    the parameters, which bumps their version; a released parameter changes its storage (the engine also drops the
+    cache then: drop_engine_layers)."""
     cached = model.__dict__.get("_engine_layers")
     if cached is not None and cached[1] == [(p.data_ptr(), p._version) for p in cached[0]]:
         return cached[2]
     params = list(model.parameters())
-    with torch.no_grad():  # lm_head with the final norm's weight folded in
-        out = [_Layer(layer) for layer in model.model.layers], model.lm_head.weight * model.model.norm.weight
+    with torch.no_grad():  # lm_head with the final norm's weight folded in; rotary tables of every position
+        positions = torch.arange(model.config.max_position_embeddings)[None]
+        cos, sin = model.model.rotary_emb(model.lm_head.weight, positions)  # (1, P, D), as a forward computes them
+        half = cos.shape[-1] // 2
+        sin = torch.cat([-sin[..., :half], sin[..., half:]], -1)  # rotate_half's signs
+        out = ([_Layer(layer) for layer in model.model.layers], model.lm_head.weight * model.model.norm.weight,
+               cos[0], sin[0])
     model.__dict__["_engine_layers"] = (params, [(p.data_ptr(), p._version) for p in params], out)
     return out
 
@@ -272,24 +278,23 @@ def engine_forward(model, ids, pos, mask, cache):
     real query reads it); one query per row (decode) as one matmul with the mask added, a softmax and one matmul
     (the CPU flash kernel is slow for one query), more through SDPA; experts as _experts. Logits equal the
     transformers forward's to ~1e-6 (tests/test_engine.py)."""
-    m, (layers, head) = model.model, engine_layers(model)
+    m, (layers, head, cos_t, sin_t) = model.model, engine_layers(model)
     B, S = ids.shape
     T = mask.shape[1]
     N = B * S
     h = m.embed_tokens(ids).view(N, -1)  # (N, H): the residual stream
-    cos, sin = m.rotary_emb(h, pos)  # (B, S, D)
-    half = cos.shape[-1] // 2
-    cos, sin = cos[:, :, None], torch.cat([-sin[..., :half], sin[..., half:]], -1)[:, :, None]  # (B, S, 1, D)
-    col = torch.arange(T)
-    allowed = (mask.bool()[:, None, :] & (col[None, None, :] <= col[T - S:, None])) | \
-        (col[None, None, :] == col[T - S:, None])  # (B, S, T)
-    bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))  # (B, S, T) added to the scores
+    cos, sin = cos_t[pos][:, :, None], sin_t[pos][:, :, None]  # (B, S, 1, D)
     L0 = layers[0]
-    nq, nk, D = L0.nq, L0.nk, L0.D
-    if S == 1:
-        bias = bias.expand(B, nk, T).reshape(B * nk, 1, T)  # (B nk, 1, T), each kv head's query group
+    nq, nk, D, half = L0.nq, L0.nk, L0.D, L0.D // 2
+    if S == 1:  # the query is the last column: every real column, and itself
+        bias = torch.zeros(B, T).masked_fill_(mask == 0, float("-inf"))
+        bias[:, -1] = 0.0
+        bias = bias.repeat_interleave(nk, 0)[:, None]  # (B nk, 1, T), each kv head's query group
     else:
-        bias = bias[:, None]  # (B, 1, S, T)
+        col = torch.arange(T)
+        allowed = (mask.bool()[:, None, :] & (col[None, None, :] <= col[T - S:, None])) | \
+            (col[None, None, :] == col[T - S:, None])  # (B, S, T)
+        bias = torch.zeros(allowed.shape).masked_fill_(~allowed, float("-inf"))[:, None]  # (B, 1, S, T)
     for i, L in enumerate(layers):
         qkv = F.linear(F.rms_norm(h, (h.shape[-1],), None, L.eps1), L.wqkv).view(B, S, nq + 2 * nk, D)
         qk = F.rms_norm(qkv[:, :, :nq + nk], (D,), None, L.qk_eps) * L.qk_w  # (B, S, nq + nk, D), q scaled
