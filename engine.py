@@ -27,7 +27,8 @@ Departures from the paper:
 5. A distributed publish is applied once every weight of the model has arrived (SGLang loads each bucket as it
    comes), through the checkpoint loader (a temporary safetensors file) for the Hub-to-fused expert conversion.
 6. The running batch is one left-padded KV cache (no paged attention): while a long request runs, every row attends
-   over its padded length; the padding is trimmed when it leaves.
+   over its padded length; a row that leaves is overwritten in place by the batch's last row (kvcache.drop_rows),
+   and columns left as padding in every row are trimmed when the batch is rebuilt for a joining request.
 7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
@@ -52,7 +53,7 @@ from transformers import DynamicCache
 import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
-from kvcache import PrefixCache, _build_cache, _cache_state, _kept_cache, _merged_cache
+from kvcache import PrefixCache, _build_cache, _cache_state, _merged_cache, drop_rows
 from model import (drop_engine_layers, engine_forward, hub_state_dict, load_actor, load_weights_from_disk,
                    round_to_bf16, supports_engine_forward)
 
@@ -754,13 +755,12 @@ class EngineServer:
             self._release(row)
             req.done.set()
         if len(keep) < len(rows):
-            self.rows = [rows[b] for b in keep]
             if not keep:
-                self.cache, self.mask = None, None
+                self.rows, self.cache, self.mask = [], None, None
                 return
-            mask = self.mask[torch.tensor(keep)]
-            first = int(mask.any(0).long().argmax())  # drop the columns that are padding in every row left
-            self.cache, self.mask = _kept_cache(cfg, self.cache, keep, first), mask[:, first:]
+            kept = set(keep)
+            order = drop_rows(self.cache, [b for b in range(len(rows)) if b not in kept])  # in place
+            self.rows, self.mask = [rows[b] for b in order], self.mask[torch.tensor(order)]
 
     def response(self, req, want_logprob=True, want_routing=True):
         n_in, n_out = len(req.input_ids), len(req.output_ids)

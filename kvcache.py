@@ -42,18 +42,18 @@ class GrowingKV(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
             self.n, self.kbuf, self.vbuf = 0, None, None
-        n, s = self.n, key_states.shape[-2]
+        n, s, B = self.n, key_states.shape[-2], key_states.shape[0]  # B: the running rows (drop_rows keeps them first)
         if self.kbuf is None or n + s > self.kbuf.shape[-2]:
             cap = max(2 * (n + s), 64)
-            kb = key_states.new_empty(*key_states.shape[:-2], cap, key_states.shape[-1])
-            vb = value_states.new_empty(*value_states.shape[:-2], cap, value_states.shape[-1])
+            kb = key_states.new_empty(B, *key_states.shape[1:-2], cap, key_states.shape[-1])
+            vb = value_states.new_empty(B, *value_states.shape[1:-2], cap, value_states.shape[-1])
             if n:
-                kb[..., :n, :], vb[..., :n, :] = self.kbuf[..., :n, :], self.vbuf[..., :n, :]
+                kb[..., :n, :], vb[..., :n, :] = self.kbuf[:B, ..., :n, :], self.vbuf[:B, ..., :n, :]
             self.kbuf, self.vbuf = kb, vb
-        self.kbuf[..., n:n + s, :] = key_states
-        self.vbuf[..., n:n + s, :] = value_states
+        self.kbuf[:B, ..., n:n + s, :] = key_states
+        self.vbuf[:B, ..., n:n + s, :] = value_states
         self.n = n + s
-        self.keys, self.values = self.kbuf[..., :self.n, :], self.vbuf[..., :self.n, :]
+        self.keys, self.values = self.kbuf[:B, ..., :self.n, :], self.vbuf[:B, ..., :self.n, :]
         return self.keys, self.values
 
     @classmethod
@@ -85,7 +85,11 @@ def _build_cache(config, state):
 def _merged_cache(config, parts):
     """[(state, mask (b, t))] -> (a DynamicCache of every part's rows, mask (B, T)): the parts stacked, the shorter
     ones left-padded; one copy of each attention part, straight into its GrowingKV buffer (its rows, its columns
-    right-aligned; the left padding zeroed: a masked column of NaN would still poison attention)."""
+    right-aligned; the left padding zeroed: a masked column of NaN would still poison attention). A part's leading
+    columns that are padding in all its rows (left by rows that left the batch) are not copied."""
+    firsts = [int(m.any(0).long().argmax()) for _, m in parts]  # each part's first column some row uses
+    parts = [([(kind, a, b) if kind == "linear" else (kind, a[:, :, f:], b[:, :, f:]) for kind, a, b in s], m[:, f:])
+             for (s, m), f in zip(parts, firsts)]
     T = max(m.shape[1] for _, m in parts)
     mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
     cache = DynamicCache(config=config)
@@ -108,22 +112,29 @@ def _merged_cache(config, parts):
     return cache, mask
 
 
-def _kept_cache(config, cache, keep, first):
-    """The cache of rows `keep` (a list) of `cache`, columns from `first` on: the rows still running after some left
-    the batch, built with one copy of each row (an index, then _build_cache, would copy it twice)."""
-    out = DynamicCache(config=config)
-    idx = torch.tensor(keep)
-    for i, layer in enumerate(cache.layers):
+def drop_rows(cache, drop):
+    """Rows `drop` (batch indices) leave the batch in place: each is overwritten by the batch's last remaining row
+    (one row copy per leaving row, where rebuilding the batch copied every remaining row); the Gated DeltaNet
+    layers' per-row states are indexed. -> order: order[i] = the old index of new row i (the rows' new order)."""
+    order, moves = list(range(cache.layers[0].keys.shape[0] if not _is_linear(cache.layers[0]) else
+                              cache.layers[0].recurrent_states[0].shape[0])), []
+    for b in sorted(drop, reverse=True):
+        last = len(order) - 1
+        if b != last:
+            moves.append((last, b))
+            order[b] = order[last]
+        order.pop()
+    idx = torch.tensor(order)
+    for layer in cache.layers:
         if _is_linear(layer):
-            out.update_conv_state(layer.conv_states[0][idx], i, conv_kernel_size=layer.conv_states[0].shape[-1])
-            out.update_recurrent_state(layer.recurrent_states[0][idx], i)
+            layer.conv_states[0] = layer.conv_states[0][idx]
+            layer.recurrent_states[0] = layer.recurrent_states[0][idx]
             continue
-        T = layer.keys.shape[2] - first
-        new = out.layers[i] = GrowingKV.filled(layer.keys, len(keep), T)
-        for j, b in enumerate(keep):
-            new.kbuf[j, :, :T] = layer.keys[b, :, first:]
-            new.vbuf[j, :, :T] = layer.values[b, :, first:]
-    return out
+        for src, dst in moves:
+            layer.kbuf[dst, :, :layer.n] = layer.kbuf[src, :, :layer.n]
+            layer.vbuf[dst, :, :layer.n] = layer.vbuf[src, :, :layer.n]
+        layer.keys, layer.values = layer.kbuf[:len(order), :, :layer.n], layer.vbuf[:len(order), :, :layer.n]
+    return order
 
 
 class PrefixCache:

@@ -700,6 +700,45 @@ def test_cold_requests_admitted_together_are_prefilled_in_forwards_within_the_to
         eng.stop()
 
 
+@pytest.mark.parametrize("drop", [[1, 3], [0, 1], [4], [0, 2, 4], [3, 4]])
+def test_rows_leave_the_batch_in_place(tok, drop):
+    """kvcache.drop_rows: the rows left are exactly the old rows `order` names (every attention column, every Gated
+    DeltaNet state of the hybrid), the leaving ones gone, and a decode step appends to the right rows."""
+    cfg = model_lib.tiny_config(len(tok), "qwen3_5_moe")
+    m = model_lib.build_actor(cfg, seed=0).eval()
+    ids = torch.randint(3, len(tok), (5, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        c = kvcache.DynamicCache(config=cfg)
+        m(input_ids=ids, cache=c, use_cache=True)
+    before = kvcache._cache_state(c, slice(None), 9)
+    cache, mask = kvcache._merged_cache(cfg, [(before, torch.ones(5, 9, dtype=torch.long))])
+    order = kvcache.drop_rows(cache, drop)
+    assert sorted(order) == [b for b in range(5) if b not in drop]
+    after = kvcache._cache_state(cache, slice(None), 9)
+    for (kind, a0, b0), (_, a1, b1) in zip(before, after):
+        assert torch.equal(a1, a0[order]) and torch.equal(b1, b0[order]), kind
+    layer = next(l for l in cache.layers if isinstance(l, kvcache.GrowingKV))
+    k = torch.randn(len(order), *layer.keys.shape[1:-2], 1, layer.keys.shape[-1])
+    keys, _ = layer.update(k, k)
+    assert keys.shape[0] == len(order) and torch.equal(keys[:, :, -1:], k)
+    assert torch.equal(keys[:, :, :9], next(s for s in before if s[0] == "attn")[1][order])
+
+
+def test_a_merge_drops_columns_no_row_uses():
+    """kvcache._merged_cache: columns that are padding in every row of a part (a long row left the batch) are not
+    copied; the rest keep their keys, right-aligned."""
+    k = torch.randn(2, 2, 10, 4)
+    m = torch.ones(2, 10, dtype=torch.long)
+    m[:, :3] = 0  # the first 3 columns: nobody's
+    m[1, :6] = 0
+    new = torch.randn(1, 2, 5, 4)
+    cfg = model_lib.tiny_config(400, "qwen3_moe")
+    cache, mask = kvcache._merged_cache(cfg, [([("attn", k, k)] * 4, m),
+                                              ([("attn", new, new)] * 4, torch.ones(1, 5, dtype=torch.long))])
+    assert mask.tolist() == [[1] * 7, [0] * 3 + [1] * 4, [0] * 2 + [1] * 5]
+    assert torch.equal(cache.layers[0].keys[:2], k[:, :, 3:]) and torch.equal(cache.layers[0].keys[2, :, 2:], new[0])
+
+
 def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, tmp_path):
     cache = kvcache.PrefixCache(cap_bytes=10_000)
     state = [("attn", torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))]  # 6,400 bytes + 8 per id
