@@ -392,7 +392,8 @@ def report(out: Path) -> str:
 
 
 def plots(out: Path, arms: dict) -> None:
-    """reward.png (training reward per arm), ev.png (EV per update, warm vs cold), dlogp.png (R3 on vs off)."""
+    """reward.png (training reward r = P / S per arm, the binary arm's too: reward_dense_mean; runs before it was
+    logged plot reward_mean), ev.png (EV per update, warm vs cold), dlogp.png (R3 on vs off)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -402,7 +403,9 @@ def plots(out: Path, arms: dict) -> None:
         ys = [np.mean([r[key] for run in runs for r in run["rl"] if r["step"] == s and r.get(key) is not None])
               for s in steps]
         ax.plot(steps, ys, marker=".", label=label)
-    for name, keys in (("reward", [(a, "reward_mean", a) for a in arms]),
+    for name, keys in (("reward", [(a, "reward_dense_mean" if any("reward_dense_mean" in r for run in arms[a]
+                                                               for r in run["rl"]) else "reward_mean", a)
+                                   for a in arms]),
                        ("ev", [(a, k, f"{a}{t}") for a in ("ppo", "cold", "cold_default") if a in arms
                                for k, t in (("explained_variance", ""), ("explained_variance_traj", " per trajectory"))
                                if any(r.get(k) is not None for run in arms[a] for r in run["rl"])]),
@@ -412,7 +415,7 @@ def plots(out: Path, arms: dict) -> None:
         for arm, key, label in keys:
             curve(ax, arms[arm], key, label)
         ax.set_xlabel("RL step")
-        ax.set_title({"reward": "training reward per arm", "ev": "critic EV: warm vs cold",
+        ax.set_title({"reward": "training reward r = P / S per arm", "ev": "critic EV: warm vs cold",
                       "dlogp": "abs(dlogp) of the ppo arm: R3 on vs off"}[name])
         if keys:
             ax.legend()

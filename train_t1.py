@@ -811,6 +811,8 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
     trials = ro["trials"]
     return {"reward_mean": 0.0,  # no sample: nothing trained on; else train_step's (the rewards it trained on)
             "solve_rate": float(np.mean([t["resolved"] for t in trials])) if trials else 0.0,
+            # r = P / S whatever the arm trains on (--reward-mode binary's reward_mean is its 0 / 1 reward)
+            "reward_dense_mean": float(np.mean([s["reward"] for s in samples])) if samples else 0.0,
             **stats, **audit, "n_launched": ro["n_launched"], "n_kept": len(trials), "n_dropped": len(ro["dropped"]),
             "turns_mean": float(np.mean([s["turns"] for s in samples])) if samples else 0.0,
             "tokens_mean": float(np.mean([len(s["tokens"]) for s in samples])) if samples else 0.0,

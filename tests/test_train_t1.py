@@ -731,3 +731,15 @@ def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monk
     pools = [task_io.load_task(d).instruction for d in run.state["tasks"]["train"] + run.state["tasks"]["heldout"]]
     assert seen["avoid"] == set(pools) | {task_io.load_task(d).instruction for d in sft}
     assert len(run.state["tasks"]["val"]) == 2
+
+
+def test_step_record_logs_the_dense_reward_whatever_the_arm_trains_on():
+    """An RL step's metrics row: reward_mean is what the update trained on (a binary arm's 0 / 1), reward_dense_mean
+    the samples' r = P / S (paper.py plots it for every arm)."""
+    trials = [{"resolved": True, "turns": 2}, {"resolved": False, "turns": 1}]
+    samples = [{"reward": 1.0, "turns": 2, "tokens": [1, 2, 3]}, {"reward": 0.3, "turns": 1, "tokens": [1]}]
+    ro = {"trials": trials, "n_launched": 2, "dropped": [], "tok_s": 10.0, "t_rollout": 1.0}
+    rec = T.step_record(ro, samples, {"reward_mean": 0.5}, {})
+    assert rec["reward_mean"] == 0.5 and rec["reward_dense_mean"] == pytest.approx(0.65)
+    assert rec["solve_rate"] == 0.5 and rec["tokens_mean"] == 2.0
+    assert T.step_record({**ro, "trials": []}, [], {}, {})["reward_dense_mean"] == 0.0
