@@ -2,7 +2,7 @@
 SFT checkpoint and warmed critic, then one report with the paper's figure beside ours.
 
     bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold cold_default r3off] [-- train_t1 flags]
-    python paper.py run --out runs/paper [--quick | --full] [--seeds N] [--rl-steps N] [--results RESULTS.md]
+    python paper.py run --out runs/paper [--quick | --full] [--seeds N] [--seed S] [--rl-steps N] [--results ...]
     python paper.py report runs/paper    # the report again from the run directories
 
 OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
@@ -128,15 +128,22 @@ def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
     write_atomic(arm_dir / "state.json", json.dumps(dict(state, step=0, phase_times={}), indent=1))  # last: the mark
 
 
-def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list) -> dict:
-    """The shared phase, then every arm x seed (sequentially); -> {name: exit code}."""
+def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list,
+        seed: int | None = None) -> dict:
+    """The shared phase (train_t1's --seed `seed`: the tasks, base, SFT; the preset's when None), then every arm x
+    seed (sequentially; arm seed s runs with the shared seed + s); -> {name: exit code}."""
     shared = out / "shared"
+    own = ["--seed", str(seed)] if seed is not None else []
     if not (shared / "summary.json").exists():
-        code = run_logged(train_cmd(preset, shared, ["--rl-steps", "0", *passthrough]), shared, 0, "shared: SFT")
+        code = run_logged(train_cmd(preset, shared, ["--rl-steps", "0", *own, *passthrough]), shared, 0,
+                          "shared: SFT")
         if code:
             raise RuntimeError(f"the shared phase failed (exit {code}): {shared / 'stdout.log'}")
     st = json.loads((shared / "state.json").read_text())
     args = json.loads((shared / "args.json").read_text())  # the shared run's: its rl_steps is 0, not the arms'
+    if seed is not None and args["seed"] != seed:
+        raise ValueError(f"--seed {seed}: the shared run in {shared} has seed {args['seed']} (its tasks and SFT); "
+                         "pass that seed or another --out")
     steps = preset_steps(preset, passthrough) if rl_steps is None else rl_steps
     if steps < 1:
         raise ValueError(f"the preset {preset} {passthrough} has rl_steps = {steps}: pass --rl-steps N (>= 1)")
@@ -435,6 +442,8 @@ def main(argv=None):
     r.add_argument("--seeds", type=int, default=None, help="seeds per arm (3; --quick: 1)")
     r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
     r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (the preset's by default)")
+    r.add_argument("--seed", type=int, default=None, help="the shared run's seed (tasks, base, SFT; the preset's by "
+                   "default); arm seed s runs with it + s")
     r.add_argument("--results", default="RESULTS.md", help="the report is appended here (not with --quick)")
     r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
     rp = sub.add_parser("report", help="the report from the run directories under OUT")
@@ -457,7 +466,7 @@ def main(argv=None):
     owned = sorted({f.split("=")[0] for f in rest if f.split("=")[0] in OWNED})
     if owned:  # after the arm's flags they would win (argparse: the last one), every arm the same: no comparison
         p.error(f"flags after --: {owned} are set by paper.py per arm or run (--arms, --seeds, --rl-steps, --out)")
-    codes = run(out, preset, a.arms, seeds, a.rl_steps, rest)
+    codes = run(out, preset, a.arms, seeds, a.rl_steps, rest, a.seed)
     text = report(out)
     print(text)
     if not a.quick and a.results:

@@ -1,5 +1,6 @@
 """paper.py (issue 14): the report from arm run directories (synthetic ones, by hand), the verdicts, and the quick
 form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
+import dataclasses
 import json
 import os
 import shutil
@@ -216,3 +217,29 @@ def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
     _arm(tmp_path, "cold-s1", [0] * 20 + [1] * 20, [row])  # seeds that agree on the rate: the pooled Wilson interval
     lo, hi = bench.wilson(40, 80)
     assert f"| cold | 2 | 0.500 [{lo:.3f}, {hi:.3f}]; per seed 0.500, 0.500 |" in paper.report(tmp_path)
+
+
+def test_seed_goes_to_the_shared_run_and_a_resume_with_another_is_refused(tmp_path, monkeypatch):
+    """--seed S: the shared run is train_t1 --seed S (its tasks, base, SFT); resuming a shared run of another seed
+    is refused (its arms would pair other tasks)."""
+    import train_t1
+    cmds = []
+
+    def fake_run(cmd, d, steps, name):
+        cmds.append(cmd)
+        d.mkdir(parents=True, exist_ok=True)
+        if name == "shared: SFT":
+            seed = int(cmd[cmd.index("--seed") + 1])
+            (d / "summary.json").write_text("{}")
+            (d / "state.json").write_text(json.dumps({"phase_times": {}}))
+            (d / "args.json").write_text(json.dumps({**dataclasses.asdict(train_t1.QUICK), "seed": seed}))
+        else:
+            (d / "summary.json").write_text(json.dumps({"rl_steps": steps}))
+        return 0
+    monkeypatch.setattr(paper, "run_logged", fake_run)
+    monkeypatch.setattr(paper, "seed_arm", lambda shared, d, arm: None)
+    paper.run(tmp_path, ["--quick"], ["ppo"], 2, 1, [], seed=7)
+    assert cmds[0][cmds[0].index("--seed") + 1] == "7"
+    assert [c[c.index("--seed") + 1] for c in cmds[1:]] == ["7", "8"]
+    with pytest.raises(ValueError, match="--seed 5: the shared run .* has seed 7"):
+        paper.run(tmp_path, ["--quick"], ["ppo"], 2, 1, [], seed=5)
