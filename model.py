@@ -271,9 +271,10 @@ def engine_forward(model, ids, pos, mask, cache):
     the last column: ids (B, S) left-padded, pos (B, S) their positions, mask (B, T) 1 on real columns (T = the
     cached columns + S), cache the attention layers' KV (this forward's columns are written into it).
 
-    The transformers forward's math (RMSNorm, q / k norm, rotary, grouped-query attention, the softmax router
-    through the installed R3 routers, so capture records as there) in fewer operations, on engine_layers' weights:
-    q, k, v in one matmul, q and k normed and rotated together, residual adds fused into the output matmuls; a
+    The transformers forward's math (RMSNorm, q / k norm, rotary, grouped-query attention, the softmax router: the
+    installed R3 routers' live_route, which records where the engine's capture reads) in fewer operations, on
+    engine_layers' weights: q, k, v in one matmul, norm weights folded into the matrices after them, q and k normed
+    and rotated together (rotary from tables), residual adds fused into the output matmuls; a
     query attends to the real columns up to its own and always to itself (a padding query then stays finite, and no
     real query reads it); one query per row (decode) as one matmul with the mask added, a softmax and one matmul
     (the CPU flash kernel is slow for one query), more through SDPA; experts as _experts. Logits equal the
