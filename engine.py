@@ -629,7 +629,10 @@ class EngineServer:
                     parts.append(self._prefill(group, None))
                     continue
                 except Exception as e:  # re-run one at a time: the request at fault fails alone
-                    self.prefill_splits.append(f"{len(group)} requests: {type(e).__name__}: {str(e)[:200]}")
+                    why = f"{len(group)} requests: {type(e).__name__}: {str(e)[:200]}"
+                    self.prefill_splits.append(why)
+                    print(f"[engine] WARNING a prefill group is re-run one request at a time ({why})", file=sys.stderr,
+                          flush=True)
             for req, gen in group:
                 try:
                     parts.append(self._prefill([(req, gen)], None))

@@ -739,6 +739,43 @@ def test_a_merge_drops_columns_no_row_uses():
     assert torch.equal(cache.layers[0].keys[:2], k[:, :, 3:]) and torch.equal(cache.layers[0].keys[2, :, 2:], new[0])
 
 
+def test_a_prefill_group_that_fails_is_rerun_one_by_one_and_says_why(tok, tmp_path):
+    """A group prefill that raises (here: one request's ids poison the forward) is re-run one request at a time: the
+    request at fault gets its error (HTTP 500), the others their replies, and /get_server_info's prefill_splits
+    names the group's failure (the split was silent before, and hid a group that always failed)."""
+    path = str(tmp_path / "q3")
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=3), tok, path)
+    eng = engine_lib.EngineServer(path, port=0, max_batch=4, prefix_cache_mb=0).start()
+    poison, forward = 7, eng._forward
+
+    def fwd(ids, mask, pos, cache):
+        if (ids == poison).any() and ids.shape[1] > 1:
+            raise ValueError("poisoned prefill")
+        return forward(ids, mask, pos, cache)
+    eng._forward = fwd
+    try:
+        prompts = [prompt(tok, "a"), prompt(tok, "b")[:-2] + [poison] + prompt(tok, "b")[-2:], prompt(tok, "c")]
+        assert post(eng.url + "/pause_generation", {})[0] == 200
+        out = [None] * 3
+
+        def worker(i):
+            out[i] = post(eng.url + "/generate", {"input_ids": prompts[i], "sampling_params": {"max_new_tokens": 2}})
+        threads = [threading.Thread(target=worker, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(eng.queue) < 3 and time.time() < deadline:
+            time.sleep(0.01)
+        assert post(eng.url + "/continue_generation", {})[0] == 200
+        for t in threads:
+            t.join()
+        assert [o[0] for o in out] == [200, 500, 200] and "poisoned prefill" in out[1][1]["error"]
+        status, info = get(eng.url + "/get_server_info")
+        assert status == 200 and info["prefill_splits"] == ["3 requests: ValueError: poisoned prefill"]
+    finally:
+        eng.stop()
+
+
 def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, tmp_path):
     cache = kvcache.PrefixCache(cap_bytes=10_000)
     state = [("attn", torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))]  # 6,400 bytes + 8 per id
