@@ -762,7 +762,7 @@ class EngineServer:
                 self.rows, self.cache, self.mask = [], None, None
                 return
             kept = set(keep)
-            order = drop_rows(self.cache, [b for b in range(len(rows)) if b not in kept])  # in place
+            order = drop_rows(self.cache, len(rows), [b for b in range(len(rows)) if b not in kept])  # in place
             self.rows, self.mask = [rows[b] for b in order], self.mask[torch.tensor(order)]
 
     def response(self, req, want_logprob=True, want_routing=True):

@@ -112,12 +112,11 @@ def _merged_cache(config, parts):
     return cache, mask
 
 
-def drop_rows(cache, drop):
-    """Rows `drop` (batch indices) leave the batch in place: each is overwritten by the batch's last remaining row
-    (one row copy per leaving row, where rebuilding the batch copied every remaining row); the Gated DeltaNet
-    layers' per-row states are indexed. -> order: order[i] = the old index of new row i (the rows' new order)."""
-    order, moves = list(range(cache.layers[0].keys.shape[0] if not _is_linear(cache.layers[0]) else
-                              cache.layers[0].recurrent_states[0].shape[0])), []
+def drop_rows(cache, n_rows, drop):
+    """Rows `drop` (batch indices) of the cache's n_rows leave the batch in place: each is overwritten by the batch's
+    last remaining row (one row copy per leaving row, where rebuilding the batch copied every remaining row); the
+    Gated DeltaNet layers' per-row states are indexed. -> order: order[i] = the old index of new row i."""
+    order, moves = list(range(n_rows)), []
     for b in sorted(drop, reverse=True):
         last = len(order) - 1
         if b != last:

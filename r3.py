@@ -90,20 +90,19 @@ class R3Router(Qwen3_5MoeTopKRouter):
             self.sink.append(live_idx.reshape(B, T, self.top_k).to(torch.int32).cpu())
         return router_logits, top_value.to(router_logits.dtype), idx
 
-
-    def live_route(self, hidden_states, weight=None):
+    def live_route(self, hidden_states):
         """The engine's routing: hidden (N, H) -> (weights (N, k), ids (N, k)) of the live top-k, off or recorded into
         the engine's buffer (routing(..., "record", into=...)). Fewer operations than forward: top-k of the logits
         (softmax is monotonic), weights as the softmax over the k logits (forward's renormalised probabilities; equal
-        to ~1e-7). `weight`: the router matrix to use (the engine's copy with a norm's weight folded in)."""
+        to ~1e-7)."""
         if self.mode == "replay" or (self.mode == "record" and self.into is None):
             raise ValueError(f"R3 live_route: layer {self.layer_idx} is in {self.mode} mode without a buffer "
                              "(live_route records only into routing(..., into=...))")
-        logits = F.linear(hidden_states, self.weight if weight is None else weight)  # (N, E)
-        top, idx = torch.topk(logits, self.top_k, dim=-1)  # (N, k)
+        top, idx = torch.topk(F.linear(hidden_states, self.weight), self.top_k, dim=-1)  # (N, k) of the logits
         if self.mode == "record":
             self.into[:idx.shape[0], self.layer_idx].copy_(idx)
         return top.softmax(-1), idx
+
 
 def _moe_blocks(model):
     """[(layer_idx, moe_block)] of every decoder layer that has a routed MoE mlp."""

@@ -712,7 +712,7 @@ def test_rows_leave_the_batch_in_place(tok, drop):
         m(input_ids=ids, cache=c, use_cache=True)
     before = kvcache._cache_state(c, slice(None), 9)
     cache, mask = kvcache._merged_cache(cfg, [(before, torch.ones(5, 9, dtype=torch.long))])
-    order = kvcache.drop_rows(cache, drop)
+    order = kvcache.drop_rows(cache, 5, drop)
     assert sorted(order) == [b for b in range(5) if b not in drop]
     after = kvcache._cache_state(cache, slice(None), 9)
     for (kind, a0, b0), (_, a1, b1) in zip(before, after):
