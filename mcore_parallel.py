@@ -484,6 +484,9 @@ class ShardedAdam:
                     exp_avg_sq=[s["exp_avg_sq"].clone() for s in self.shards],
                     master=[None if s["master"] is None else s["master"].clone() for s in self.shards])
 
+    def set_lr(self, lr):
+        self.lr = lr
+
     def load_state_dict(self, sd):
         shapes = [tuple(s["exp_avg"].shape) for s in self.shards]
         if [tuple(t.shape) for t in sd["exp_avg"]] != shapes:
@@ -558,6 +561,12 @@ class MegatronAdam:
         return {"megatron": self.opt.state_dict(), "lr": self.lr,
                 "shards": {k: {s: v.detach().clone() for s, v in t.items() if torch.is_tensor(v)}
                            for k, t in self._shards().items()}}
+
+    def set_lr(self, lr):
+        self.lr = lr
+        for part in self.parts:  # no OptimizerParamScheduler here: the param groups' lr is the lr Adam steps at
+            for group in part.optimizer.param_groups:
+                group["lr"] = lr
 
     @torch.no_grad()
     def load_state_dict(self, sd):

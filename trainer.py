@@ -51,6 +51,23 @@ import mcore_weights
 import model as M
 import rollout
 
+
+def optimizer_lr(opt) -> float:
+    """The lr an optimizer steps at: torch's (one lr for every param group here), ShardedAdam's, MegatronAdam's."""
+    return opt.lr if hasattr(opt, "set_lr") else opt.param_groups[0]["lr"]
+
+
+def set_optimizer_lr(opt, lr: float) -> None:
+    """The flags' lr over a loaded optimizer state: load_state_dict restores the lr the checkpoint was saved with
+    (torch's param_groups, ShardedAdam's and Megatron's alike), so a resume or a warmed critic with another --actor-lr /
+    --critic-lr kept the old one without a word; the trainer sets the flags' lr and logs the change."""
+    if hasattr(opt, "set_lr"):
+        opt.set_lr(lr)
+    else:
+        for group in opt.param_groups:
+            group["lr"] = lr
+
+
 # --- the run directory's log.txt and metrics.jsonl ---------------------------------------------------
 
 def log(run_dir: Path, msg: str) -> None:
@@ -422,6 +439,13 @@ class Trainer:
             ck = self._load(warm)
             self.critic.load_state_dict(ck["critic"])
             self.critic_opt.load_state_dict(ck["critic_opt"])
+        for flag, o, lr in (("--actor-lr", self.actor_opt, args.actor_lr), ("--critic-lr", self.critic_opt,
+                                                                              args.critic_lr)):
+            old = optimizer_lr(o)
+            if old != lr:  # the optimizer's load_state_dict brought back the lr it was saved with
+                set_optimizer_lr(o, lr)
+                if self.rank == 0:
+                    log(self.run_dir, f"{flag} {lr}: the loaded optimizer ran at {old}, from here it runs at {lr}")
 
     def _load(self, path: Path, step: int | None = None) -> dict:
         ck = load_trainer_file(path)

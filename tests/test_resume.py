@@ -78,6 +78,26 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
             assert torch.equal(got[part][k], v), (part, k)  # step 2 applied exactly once: bitwise the same weights
 
 
+def test_a_resume_runs_at_the_flags_learning_rates_not_the_checkpoints(tmp_path, tiny_sft):
+    """Adam's load_state_dict brings back the lr it was saved with: a resume with another --actor-lr / --critic-lr
+    kept the old one without a word. The flags win, and the change is in log.txt."""
+    run = tmp_path / "run"
+    (run / "ckpt").mkdir(parents=True)
+    t = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 0)
+    t.mark_published(0)
+    t.train_step([dict(s, weight_version=0) for s in tiny_sft.samples], 1)
+    (run / "state.json").write_text(json.dumps({"phase_times": {}, "step": 1, "critic_warmup": {}}))
+    same = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 1)
+    assert (TR.optimizer_lr(same.actor_opt), TR.optimizer_lr(same.critic_opt)) == (1e-3, 1e-3)
+    assert "from here it runs at" not in (run / "log.txt").read_text()
+    new = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run), actor_lr=3e-4, critic_lr=2e-3), str(tiny_sft.sft), 1)
+    assert new.actor_opt.param_groups[0]["lr"] == 3e-4 and new.critic_opt.param_groups[0]["lr"] == 2e-3
+    assert new.actor_opt.state_dict()["state"]  # the moments were loaded: only the lr changed
+    log = (run / "log.txt").read_text()
+    assert "--actor-lr 0.0003: the loaded optimizer ran at 0.001, from here it runs at 0.0003" in log
+    assert "--critic-lr 0.002: the loaded optimizer ran at 0.001" in log
+
+
 def test_kill_between_checkpoint_renames_puts_the_committed_one_back(tmp_path):
     ck = tmp_path / "ckpt"
     fake_ckpt(ck / "previous", 1)  # latest renamed to previous, the new one not yet renamed to latest
