@@ -53,7 +53,7 @@ from transformers import DynamicCache
 import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
-from kvcache import PrefixCache, _build_cache, _cache_state, _merged_cache, drop_rows
+from kvcache import PrefixCache, _cache_state, _merged_cache, drop_rows
 from model import (drop_engine_layers, engine_forward, hub_state_dict, load_actor, load_weights_from_disk,
                    round_to_bf16, supports_engine_forward)
 
@@ -606,46 +606,47 @@ class EngineServer:
             ctx.__exit__(None, None, None)
 
     def _join(self, admit):
-        """Prefill the admitted requests -> [(Rows, logits (g, V), state, mask (g, t))]: a request whose ids extend a
-        prefix-cache entry alone, on top of the entry's state; the others together, left-padded (their state starts
-        at zero, which padding keeps: attention masks it, the Gated DeltaNet layers zero padded inputs). A request
-        that cannot be seeded or prefilled fails alone (a failed group is re-run one request at a time; prefill_splits
-        says why). Cold groups hold at most max_prefill_tokens padded tokens: a group over the capture buffer failed
-        and was re-run one by one, twice the prefill time at 32 concurrent requests (RESULTS.md 2026-12-03)."""
-        parts, cold = [], []
+        """Prefill the admitted requests -> [(Rows, logits (g, V), state, mask (g, t))]. Requests whose ids extend a
+        prefix-cache entry by the same number of new tokens are prefilled together on top of their entries' states
+        (the agents' next turns, each after a tool reply of that length); the others together, left-padded (their
+        state starts at zero, which padding keeps: attention masks it, the Gated DeltaNet layers zero padded inputs).
+        A request that cannot be seeded or prefilled fails alone (a failed group is re-run one request at a time;
+        prefill_splits says why). Groups hold at most max_prefill_tokens padded new tokens: a group over the capture
+        buffer failed and was re-run one by one, twice the prefill time at 32 concurrent requests (RESULTS.md
+        2026-12-03)."""
+        parts, kinds = [], {}  # kinds: None -> the cold requests; n -> the hits with n new tokens
         for req in admit:
             try:
                 gen = torch.Generator().manual_seed(req.seed) if req.seed is not None else self.gen
                 entry = self.prefix.lookup(req.input_ids) if self.prefix is not None else None
-                if entry is None:
-                    cold.append((req, gen))
-                else:
-                    parts.append(self._prefill([(req, gen)], entry))
+                kinds.setdefault(None if entry is None else len(req.input_ids) - len(entry[0]), []).append(
+                    (req, gen, entry))
             except Exception as e:
                 self._fail_admitted(req, e)
-        for group in self._prefill_groups(cold):
-            if len(group) > 1:
-                try:
-                    parts.append(self._prefill(group, None))
-                    continue
-                except Exception as e:  # re-run one at a time: the request at fault fails alone
-                    why = f"{len(group)} requests: {type(e).__name__}: {str(e)[:200]}"
-                    self.prefill_splits.append(why)
-                    print(f"[engine] WARNING a prefill group is re-run one request at a time ({why})", file=sys.stderr,
-                          flush=True)
-            for req, gen in group:
-                try:
-                    parts.append(self._prefill([(req, gen)], None))
-                except Exception as e:
-                    self._fail_admitted(req, e)
+        for items in kinds.values():
+            for group in self._prefill_groups(items):
+                if len(group) > 1:
+                    try:
+                        parts.append(self._prefill(group))
+                        continue
+                    except Exception as e:  # re-run one at a time: the request at fault fails alone
+                        why = f"{len(group)} requests: {type(e).__name__}: {str(e)[:200]}"
+                        self.prefill_splits.append(why)
+                        print(f"[engine] WARNING a prefill group is re-run one request at a time ({why})",
+                              file=sys.stderr, flush=True)
+                for item in group:
+                    try:
+                        parts.append(self._prefill([item]))
+                    except Exception as e:
+                        self._fail_admitted(item[0], e)
         return parts
 
-    def _prefill_groups(self, cold):
-        """The cold requests in admission order, cut into groups of at most max_prefill_tokens padded tokens (rows x
-        the longest), one forward each; a request longer than the budget is a group of its own."""
+    def _prefill_groups(self, items):
+        """[(Request, Generator, entry)] in admission order, cut into groups of at most max_prefill_tokens padded new
+        tokens (rows x the longest suffix past the entry), one forward each; a longer request is a group of its own."""
         groups, longest = [], 0
-        for item in cold:
-            n = len(item[0].input_ids)
+        for item in items:
+            n = len(item[0].input_ids) - (len(item[2][0]) if item[2] else 0)
             if groups and (len(groups[-1]) + 1) * max(longest, n) <= self.max_prefill_tokens:
                 groups[-1].append(item)
                 longest = max(longest, n)
@@ -654,31 +655,40 @@ class EngineServer:
                 longest = n
         return groups
 
-    def _prefill(self, group, entry):
-        """One prefill forward for [(Request, Generator)] (one request when `entry`, its prefix-cache hit)."""
+    def _prefill(self, group):
+        """One prefill forward for [(Request, Generator, prefix-cache entry)]: every entry None (cold: left-padded ids
+        on an empty cache) or every request a hit with the same number of new tokens S (the entries' states stacked,
+        left-padded, then S real columns per row: each row's tokens stay the last `fed` columns of the batch, which
+        drop_rows, merges and the prefix cache's insert read)."""
         cfg, G = self.model.config, len(group)
-        p = len(entry[0]) if entry else 0
-        lens = [len(req.input_ids) for req, _ in group]
-        T, S = max(lens), max(lens) - p  # S: columns forwarded
+        lens = [len(req.input_ids) for req, _, _ in group]
+        p = [len(e[0]) if e else 0 for _, _, e in group]
+        new = [n - q for n, q in zip(lens, p)]
+        S = max(new)  # columns forwarded
+        if group[0][2] is not None:
+            assert all(e is not None for _, _, e in group) and min(new) == S, "a hit group: the same new tokens each"
+            cache, mask = _merged_cache(cfg, [(e[1], torch.ones(1, len(e[0]), dtype=torch.long)) for _, _, e in group])
+        else:
+            cache, mask = DynamicCache(config=cfg), torch.zeros(G, 0, dtype=torch.long)
         ids = torch.zeros(G, S, dtype=torch.long)  # (G, S) left-padded with <|endoftext|>
-        mask = torch.zeros(G, T, dtype=torch.long)  # (G, T)
-        for b, (req, _) in enumerate(group):
-            ids[b, S - (lens[b] - p):] = torch.tensor(req.input_ids[p:])
-            mask[b, T - lens[b]:] = 1
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, p:]  # (G, S) explicit position ids
-        cache = _build_cache(cfg, entry[1]) if entry else DynamicCache(config=cfg)
+        new_mask = torch.zeros(G, S, dtype=torch.long)
+        for b, (req, _, _) in enumerate(group):
+            ids[b, S - new[b]:] = torch.tensor(req.input_ids[p[b]:])
+            new_mask[b, S - new[b]:] = 1
+        mask = torch.cat([mask, new_mask], dim=1)  # (G, T): T = the longest entry + S
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)[:, -S:]  # (G, S) explicit position ids
         last = self._forward(ids, mask, pos, cache)  # (G, V)
         rows, routed = [], self.step_buf[:G * S].view(G, S, self.num_layers, self.top_k)
-        for b, (req, gen) in enumerate(group):
+        for b, (req, gen, entry) in enumerate(group):
             row = Row(req, gen, self.free_slots.pop())
             if self.capture:
                 if entry:
-                    self.slot_buf[row.slot, :p] = entry[2]  # the rows the prefix's first forward computed
-                self.slot_buf[row.slot, p:lens[b]] = routed[b, S - (lens[b] - p):]
-            row.fed, req.cached_tokens = lens[b], p
+                    self.slot_buf[row.slot, :p[b]] = entry[2]  # the rows the prefix's first forward computed
+                self.slot_buf[row.slot, p[b]:lens[b]] = routed[b, S - new[b]:]
+            row.fed, req.cached_tokens = lens[b], p[b]
             row.prefix_key = entry[0] if entry else None
             rows.append(row)
-        return rows, last, _cache_state(cache, slice(None), T, copy=False), mask
+        return rows, last, _cache_state(cache, slice(None), mask.shape[1], copy=False), mask
 
     def _fail_admitted(self, req, e):
         req.fail(e)

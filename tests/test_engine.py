@@ -673,6 +673,41 @@ def test_a_prefix_cache_hit_equals_a_cold_prefill(tok, tmp_path, arch):
         cold.stop()
 
 
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_moe"])
+def test_next_turns_admitted_together_share_one_prefill_on_their_cached_prefixes(tok, tmp_path, arch):
+    """Agents whose next turns arrive together (each history + its reply + a tool output) are prefilled as one
+    forward per number of new tokens, on top of their prefix-cache entries of different lengths (stacked,
+    left-padded); each reply equals a cold prefill's (tokens, logprobs, every routing row), and the next turn hits
+    the entry each reply left (the row's columns stayed contiguous)."""
+    path = str(tmp_path / arch)
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), arch), seed=2), tok, path)
+    hot = engine_lib.EngineServer(path, port=0, max_batch=8, weight_dtype="fp32").start()
+    cold = engine_lib.EngineServer(path, port=0, max_batch=8, weight_dtype="fp32", prefix_cache_mb=0).start()
+    groups, prefill = [], hot._prefill
+    hot._prefill = lambda group: groups.append((len(group), group[0][2] is not None)) or prefill(group)
+    sp = dict(temperature=1.0, max_new_tokens=6, ignore_eos=True)
+    try:
+        hist = [prompt(tok, "list the files in " + "/app" * (i + 1)) for i in range(4)]
+        tools = [prompt(tok, "a.txt b.txt")] * 3 + [prompt(tok, "a.txt b.txt c.txt d.txt e.txt")]
+        assert len({len(h) for h in hist}) == 4 and len(tools[3]) > len(tools[0])
+        for turn in range(3):
+            outs = generate_together(hot, hist, seeds=[10 * turn + i for i in range(4)], **sp)
+            if turn == 0:
+                assert groups == [(4, False)]
+            else:  # the three short tool replies in one forward, the long one in its own
+                assert sorted(groups) == [(1, True), (3, True)], groups
+            for i, (h, out) in enumerate(zip(hist, outs)):
+                want = 0 if turn == 0 else len(h) - len(tools[i]) - 1
+                assert out["meta_info"]["cached_tokens"] == want
+                _same_reply(out, generate(cold, h, seed=10 * turn + i, **sp))
+            hist = [h + out["output_ids"] + t for h, out, t in zip(hist, outs, tools)]
+            groups.clear()
+        assert hot.cache_stats()["hits"] == 8
+    finally:
+        hot.stop()
+        cold.stop()
+
+
 def test_cold_requests_admitted_together_are_prefilled_in_forwards_within_the_token_budget(tok, tmp_path):
     """30 requests of ~300 tokens admitted in one step: ONE prefill forward of 9,000+ padded tokens (more rows than
     the model's positions: the routing capture buffer holds a whole group; a group that overflowed it was re-run
@@ -682,7 +717,7 @@ def test_cold_requests_admitted_together_are_prefilled_in_forwards_within_the_to
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), "qwen3_moe"), seed=3), tok, path)
     eng = engine_lib.EngineServer(path, port=0, max_batch=32, weight_dtype="fp32", prefix_cache_mb=0).start()
     groups, prefill = [], eng._prefill
-    eng._prefill = lambda group, entry: groups.append(len(group)) or prefill(group, entry)
+    eng._prefill = lambda group: groups.append(len(group)) or prefill(group)
     try:
         g = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, len(tok), (300 + i,), generator=g).tolist() for i in range(30)]
