@@ -17,7 +17,9 @@ call per step, routed-expert capture into a preallocated buffer) and what it ref
 
 Departures from the paper:
 1. The prefix cache keeps states at the ends of finished requests (a hit needs the new input to extend a whole
-   earlier trajectory, the agent's next turn), not SGLang's per-token radix tree; LRU under a byte cap.
+   earlier trajectory, the agent's next turn), not SGLang's per-token radix tree; LRU under a byte cap. Hits are
+   prefilled together only when they add the same number of tokens (a row's tokens stay contiguous in the
+   left-padded batch); SGLang's ragged extend batches any.
 2. Precision: the trainer runs fp32; the engine by default serves bf16-ROUNDED weights in fp32 compute
    (--weight-dtype bf16), a cheap emulation of the bf16-inference vs fp32-trainer mismatch PPO and R3 must absorb.
 3. Logprobs are log-softmax(logits / temperature) (raw logits at temperature 0), before top-p truncation; top-p
@@ -225,13 +227,13 @@ class EngineServer:
 
     Scheduler, one iteration = one decode step of the running batch: (1) the running rows are decoded together
     (one token each, left-padded KV + attention mask + explicit position ids); (2) queued requests join while the
-    batch has room (max_batch): a request whose ids extend a prefix-cache entry is prefilled alone on top of the
-    entry's state (only the new suffix is forwarded), the others together, left-padded, in forwards of at most
-    max_prefill_tokens padded tokens; their states are merged into the batch; (3) one batched sampling
-    call (sample_rows) draws the next token of every row; (4) a row that stops leaves at once, its state saved in
-    the prefix cache (PrefixCache: the agent's next turn re-sends this trajectory plus the tool output). Requests
-    never wait for a wave. Weight reloads (and /pause_generation) stop admission and wait for the running rows to
-    finish, so one request sees one weight_version; a reload clears the prefix cache.
+    batch has room (max_batch): requests whose ids extend prefix-cache entries by the same number of new tokens are
+    prefilled together on top of their entries' states (only the new suffixes are forwarded), the others together,
+    left-padded, in forwards of at most max_prefill_tokens padded tokens; their states are merged into the batch;
+    (3) one batched sampling call (sample_rows) draws the next token of every row; (4) a row that stops leaves at
+    once, its state saved in the prefix cache (PrefixCache: the agent's next turn re-sends this trajectory plus the
+    tool output). Requests never wait for a wave. Weight reloads (and /pause_generation) stop admission and wait for
+    the running rows to finish, so one request sees one weight_version; a reload clears the prefix cache.
     Routed experts (SGLang's --enable-return-routed-experts; capture_routing=False turns capture off): every
     forward's top-k ids are copied by the routers into one preallocated buffer (r3.routing(..., into=)), then in
     one indexed copy into each row's slot of a (max_batch, max_positions, L, k) int32 buffer; row j = the experts
