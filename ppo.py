@@ -12,7 +12,8 @@ Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each fu
 
 Departures from the paper (numbered; what and why):
   1. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
-     frozen SFT copy), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
+     frozen SFT copy, linear beyond a log ratio of 2 so one dropped token cannot swamp the step), --entropy-coef and
+     --aux-loss-coef exist for ablations (hf backend only).
   2. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
   3. The paper's comparison arms, off by default (issue 14): --reward-mode binary (1 if every test passed) and
@@ -20,6 +21,7 @@ Departures from the paper (numbered; what and why):
 """
 from __future__ import annotations
 
+import math
 import random
 import time
 from pathlib import Path
@@ -251,10 +253,20 @@ def ppo_loss(logp, old_logp, adv, mask, clip_eps: float, agg: str = "token", n=N
     return C.aggregate(torch.max(pg_loss1, pg_loss2), mask, agg, n)
 
 
+# k3 grows as exp(log pi_ref / pi_theta): one token the policy has all but dropped (pi_theta << pi_ref) gave a k3 of
+# 1.8e6 at actor lr 3e-4 (RESULTS.md 12-03), a gradient that swamps the minibatch's policy gradient under the norm
+# clip. Beyond this log ratio k3 continues as its tangent line: the pull back to pi_ref stays, bounded (paper silent:
+# the paper runs without KL; verl's low_var_kl clamps the value instead, which drops the pull on those tokens).
+KL_K3_LINEAR_BEYOND = 2.0  # log ratio where k3 turns linear (pi_theta = 13.5% of pi_ref); slope e^2 - 1 ~ 6.4
+
+
 def kl_k3(logp, ref_logp) -> torch.Tensor:
-    """Per-token k3 estimate of KL(pi_theta || pi_ref) from the sampled tokens (B, T): unbiased, >= 0."""
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) from the sampled tokens (B, T), >= 0: k3 = r - log r - 1 with
+    r = pi_ref / pi_theta (unbiased), continued linearly beyond log r = KL_K3_LINEAR_BEYOND (bounded gradient)."""
     log_r = ref_logp - logp  # log pi_ref / pi_theta at the sampled token
-    return log_r.exp() - log_r - 1  # k3 = r - log r - 1
+    c = KL_K3_LINEAR_BEYOND
+    inside = log_r.clamp(max=c)  # the exact k3 up to c, its tangent at c beyond (value and slope continuous)
+    return inside.exp() - inside - 1 + (math.exp(c) - 1) * (log_r - inside)
 
 
 def load_balancing_loss(router_logits: list, experts: list, token_mask: torch.Tensor) -> torch.Tensor:

@@ -92,6 +92,23 @@ def test_kl_k3_by_hand():
     assert torch.allclose(ppo.kl_k3(logp, ref), torch.tensor([0.5 + math.log(2) - 1, 0.0]), atol=1e-6)
 
 
+def test_kl_k3_is_bounded_in_slope_beyond_its_knee():
+    """Beyond log(pi_ref / pi) = KL_K3_LINEAR_BEYOND, k3 follows its tangent: value and gradient continuous at the
+    knee, the gradient never steeper than there (exact k3 would give e^20 at log r = 20), still pulling to pi_ref."""
+    c = ppo.KL_K3_LINEAR_BEYOND
+    ref = torch.zeros(4)
+    logp = torch.tensor([-c + 1e-4, -c - 1e-4, -5.0, -20.0], requires_grad=True)  # log r just below / above c, far
+    k = ppo.kl_k3(logp, ref)
+    k.sum().backward()
+    exact = lambda lr: math.exp(lr) - lr - 1
+    assert k[0].item() == pytest.approx(exact(c - 1e-4), rel=1e-5)
+    assert k[1].item() == pytest.approx(exact(c) + (math.exp(c) - 1) * 1e-4, rel=1e-5)
+    assert k[3].item() == pytest.approx(exact(c) + (math.exp(c) - 1) * (20 - c), rel=1e-5)
+    slope = math.exp(c) - 1  # d k3 / d log r at the knee; d / d logp = -slope
+    assert logp.grad.tolist() == pytest.approx([-slope, -slope, -slope, -slope], rel=1e-3)
+    assert (ppo.kl_k3(torch.tensor([0.0, 3.0]), torch.tensor([0.0, -30.0])) >= 0).all()  # pi >> pi_ref: exact, >= 0
+
+
 def test_load_balancing_loss_matches_transformers():
     """Our aux loss on one layer equals HF's load_balancing_loss_func (what router_aux_loss_coef scales)."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
