@@ -385,11 +385,13 @@ class MegatronActor(torch.nn.Module):
             S = logits.shape[1]
             targets = torch.nn.functional.pad(input_ids, (0, cp * S + 1 - T))[:, r * S + 1:(r + 1) * S + 1]  # (B, S)
             with cpu_shims():
-                lp = -vocab_parallel_cross_entropy(logits.float() / temperature, targets.long())  # (B, S)
+                lp = -vocab_parallel_cross_entropy(logits.float() / temperature, targets.to(logits.device).long())
             lp = mcore_parallel.cp_full(lp, T - 1)  # (B, T-1) on every CP rank
         elif logits is not None:
-            with cpu_shims():  # CE works in place on its input: the division made a fresh tensor
-                lp = -vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature, input_ids[:, 1:].long())
+            with cpu_shims():  # CE works in place on its input: the division made a fresh tensor; the targets on
+                # the logits' device (its backward indexes the grad with them: found on the first GPU run)
+                lp = -vocab_parallel_cross_entropy(logits[:, :-1].float() / temperature,
+                                                   input_ids[:, 1:].to(logits.device).long())
         lp = mcore_parallel.pipe_result(self.gpt, lp, (B, T - 1))  # (B, T-1) on every pipeline stage
         return lp.to(input_ids.device)  # on the caller's device (the trainer's tensors stay on the host)
 
