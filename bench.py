@@ -564,10 +564,16 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
         raise ValueError(f"--shape: expected one of {'|'.join(shapes)}, got {shape!r}")
     c, cuda = shapes[shape], torch.cuda.is_available()
     work = Path(tempfile.mkdtemp(prefix="t1-trainer-bench-"))
+    t_start = time.time()
+
+    def phase(what):  # progress on stderr: a run cut off by a time limit still says where its time went
+        print(f"[trainer-bench {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     hf = transformers.Qwen3_5MoeForCausalLM(cluster.hf_config(c)).to(torch.bfloat16)
+    phase(f"HF model built ({sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters)")
     tok = model.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
     model.save_checkpoint(hf, tok, work / "sft")  # bf16 on disk, as the cluster's checkpoints
+    phase("HF checkpoint written")
     hf = r3.install(hf.float())
     g, samples = torch.Generator().manual_seed(seed), []
     for i in range(n_samples):
@@ -582,12 +588,14 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
                         "reward": (i % 4) / 20, "passed": i % 4, "total": 4, "reward_source": "ctrf",
                         "weight_version": 0, "turns": 1})
     del hf
+    phase(f"{n_samples} samples recorded by the HF model")
     a = dataclasses.replace(args, backend="megatron", run_dir=str(work / "run"), minibatch_size=1, plan="",
                             trainer_ranks=1, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, reward_scale=20.0)
     (work / "run" / "ckpt").mkdir(parents=True)
     t0 = time.time()
     tr = ppo.Trainer(a, str(work / "sft"), 0)
     built = time.time() - t0
+    phase("trainer built")
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -599,6 +607,7 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
         if cuda:
             torch.cuda.synchronize()
         dt = time.time() - t0
+        phase(f"train step {k + 1}: {dt:.1f} s")
         rows.append({"step": k + 1, "seconds": round(dt, 2), "tokens_per_s": round(n_samples * tokens / dt, 1),
                      **{key: st.get(key) for key in ("dlogp", "dlogp_r3_off", "approx_kl", "clipfrac", "value_loss")}})
     gpt = tr.actor.gpt

@@ -613,7 +613,7 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
     # the cluster model in the trainer (issue 16): ppo.Trainer's Megatron path on this GPU, bf16 + Megatron's
     # distributed optimizer (+ TE / DeepEP where they import), a few real train_steps with R3 replay of the HF
     # model's routing; its peak memory against infra's prediction. First: the check that matters most.
-    for shape, tokens_, samples, limit in (("t1-tiny", 512, 4, 150), ("122b-slice", 1024, 2, 240)):
+    for shape, tokens_, samples, limit in (("t1-tiny", 512, 4, 150), ("122b-slice", 1024, 2, 330)):
         name = f"trainer bench {shape} (bf16, cluster preset)"
         try:
             r = subprocess.run([sys.executable, "train_t1.py", "trainer-bench", "--shape", shape, "--tokens",
@@ -622,8 +622,10 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
             out = json.loads(r.stdout.strip().splitlines()[-1]) if r.returncode == 0 else None
             done({"name": name, "ok": r.returncode == 0, "result": out,
                   "tail": None if out else (r.stdout + r.stderr)[-3000:]})
-        except Exception as e:  # a failure or timeout is reported; the checks below still run
-            done({"name": name, "ok": False, "error": repr(e)})
+        except Exception as e:  # a failure or timeout is reported (with its output so far); the checks below still run
+            part = getattr(e, "stderr", None) or b""
+            done({"name": name, "ok": False, "error": repr(e)[-300:],
+                  "tail": (part.decode(errors="replace") if isinstance(part, bytes) else part)[-3000:] or None})
     c, plan = probe_config(), infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
     try:
         model, static, _keep = measure_static(c)
