@@ -650,12 +650,11 @@ def gpu_check(out_dir=None, tokens=(2048, 4096)):
         torch.cuda.empty_cache()
     except Exception as e:
         done({"name": "memory model", "ok": False, "error": repr(e)[-1500:]})
-    # test_mcore_te.py with the GPU visible (its TE test needs one); test_mcore.py is the CPU suite (models built
-    # with CPU initialisation, which Megatron's rotary embedding moves to the GPU when one is visible: the first GPU
-    # run's failure), so it runs here with the GPU hidden: the suite on this node's torch and Megatron-Core
-    for name, test, limit, env in (("mcore TE layout (GPU)", "tests/test_mcore_te.py", 240, {}),
-                                   ("mcore pytest (CPU suite, GPU hidden)", "tests/test_mcore.py", 420,
-                                    {"CUDA_VISIBLE_DEVICES": ""})):
+    # test_mcore_te.py with the GPU visible (T1_TEST_GPU=1: its TE test needs one); test_mcore.py is the CPU suite
+    # (models built with CPU initialisation, which Megatron moves to a visible GPU: the first GPU run's failure), so
+    # it runs as tests/conftest.py runs it by default, the GPU hidden: the suite on this node's torch and Megatron-Core
+    for name, test, limit, env in (("mcore TE layout (GPU)", "tests/test_mcore_te.py", 240, {"T1_TEST_GPU": "1"}),
+                                   ("mcore pytest (CPU suite, GPU hidden)", "tests/test_mcore.py", 420, {})):
         if not os.path.isfile(os.path.join(here, test)):
             continue
         try:  # own process (its NCCL group); a failure or timeout is reported, the checks after it still run
