@@ -189,7 +189,8 @@ def supports_engine_forward(model) -> bool:
             and all(hasattr(getattr(layer, "mlp", None), "experts") for layer in model.model.layers))
 
 
-DENSE_EXPERT_ROWS = 64  # up to this many tokens a forward applies every expert to every token (decode steps)
+DENSE_EXPERT_ROWS = 64  # up to this many tokens a forward computes its experts in two batched matmuls (decode steps)
+GROUPED_EXPERT_ROWS = 24  # ... grouped by expert from this many tokens, every expert on every token below
 
 
 class _Layer:
@@ -216,6 +217,8 @@ class _Layer:
         self.wgu = moe.experts.gate_up_proj.reshape(E * I2, H)  # (E 2I, H), expert e's gate rows then up rows
         self.wd_t = moe.experts.down_proj.transpose(1, 2).reshape(E * self.I, H)  # (E I, H)
         self.experts = moe.experts
+        self.wgu_b = moe.experts.gate_up_proj.transpose(1, 2).contiguous()  # (E, H, 2I): a copy (bmm is faster)
+        self.wd_b = self.wd_t.view(E, self.I, H)  # (E, I, H)
 
 
 def engine_layers(model) -> tuple:
@@ -248,10 +251,26 @@ def _rms(x, weight, eps):
 
 
 def _experts(L, x, weights, ids, out):
-    """Routed experts of tokens x (N, H) with routing weights / ids (N, k), added into out (N, H). Few tokens
-    (decode): every expert on every token, weighted by the routing (0 off the top-k): one matmul up, one down;
-    more: each expert on the tokens routed to it."""
+    """Routed experts of tokens x (N, H) with routing weights / ids (N, k), added into out (N, H). Decode steps
+    (N <= DENSE_EXPERT_ROWS) in one batched matmul up and one down: from GROUPED_EXPERT_ROWS tokens each expert on
+    the tokens routed to it, padded to the busiest expert's count (E, cap, H) (k / E of the dense FLOPs plus the
+    padding); fewer, every expert on every token weighted by the routing (0 off the top-k: no sort, no gather). More
+    tokens (prefill): each expert on the tokens routed to it."""
     N = x.shape[0]
+    if GROUPED_EXPERT_ROWS <= N <= DENSE_EXPERT_ROWS:
+        k, E, I = ids.shape[1], L.E, L.I
+        flat = ids.reshape(-1)  # (N k) expert of each (token, slot)
+        order = flat.argsort(stable=True)  # the pairs grouped by expert
+        counts = torch.bincount(flat, minlength=E)
+        e = flat[order]
+        slot = torch.arange(flat.numel()) - (counts.cumsum(0) - counts)[e]  # the pair's place in its expert's group
+        idx = torch.zeros(E, int(counts.max()), dtype=torch.long)  # (E, cap) token of each place; padding: token 0
+        wg = torch.zeros(idx.shape, dtype=x.dtype)  # ... with its routing weight; padding: 0 (adds nothing)
+        idx[e, slot] = order // k
+        wg[e, slot] = weights.reshape(-1)[order].to(x.dtype)
+        gu = torch.bmm(x[idx], L.wgu_b)  # (E, cap, 2I)
+        act = F.silu(gu[..., :I]).mul_(gu[..., I:]).mul_(wg[..., None])
+        return out.index_add_(0, idx.view(-1), torch.bmm(act, L.wd_b).view(-1, x.shape[1]))
     if N <= DENSE_EXPERT_ROWS:
         gu = F.linear(x, L.wgu).view(N, L.E, 2 * L.I)
         act = F.silu(gu[..., :L.I]) * gu[..., L.I:]  # (N, E, I)
