@@ -1,7 +1,7 @@
 """Measurement commands that need the engine or a whole pipeline: each prints the figures of one claim.
 
-    python bench.py engine [--arch A]          # engine vs HF generate (8 / 32 concurrent; multi-turn, prefix cache on
-                                               # / off); routed-expert capture overhead
+    python bench.py engine [--arch A] [--dp 2] # engine vs HF generate (8 / 32 concurrent; multi-turn, prefix cache on
+                                               # / off; the same cores as --dp engines); routed-expert capture overhead
     python bench.py sampling                   # one decode step's sampling: row by row vs batched (ms)
     python bench.py r3 --quick                 # R3: |delta log p| engine vs trainer, replay off / on; capture overhead
     python bench.py tito --quick [--harness client|harbor]  # TITO: naive retokenization vs TITO through the gateway
@@ -79,11 +79,14 @@ def _hf_generate(hf, histories, new_tokens):
 
 def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
     """Each history is one agent running `turns` turns concurrently with the others (one request in flight each):
-    turn t sends the whole trajectory so far; the reply and a tool output of fixed tokens are appended."""
+    turn t sends the whole trajectory so far; the reply and a tool output of fixed tokens are appended. url: one
+    engine, or a list: agent i on engine i mod len (as train_t1 deals trials round robin over its engines)."""
+    urls = url if isinstance(url, list) else [url]
+
     def agent(i):
         h = histories[i]
         for t in range(turns):
-            out = _post(url + "/generate", {"input_ids": h, "return_logprob": True, "return_routed_experts": routing,
+            out = _post(urls[i % len(urls)] + "/generate", {"input_ids": h, "return_logprob": True, "return_routed_experts": routing,
                                             "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens,
                                                                 "ignore_eos": True}})
             h = h + out["output_ids"] + tool
@@ -171,7 +174,7 @@ def _serve(path, threads, *flags):
 
 
 def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, turns=8, turn_tokens=48,
-                 n_agents=8, capture_steps=400, work_dir=None) -> dict:
+                 n_agents=8, capture_steps=400, dp=2, work_dir=None) -> dict:
     """Issue 15's figures in one run, repeats interleaved (the machine drifts): generated tokens/s of the engine
     (`engine.py serve` processes with this process's torch threads; HTTP clients, logprobs + routed experts
     returned) vs HF `generate` in this process on the same fp32 checkpoint at 8 and 32 concurrent single-turn
@@ -179,7 +182,9 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     one (--forward hf); a multi-turn workload (n_agents agents x `turns` turns,
     turn_tokens new + 40 tool tokens per turn, the history growing) through HF, the engine with its prefix cache
     off, and on; the capture overhead (_capture_overhead, in this process). Medians; ratios > 1 favour the engine /
-    the cache."""
+    the cache. dp > 1 adds the same cores as dp engines of threads / dp torch threads each (prefix cache on; the
+    requests dealt round robin: `train_t1.py --n-engines dp --torch-threads threads/dp`, SGLang's data parallelism)
+    on the 32-request and multi-turn workloads, against the same HF generate (one process, all threads)."""
     work = work_dir or tempfile.mkdtemp(prefix="t1_engine_bench_")
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok), arch), seed=0), tok, work)
@@ -190,19 +195,23 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
         procs.append(_serve(work, torch.get_num_threads()))
         procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0"))
         procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0", "--forward", "hf"))
-        return _engine_figures(hf, tok, *(url for _, url in procs), EngineServer(work, weight_dtype="fp32"), arch,
-                               repeats, prompt_len, new_tokens, turns, turn_tokens, n_agents, capture_steps)
+        dp = dp if dp > 1 and torch.get_num_threads() >= dp else 0
+        for _ in range(dp):
+            procs.append(_serve(work, torch.get_num_threads() // dp))
+        return _engine_figures(hf, tok, *(url for _, url in procs[:3]), [url for _, url in procs[3:]],
+                               EngineServer(work, weight_dtype="fp32"), arch, repeats, prompt_len, new_tokens, turns,
+                               turn_tokens, n_agents, capture_steps)
     finally:
         for proc, _ in procs:
             proc.terminate()
             proc.wait()
 
 
-def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens,
+def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens,
                     n_agents, capture_steps):
     """engine_bench's measurements: `on` / `off` the engines' URLs (prefix cache on / off), `off_hf` off's twin
-    forwarding through the transformers forward (--forward hf); `buffers` an unstarted EngineServer whose capture
-    buffers _capture_overhead writes."""
+    forwarding through the transformers forward (--forward hf), `dp` the data-parallel engines' URLs (or []);
+    `buffers` an unstarted EngineServer whose capture buffers _capture_overhead writes."""
     tool = _bench_prompts(tok, 1, 40, seed=99)[0]
     single = {n: _bench_prompts(tok, n, prompt_len, seed=n) for n in (8, 32)}
     agents = _bench_prompts(tok, n_agents, prompt_len, seed=7)
@@ -212,16 +221,21 @@ def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len
         t0 = time.perf_counter()
         fn()
         t.setdefault(key, []).append(time.perf_counter() - t0)
-    _engine_agents(on, single[8][:2], 1, 8, tool)  # warm-up both sides
+    for url in [on] + dp:
+        _engine_agents(url, single[8][:2], 1, 8, tool)  # warm-up both sides
     _hf_generate(hf, single[8][:2], 8)
     for _ in range(repeats):
         for n in (8, 32):
             timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
             timed(f"engine_{n}", lambda: _engine_agents(off, single[n], 1, new_tokens, tool))
             timed(f"engine_hf_forward_{n}", lambda: _engine_agents(off_hf, single[n], 1, new_tokens, tool))
+        if dp:
+            timed("engine_dp_32", lambda: _engine_agents(dp, single[32], 1, new_tokens, tool))
         timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
         timed("engine_multi_nocache", lambda: _engine_agents(off, agents, turns, turn_tokens, tool))
         timed("engine_multi_cache", lambda: _engine_agents(on, agents, turns, turn_tokens, tool))
+        if dp:
+            timed("engine_dp_multi", lambda: _engine_agents(dp, agents, turns, turn_tokens, tool))
     med = {k: float(np.median(v)) for k, v in t.items()}
     fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
     for n in (8, 32):
@@ -236,6 +250,12 @@ def _engine_figures(hf, tok, on, off, off_hf, buffers, arch, repeats, prompt_len
                          "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
                          "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
                          "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
+    if dp:
+        fig["data_parallel"] = {"engines": len(dp), "threads_each": torch.get_num_threads() // len(dp),
+                                "engine_tok_s_32": round(32 * new_tokens / med["engine_dp_32"], 1),
+                                "engine_vs_hf_32": round(med["hf_32"] / med["engine_dp_32"], 2),
+                                "multi_turn_tok_s": round(multi / med["engine_dp_multi"], 1),
+                                "multi_turn_vs_hf": round(med["hf_multi"] / med["engine_dp_multi"], 2)}
     fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
     fig["prefix_cache"] = rollout.EngineClient(on).server_info()["prefix_cache"]
     fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
@@ -813,6 +833,7 @@ def main(argv=None):
     e.add_argument("--repeats", type=int, default=3)
     e.add_argument("--quick", action="store_true", help="small sizes (the test's form; figures not meaningful)")
     e.add_argument("--threads", type=int, default=2)
+    e.add_argument("--dp", type=int, default=2, help="also the same threads as this many engines (0: not measured)")
     sm = sub.add_parser("sampling", help="one decode step's sampling, row by row vs batched (one JSON line)")
     sm.add_argument("--threads", type=int, default=2)
     s = sub.add_parser("r3", help="engine vs trainer logprobs with replay off / on (one JSON line)")
@@ -849,7 +870,7 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
         kw = dict(repeats=1, prompt_len=60, new_tokens=8, turns=2, turn_tokens=4, n_agents=2, capture_steps=4) \
             if args.quick else dict(repeats=args.repeats)
-        print(json.dumps(engine_bench(args.arch, **kw)))
+        print(json.dumps(engine_bench(args.arch, dp=args.dp, **kw)))
     elif args.cmd == "sampling":
         torch.set_num_threads(args.threads)
         print(json.dumps(sampling_bench()))

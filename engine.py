@@ -82,7 +82,8 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
     top-k highest then the smallest prefix reaching top_p kept, one draw by inverse CDF from the row's generator
     (over the probabilities sorted in descending order for a row that truncates, in vocabulary order for one that
     keeps everything: the sort is the costliest operation here and depends on the row alone). One log_softmax and
-    search for the batch, one sort of the truncating rows, one host sync."""
+    search for the batch, one sort of the truncating rows, one draw call when all rows share a generator (else one per
+    row), one host sync."""
     n, V = logits.shape
     greedy = torch.tensor([x == 0 for x in temperature])  # (n,)
     t = torch.tensor(temperature, dtype=torch.float32)  # a denormal T is 0 here: its row's logits / T is not finite
@@ -101,7 +102,9 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
         kept, order = probs.clone(), torch.arange(V).repeat(n, 1)
         kept[rows], order[rows] = sorted_p.masked_fill(drop, 0.0), sorted_ids
     cdf = kept.cumsum(-1)  # (n, V)
-    u = torch.stack([torch.rand((), generator=g) for g in gens]) * cdf[:, -1]  # (n,) one draw per row
+    one = all(g is gens[0] for g in gens)  # unseeded rows share the engine's generator: one call draws for all
+    u = (torch.rand(n, generator=gens[0]) if one else torch.stack([torch.rand((), generator=g) for g in gens])) \
+        * cdf[:, -1]  # (n,) one draw per row
     pick = torch.searchsorted(cdf, u[:, None], right=True).clamp(max=V - 1)  # first cdf > u
     drawn = pick.squeeze(1) if order is None else order.gather(1, pick).squeeze(1)
     tok = torch.where(greedy, logp.argmax(-1), drawn)  # (n,)

@@ -924,13 +924,15 @@ def test_a_distributed_weight_update_is_refused_before_it_allocates(engine, tok)
 
 def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
     """`python bench.py engine --quick`: one JSON line with the HF comparison at 8 / 32, the multi-turn workload
-    (whose later turns hit the prefix cache) and the capture overhead; no figure asserted, only that each exists."""
+    (whose later turns hit the prefix cache), the same workloads over two 1-thread engines, and the capture overhead;
+    no figure asserted, only that each exists."""
     import bench
     bench.main(["engine", "--quick", "--threads", "2"])
     fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for k in ("engine_vs_hf_8", "engine_vs_hf_32", "hf_tok_s_32", "engine_tok_s_32"):
         assert fig[k] > 0, k
     assert fig["multi_turn"]["cache_on_vs_off"] > 0 and fig["prefix_cache"]["hits"] >= 2
+    assert fig["data_parallel"]["engines"] == 2 and fig["data_parallel"]["multi_turn_vs_hf"] > 0
     assert {"overhead_pct", "overhead_pct_95ci", "capture_ops_pct_of_step"} <= set(fig["capture"])
 
 
