@@ -86,9 +86,9 @@ def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
     def agent(i):
         h = histories[i]
         for t in range(turns):
-            out = _post(urls[i % len(urls)] + "/generate", {"input_ids": h, "return_logprob": True, "return_routed_experts": routing,
-                                            "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens,
-                                                                "ignore_eos": True}})
+            out = _post(urls[i % len(urls)] + "/generate", {
+                "input_ids": h, "return_logprob": True, "return_routed_experts": routing,
+                "sampling_params": {"temperature": 1.0, "max_new_tokens": new_tokens, "ignore_eos": True}})
             h = h + out["output_ids"] + tool
     threads = [threading.Thread(target=agent, args=(i,)) for i in range(len(histories))]
     for t in threads:
