@@ -185,6 +185,10 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     the cache. dp > 1 adds the same cores as dp engines of threads / dp torch threads each (prefix cache on; the
     requests dealt round robin: `train_t1.py --n-engines dp --torch-threads threads/dp`, SGLang's data parallelism)
     on the 32-request and multi-turn workloads, against the same HF generate (one process, all threads)."""
+    threads = torch.get_num_threads()
+    if dp < 0 or dp == 1 or dp > threads:
+        raise ValueError(f"dp: expected 0 (not measured) or 2..{threads} engines sharing the {threads} threads, "
+                         f"got {dp}")
     work = work_dir or tempfile.mkdtemp(prefix="t1_engine_bench_")
     tok = model.train_tokenizer([f"echo line {i} > file{i}.txt && cat file{i}.txt | wc -l" for i in range(50)], 400)
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok), arch), seed=0), tok, work)
@@ -192,12 +196,11 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     hf.eval()
     procs = []
     try:
-        procs.append(_serve(work, torch.get_num_threads()))
-        procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0"))
-        procs.append(_serve(work, torch.get_num_threads(), "--prefix-cache-mb", "0", "--forward", "hf"))
-        dp = dp if dp > 1 and torch.get_num_threads() >= dp else 0
+        procs.append(_serve(work, threads))
+        procs.append(_serve(work, threads, "--prefix-cache-mb", "0"))
+        procs.append(_serve(work, threads, "--prefix-cache-mb", "0", "--forward", "hf"))
         for _ in range(dp):
-            procs.append(_serve(work, torch.get_num_threads() // dp))
+            procs.append(_serve(work, threads // dp))
         return _engine_figures(hf, tok, *(url for _, url in procs[:3]), [url for _, url in procs[3:]],
                                EngineServer(work, weight_dtype="fp32"), arch, repeats, prompt_len, new_tokens, turns,
                                turn_tokens, n_agents, capture_steps)

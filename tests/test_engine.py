@@ -934,6 +934,9 @@ def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
     assert fig["multi_turn"]["cache_on_vs_off"] > 0 and fig["prefix_cache"]["hits"] >= 2
     assert fig["data_parallel"]["engines"] == 2 and fig["data_parallel"]["multi_turn_vs_hf"] > 0
     assert {"overhead_pct", "overhead_pct_95ci", "capture_ops_pct_of_step"} <= set(fig["capture"])
+    for bad in ("1", "3"):  # one engine is the single-engine figure; 3 engines cannot share 2 threads
+        with pytest.raises(ValueError, match="dp: expected 0"):
+            bench.main(["engine", "--quick", "--threads", "2", "--dp", bad])
 
 
 def test_a_fault_outside_a_forward_fails_the_running_requests_and_the_engine_goes_on(ckpt, tok, monkeypatch):
