@@ -29,8 +29,9 @@ Departures from the paper:
 5. A distributed publish is applied once every weight of the model has arrived (SGLang loads each bucket as it
    comes), through the checkpoint loader (a temporary safetensors file) for the Hub-to-fused expert conversion.
 6. The running batch is one left-padded KV cache (no paged attention): while a long request runs, every row attends
-   over its padded length; a row that leaves is overwritten in place by the batch's last row (kvcache.drop_rows),
-   and columns left as padding in every row are trimmed when the batch is rebuilt for a joining request.
+   over its padded length; a row that leaves is overwritten in place by the batch's last row (kvcache.drop_rows);
+   a joining row is written into the buffers' spare rows (kvcache.append_rows) unless it is wider than the batch
+   or no row is spare: then the batch is rebuilt (columns left as padding in every row trimmed).
 7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
@@ -55,7 +56,7 @@ from transformers import DynamicCache
 import infra
 import r3
 from httpjson import BadRequest, HTTPError, JSONHandler, JSONServer
-from kvcache import PrefixCache, _cache_state, _merged_cache, drop_rows
+from kvcache import PrefixCache, _cache_state, _merged_cache, append_rows, drop_rows
 from model import (drop_engine_layers, engine_forward, hub_state_dict, load_actor, load_weights_from_disk,
                    round_to_bf16, supports_engine_forward)
 
@@ -728,14 +729,20 @@ class EngineServer:
                 for r in self.rows:
                     r.fed += 1
                 logits.append(last)
-        parts = [(_cache_state(self.cache, slice(None), self.mask.shape[1], copy=False), self.mask)] \
-            if self.rows and admit else []
-        for rows, lg, state, mask in self._join(admit):  # (2) join: prefill, then merge into the batch
+        running, parts = bool(self.rows), []
+        for rows, lg, state, mask in self._join(admit):  # (2) join: prefill, then into the batch
             self.rows += rows
             logits.append(lg)
             parts.append((state, mask))
-        if parts:  # one copy of each part into the new batch cache
-            self.cache, self.mask = _merged_cache(cfg, parts)
+        if parts:  # the new rows into the batch's spare rows, else one copy of every part into a new batch cache
+            mask = append_rows(self.cache, self.mask, parts) if running else None
+            if mask is not None:
+                self.mask = mask
+            else:
+                if running:
+                    parts.insert(0, (_cache_state(self.cache, slice(None), self.mask.shape[1], copy=False), self.mask))
+                B = len(self.rows)
+                self.cache, self.mask = _merged_cache(cfg, parts, rows=max(B, min(2 * B, self.max_batch)))
         if not self.rows:
             return
         # (3) sample every row at once; abort / stop / length / a row's own sampling error end a row

@@ -34,9 +34,10 @@ def _cache_state(cache, rows, n, copy=True):
 
 
 class GrowingKV(DynamicLayer):
-    """An attention layer's KV cache with spare columns: a decode step writes its column in place, where
-    DynamicLayer re-concatenates the whole cache every step; the capacity doubles when full. keys / values are
-    views of the filled columns."""
+    """An attention layer's KV cache with spare columns and spare rows: a decode step writes its column in place,
+    where DynamicLayer re-concatenates the whole cache every step; the column capacity doubles when full; rows that
+    join the batch are written into spare rows (append_rows). keys / values are views of the filled rows and
+    columns."""
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -44,9 +45,9 @@ class GrowingKV(DynamicLayer):
             self.n, self.kbuf, self.vbuf = 0, None, None
         n, s, B = self.n, key_states.shape[-2], key_states.shape[0]  # B: the running rows (drop_rows keeps them first)
         if self.kbuf is None or n + s > self.kbuf.shape[-2]:
-            cap = max(2 * (n + s), 64)
-            kb = key_states.new_empty(B, *key_states.shape[1:-2], cap, key_states.shape[-1])
-            vb = value_states.new_empty(B, *value_states.shape[1:-2], cap, value_states.shape[-1])
+            cap, R = max(2 * (n + s), 64), B if self.kbuf is None else self.kbuf.shape[0]  # R: the rows' capacity
+            kb = key_states.new_empty(R, *key_states.shape[1:-2], cap, key_states.shape[-1])
+            vb = value_states.new_empty(R, *value_states.shape[1:-2], cap, value_states.shape[-1])
             if n:
                 kb[..., :n, :], vb[..., :n, :] = self.kbuf[:B, ..., :n, :], self.vbuf[:B, ..., :n, :]
             self.kbuf, self.vbuf = kb, vb
@@ -57,14 +58,15 @@ class GrowingKV(DynamicLayer):
         return self.keys, self.values
 
     @classmethod
-    def filled(cls, like, B, T):
+    def filled(cls, like, B, T, rows=None):
         """An empty layer of B rows whose first T columns are to be written by the caller (rows, columns
-        :T of kbuf / vbuf), capacity 2T; like: a key tensor (B', H, t, D) that gives H, D and the dtype."""
+        :T of kbuf / vbuf), capacity 2T columns and `rows` rows (default B); like: a key tensor (B', H, t, D) that
+        gives H, D and the dtype."""
         layer = cls()
         layer.lazy_initialization(like, like)
-        shape = (B, like.shape[1], max(2 * T, 64), like.shape[-1])  # (B, H, capacity, D)
+        shape = (max(B, rows or B), like.shape[1], max(2 * T, 64), like.shape[-1])  # (rows, H, capacity, D)
         layer.n, layer.kbuf, layer.vbuf = T, like.new_empty(shape), like.new_empty(shape)
-        layer.keys, layer.values = layer.kbuf[..., :T, :], layer.vbuf[..., :T, :]
+        layer.keys, layer.values = layer.kbuf[:B, :, :T], layer.vbuf[:B, :, :T]
         return layer
 
 
@@ -82,14 +84,31 @@ def _build_cache(config, state):
     return cache
 
 
-def _merged_cache(config, parts):
+def _trimmed(parts):
+    """Each part without its leading columns that are padding in all its rows (left by rows that left the batch)."""
+    firsts = [int(m.any(0).long().argmax()) for _, m in parts]  # each part's first column some row uses
+    return [([(kind, a, b) if kind == "linear" else (kind, a[:, :, f:], b[:, :, f:]) for kind, a, b in s], m[:, f:])
+            for (s, m), f in zip(parts, firsts)]
+
+
+def _write_rows(layer, r, parts, T):
+    """Copy each part's keys / values into rows r.. of a GrowingKV, right-aligned at column T, the left padding
+    zeroed (a masked column of NaN would still poison attention)."""
+    for k, v in parts:
+        b, t = k.shape[0], k.shape[2]
+        layer.kbuf[r:r + b, :, :T - t].zero_()
+        layer.vbuf[r:r + b, :, :T - t].zero_()
+        layer.kbuf[r:r + b, :, T - t:T] = k
+        layer.vbuf[r:r + b, :, T - t:T] = v
+        r += b
+
+
+def _merged_cache(config, parts, rows=None):
     """[(state, mask (b, t))] -> (a DynamicCache of every part's rows, mask (B, T)): the parts stacked, the shorter
     ones left-padded; one copy of each attention part, straight into its GrowingKV buffer (its rows, its columns
-    right-aligned; the left padding zeroed: a masked column of NaN would still poison attention). A part's leading
-    columns that are padding in all its rows (left by rows that left the batch) are not copied."""
-    firsts = [int(m.any(0).long().argmax()) for _, m in parts]  # each part's first column some row uses
-    parts = [([(kind, a, b) if kind == "linear" else (kind, a[:, :, f:], b[:, :, f:]) for kind, a, b in s], m[:, f:])
-             for (s, m), f in zip(parts, firsts)]
+    right-aligned). A part's leading columns that are padding in all its rows are not copied. rows: the buffers'
+    row capacity (default: the parts' rows; later joins append_rows into the spare ones)."""
+    parts = _trimmed(parts)
     T = max(m.shape[1] for _, m in parts)
     mask = torch.cat([F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
     cache = DynamicCache(config=config)
@@ -99,37 +118,49 @@ def _merged_cache(config, parts):
             cache.update_conv_state(a, i, conv_kernel_size=a.shape[-1])
             cache.update_recurrent_state(torch.cat([s[i][2] for s, _ in parts]), i)
             continue
-        layer = cache.layers[i] = GrowingKV.filled(parts[0][0][i][1], mask.shape[0], T)
-        r = 0
-        for s, m in parts:
-            _, k, v = s[i]
-            b, t = k.shape[0], k.shape[2]
-            layer.kbuf[r:r + b, :, :T - t].zero_()
-            layer.vbuf[r:r + b, :, :T - t].zero_()
-            layer.kbuf[r:r + b, :, T - t:T] = k
-            layer.vbuf[r:r + b, :, T - t:T] = v
-            r += b
+        layer = cache.layers[i] = GrowingKV.filled(parts[0][0][i][1], mask.shape[0], T, rows=rows)
+        _write_rows(layer, 0, [s[i][1:] for s, _ in parts], T)
     return cache, mask
+
+
+def append_rows(cache, mask, parts):
+    """Rows of `parts` [(state, mask (b, t))] join the batch (cache, mask (B, T)) in place: written into the
+    GrowingKV buffers' spare rows, right-aligned at the batch's last column (a copy of the new rows only, where
+    _merged_cache copies the whole batch again). -> the new mask (B', T), or None (nothing written) when it cannot
+    be done in place: a part wider than the batch or fewer spare rows than new ones (the caller merges then)."""
+    parts = _trimmed(parts)
+    B, T = mask.shape
+    n_new = sum(m.shape[0] for _, m in parts)
+    attn = [layer for layer in cache.layers if not _is_linear(layer)]
+    if any(m.shape[1] > T for _, m in parts) or any(layer.kbuf.shape[0] < B + n_new for layer in attn):
+        return None
+    for i, layer in enumerate(cache.layers):
+        if _is_linear(layer):
+            layer.conv_states[0] = torch.cat([layer.conv_states[0][:B]] + [s[i][1] for s, _ in parts])
+            layer.recurrent_states[0] = torch.cat([layer.recurrent_states[0][:B]] + [s[i][2] for s, _ in parts])
+            continue
+        _write_rows(layer, B, [s[i][1:] for s, _ in parts], T)
+        layer.keys, layer.values = layer.kbuf[:B + n_new, :, :layer.n], layer.vbuf[:B + n_new, :, :layer.n]
+    return torch.cat([mask] + [F.pad(m, (T - m.shape[1], 0)) for _, m in parts])
 
 
 def drop_rows(cache, n_rows, drop):
     """Rows `drop` (batch indices) of the cache's n_rows leave the batch in place: each is overwritten by the batch's
     last remaining row (one row copy per leaving row, where rebuilding the batch copied every remaining row); the
     Gated DeltaNet layers' per-row states are indexed. -> order: order[i] = the old index of new row i."""
-    order, moves = list(range(n_rows)), []
+    order = list(range(n_rows))
     for b in sorted(drop, reverse=True):
-        last = len(order) - 1
-        if b != last:
-            moves.append((last, b))
-            order[b] = order[last]
+        order[b] = order[-1]
         order.pop()
     idx = torch.tensor(order)
+    moved = [i for i, o in enumerate(order) if o != i]  # new rows that take an old row from past the new end:
+    dst, src = torch.tensor(moved, dtype=torch.long), idx[moved]  # sources and destinations are disjoint
     for layer in cache.layers:
         if _is_linear(layer):
             layer.conv_states[0] = layer.conv_states[0][idx]
             layer.recurrent_states[0] = layer.recurrent_states[0][idx]
             continue
-        for src, dst in moves:
+        if moved:  # one indexed copy per buffer
             layer.kbuf[dst, :, :layer.n] = layer.kbuf[src, :, :layer.n]
             layer.vbuf[dst, :, :layer.n] = layer.vbuf[src, :, :layer.n]
         layer.keys, layer.values = layer.kbuf[:len(order), :, :layer.n], layer.vbuf[:len(order), :, :layer.n]

@@ -796,6 +796,41 @@ def test_a_merge_drops_columns_no_row_uses():
     assert torch.equal(cache.layers[0].keys[:2], k[:, :, 3:]) and torch.equal(cache.layers[0].keys[2, :, 2:], new[0])
 
 
+@pytest.mark.parametrize("arch", model_lib.ARCHS)
+def test_rows_that_join_in_place_equal_a_rebuilt_batch(tok, arch):
+    """kvcache.append_rows: new rows written into the batch's spare rows give the same keys, values, Gated DeltaNet
+    states and mask as rebuilding the batch from every part (_merged_cache); a part wider than the batch, or more
+    new rows than spare ones, is refused (None) with the cache untouched."""
+    cfg = model_lib.tiny_config(len(tok), arch)
+    m = model_lib.build_actor(cfg, seed=0).eval()
+    g = torch.Generator().manual_seed(1)
+
+    def state(b, t):
+        with torch.no_grad():
+            c = kvcache.DynamicCache(config=cfg)
+            m(input_ids=torch.randint(3, len(tok), (b, t), generator=g), cache=c, use_cache=True)
+        return kvcache._cache_state(c, slice(None), t), torch.ones(b, t, dtype=torch.long)
+    batch = state(3, 12)
+    batch[1][0, :4] = 0  # a row shorter than the batch
+    joins = [state(2, 7), state(1, 12)]
+    want, want_mask = kvcache._merged_cache(cfg, [batch] + joins)
+    cache, mask = kvcache._merged_cache(cfg, [batch], rows=6)
+    got_mask = kvcache.append_rows(cache, mask, joins)
+    assert torch.equal(got_mask, want_mask)
+    for (kind, a0, b0), (_, a1, b1) in zip(kvcache._cache_state(want, slice(None), 12),
+                                           kvcache._cache_state(cache, slice(None), 12)):
+        assert torch.equal(a1, a0) and torch.equal(b1, b0), kind
+    layer = next(l for l in cache.layers if isinstance(l, kvcache.GrowingKV))
+    keys, _ = layer.update(*(torch.randn(6, *layer.keys.shape[1:-2], 1, layer.keys.shape[-1]),) * 2)
+    assert keys.shape[:3] == (6, layer.keys.shape[1], 13)  # the next decode step sees every row
+    small, small_mask = kvcache._merged_cache(cfg, [batch], rows=4)
+    before = [t.clone() for _, a, b in kvcache._cache_state(small, slice(None), 12) for t in (a, b)]
+    assert kvcache.append_rows(small, small_mask, joins) is None  # 3 new rows, 1 spare
+    assert kvcache.append_rows(small, small_mask, [state(1, 13)]) is None  # wider than the batch
+    after = [t for _, a, b in kvcache._cache_state(small, slice(None), 12) for t in (a, b)]
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
 def test_a_prefill_group_that_fails_is_rerun_one_by_one_and_says_why(tok, tmp_path):
     """A group prefill that raises (here: one request's ids poison the forward) is re-run one request at a time: the
     request at fault gets its error (HTTP 500), the others their replies, and /get_server_info's prefill_splits
