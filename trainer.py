@@ -259,6 +259,24 @@ def rewrite_jsonl(path: Path, keep) -> list[str]:
                                        if len(kept) < len(rows) else [])
 
 
+def _refuse_rolled_back(run_dir: Path, want: int, ckpt_steps: dict) -> None:
+    """ValueError when the run directory holds work of a step later than want + 1. A crash leaves at most one step
+    uncommitted (the loop saves step k's checkpoint, metrics row and samples, then commits k in state.json), so
+    anything further ahead means state.json was rolled back or replaced: resuming would delete committed work."""
+    ahead = [f"ckpt/{n} (step {st})" for n, st in ckpt_steps.items() if st is not None and st > want + 1]
+    ahead += [f"samples/{f.name}" for f in sorted((run_dir / "samples").glob("step_*.jsonl"))
+              if f.stem[5:].isdigit() and int(f.stem[5:]) > want + 1]
+    rows, _ = read_jsonl(run_dir / "metrics.jsonl")
+    late = sorted({r["step"] for r in rows if r.get("phase") in ("rl", "eval") and isinstance(r.get("step"), int)
+                   and not isinstance(r["step"], bool) and r["step"] > want + 1})
+    ahead += [f"metrics.jsonl (RL rows of step {', '.join(map(str, late))})"] if late else []
+    if ahead:
+        raise ValueError(f"{run_dir / 'state.json'}: commits RL step {want}, but the run directory holds work of later "
+                         f"steps: {'; '.join(ahead)}. A crash leaves at most one step (step {want + 1}) uncommitted, "
+                         "so this state.json was rolled back or replaced; refusing to resume over (and delete) that "
+                         "work: restore the run's own state.json, or start a new --run-dir")
+
+
 def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     """Bring a run directory back to what state.json committed; returns notes for the log.
 
@@ -267,13 +285,15 @@ def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
     metrics row and samples). Work after the last commit point is discarded and redone, never adopted: a
     checkpoint newer than state.json (a kill between the trainer's save and the commit) is deleted and
     ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
-    failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once)."""
+    failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once). Work more than one step
+    ahead of state.json cannot come from a crash and is refused, never deleted (_refuse_rolled_back)."""
     ckpt, want, notes = run_dir / "ckpt", state["step"], []
     dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old") if (ckpt / n).is_dir()}
     steps = {n: checkpoint_step(d) for n, d in dirs.items()}
     if "latest" in dirs and steps["latest"] is None:  # a checkpoint saved before step.json existed (complete)
         f = next(iter(sorted(dirs["latest"].glob("trainer*.pt"))), None)
         steps["latest"] = None if f is None else int(load_trainer_file(f)["step"])
+    _refuse_rolled_back(run_dir, want, steps)
     for n, st in steps.items():
         if st is not None and st > want:
             notes.append(f"ckpt/{n}: discarded the checkpoint of step {st}, never committed in state.json "

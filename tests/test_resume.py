@@ -216,3 +216,38 @@ def test_uncommitted_rl_step_rows_and_samples_are_dropped(tmp_path):
     assert [r["tag"] for r in rows(tmp_path / "failed_trials.jsonl")] == ["step1"]
     assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_000001.jsonl"]
     assert TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 1
+
+
+@pytest.mark.parametrize("evidence", ["ckpt", "metrics", "samples"])
+def test_rolled_back_state_is_refused_and_nothing_is_deleted(tmp_path, evidence):
+    """A crash leaves at most one step uncommitted: a state.json at step 0 beside work of step 5 was rolled back
+    or replaced. Resume refuses, naming the evidence, and deletes nothing (it used to delete the checkpoint and the
+    five metrics rows with one log line)."""
+    if evidence == "ckpt":
+        fake_ckpt(tmp_path / "ckpt" / "latest", 5)
+    elif evidence == "metrics":
+        write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": k} for k in range(1, 6)])
+    else:
+        (tmp_path / "samples").mkdir()
+        (tmp_path / "samples" / "step_000005.jsonl").write_text("")
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    metrics = (tmp_path / "metrics.jsonl").read_text() if evidence == "metrics" else None
+    with pytest.raises(ValueError, match=r"commits RL step 0, but the run directory holds work of later steps: .*"
+                                         r"rolled back or replaced"):
+        TR.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+    if metrics is not None:
+        assert (tmp_path / "metrics.jsonl").read_text() == metrics
+
+
+def test_work_one_step_ahead_is_a_crash_and_is_redone(tmp_path):
+    """The boundary: step 2's checkpoint, samples and metrics row beside a state at step 1 (a kill before the
+    commit) are discarded and redone, not refused."""
+    fake_ckpt(tmp_path / "ckpt" / "latest", 2)
+    fake_ckpt(tmp_path / "ckpt" / "previous", 1)
+    write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": k} for k in (1, 2)])
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "samples" / "step_000002.jsonl").write_text("")
+    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    assert TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 1 and rows(tmp_path / "metrics.jsonl") == [
+        {"phase": "rl", "step": 1}]
