@@ -9,7 +9,7 @@ send_keys(keystrokes, deadline), read(wait_s) -> the new output, run_verifier(sc
 host_dir (the host's own logs).
 
 Run (as root): through rollout.py, `python rollout.py --task DIR --agent oracle|nop [--keep DIR]`; tests:
-tests/test_sandbox_security.py (a hostile agent, a hostile task dir), tests/test_rollout.py.
+tests/test_sandbox_security.py (a hostile agent, a hostile task dir), tests/test_sandbox_caps.py, tests/test_rollout.py.
 
 The jails (the security contract):
 - Two per trial, one after the other, each a long-lived bwrap whose command waits on a lifeline pipe (it ends when
@@ -19,6 +19,11 @@ The jails (the security contract):
   `pytest --ctrf` works inside); a size-capped fresh /tmp tmpfs; nothing else of the host.
 - Every command enters a jail with nsenter and runs as a per-trial host uid under rlimits (prlimit): RLIMIT_NPROC,
   RLIMIT_FSIZE, RLIMIT_AS, no core; no_new_privs, no capabilities, the seccomp filter below.
+- Per-trial caps (trial_caps.py): the agent's uid is leased (flock) so no two live trials share one, in any process;
+  the trial dir is a tmpfs of disk_bytes / disk_inodes beyond the staged task (the agent's /app and /logs; verifier/,
+  with the verifier's /logs/verifier, another of its own; host/ a third); every command joins the trial's memory
+  cgroup (trial_mem_bytes, no swap; trial_procs) before it runs. close(): the cgroup emptied and removed, the files
+  copied back to the host disk (keep_files; bounded by the caps) and the tmpfs unmounted, then the uid released.
 - The agent's jail: /app and /logs writable (host dirs under the trial root, owned by the agent's uid 200000+),
   /tests empty and read-only, /solution (oracle only) a checked copy, read-only.
 - The verifier's jail (run_verifier): the agent's jail is closed first (SIGKILL bwrap: its pid 1 dies, the kernel
@@ -46,8 +51,9 @@ Departures from the paper / Terminus-2:
 1. Local bubblewrap jails, not Daytona/Docker: the task's Dockerfile is ignored, environment/app/ is copied to
    /app, the host's /usr provides the tools. bwrap runs as root without a user namespace (bwrap 0.8 as a plain uid
    cannot bind dirs below the 0700 trial root); commands run as unprivileged uids, the verifier too (Harbor's: root).
-2. The process cap is RLIMIT_NPROC of the trial's uid (a fork bomb makes bash retry and fail; close() kills all).
-   Not bounded: CPU time; memory only per process (RLIMIT_AS), disk only per file and by the /tmp size.
+2. Caps per trial: processes (RLIMIT_NPROC of its uid, pids of its cgroup), memory (a cgroup; its files count, they
+   are RAM), disk (tmpfs). Not bounded: CPU time. Sizes are paper silent (Limits; Harbor's task.toml memory_mb /
+   storage_mb lower them). trial_mem_bytes=0 where no memory cgroup exists: memory is then capped per process only.
 3. The agent is an unprivileged uid without network (Terminal-Bench agents are root): tasks that need apt/pip or
    root cannot be solved here. The host needs root, and uids 200000..1799999 unused (verifiers 1000000+).
 4. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux screen capture;
@@ -55,7 +61,6 @@ Departures from the paper / Terminus-2:
 """
 import dataclasses
 import fcntl
-import itertools
 import json
 import os
 import re
@@ -71,6 +76,7 @@ import threading
 import time
 
 import reward
+import trial_caps
 
 # --- limits ---------------------------------------------------------------------------------------
 # The verifier's pytest is this project's venv (bound read-only into the jail): its other plugins (xdist, anyio, ...)
@@ -109,6 +115,17 @@ class Limits:
     """cap on the file bytes of one copied task tree (environment/app, tests, solution); paper silent"""
     task_files: int = 100_000
     """cap on the entries of one copied task tree; paper silent"""
+    disk_bytes: int = 1 << 30
+    """bytes the trial may write on top of its staged task files: /app, /logs, /logs/verifier share one tmpfs (RAM,
+    charged to trial_mem_bytes); a task.toml's Harbor [environment] storage_mb lowers it; paper silent (Harbor's
+    default: 10 GiB of disk)"""
+    disk_inodes: int = 100_000
+    """files, directories and hard links the trial may create there (the tmpfs's nr_inodes); paper silent"""
+    trial_mem_bytes: int = 2 << 30
+    """memory cgroup cap of the whole trial (both phases, every process, its tmpfs files and /tmp); a task.toml's
+    [environment] memory_mb lowers it; 0: no cgroup, per-process RLIMIT_AS only; paper silent (Harbor: 2048 MB)"""
+    trial_procs: int = 1024
+    """pids cap of the trial's cgroup (processes and threads of both phases, root's included); paper silent"""
 
 
 def make_limits(limits):
@@ -129,7 +146,6 @@ TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid", "chown")
 PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
 SHELL_START_S = 10.0  # how long a new terminal may take to show its first prompt before keystrokes go in
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
-_UIDS = itertools.count()
 KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
         "Left": "\x1b[D", "BSpace": "\x7f"}  # tmux key names Terminus-2 agents use
 VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200000..999999, verifier 1000000..1799999)
@@ -457,15 +473,21 @@ class Sandbox:
     process ever ran as.
     """
 
-    def __init__(self, task, root_dir, limits=None, stop_event=None, solution=False):
+    def __init__(self, task, root_dir, limits=None, stop_event=None, solution=False, keep_files=True):
+        """keep_files: close() copies the trial's files (its tmpfs) back to root_dir on the host disk, bounded by
+        the disk caps; False: they are dropped with the tmpfs (a caller that deletes root_dir anyway)."""
         missing = [t for t in TOOLS if shutil.which(t) is None]
         if missing:
             raise RuntimeError(f"sandbox: missing tools {missing} (install bubblewrap and util-linux)")
         if os.geteuid() != 0:
             raise RuntimeError("sandbox: must run as root (namespaces, nsenter and per-trial uids)")
-        self.task, self.root, self.limits = task, os.path.abspath(root_dir), make_limits(limits)
-        self.stop_event, self.solution = stop_event or threading.Event(), solution
-        self.uid = 200000 + (os.getpid() % 4000) * 200 + next(_UIDS) % 200  # per-trial host uid (the agent's)
+        trial_caps.check_tools()
+        self.task, self.root = task, os.path.abspath(root_dir)
+        self.limits = trial_caps.capped_limits(make_limits(limits), getattr(task, "config", None))
+        self.stop_event, self.solution, self.keep_files = stop_event or threading.Event(), solution, keep_files
+        self._disk = self._cgroup = None  # the trial's tmpfs (start) and memory cgroup (start; None: cap off)
+        self._uid_lease = trial_caps.allocate_uid()  # until close(): no other live trial, in any process, has it
+        self.uid = self._uid_lease.uid  # per-trial host uid (the agent's)
         self.verifier_uid = self.uid + VERIFIER_UID_OFFSET
         self.run_uid = self.uid  # the uid exec() and the terminal run as: the agent's, then the verifier's
         self.jail = self.term = self.pid = self.pidns = None  # pid: host pid of the jail's pid 1; pidns: its ns
@@ -518,22 +540,42 @@ class Sandbox:
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid():
             raise ValueError(f"sandbox: trial dir {r} must be a directory owned by uid {os.geteuid()} (not a link)")
         os.chmod(r, 0o700)  # the trial's host dirs: reached only by root and through the jails' binds
-        for d in ("host", "verifier", "logs", "logs/agent", "tests"):
-            os.mkdir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh: FileExistsError
-        app_src = os.path.join(self.task.env_dir, "app")
-        if os.path.lexists(app_src):
-            copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
-        else:
-            os.mkdir(f"{r}/app", 0o755)
-        # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the agent
-        # phase) and bound into the verifier's jail only; None: the caller brings them itself (Harbor's upload_dir)
-        if self.task.tests_dir is not None:
-            copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
-        if self.solution and self.task.solution_dir:
-            copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
-        for d in ("app", "logs"):
-            _chown_tree(f"{r}/{d}", self.uid)
-        self._start_jail(self._bwrap_args("agent"))
+        if os.listdir(r):
+            raise ValueError(f"sandbox: trial dir {r} must be empty (the trial's tmpfs is mounted over it)")
+        try:
+            # the disk caps: the trial dir is a tmpfs (the agent's /app, /logs); verifier/ (the tests, the verifier's
+            # /logs/verifier) and host/ are tmpfs mounts of their own, so a full /app cannot fail the verifier's start
+            # or the host's logs. Each holds its staged files, then disk_bytes / disk_inodes more (host/: the host's).
+            self._disk = trial_caps.TrialDisk(r, self.uid)
+            self._disk.mount("", 2 * L.task_bytes + L.disk_bytes, 2 * L.task_files + L.disk_inodes + 64)
+            for d in ("host", "verifier", "logs", "logs/agent", "tests"):
+                os.mkdir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh: FileExistsError
+            self._disk.mount("verifier", L.task_bytes + L.disk_bytes, L.task_files + L.disk_inodes + 64)
+            self._disk.mount("host", trial_caps.HOST_BYTES, trial_caps.HOST_INODES)
+            app_src = os.path.join(self.task.env_dir, "app")
+            if os.path.lexists(app_src):
+                copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
+            else:
+                os.mkdir(f"{r}/app", 0o755)
+            # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the
+            # agent phase) and bound into the verifier's jail only; None: the caller brings them (Harbor's upload_dir)
+            if self.task.tests_dir is not None:
+                copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
+            if self.solution and self.task.solution_dir:
+                copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
+            for d in ("app", "logs"):
+                _chown_tree(f"{r}/{d}", self.uid)
+            for d in ("", "verifier"):
+                used_bytes, used_inodes = self._disk.used(d)
+                self._disk.resize(d, used_bytes + L.disk_bytes, used_inodes + L.disk_inodes)
+            if L.trial_mem_bytes:  # the memory cap: every command that enters a jail joins this cgroup (_enter)
+                self._cgroup = trial_caps.TrialCgroup(self.uid, L.trial_mem_bytes, L.trial_procs)
+            else:
+                trial_caps.say_memory_cap_off()
+            self._start_jail(self._bwrap_args("agent"))
+        except BaseException:
+            self.close()  # no tmpfs, cgroup or uid lease left behind by a failed start (callers get no box to close)
+            raise
         return self
 
     def _start_jail(self, args):
@@ -610,10 +652,11 @@ class Sandbox:
 
     def _enter(self, argv, as_root=False):
         """argv run inside the jail's namespaces as run_uid (or the jail's root, for Harbor's root execs), under the
-        rlimits and the seccomp filter (installed on the host before nsenter; inherited by everything after)."""
+        rlimits and the seccomp filter (installed on the host before nsenter; inherited by everything after), in the
+        trial's memory cgroup (joined by the first host process, before any of it runs: a setsid cannot leave it)."""
         L, u = self.limits, "0" if as_root else str(self.run_uid)
         caps = "-all,+chown,+dac_override,+fowner" if as_root else "-all"  # never dac_read_search (open_by_handle)
-        return (_seccomp_prefix() +
+        return ((self._cgroup.join_argv() if self._cgroup is not None else []) + _seccomp_prefix() +
                 ["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
                  "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
                  "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
@@ -791,8 +834,27 @@ class Sandbox:
                               owner_uid=self.verifier_uid)
 
     def close(self):
-        """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed)."""
+        """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed), then what
+        is left in the trial's cgroup; remove the cgroup; copy the tmpfs's files out (keep_files) and unmount it;
+        release the uid, unless a process of the trial may still be alive (then it stays leased until this process
+        exits)."""
+        errors = []
         try:
             self._close_jail()
         except RuntimeError as e:  # close() runs in finally blocks: report, never raise
+            errors.append(str(e))
+        if self._cgroup is not None:
+            err = self._cgroup.close()
+            errors += [err] if err else []
+            self._cgroup = None if err is None else self._cgroup
+        alive = bool(errors)  # a process of the trial may have survived: its uid is not handed out again
+        if self._disk is not None:
+            err = self._disk.close(self.keep_files)
+            errors += [err] if err else []
+            self._disk = None
+        if alive:
+            errors.append(f"uid {self.uid} stays leased until this process exits")
+        else:
+            self._uid_lease.release()
+        for e in errors:
             print(f"[Sandbox] {e}", file=sys.stderr)

@@ -1,0 +1,205 @@
+"""Per-trial caps of the local jail (trial_caps.py, sandbox.Sandbox): a disk quota (bytes and inodes) on all the
+trial can write, a memory cgroup for the whole trial, uids that two live trials never share. Each test plays the
+attacker with small caps (64 MiB, 1000 inodes) so it runs in seconds.
+"""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import sandbox  # noqa: E402
+import task_io  # noqa: E402
+import trial_caps  # noqa: E402
+from test_rollout import TEST_SH, make_task  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sandbox.shutil.which("bwrap"),
+                                reason="the bubblewrap sandbox needs root and bwrap")
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+SMALL = {"disk_bytes": 64 * MiB, "disk_inodes": 1000, "file_bytes": 256 * MiB, "tmp_bytes": 32 * MiB,
+         "trial_mem_bytes": 512 * MiB}
+
+
+def du_bytes(path):
+    """Bytes a tree takes on its disk (allocated blocks; hard links once)."""
+    seen, total = set(), 0
+    for d, dirs, files in os.walk(path):
+        for n in dirs + files:
+            st = os.lstat(os.path.join(d, n))
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+def test_trial_writes_past_the_disk_caps_get_enospc_in_both_phases_and_the_kept_copy_is_bounded(tmp_path):
+    task = make_task(tmp_path)
+    (task / "tests" / "test.sh").write_text(  # the verifier phase (agent code run by the verifier) fills it too
+        "(head -c 100M /dev/zero > /logs/verifier/fill) 2>&1 | grep -q 'No space' && echo VERIFIER-LOGS-FULL\n"
+        "(head -c 100M /dev/zero > /app/vfill) 2>&1 | grep -q 'No space' && echo VERIFIER-APP-FULL\n"
+        "rm -f /logs/verifier/fill /app/vfill\n" + TEST_SH.split("\n", 1)[1])
+    host = os.stat(tmp_path).st_dev
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", SMALL) as box:
+        assert os.stat(box.root).st_dev != host and os.stat(f"{box.root}/app").st_dev != host  # not the host disk
+        for target in ("/app/big", "/logs/big", "/logs/agent/big", "/tmp/big"):
+            rc, out = box.exec(f"head -c 100M /dev/zero > {target}; echo rc=$?; rm -f {target}")
+            assert "No space left on device" in out and "rc=1" in out, (target, out)
+        rc, out = box.exec("for i in $(seq 1 2000); do : > /app/f$i || { echo stopped at $i; break; }; done")
+        assert "No space left on device" in out and "stopped at" in out, out  # the inode cap
+        assert int(out.split("stopped at ")[1].split()[0]) == 1001  # 1000 made, the next refused
+        rc, out = box.exec("rm -f /app/f*; head -c 30M /dev/zero > /app/h; for i in $(seq 1 2000); do "
+                           "ln /app/h /app/h$i 2>/dev/null || { echo links stop at $i; break; }; done")
+        assert "links stop at" in out, out  # a hard link is an inode too
+        rc, out = box.exec("rm -f /app/h*; truncate -s 200M /app/sparse && mkdir -p /app/a/b && "
+                           "ln -s /etc/shadow /app/a/b/l && mkfifo /app/fifo && echo ok")
+        assert out.strip() == "ok", out
+        box.exec("echo sort > /app/note; sort in.txt > out.txt")
+        rc, out = box.exec("head -c 100M /dev/zero > /app/full; for i in $(seq 1 2000); do : > /logs/f$i || break; "
+                           "done; df /app | tail -1")  # the agent leaves its disk full, bytes and inodes
+        assert " 100% " in out, out
+        res = box.run_verifier()  # its own budget: the full /app does not fail the verifier or the host's logs
+        assert res["passed"] == 3, (res, open(f"{box.host_dir}/verifier_output.txt").read())
+    out = open(f"{tmp_path}/trial/host/verifier_output.txt").read()
+    assert "VERIFIER-LOGS-FULL" in out and "VERIFIER-APP-FULL" in out, out
+    trial = tmp_path / "trial"  # kept (keep_files): on the host disk again, no larger than the cap
+    assert os.stat(trial).st_dev == host and not any(p.name.startswith(".trial-keep") for p in tmp_path.iterdir())
+    assert (trial / "app" / "note").read_text() == "sort\n" and os.path.islink(trial / "app" / "a" / "b" / "l")
+    assert os.path.getsize(trial / "app" / "sparse") == 200 * MiB and du_bytes(trial) < 70 * MiB  # full, sparse
+    assert not any(m[2].startswith("t1-trial-") and m[0] == str(trial) for m in trial_caps.mounts())
+
+
+def test_dropped_files_leave_nothing_and_the_trial_dir_must_be_empty(tmp_path):
+    task = task_io.load_task(make_task(tmp_path))
+    with sandbox.Sandbox(task, tmp_path / "trial", SMALL, keep_files=False) as box:
+        box.exec("head -c 10M /dev/zero > /app/x")
+    assert os.listdir(tmp_path / "trial") == []
+    (tmp_path / "t2").mkdir()
+    (tmp_path / "t2" / "old").write_text("x")
+    with pytest.raises(ValueError, match="must be empty"):
+        sandbox.Sandbox(task, tmp_path / "t2", SMALL).start()
+
+
+MEM_HOG = "python3 -c 'import time; a = b\"x\" * (80 << 20); time.sleep(2)'"
+
+
+def test_processes_past_the_trial_memory_cap_are_oom_killed_and_the_trial_is_scored(tmp_path):
+    task = make_task(tmp_path)
+    limits = {**SMALL, "trial_mem_bytes": 160 * MiB}  # three processes of 80 MB each: 240 MB, under RLIMIT_AS
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as box:
+        rc, out = box.exec(f"{MEM_HOG} & a=$!; {MEM_HOG} & b=$!; {MEM_HOG} & c=$!; "
+                           "wait $a; echo rc=$?; wait $b; echo rc=$?; wait $c; echo rc=$?")
+        codes = [int(x.split("=")[1]) for x in out.split() if x.startswith("rc=")]
+        assert len(codes) == 3 and 137 in codes, out  # SIGKILLed by the cgroup's OOM killer
+        rc, out = box.exec("sort in.txt > out.txt && echo alive")
+        assert rc == 0 and out.strip() == "alive", out  # the trial goes on
+        res = box.run_verifier()
+    assert res["passed"] == 3 and res["source"] == "ctrf", res
+
+
+def test_the_agent_cannot_see_or_leave_its_cgroup_and_close_kills_what_is_in_it(tmp_path):
+    with sandbox.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial", SMALL) as box:
+        dirs = list(box._cgroup.dirs)
+        rc, out = box.exec("ls /sys/fs/cgroup 2>&1; ls /sys 2>&1; mount -t cgroup2 none /tmp 2>&1; "
+                           "setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo started")
+        assert "No such file" in out and "started" in out, out
+        time.sleep(0.3)
+        sleeps = [p for p in box._cgroup.procs() if open(f"/proc/{p}/cmdline", "rb").read() == b"sleep\x00300\x00"]
+        assert sleeps, "the setsid'd process left the trial's cgroup"
+        rc, out = box.exec("for f in /proc/1/root/sys/fs/cgroup/memory/cgroup.procs /proc/1/cgroup; do "
+                           "echo $$ > $f && echo WROTE $f; done 2>&1")
+        assert "WROTE" not in out, out
+    assert not any(os.path.exists(d) for d in dirs) and not os.path.exists(f"/proc/{sleeps[0]}/cmdline")
+
+
+HOLDER = """import sys, time
+sys.path.insert(0, {repo!r})
+import sandbox, task_io
+boxes = [sandbox.Sandbox(task_io.load_task({task!r}), "/nonexistent", {{}}) for _ in range({n})]
+print(" ".join(str(b.uid) for b in boxes), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path):
+    task = str(make_task(tmp_path))
+    code = HOLDER.format(repo=REPO, task=task, n=60)
+    procs = [subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    try:
+        held = [set(map(int, p.stdout.readline().split())) for p in procs]
+        mine = [sandbox.Sandbox(task_io.load_task(task), "/nonexistent") for _ in range(201)]  # past pid % 4000 x 200
+        uids = [b.uid for b in mine]
+        assert len(set(uids)) == 201 and len(held[0]) == len(held[1]) == 60, (uids, held)
+        assert not (held[0] & held[1]) and not (held[0] | held[1]) & set(uids)
+        assert all(b.verifier_uid == b.uid + sandbox.VERIFIER_UID_OFFSET for b in mine)
+        procs[0].kill()  # a holder dies: its uids are free again (the kernel dropped its locks)
+        procs[0].wait()
+        for b in mine:
+            b.close()
+        again = sandbox.Sandbox(task_io.load_task(task), "/nonexistent").uid
+        assert again <= min(held[0]), (again, min(held[0]))  # lowest free first
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+DIES = """import sys
+sys.path.insert(0, {repo!r})
+import sandbox, task_io
+box = sandbox.Sandbox(task_io.load_task({task!r}), {trial!r}, {limits!r}).start()
+print(box.uid, flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_a_trial_killed_before_close_leaves_nothing_once_its_uid_is_taken_again(tmp_path):
+    code = DIES.format(repo=REPO, task=str(make_task(tmp_path)), trial=str(tmp_path / "trial"), limits=SMALL)
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    uid = int(p.stdout.readline())
+    dirs = [os.path.join(d, trial_caps.CGROUP_PARENT, f"trial-{uid}") for d in trial_caps.cgroup_layout()[1:] if d]
+    p.send_signal(signal.SIGKILL)
+    p.wait()
+    source = trial_caps.MOUNT_SOURCE.format(uid=uid)
+    assert any(m[2] == source for m in trial_caps.mounts()) and all(os.path.isdir(d) for d in dirs)
+    leases = []
+    try:
+        while not leases or leases[-1].uid < uid:  # lowest free first: its uid comes up
+            leases.append(trial_caps.allocate_uid())
+        assert leases[-1].uid == uid
+    finally:
+        for lease in leases:
+            lease.release()
+    assert not any(m[2] == source for m in trial_caps.mounts()) and not any(os.path.isdir(d) for d in dirs)
+
+
+def test_task_toml_memory_and_storage_lower_the_caps_and_bad_values_are_named(tmp_path):
+    task = make_task(tmp_path)
+    toml = (task / "task.toml").read_text()
+    (task / "task.toml").write_text(toml + '\n[environment]\nmemory_mb = 300\nstorage = "100M"\n')
+    box = sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial")
+    assert (box.limits.trial_mem_bytes, box.limits.disk_bytes) == (300 * MiB, 100 * MiB)
+    box = sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", {"trial_mem_bytes": 200 * MiB})
+    assert box.limits.trial_mem_bytes == 200 * MiB  # a lower cap only: never raises ours
+    assert trial_caps.task_caps({"environment": {"memory": "2G", "memory_mb": 100}})[0] == 2 << 30  # as Harbor
+    for env, field in [({"memory_mb": "lots"}, "memory_mb"), ({"storage": "10 parsecs"}, "storage"),
+                       ({"memory_mb": 0}, "memory_mb"), ({"storage_mb": True}, "storage_mb")]:
+        with pytest.raises(ValueError, match=f"environment\\] {field}"):
+            trial_caps.task_caps({"environment": env})
+    with pytest.raises(ValueError, match="limits.disk_inodes"):
+        sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", {"disk_inodes": -1})
+
+
+def test_no_memory_cgroup_is_an_error_naming_it_unless_the_cap_is_off(tmp_path, capsys):
+    with pytest.raises(RuntimeError, match="no usable memory cgroup.*trial_mem_bytes=0"):
+        trial_caps.cgroup_layout([("/", "ext4", "/dev/vda", "rw"), ("/cg/cpu", "cgroup", "cgroup", "rw,cpu")])
+    trial_caps._said_off.clear()
+    with sandbox.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial",
+                         {**SMALL, "trial_mem_bytes": 0}) as box:
+        assert box._cgroup is None and box.exec("echo ok")[1].strip() == "ok"
+    assert "trial_mem_bytes=0: no memory cap per trial" in capsys.readouterr().err
