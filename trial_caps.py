@@ -258,8 +258,8 @@ def _remove_cgroup(d, timeout):
 class TrialCgroup:
     """The trial's cgroup(s): memory cap (swap none) and pids cap; join_argv() puts a command in them."""
 
-    def __init__(self, uid, mem_bytes, max_procs):
-        kind, a, b = cgroup_layout()
+    def __init__(self, uid, mem_bytes, max_procs, layout=None):
+        kind, a, b = layout or cgroup_layout()
         self.kind, self.dirs = kind, []
         try:
             if kind == "v2":
@@ -319,6 +319,14 @@ class TrialCgroup:
 
     def procs(self):
         return sorted({p for d in self.dirs for p in _procs(d)})
+
+    def oom_kills(self):
+        """Processes the kernel's OOM killer killed in the trial's memory cgroup so far."""
+        name = "memory.events" if self.kind == "v2" else "memory.oom_control"
+        for line in open(os.path.join(self.dirs[0], name)):
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+        return 0
 
     def close(self, timeout=10.0):
         """SIGKILL what is left in the cgroups, remove them -> None or the error text (never raises)."""

@@ -55,7 +55,7 @@ def test_trial_writes_past_the_disk_caps_get_enospc_in_both_phases_and_the_kept_
         rc, out = box.exec("rm -f /app/f*; head -c 30M /dev/zero > /app/h; for i in $(seq 1 2000); do "
                            "ln /app/h /app/h$i 2>/dev/null || { echo links stop at $i; break; }; done")
         assert "links stop at" in out, out  # a hard link is an inode too
-        rc, out = box.exec("rm -f /app/h*; truncate -s 200M /app/sparse && mkdir -p /app/a/b && "
+        rc, out = box.exec("rm -f /app/h{101..2000}; truncate -s 200M /app/sparse && mkdir -p /app/a/b && "
                            "ln -s /etc/shadow /app/a/b/l && mkfifo /app/fifo && echo ok")
         assert out.strip() == "ok", out
         box.exec("echo sort > /app/note; sort in.txt > out.txt")
@@ -69,7 +69,8 @@ def test_trial_writes_past_the_disk_caps_get_enospc_in_both_phases_and_the_kept_
     trial = tmp_path / "trial"  # kept (keep_files): on the host disk again, no larger than the cap
     assert os.stat(trial).st_dev == host and not any(p.name.startswith(".trial-keep") for p in tmp_path.iterdir())
     assert (trial / "app" / "note").read_text() == "sort\n" and os.path.islink(trial / "app" / "a" / "b" / "l")
-    assert os.path.getsize(trial / "app" / "sparse") == 200 * MiB and du_bytes(trial) < 70 * MiB  # full, sparse
+    assert os.path.getsize(trial / "app" / "sparse") == 200 * MiB and os.stat(trial / "app" / "h").st_nlink == 101
+    assert du_bytes(trial) < 70 * MiB  # full, with a sparse file and 100 hard links to 30 MB: stored once
     assert not any(m[2].startswith("t1-trial-") and m[0] == str(trial) for m in trial_caps.mounts())
 
 
@@ -95,6 +96,7 @@ def test_processes_past_the_trial_memory_cap_are_oom_killed_and_the_trial_is_sco
                            "wait $a; echo rc=$?; wait $b; echo rc=$?; wait $c; echo rc=$?")
         codes = [int(x.split("=")[1]) for x in out.split() if x.startswith("rc=")]
         assert len(codes) == 3 and 137 in codes, out  # SIGKILLed by the cgroup's OOM killer
+        assert box._cgroup.oom_kills() >= 1  # the trial's cgroup, not the host's
         rc, out = box.exec("sort in.txt > out.txt && echo alive")
         assert rc == 0 and out.strip() == "alive", out  # the trial goes on
         res = box.run_verifier()
@@ -203,3 +205,40 @@ def test_no_memory_cgroup_is_an_error_naming_it_unless_the_cap_is_off(tmp_path, 
                          {**SMALL, "trial_mem_bytes": 0}) as box:
         assert box._cgroup is None and box.exec("echo ok")[1].strip() == "ok"
     assert "trial_mem_bytes=0: no memory cap per trial" in capsys.readouterr().err
+
+
+def test_cgroup_v2_layout_writes_the_caps_and_delegates_memory(tmp_path, monkeypatch):
+    """The cgroup v2 branch against a tree of plain files laid out as cgroupfs (this host's memory controller is
+    on cgroup v1; the kernel's side of v2 is not exercised here)."""
+    root = tmp_path / "cg"
+    for d in (root, root / "t1-sandbox"):
+        d.mkdir()
+        (d / "cgroup.controllers").write_text("cpu io memory pids\n")
+        (d / "cgroup.subtree_control").write_text("")
+    table = [("/", "ext4", "/dev/vda", "rw"), (str(root), "cgroup2", "cgroup2", "rw")]
+    layout = trial_caps.cgroup_layout(table)
+    assert layout == ("v2", str(root), None)
+    mkdir, write, writes = os.mkdir, trial_caps._write, []
+
+    def mkdir_with_files(path, *a, **kw):  # cgroupfs makes a new cgroup's files itself
+        mkdir(path, *a, **kw)
+        for f in ("memory.max", "memory.swap.max", "pids.max", "cgroup.procs"):
+            open(os.path.join(path, f), "w").close()
+    monkeypatch.setattr(trial_caps.os, "mkdir", mkdir_with_files)
+    monkeypatch.setattr(trial_caps, "_write", lambda path, value: (writes.append((path, value)), write(path, value)))
+    cg = trial_caps.TrialCgroup(234567, 300 * MiB, 77, layout=layout)
+    d = root / "t1-sandbox" / "trial-234567"
+    assert [(d / f).read_text() for f in ("memory.max", "memory.swap.max", "pids.max")] == [str(300 * MiB), "0", "77"]
+    assert cg.join_argv()[-2:] == [str(d / "cgroup.procs"), "--"]
+    for parent in (root, root / "t1-sandbox"):  # memory (and pids) delegated down to the trial's cgroup
+        assert (str(parent / "cgroup.subtree_control"), "+memory") in writes, writes
+    (root / "cgroup.controllers").write_text("cpu io\n")
+    with pytest.raises(RuntimeError, match="cgroup2 at .* without the memory controller"):
+        trial_caps.cgroup_layout(table)
+
+
+def test_the_cgroup_join_runs_nothing_when_it_cannot_join(tmp_path):
+    argv = ["/bin/sh", "-c", trial_caps.JOIN_SH, "cgroup-join", str(tmp_path / "no" / "cgroup.procs"), "--",
+            "sh", "-c", "echo RAN"]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    assert p.returncode == 125 and "RAN" not in p.stdout, p
