@@ -4,6 +4,10 @@ what the local jail cannot run of it (T1 paper, section "data"; the task format 
 Run (in code; below rollout.py, which loads and runs tasks, and data.py, which writes and audits them):
     task_io.load_task(dir)  # also loads a Terminal-Bench 2 task dir unchanged (what it refuses: above load_task)
     task_io.image_needs(task)  # why the local jail cannot run a task faithfully ([] = it can; see its docstring)
+
+A task dir is untrusted input read with bounds (paper silent; the caps below sit far above Terminal-Bench 2's tasks):
+only regular files and directories, no links (symbolic or hard), files read through O_NOFOLLOW descriptors with a
+size cap checked before reading, so loading a task never blocks, never follows a link and never reads without bound.
 """
 import dataclasses
 import importlib.metadata
@@ -17,9 +21,18 @@ import stat
 import sys
 import tomllib
 
-MAX_TIMEOUT_S = 7 * 24 * 3600.0  # paper silent: a task.toml timeout above a week is refused (threading caps waits)
+# paper silent on all of these: caps on untrusted task dirs, sized well above Terminal-Bench 2 (its task.toml files
+# are about 1 KiB, its instructions a few KiB, its trees a few hundred entries, its timeouts 15 min to about 3 h)
+MAX_TOML_BYTES = 16 << 10  # task.toml (tomllib is quadratic in a dotted key's length: 16 KiB parse in under 1 s)
+MAX_INSTRUCTION_BYTES = 256 << 10  # instruction.md (it becomes the agent's first prompt)
+MAX_TASK_ENTRIES = 100_000  # files and directories in the whole task dir (sandbox.Limits.task_files per copied tree)
+MAX_TASK_DEPTH = 64  # directory levels below the task dir (as sandbox.copy_task_tree)
+MAX_TOML_DEPTH = 16  # nesting of tables and arrays in task.toml
+MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 24 * 3600.0  # every *timeout_sec in task.toml, in seconds
+MAX_N_ASSERTIONS = 10_000  # [metadata] n_assertions / t1_audit.json (reward.compute's bound on P)
 AUDIT_FILE = "t1_audit.json"  # data.validate() records n_assertions here for a task whose task.toml has none
 AUDIT_MAX_BYTES = 4096
+_OPEN_FLAGS = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
 
 
 # --- Harbor task I/O ---------------------------------------------------------------------------
@@ -35,37 +48,150 @@ class Task:
     n_assertions: int | None = None  # the task's assertion count recorded at audit (reward.compute's bound on P)
 
 
+def _shown(path):
+    """A path (or any name) as printable text: bytes that are not UTF-8 and control characters escaped."""
+    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
+def _brief(value):
+    """repr(value), cut to 60 characters (a message never carries a whole hostile value)."""
+    r = repr(value)
+    return r if len(r) <= 60 else r[:57] + "..."
+
+
+def _kind(mode):
+    """What a file of this st_mode is, in words."""
+    kinds = ((stat.S_ISLNK, "a symbolic link"), (stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"),
+             (stat.S_ISCHR, "a device file"), (stat.S_ISBLK, "a device file"), (stat.S_ISSOCK, "a socket"),
+             (stat.S_ISREG, "a regular file"))
+    return next((what for test, what in kinds if test(mode)), f"a file of type {stat.S_IFMT(mode):#o}")
+
+
+def _open_dir(name, dir_fd, path):
+    """A directory's descriptor, opened without following a link; ValueError naming `path` otherwise."""
+    try:
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    except OSError as e:
+        raise ValueError(f"{_shown(path)}: cannot be opened as a directory without following a link "
+                         f"({e.strerror})") from None
+
+
+def _check_tree(dir_fd, top, rel, depth, count):
+    """Refuse anything below dir_fd (the directory top/rel) but directories and regular files with one link
+    each: ValueError naming the path. At most MAX_TASK_ENTRIES entries in all (count[0]: so far) and MAX_TASK_DEPTH
+    levels; entries are counted as they are listed, only directories are opened (O_NOFOLLOW), nothing is read."""
+    if depth > MAX_TASK_DEPTH:
+        raise ValueError(f"{_shown(os.path.join(top, rel))}: more than {MAX_TASK_DEPTH} directory levels below the "
+                         f"task dir (MAX_TASK_DEPTH)")
+    try:
+        entries = os.scandir(dir_fd)
+    except OSError as e:
+        raise ValueError(f"{_shown(os.path.join(top, rel))}: cannot be listed ({e.strerror})") from None
+    with entries:
+        for entry in entries:
+            path = os.path.join(top, rel, entry.name)
+            count[0] += 1
+            if count[0] > MAX_TASK_ENTRIES:
+                raise ValueError(f"{_shown(top)}: more than {MAX_TASK_ENTRIES} files and directories in the task dir "
+                                 f"(MAX_TASK_ENTRIES; at {_shown(path)})")
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except OSError as e:
+                raise ValueError(f"{_shown(path)}: cannot be examined ({e.strerror})") from None
+            if stat.S_ISDIR(st.st_mode):
+                fd = _open_dir(entry.name, dir_fd, path)
+                try:
+                    _check_tree(fd, top, os.path.join(rel, entry.name), depth + 1, count)
+                finally:
+                    os.close(fd)
+            elif stat.S_ISLNK(st.st_mode):
+                try:
+                    target = os.readlink(entry.name, dir_fd=dir_fd)
+                except OSError:
+                    target = "?"
+                inside = os.path.normpath(os.path.join(rel, target))
+                leaves = os.path.isabs(target) or inside == ".." or inside.startswith("../")
+                raise ValueError(f"{_shown(path)}: not a regular file inside the task dir: a symbolic link to "
+                                 f"{_shown(target)!r}{', which leaves the task dir' if leaves else ''} (a task dir "
+                                 f"is read without following a link)")
+            elif not stat.S_ISREG(st.st_mode):
+                raise ValueError(f"{_shown(path)}: not a regular file inside the task dir: {_kind(st.st_mode)}")
+            elif st.st_nlink > 1:
+                raise ValueError(f"{_shown(path)}: a file with {st.st_nlink} hard links (another of its names may be "
+                                 f"a host file; a task dir holds its own copies)")
+
+
+def _read_file(dir_fd, name, path, cap, cap_name):
+    """The bytes of the regular file `name` in the directory dir_fd (None when it does not exist): opened without
+    following a link and without blocking, its size checked against `cap` before reading, read from that descriptor
+    only. ValueError naming `path` otherwise."""
+    try:
+        fd = os.open(name, _OPEN_FLAGS, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be opened without following a link ({e.strerror})") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path}: {_kind(st.st_mode)}, not a regular file")
+        if st.st_size > cap:
+            raise ValueError(f"{path}: {st.st_size} bytes, over the cap of {cap} bytes ({cap_name})")
+        data = b""
+        while len(data) <= cap and (chunk := os.read(fd, cap + 1 - len(data))):
+            data += chunk
+        if len(data) > cap:
+            raise ValueError(f"{path}: more than the cap of {cap} bytes ({cap_name}; it grew while read)")
+        return data
+    finally:
+        os.close(fd)
+
+
+def _utf8(data, path, what):
+    """Bytes -> text; ValueError naming `path` when they are not UTF-8 or hold a NUL byte (binary data)."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text (byte {e.start} is {data[e.start:e.start + 1]!r}); {what}") from None
+    if "\x00" in text:
+        raise ValueError(f"{path}: holds NUL bytes at offset {text.index(chr(0))} (binary, not text); {what}")
+    return text
+
+
 def _positive_finite(value, where, maximum=None):
     """A positive finite number (int or float, not a bool) at most `maximum`; raise ValueError naming `where`."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{where} must be a positive finite number, got {value!r}")
+        raise ValueError(f"{where} must be a positive finite number, got {_brief(value)}")
     if maximum is not None and value > maximum:
         raise ValueError(f"{where} = {value!r} is over the maximum of {maximum}")
     return value
 
 
-def _n_assertions(value, where):
-    """A recorded assertion count: a positive int (not a bool); raise ValueError naming `where`."""
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{where} must be a positive integer, got {value!r}")
+def _timeout(value, where):
+    """A timeout in seconds: a number (not a bool) in MIN_TIMEOUT_S..MAX_TIMEOUT_S; ValueError naming `where`."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not (ok and MIN_TIMEOUT_S <= value <= MAX_TIMEOUT_S):
+        raise ValueError(f"{where} = {_brief(value)} is outside {MIN_TIMEOUT_S:g}..{MAX_TIMEOUT_S:g} s (a finite "
+                         f"number of seconds, MIN_TIMEOUT_S..MAX_TIMEOUT_S)")
     return value
 
 
-def _read_audit(task_dir):
+def _n_assertions(value, where):
+    """A recorded assertion count: an int (not a bool) in 1..MAX_N_ASSERTIONS; raise ValueError naming `where`."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_N_ASSERTIONS:
+        raise ValueError(f"{where} must be an integer in 1..{MAX_N_ASSERTIONS} (MAX_N_ASSERTIONS), got {_brief(value)}")
+    return value
+
+
+def _read_audit(root_fd, task_dir):
     """n_assertions recorded by data.validate() in AUDIT_FILE (None when there is none); ValueError when it is bad."""
     path = os.path.join(task_dir, AUDIT_FILE)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
+    raw = _read_file(root_fd, AUDIT_FILE, path, AUDIT_MAX_BYTES, "AUDIT_MAX_BYTES")
+    if raw is None:
         return None
-    except OSError as e:
-        raise ValueError(f"{path}: cannot be opened without following a link ({e.strerror})") from None
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a regular file")
-        raw = f.read(AUDIT_MAX_BYTES + 1)
     try:
-        doc = json.loads(raw) if len(raw) <= AUDIT_MAX_BYTES else None
+        doc = json.loads(raw)
     except (ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not valid JSON ({str(e)[:80]})") from None
     if not isinstance(doc, dict) or "n_assertions" not in doc:
@@ -73,64 +199,139 @@ def _read_audit(task_dir):
     return _n_assertions(doc["n_assertions"], f"{path}: n_assertions")
 
 
+def _parse_toml(raw, toml_path):
+    """task.toml's bytes -> a dict of at most MAX_TOML_DEPTH levels; ValueError naming the file and the problem."""
+    text = _utf8(raw, toml_path, "task.toml is TOML text")
+    try:
+        config = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"{toml_path}: invalid TOML ({_shown(str(e))[:200]})") from None
+    except RecursionError:
+        raise ValueError(f"{toml_path}: tables or arrays nested too deeply to parse (at most {MAX_TOML_DEPTH} "
+                         f"levels, MAX_TOML_DEPTH)") from None
+    stack = [(config, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_TOML_DEPTH:
+            raise ValueError(f"{toml_path}: tables or arrays nested more than {MAX_TOML_DEPTH} levels deep "
+                             f"(MAX_TOML_DEPTH)")
+        stack += [(v, depth + 1) for v in (value.values() if isinstance(value, dict) else value)
+                  if isinstance(v, (dict, list))]
+    return config
+
+
+def _timeout_fields(value, table=""):
+    """(where, value) of every key ending in timeout_sec, in any table or array of tables of task.toml."""
+    items = value.items() if isinstance(value, dict) else ((f"{i}", v) for i, v in enumerate(value))
+    for key, v in items:
+        sub = f"{table}.{key}" if table and isinstance(value, dict) else f"{table}[{key}]" if table else key
+        if isinstance(value, dict) and key.endswith("timeout_sec"):
+            yield (f"[{table}] {key}" if table else key), v
+        elif isinstance(v, (dict, list)) and not (isinstance(value, dict) and key == "env"):  # env: variables
+            yield from _timeout_fields(v, sub)
+
+
 def _check_config(config, toml_path):
     """Refuse the task.toml fields this project reads when they are the wrong type or out of range."""
-    for table in ("metadata", "verifier", "agent", "environment"):
+    for table in ("metadata", "verifier", "agent", "environment", "solution"):
         if not isinstance(config.get(table, {}), dict):
-            raise ValueError(f"{toml_path}: [{table}] must be a table")
-    for table, key in (("verifier", "timeout_sec"), ("agent", "timeout_sec"), ("environment", "build_timeout_sec")):
-        if key in config.get(table, {}):  # every timeout is finite: inf / nan / <= 0 / bool / str refused
-            _positive_finite(config[table][key], f"{toml_path}: [{table}] {key} (seconds)", MAX_TIMEOUT_S)
+            raise ValueError(f"{toml_path}: [{table}] must be a table, got {_brief(config[table])}")
+    for where, value in _timeout_fields(config):  # every timeout: MIN_TIMEOUT_S..MAX_TIMEOUT_S seconds
+        _timeout(value, f"{toml_path}: {where}")
+    env, meta = config.get("environment", {}), config.get("metadata", {})
     for key in ("cpus", "memory_mb", "storage_mb"):  # read by daytona_sandbox
-        if key in config.get("environment", {}):
-            _positive_finite(config["environment"][key], f"{toml_path}: [environment] {key}")
-    meta = config.get("metadata", {})
+        if key in env:
+            _positive_finite(env[key], f"{toml_path}: [environment] {key}")
+    for table, key in (("metadata", "family"), ("metadata", "difficulty"), ("metadata", "split"),
+                       ("metadata", "category"), ("environment", "docker_image")):
+        if key in config.get(table, {}) and not isinstance(config[table][key], str):  # data.py / image_needs
+            raise ValueError(f"{toml_path}: [{table}] {key} must be a string, got {_brief(config[table][key])}")
     if "quality" in meta:  # ordered_pool sorts by it
         q = meta["quality"]
         if isinstance(q, bool) or not isinstance(q, (int, float)) or not math.isfinite(q):
-            raise ValueError(f"{toml_path}: [metadata] quality must be a finite number, got {q!r}")
+            raise ValueError(f"{toml_path}: [metadata] quality must be a finite number, got {_brief(q)}")
     if "n_assertions" in meta:
         _n_assertions(meta["n_assertions"], f"{toml_path}: [metadata] n_assertions")
 
 
-# load_task refuses (ValueError naming the file and field): [verifier] / [agent] timeout_sec and [environment]
-# build_timeout_sec that are not positive finite numbers of at most MAX_TIMEOUT_S (inf, nan, 0, negatives, booleans,
-# strings); [environment] cpus / memory_mb / storage_mb that are not positive finite numbers; a non-finite [metadata]
-# quality; an n_assertions that is not a positive int; a t1_audit.json that disagrees with task.toml.
+def _check_layout(root_fd, task_dir):
+    """tests/ and environment/ are directories, tests/test.sh a regular file, solution/ a directory when present
+    -> whether solution/ is there; ValueError naming the path otherwise."""
+    def mode(rel):
+        try:
+            return os.stat(rel, dir_fd=root_fd, follow_symlinks=False).st_mode
+        except FileNotFoundError:
+            return None
+    for rel, want, needed in (("tests", stat.S_ISDIR, True), ("tests/test.sh", stat.S_ISREG, True),
+                              ("environment", stat.S_ISDIR, True), ("solution", stat.S_ISDIR, False)):
+        m, path = mode(rel), os.path.join(task_dir, rel)
+        if m is None and needed:
+            raise ValueError(f"{path}: missing {rel}")
+        if m is not None and not want(m):
+            raise ValueError(f"{path}: {_kind(m)}, not a " + ("directory" if want is stat.S_ISDIR else "regular file"))
+    return mode("solution") is not None
+
+
+# load_task refuses (ValueError naming the file and the problem), before anything runs:
+# - the tree: a task dir that is a link or whose path is not printable UTF-8; anywhere in it, a symbolic link, a
+#   file with more than one hard link, a FIFO, a device file, a socket; more than MAX_TASK_ENTRIES entries or
+#   MAX_TASK_DEPTH levels; a missing or wrong-typed task.toml, instruction.md, tests/, tests/test.sh, environment/
+#   (a solution/ that is not a directory).
+# - task.toml: over MAX_TOML_BYTES, not UTF-8, a NUL byte, not TOML, nested past MAX_TOML_DEPTH; [metadata] /
+#   [verifier] / [agent] / [environment] / [solution] not tables; any *timeout_sec (any table) outside
+#   MIN_TIMEOUT_S..MAX_TIMEOUT_S or not a finite number; [environment] cpus / memory_mb / storage_mb not positive
+#   finite numbers; [metadata] family / difficulty / split / category and [environment] docker_image not strings;
+#   a non-finite [metadata] quality; an n_assertions that is not an int in 1..MAX_N_ASSERTIONS.
+# - instruction.md: over MAX_INSTRUCTION_BYTES, not UTF-8, a NUL byte, empty; t1_audit.json: over AUDIT_MAX_BYTES,
+#   not JSON, a bad n_assertions, or one that disagrees with task.toml.
+# Files are opened O_NOFOLLOW | O_NONBLOCK relative to the task dir's descriptor and read from that descriptor only,
+# so a FIFO, /dev/zero or a sparse 100 GB file is refused without blocking or reading.
 def load_task(task_dir):
-    """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file and field."""
+    """Load a Harbor / Terminal-Bench 2 task dir; raise ValueError naming the bad file and the problem."""
     task_dir = os.path.abspath(task_dir)
-    if not os.path.isdir(task_dir):
-        raise ValueError(f"task dir {task_dir} does not exist")
-    toml_path = os.path.join(task_dir, "task.toml")
+    if _shown(task_dir) != task_dir:
+        raise ValueError(f"task dir {_shown(task_dir)}: its path is not printable UTF-8 (it names the task in "
+                         f"results and logs)")
     try:
-        with open(toml_path, "rb") as f:
-            config = tomllib.load(f)
+        st = os.lstat(task_dir)
     except FileNotFoundError:
-        raise ValueError(f"{toml_path}: missing task.toml") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"{toml_path}: invalid TOML ({e})") from None
-    _check_config(config, toml_path)
-    n_assertions = config.get("metadata", {}).get("n_assertions")
-    audited = _read_audit(task_dir)
-    if n_assertions is not None and audited is not None and audited != n_assertions:
-        raise ValueError(f"{toml_path}: [metadata] n_assertions = {n_assertions} but {AUDIT_FILE} records {audited}")
-    ins_path = os.path.join(task_dir, "instruction.md")
-    if not os.path.isfile(ins_path):
-        raise ValueError(f"{ins_path}: missing instruction.md")
-    with open(ins_path) as f:
-        instruction = f.read().strip()
-    if not instruction:
-        raise ValueError(f"{ins_path}: instruction.md is empty")
-    for rel in ("tests/test.sh", "environment"):
-        if not os.path.exists(os.path.join(task_dir, rel)):
-            raise ValueError(f"{os.path.join(task_dir, rel)}: missing {rel}")
-    sol = os.path.join(task_dir, "solution")
+        raise ValueError(f"task dir {task_dir} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"task dir {task_dir}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise ValueError(f"{task_dir}: the task dir is a symbolic link (to {_shown(os.readlink(task_dir))!r}); "
+                         f"give the real directory")
+    if not stat.S_ISDIR(st.st_mode):
+        raise ValueError(f"task dir {task_dir} is not a directory ({_kind(st.st_mode)})")
+    root_fd = _open_dir(task_dir, None, task_dir)
+    try:
+        _check_tree(root_fd, task_dir, "", 0, [0])
+        toml_path = os.path.join(task_dir, "task.toml")
+        raw = _read_file(root_fd, "task.toml", toml_path, MAX_TOML_BYTES, "MAX_TOML_BYTES")
+        if raw is None:
+            raise ValueError(f"{toml_path}: missing task.toml")
+        config = _parse_toml(raw, toml_path)
+        _check_config(config, toml_path)
+        n_assertions = config.get("metadata", {}).get("n_assertions")
+        audited = _read_audit(root_fd, task_dir)
+        if n_assertions is not None and audited is not None and audited != n_assertions:
+            raise ValueError(f"{toml_path}: [metadata] n_assertions = {n_assertions} but {AUDIT_FILE} records "
+                             f"{audited}")
+        ins_path = os.path.join(task_dir, "instruction.md")
+        raw = _read_file(root_fd, "instruction.md", ins_path, MAX_INSTRUCTION_BYTES, "MAX_INSTRUCTION_BYTES")
+        if raw is None:
+            raise ValueError(f"{ins_path}: missing instruction.md")
+        instruction = _utf8(raw, ins_path, "instruction.md is the agent's prompt").removeprefix("\ufeff").strip()
+        if not instruction:
+            raise ValueError(f"{ins_path}: instruction.md is empty")
+        has_solution = _check_layout(root_fd, task_dir)
+    finally:
+        os.close(root_fd)
     return Task(name=os.path.basename(task_dir), path=task_dir, instruction=instruction, config=config,
-                tests_dir=os.path.join(task_dir, "tests"), solution_dir=sol if os.path.isdir(sol) else None,
+                tests_dir=os.path.join(task_dir, "tests"),
+                solution_dir=os.path.join(task_dir, "solution") if has_solution else None,
                 env_dir=os.path.join(task_dir, "environment"),
                 n_assertions=n_assertions if n_assertions is not None else audited)
-
 
 # --- what the local jail can run -----------------------------------------------------------------
 # the host's /usr stands in for these (sandbox.py departure 1)
@@ -177,7 +378,13 @@ def _read_capped(path, task_dir):
     real, top = os.path.realpath(path), os.path.realpath(task_dir)
     if not real.startswith(top + os.sep) or not os.path.isfile(real):
         raise ValueError(f"{path}: not a regular file inside the task dir (-> {real})")
-    with open(real, "rb") as f:
+    try:
+        fd = os.open(real, _OPEN_FLAGS)
+    except OSError as e:
+        raise ValueError(f"{path}: cannot be opened without following a link ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ValueError(f"{path}: not a regular file inside the task dir (-> {real})")
         data = f.read(CHECK_BYTES + 1)
     return None if len(data) > CHECK_BYTES else data.decode(errors="replace")
 
