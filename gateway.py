@@ -21,7 +21,10 @@ Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the 
 content: str | null | text parts}); 400 "not supported" (code unsupported_parameter) for the non-neutral values of
 UNSUPPORTED (n > 1, stream, tools, response_format other than text, penalties, ...), image parts, tool messages;
 404 model_not_found for a model other than MODEL_ID; body framing errors as the engine's (411 / 400 / 413 / 408);
-503 when the engine cannot be reached or aborted the request, 502 when it answered with an error. Unknown fields
+400 naming the field for text that is not Unicode (a lone surrogate), a body that is not UTF-8, nesting over
+httpjson.MAX_JSON_DEPTH; 503 server_busy over httpjson.MAX_CONNECTIONS open connections (httpjson's deadlines);
+503 when the engine cannot be reached or aborted the request, 502 when it answered with an error; every 5xx is
+logged on stderr with its traceback (httpjson.JSONHandler.log_5xx). Unknown fields
 are ignored (LiteLLM adds vendor extras). GET /health is 200 only when the engine's /health is; a client that hangs
 up has its engine request aborted (Gateway.disconnects) and nothing is recorded for it.
 `stop`: the reply ends before the first stop string, finish_reason "stop"; the record keeps the sampled ids through
@@ -41,7 +44,9 @@ Run:
     python gateway.py harbor-trial --task DIR --engine-url URL --model-path DIR   # one Harbor trial
     python gateway.py eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
         # the paper's protocol (EVAL); prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts
-        # (a failed trial counts 0), errors
+        # (a failed trial counts 0), errors; exit 2 with the reason when the dir holds no task, 1 when a trial had no
+        # verdict (a task the jail cannot run is refused up front: rollout.check_runs_here; Harbor failed), 128 + N
+        # on signal N (SIGTERM / SIGINT end the Harbor process groups it started)
     python bench.py tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .pop(session_id) -> {"records": [...]};
 run_text_trial(task_dir, gw.url, session_id) / run_harbor_trial(task_dir, gw, trials_dir=...) -> rollout.run_trial's
@@ -58,6 +63,10 @@ Departures:
   4. The embedded model is tiny and random-init in `bench.py tito`, so its replies are mostly unparseable;
      that is fine for the measurement (every reply is re-sent as history either way) and makes
      non-canonical token sequences, and hence naive drift, frequent.
+  5. Message content is text, never control (paper silent): a control token's text in content (`<|im_end|>`,
+     `<|im_start|>`: the tokenizer's special tokens and those the template writes) is encoded as ordinary tokens,
+     as transformers' sanitize_control_tokens does; the template's own markers stay control ids (Gateway.mark,
+     encode_text). Content without such text encodes as before; TITO splices the sampled ids as before.
 """
 from __future__ import annotations
 
@@ -66,6 +75,8 @@ import collections
 import json
 import math
 import os
+import re
+import signal
 import subprocess
 import sys
 import threading
@@ -100,6 +111,10 @@ MAX_SESSIONS = 2048  # recorded trials kept at once: > the paper's 560 trials pe
 SESSION_IDLE_S = 7200.0  # a session idle this long is evicted: > the paper's 3600 s agent + 900 s verifier timeouts,
 # so only sessions nobody popped (a crashed harness, a plain OpenAI client) are dropped
 MAX_STOP = 4  # OpenAI's limit on `stop` strings
+# Around a control token's text inside message content (render / encode_text): lone surrogates, which no request can
+# hold (httpjson.check_json refuses them, _content too), so a client cannot forge a mark either.
+MARK_OPEN, MARK_CLOSE = "\ud800", "\ud801"
+_MARKED = re.compile(f"{MARK_OPEN}(.*?){MARK_CLOSE}", re.S)
 ROLES = ("system", "user", "assistant")
 # OpenAI fields this gateway does not implement -> the values that mean "unused"; any other value is a 400
 UNSUPPORTED = {"n": (1,), "stream": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
@@ -150,18 +165,25 @@ def _number(body, name, lo, hi, default, lo_open=False):
 
 
 def _content(content, where) -> str:
-    """OpenAI message content (None, a str, or a list of text parts) -> text; other parts are refused."""
+    """OpenAI message content (None, a str, or a list of text parts) -> text; other parts are refused, and so is
+    text that is not Unicode (a lone surrogate: what httpjson refuses in a body, checked here for callers in code)."""
     if content is None or isinstance(content, str):
-        return content or ""
-    if not isinstance(content, list):
+        text = content or ""
+    elif not isinstance(content, list):
         raise _invalid(where, f"expected a string or a list of text parts, got {type(content).__name__}")
-    parts = []
-    for i, p in enumerate(content):
-        if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-            raise APIError(400, f"{where}[{i}]: not supported (only {{type: text, text: str}} parts)", f"{where}[{i}]",
-                           "unsupported_parameter")
-        parts.append(p["text"])
-    return "".join(parts)
+    else:
+        parts = []
+        for i, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
+                raise APIError(400, f"{where}[{i}]: not supported (only {{type: text, text: str}} parts)",
+                               f"{where}[{i}]", "unsupported_parameter")
+            parts.append(p["text"])
+        text = "".join(parts)
+    m = httpjson.SURROGATE.search(text)
+    if m:
+        raise _invalid(where, f"not valid Unicode text (a lone surrogate U+{ord(m.group()):04X} at character "
+                              f"{m.start()})")
+    return text
 
 
 def parse_chat(body, headers) -> dict:
@@ -236,6 +258,16 @@ class Gateway:
         self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
         self.max_sessions, self.session_idle_s = max_sessions, session_idle_s
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
+        # control tokens: the special added tokens and the added tokens the chat template writes (as transformers'
+        # sanitize_control_tokens picks them); their text in message content is encoded as ordinary text
+        template = tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else ""
+        self.control = sorted({t.content for t in tokenizer.added_tokens_decoder.values()
+                               if t.special or t.content in template}, key=len, reverse=True)
+        self.control_ids = {tokenizer.convert_tokens_to_ids(t) for t in self.control}
+        self.control_re = re.compile("|".join(map(re.escape, self.control))) if self.control else None
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)
+        if self.control and self.backend is None:
+            raise ValueError(f"tokenizer: a fast (Rust-backed) tokenizer is required, got {type(tokenizer).__name__}")
         self.sessions: dict[str, list[dict]] = collections.OrderedDict()  # session id -> turns, least recent first
         self.last_used: dict[str, float] = {}  # session id -> time.monotonic() of its last request
         self.evicted: dict[str, str] = collections.OrderedDict()  # session id -> why (the last max_sessions)
@@ -259,13 +291,42 @@ class Gateway:
         self.httpd.server_close()
 
     # -- token history --
+    def mark(self, text: str) -> str:
+        """Content text with each control token's text between MARK_OPEN and MARK_CLOSE (encode_text encodes it as
+        ordinary text)."""
+        return self.control_re.sub(lambda m: MARK_OPEN + m.group() + MARK_CLOSE, text) if self.control_re else text
+
     def render(self, messages) -> str:
-        """Messages -> prompt text with the pinned chat template (+ the assistant header)."""
-        msgs = [{"role": m["role"], "content": _content(m.get("content"), "content")} for m in messages]
+        """Messages -> prompt text with the pinned chat template (+ the assistant header), the control tokens in
+        message content marked (mark): without any, the template's text itself."""
+        msgs = [{"role": m["role"], "content": self.mark(_content(m.get("content"), "content"))} for m in messages]
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
+    def _plain_ids(self, text):
+        """`text` as ordinary text: the tokenizer's pipeline without its added tokens (thread-safe, unlike flipping
+        split_special_tokens on the shared tokenizer)."""
+        b = self.backend
+        text = b.normalizer.normalize_str(text) if b.normalizer is not None else text
+        pieces = [p for p, _ in b.pre_tokenizer.pre_tokenize_str(text)] if b.pre_tokenizer is not None else [text]
+        ids = [t.id for p in pieces for t in b.model.tokenize(p)]
+        if self.control_ids.intersection(ids):
+            raise ValueError(f"tokenizer: the text {text!r} encodes to a control token even without added tokens")
+        return ids
+
+    def encode_text(self, text):
+        """Rendered (marked) text -> ids: the template's control tokens are control ids, marked text in message
+        content is ordinary tokens. Text without marks encodes as tokenizer.encode does."""
+        parts = _MARKED.split(text)  # [text, marked, text, marked, ..., text]
+        ids = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += self._plain_ids(part)
+            elif part:
+                ids += self.tok.encode(part, add_special_tokens=False)
+        return ids
+
     def _encode(self, text):
-        return self.tok.encode(text, add_special_tokens=False)
+        return self.encode_text(text)
 
     def encode_prompt(self, turns, text):
         """-> (prompt ids, how): TITO splices the recorded ids where `text` extends the recorded history."""
@@ -357,7 +418,7 @@ class Gateway:
         record = {"prompt_ids": list(ids), "output_ids": out, "output_logprobs": lps, "routed_experts": routed,
                   "finish_reason": finish, "weight_version": gen["weight_version"], "prompt_source": how}
         with self.lock:
-            turns.append({"prompt_text": text, "reply_text": reply, "record": record})
+            turns.append({"prompt_text": text, "reply_text": self.mark(reply), "record": record})
         choice = {"index": 0, "message": {"role": "assistant", "content": reply},
                   "finish_reason": "length" if finish == "length" else "stop"}
         if req["logprobs"]:
@@ -396,10 +457,11 @@ def _model_object():
 
 def _make_handler(gw: Gateway):
     class Handler(httpjson.JSONHandler):
-        def send_error_json(self, e):
+        @classmethod
+        def error_body(cls, e):  # OpenAI's shape, also for the server's own refusals (408, 431, 503 busy)
             kind = "invalid_request_error" if e.status < 500 else "server_error"
-            self._send(e.status, {"error": {"message": str(e), "type": kind, "param": getattr(e, "param", None),
-                                            "code": getattr(e, "code", None)}})
+            return {"error": {"message": str(e), "type": kind, "param": getattr(e, "param", None),
+                              "code": getattr(e, "code", None)}}
 
         def do_GET(self):
             path = urllib.parse.unquote(self.path.split("?")[0].rstrip("/"))
@@ -499,15 +561,65 @@ def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=N
 
 
 # --- Harbor: the runner (main venv side) --------------------------------------------------------------
-def harbor_python():
-    return os.path.join(HARBOR_VENV, "bin", "python")
+def harbor_python(venv=None):
+    return os.path.join(venv or HARBOR_VENV, "bin", "python")
 
 
-def harbor_available() -> str | None:
+def harbor_available(venv=None) -> str | None:
     """None when Harbor's venv is usable, else the reason it is not."""
-    if not os.path.exists(harbor_python()):
-        return f"Harbor's venv is absent ({HARBOR_VENV}; run.sh creates it with Python 3.12 and `pip install harbor`)"
+    if not os.path.exists(harbor_python(venv)):
+        return (f"Harbor's venv is absent ({venv or HARBOR_VENV}; run.sh creates it with Python 3.12 and "
+                f"`pip install harbor`)")
     return None
+
+
+HARBOR_STOP_GRACE_S = 10.0  # a stopped Harbor trial's group gets SIGTERM, then SIGKILL after this (paper silent)
+_harbor_groups: set[int] = set()  # process groups of the Harbor trials running now (stop_harbor_groups)
+_harbor_lock = threading.RLock()  # re-entrant: the signal handler may run while the main thread holds it
+
+
+def _end_group(pgid, grace_s):
+    """SIGTERM the process group, SIGKILL what is left of it after grace_s (0: at once)."""
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        t_end = time.monotonic() + wait
+        while time.monotonic() < t_end:
+            try:
+                os.killpg(pgid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.05)
+
+
+def stop_harbor_groups(grace_s=0.0) -> int:
+    """End the process group of every Harbor trial this process started and is running (a signal handler calls it:
+    Harbor runs in its own session, so nothing else would stop it). -> how many."""
+    with _harbor_lock:
+        groups = list(_harbor_groups)
+    for pgid in groups:
+        _end_group(pgid, grace_s)
+    return len(groups)
+
+
+def harbor_outcome(trial_dir) -> str | None:
+    """None when Harbor's verifier ran (result.json has a verifier_result), else why the trial has no verdict: Harbor's
+    own exception (its environment failed to start, the verifier timed out, ...) or its missing result.json."""
+    path = os.path.join(trial_dir, "result.json")
+    if not os.path.isfile(path):
+        return f"harbor wrote no {path}"
+    try:
+        res = json.load(open(path))
+    except ValueError as e:
+        return f"{path}: not JSON ({e})"
+    if isinstance(res, dict) and res.get("verifier_result") is not None:
+        return None
+    exc = (res.get("exception_info") if isinstance(res, dict) else None) or {}
+    if exc:
+        return f"harbor: {exc.get('exception_type')}: {str(exc.get('exception_message'))[:500]} (no verifier result)"
+    return f"harbor: {path} has no verifier result"
 
 
 def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperature, top_p, max_new_tokens,
@@ -531,9 +643,12 @@ def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperatu
 
 
 def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, limits=None, stop_event=None,
-                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None) -> dict:
+                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None,
+                     harbor_venv=None) -> dict:
     """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
-    reward_scale: S of r = P/S (None -> reward.SCALE)."""
+    reward_scale: S of r = P/S (None -> reward.SCALE). A task the local jail cannot run (rollout.check_runs_here) is
+    refused before Harbor starts; a trial whose verifier never ran (Harbor's environment failed, ...) is an error,
+    never a reward of 0; stop_event ends Harbor's process group (SIGTERM, SIGKILL after HARBOR_STOP_GRACE_S)."""
     t0, stop_event, limits = time.time(), stop_event or threading.Event(), sandbox.make_limits(limits)
     sp = {**rollout.SAMPLING, **(sampling or {})}
     name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
@@ -541,9 +656,11 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
               "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
               "weight_versions": [], "records": [], "session_id": name, "trial_dir": os.path.join(trials_dir, name)}
     try:
-        why = harbor_available()
+        why = harbor_available(harbor_venv)
         if why:
             raise RuntimeError(why)
+        task = task_io.load_task(task_dir)
+        rollout.check_runs_here(task)  # BwrapEnvironment is the local jail: the same refusal as rollout.py's
         os.makedirs(trials_dir, exist_ok=True)
         cfg = harbor_trial_config(task_dir, trials_dir, name, gateway.url + "/v1", temperature=sp["temperature"],
                                   top_p=sp["top_p"], max_new_tokens=sp["max_new_tokens"],
@@ -554,25 +671,38 @@ def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, l
         with open(cfg_path, "w") as f:
             json.dump(cfg, f, indent=1)
         env = {**os.environ, "PYTHONPATH": REPO, "OPENAI_API_KEY": "sk-local", "PYTHONUNBUFFERED": "1"}
-        log = open(os.path.join(trials_dir, f"{name}.harbor.log"), "w")
-        p = subprocess.Popen([os.path.join(HARBOR_VENV, "bin", "harbor"), "trial", "start", "-c", cfg_path],
-                             stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-        while p.poll() is None:
-            if stop_event.wait(0.2):
-                os.killpg(p.pid, 9)  # the process group we started
+        with open(os.path.join(trials_dir, f"{name}.harbor.log"), "w") as log, _harbor_lock:
+            if stop_event.is_set():
+                result["exit_reason"] = "cancelled"
+                return result
+            p = subprocess.Popen([os.path.join(harbor_venv or HARBOR_VENV, "bin", "harbor"), "trial", "start", "-c",
+                                  cfg_path], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
+                                 start_new_session=True)  # its own process group: stopped as one (_end_group)
+            _harbor_groups.add(p.pid)
+        try:
+            while p.poll() is None and not stop_event.wait(0.2):
+                pass
+            if stop_event.is_set():
+                _end_group(p.pid, HARBOR_STOP_GRACE_S)
                 p.wait()
                 result["exit_reason"] = "cancelled"
                 return result
-        log.close()
+        finally:
+            _end_group(p.pid, 0.0)  # what Harbor left running in its group
+            p.wait()
+            with _harbor_lock:
+                _harbor_groups.discard(p.pid)
         tdir = result["trial_dir"]
         if not os.path.isdir(tdir):
             raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
-        res = (json.load(open(os.path.join(tdir, "result.json")))
-               if os.path.isfile(os.path.join(tdir, "result.json")) else {})
+        why = harbor_outcome(tdir)
+        if why:
+            raise RuntimeError(f"{why} (rc {p.returncode}; see {log.name})")
+        res = json.load(open(os.path.join(tdir, "result.json")))
         scale = reward.SCALE if reward_scale is None else reward_scale
         # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
         v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
-                           n_assertions=task_io.load_task(task_dir).n_assertions)
+                           n_assertions=task.n_assertions)
         result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
                       resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
                       error=(res.get("exception_info") or {}).get("exception_message")
@@ -633,28 +763,81 @@ def evaluate_trials(task_dirs, run_attempt, attempts: int) -> dict:
             "turns_mean": sum(t["turns"] for t in trials) / n if n else 0.0, "errors": errors, "trials": trials}
 
 
-def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["attempts"], max_total_tokens=8192,
-             max_new_tokens=2048, reward_scale=None) -> dict:
-    """Terminus-2 via Harbor with the paper's protocol (EVAL) on every task dir of a Harbor dataset dir, `attempts`
-    per task, through evaluate_trials (every trial counts)."""
+def dataset_tasks(dataset_dir) -> tuple[list[str], dict[str, str]]:
+    """A Harbor dataset dir -> (its task dirs (entries with a task.toml), {task dir: why the local jail cannot run it}),
+    the refusals from task_io.load_task and rollout.check_runs_here, made before anything runs.
+    ValueError naming the dir when it is not a directory or holds no task dir (an evaluation of nothing)."""
+    if not os.path.isdir(dataset_dir):
+        raise ValueError(f"dataset: {dataset_dir} is not a directory")
     tasks = sorted(str(p) for p in Path(dataset_dir).iterdir() if (p / "task.toml").is_file())
+    if not tasks:
+        raise ValueError(f"dataset: {dataset_dir} holds no task dir (an entry with a task.toml): nothing to evaluate")
+    refused = {}
+    for td in tasks:
+        try:
+            rollout.check_runs_here(task_io.load_task(td))
+        except Exception as e:  # a task that cannot be read is refused too, with its reason
+            refused[td] = f"refused before running: {e}"
+    return tasks, refused
+
+
+def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["attempts"], max_total_tokens=8192,
+             max_new_tokens=2048, reward_scale=None, stop_event=None, harbor_venv=None) -> dict:
+    """Terminus-2 via Harbor with the paper's protocol (EVAL) on every task dir of a Harbor dataset dir, `attempts`
+    per task, through evaluate_trials (every trial counts). A task the local jail cannot run (dataset_tasks) is not
+    started: each of its trials is an error ("refused before running: ..."), listed in `refused`. stop_event: the
+    running trial's Harbor is stopped and no further trial starts (those count as errors). ValueError for a dataset
+    with no task dir."""
+    tasks, refused = dataset_tasks(dataset_dir)
+    stop_event = stop_event or threading.Event()
     gw = Gateway(engine_url, tokenizer, "tito", max_total_tokens=max_total_tokens).start()
 
     def run_attempt(task_dirs, k):
-        return [run_harbor_trial(td, gw, trials_dir=trials_dir, trial_name=f"{os.path.basename(td)}__a{k}",
-                                 sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
-                                           "max_new_tokens": max_new_tokens},
-                                 limits={"max_total_tokens": max_total_tokens, "max_turns": EVAL["max_turns"],
-                                         "trial_timeout_s": EVAL["agent_timeout_s"]},
-                                 agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"],
-                                 reward_scale=reward_scale) for td in task_dirs]
+        out = []
+        for td in task_dirs:
+            name = os.path.basename(td)
+            if td in refused:
+                out.append({"task": name, "exit_reason": "error", "error": refused[td]})
+            elif stop_event.is_set():
+                out.append({"task": name, "exit_reason": "cancelled", "error": "the evaluation was stopped"})
+            else:
+                out.append(run_harbor_trial(
+                    td, gw, trials_dir=trials_dir, trial_name=f"{name}__a{k}", stop_event=stop_event,
+                    sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
+                              "max_new_tokens": max_new_tokens},
+                    limits={"max_total_tokens": max_total_tokens, "max_turns": EVAL["max_turns"],
+                            "trial_timeout_s": EVAL["agent_timeout_s"]},
+                    agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"],
+                    reward_scale=reward_scale, harbor_venv=harbor_venv))
+        return out
     try:
-        return {**evaluate_trials(tasks, run_attempt, attempts), "protocol": {**EVAL, "attempts": attempts}}
+        rep = evaluate_trials(tasks, run_attempt, attempts)
+        return {**rep, "refused": {os.path.basename(td): why for td, why in refused.items()},
+                "protocol": {**EVAL, "attempts": attempts}}
     finally:
         gw.stop()
 
 
-def main(argv=None):
+def _on_signal(stop_event):
+    """SIGTERM / SIGINT: stop every Harbor process group this process started (they run in their own sessions, so
+    they would outlive it) and let the running command end with the signal's status."""
+    got = []
+
+    def handler(signum, frame):
+        got.append(signum)
+        stop_event.set()
+        n = stop_harbor_groups(grace_s=0.0)
+        print(f"gateway: {signal.Signals(signum).name}: stopping ({n} Harbor process group(s) ended)", file=sys.stderr,
+              flush=True)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return got
+
+
+def main(argv=None) -> int:
+    """-> exit status. eval: 0 when every trial ran to a verdict, 1 when some trial errored (refused up front, Harbor
+    failed, ...: the JSON's `errors` and stderr say which and why), 2 for nothing to evaluate or bad flags,
+    128 + the signal number when stopped by SIGTERM / SIGINT. harbor-trial: 0 / 1 (exit_reason "error") likewise."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     for name in ("serve", "harbor-trial", "eval"):
@@ -670,28 +853,59 @@ def main(argv=None):
             s.add_argument("--task", required=True)
             s.add_argument("--trials-dir", default="runs/harbor-trials")
             s.add_argument("--max-turns", type=int, default=50)
+        if name in ("harbor-trial", "eval"):
+            s.add_argument("--harbor-venv", default=HARBOR_VENV, help="Harbor's venv (Python >= 3.12, harbor)")
         if name == "eval":
             s.add_argument("--dataset", required=True, help="a Harbor dataset dir (one task dir per entry)")
             s.add_argument("--trials-dir", default="runs/harbor-eval")
             s.add_argument("--attempts", type=int, default=EVAL["attempts"])
     a = p.parse_args(argv)
+    if a.cmd == "eval":
+        if a.attempts < 1:
+            p.error(f"--attempts: must be >= 1, got {a.attempts}")
+        try:
+            dataset_tasks(a.dataset)  # nothing to evaluate: said before the tokenizer loads
+        except ValueError as e:
+            print(f"gateway eval: {e}", file=sys.stderr)
+            return 2
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(a.model_path)
     if a.cmd == "serve":
         gw = Gateway(a.engine_url, tok, a.mode, max_total_tokens=a.max_total_tokens, host=a.host, port=a.port).start()
         print(f"gateway ({a.mode}) on {gw.url}/v1 -> {a.engine_url}", flush=True)
         gw.thread.join()
-    elif a.cmd == "harbor-trial":
+        return 0
+    stop_event = threading.Event()
+    got = _on_signal(stop_event)
+    if a.cmd == "harbor-trial":
         gw = Gateway(a.engine_url, tok, "tito", max_total_tokens=a.max_total_tokens).start()
-        r = run_harbor_trial(a.task, gw, trials_dir=a.trials_dir, limits={"max_turns": a.max_turns,
-                                                                        "max_total_tokens": a.max_total_tokens})
+        r = run_harbor_trial(a.task, gw, trials_dir=a.trials_dir, stop_event=stop_event, harbor_venv=a.harbor_venv,
+                             limits={"max_turns": a.max_turns, "max_total_tokens": a.max_total_tokens})
         print(json.dumps({k: r[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
-                                            "error", "wall_s", "trial_dir")}))
-    else:
-        rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts,
-                       max_total_tokens=a.max_total_tokens)
-        print(json.dumps({k: v for k, v in rep.items() if k != "trials"}))
+                                            "error", "wall_s", "trial_dir")}), flush=True)
+        if got:
+            return 128 + got[0]
+        if trial_failed(r):
+            print(f"gateway harbor-trial: {r['exit_reason']}: {r['error']}", file=sys.stderr)
+            return 1
+        return 0
+    rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts,
+                   max_total_tokens=a.max_total_tokens, stop_event=stop_event, harbor_venv=a.harbor_venv)
+    print(json.dumps({k: v for k, v in rep.items() if k != "trials"}), flush=True)
+    if got:
+        print(f"gateway eval: stopped by {signal.Signals(got[0]).name}", file=sys.stderr)
+        return 128 + got[0]
+    if rep["refused"] and len(rep["refused"]) == rep["n_tasks"]:
+        print(f"gateway eval: evaluated nothing: all {rep['n_tasks']} tasks refused (first: "
+              f"{next(iter(rep['refused'].values()))})", file=sys.stderr)
+        return 2
+    if rep["n_errors"]:
+        first = rep["errors"][0]
+        print(f"gateway eval: {rep['n_errors']} of {rep['n_trials']} trials had no verdict ({len(rep['refused'])} "
+              f"tasks refused); first: {first['task']} attempt {first['attempt']}: {first['error']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
