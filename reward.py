@@ -7,10 +7,14 @@ report is missing, the binary outcome (a really solved task never scores 0). The
 
 Run:
     python reward.py VERIFIER_DIR [--scale 20] [--n-assertions N] [--owner-uid UID]  # one JSON line
-In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None) -> dict(reward, passed, total,
-source "ctrf" | "binary" | "none", reason: why a report was not used). VERIFIER_DIR is the host folder behind
-/logs/verifier (ctrf.json, reward.txt); n_assertions is the task's own count (data.py's audit); owner_uid the
-verifier's host uid. What is refused is listed above `_read_report`.
+In code: compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None, no_ctrf_reason=None) ->
+dict(reward, passed, total, source "ctrf" | "binary" | "none", reason: why a report was not used). VERIFIER_DIR is
+the host folder behind /logs/verifier (ctrf.json, reward.txt); n_assertions is the task's own count (data.py's
+audit); owner_uid the verifier's host uid. What is refused is listed above `_read_report`.
+score_statuses(statuses, scale, *, n_assertions) -> the same dict from per-test CTRF statuses that did not come as
+a file: the local jail's verifier reports through a socket (verifier_report.py) and its ctrf.json does not pay
+there (the agent's code, run by the verifier, can write that file). Source "ctrf" means per-assertion outcomes,
+whichever way they came; Daytona, Harbor and gateway.py's Harbor runs still read the CTRF file.
 Standard library only at import (torch inside place_on_last_token): sandbox.py imports this module, and so
 does Harbor's venv (harbor_env.py), which has no torch.
 
@@ -159,20 +163,51 @@ def _parse_binary(raw):
     return value
 
 
-def compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None):
-    """Reward of one trial from its verifier folder (see the module docstring for what is refused).
-
-    scale: S of r = P / S. n_assertions: the task's assertion count recorded at audit; a CTRF report with
-    more tests is refused, and the binary fallback pays v * n_assertions / S. owner_uid: the uid the
-    verifier ran as; a report owned by anyone else is refused. r may exceed 1 (a task with more than S
-    assertions, as in the paper). Returns dict(reward, passed, total, source, reason) with source in
-    {"ctrf", "binary", "none"}; reason is None when the CTRF report was used as is, else why not.
-    """
+def _check_args(scale, n_assertions):
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     if n_assertions is not None and (isinstance(n_assertions, bool) or not isinstance(n_assertions, int)
                                      or n_assertions <= 0):
         raise ValueError(f"n_assertions must be a positive integer or None, got {n_assertions!r}")
+
+
+def score_statuses(statuses, scale=SCALE, *, n_assertions=None, origin="the per-test report"):
+    """Reward from per-test CTRF statuses received other than as a file (sandbox.py's report channel): the same
+    rules as a CTRF report (P = the passed tests, r = P / S; fewer tests than n_assertions: total = n_assertions),
+    except that more tests than n_assertions pays 0 (no fallback: the caller's reward.txt is no safer). Source
+    "ctrf" (per-assertion outcomes, whatever carried them); origin names the carrier in a reason."""
+    _check_args(scale, n_assertions)
+    statuses = list(statuses)
+    bad = [s for s in statuses if s not in CTRF_STATUSES]
+    if bad:
+        raise ValueError(f"{origin}: status {_short(bad[0])} is not one of {', '.join(CTRF_STATUSES)}")
+    passed, total, reason = statuses.count("passed"), len(statuses), None
+    if n_assertions is not None and total > n_assertions:  # P never above the task's own count
+        return dict(reward=0.0, passed=0, total=0, source="none",
+                    reason=f"{origin}: {total} tests, more than the task's {n_assertions} assertions (recorded at "
+                           f"audit)")
+    if n_assertions is not None and total < n_assertions:  # departure 3: not resolved unless all ran
+        reason = f"{origin} lists {total} tests of the task's {n_assertions} assertions: total = {n_assertions}"
+        total = n_assertions
+    return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=reason)  # r = P / S
+
+
+class _NotRead(Exception):
+    """compute(no_ctrf_reason=...): the CTRF file is not read."""
+
+
+def compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None, no_ctrf_reason=None):
+    """Reward of one trial from its verifier folder (see the module docstring for what is refused).
+
+    scale: S of r = P / S. n_assertions: the task's assertion count recorded at audit; a CTRF report with
+    more tests is refused, and the binary fallback pays v * n_assertions / S. owner_uid: the uid the
+    verifier ran as; a report owned by anyone else is refused. no_ctrf_reason: when given, ctrf.json is not read
+    (the caller has its own per-test report, or knows the file cannot be trusted) and this is the reason given.
+    r may exceed 1 (a task with more than S assertions, as in the paper). Returns dict(reward, passed, total,
+    source, reason) with source in {"ctrf", "binary", "none"}; reason is None when the CTRF report was used as
+    is, else why not.
+    """
+    _check_args(scale, n_assertions)
     if owner_uid is not None and (isinstance(owner_uid, bool) or not isinstance(owner_uid, int) or owner_uid < 0):
         raise ValueError(f"owner_uid must be a non-negative integer or None, got {owner_uid!r}")
     try:
@@ -183,12 +218,16 @@ def compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None):
                            f"link ({e.strerror})")
     try:
         try:
+            if no_ctrf_reason is not None:
+                raise _NotRead(no_ctrf_reason)
             passed, total = _parse_ctrf(_read_report(dir_fd, "ctrf.json", CTRF_MAX_BYTES, owner_uid), n_assertions)
             reason = None
             if n_assertions is not None and total < n_assertions:  # departure 3: not resolved unless all ran
                 reason = f"CTRF lists {total} tests of the task's {n_assertions} assertions: total = {n_assertions}"
                 total = n_assertions
             return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=reason)  # r = P / S
+        except _NotRead as e:
+            reason = str(e)
         except FileNotFoundError:
             reason = f"missing CTRF: {os.path.join(verifier_dir, 'ctrf.json')}"
         except (ValueError, OSError) as e:

@@ -65,6 +65,7 @@ import json
 import os
 import re
 import select
+import shlex
 import shutil
 import stat
 import signal
@@ -77,12 +78,18 @@ import time
 
 import reward
 import trial_caps
+import verifier_report
 
 # --- limits ---------------------------------------------------------------------------------------
 # The verifier's pytest is this project's venv (bound read-only into the jail): its other plugins (xdist, anyio, ...)
 # are the host's, not the task's, so they are not auto-loaded; only the CTRF reporter behind `pytest --ctrf` is.
 # A clean pytest also takes ~40% off a trial (an oracle's test.sh 0.22-0.31 s against 0.42-0.70 s, loaded machine).
-VERIFIER_ENV = {"PYTEST_ADDOPTS": "-p no:cacheprovider -p ctrf.main", "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+# The report channel's plugin (verifier_report_plugin.py, from a read-only dir that holds it alone) reports each
+# test to the host; PYTHONSAFEPATH: `python -m pytest` run from /app imports pytest, not an /app/pytest.py (the
+# plugin removes these three from its own environment, so a test's subprocesses see none of them).
+VERIFIER_ENV = {"PYTEST_ADDOPTS": f"-p no:cacheprovider -p ctrf.main -p {verifier_report.PLUGIN_NAME}",
+                "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": verifier_report.PLUGIN_DIR_IN_JAIL,
+                "PYTHONSAFEPATH": "1"}
 
 
 @dataclasses.dataclass
@@ -152,13 +159,22 @@ VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200
 
 
 # -- seccomp: a classic-BPF filter, built here (no libseccomp) ---------------------------------------------------
-# per machine: {audit arch (native, then its 32-bit compat ABI): {syscall number: action}}; numbers from the kernel's
+# what each jail refuses, by name -> action (the docstring says why); the verifier's jail refuses both lists
+_REFUSED = {"name_to_handle_at": "eperm", "open_by_handle_at": "eperm", "clone": "flags", "unshare": "flags",
+            "clone3": "enosys", "add_key": "eperm", "request_key": "eperm", "keyctl": "eperm",
+            "io_uring_setup": "enosys", "io_uring_enter": "enosys", "io_uring_register": "enosys"}
+_VERIFIER_REFUSED = {"ptrace": "eperm", "process_vm_readv": "eperm", "process_vm_writev": "eperm",
+                     "pidfd_getfd": "eperm"}
+_NAMES = ("name_to_handle_at", "open_by_handle_at", "clone", "unshare", "clone3", "add_key", "request_key", "keyctl",
+          "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "process_vm_readv", "process_vm_writev",
+          "pidfd_getfd")
+# per machine: {audit arch (native, then its 32-bit compat ABI): numbers of _NAMES, in order}; from the kernel's
 # syscall tables (x86_64: syscall_64.tbl / syscall_32.tbl; aarch64: asm-generic unistd.h / arm's syscall.tbl)
-_SYSCALLS = {
-    "x86_64": {0xC000003E: {303: "eperm", 304: "eperm", 272: "flags", 56: "flags", 435: "enosys"},  # x86_64
-               0x40000003: {341: "eperm", 342: "eperm", 310: "flags", 120: "flags", 435: "enosys"}},  # i386
-    "aarch64": {0xC00000B7: {264: "eperm", 265: "eperm", 97: "flags", 220: "flags", 435: "enosys"},  # aarch64
-                0x40000028: {370: "eperm", 371: "eperm", 337: "flags", 120: "flags", 435: "enosys"}},  # arm
+_NUMBERS = {
+    "x86_64": {0xC000003E: (303, 304, 56, 272, 435, 248, 249, 250, 425, 426, 427, 101, 310, 311, 438),  # x86_64
+               0x40000003: (341, 342, 120, 310, 435, 286, 287, 288, 425, 426, 427, 26, 347, 348, 438)},  # i386
+    "aarch64": {0xC00000B7: (264, 265, 220, 97, 435, 217, 218, 219, 425, 426, 427, 117, 270, 271, 438),  # aarch64
+                0x40000028: (370, 371, 120, 337, 435, 309, 310, 311, 425, 426, 427, 26, 376, 377, 438)},  # arm
 }
 _X32_BIT = 0x40000000  # x86_64: syscall numbers of the x32 ABI carry this bit; all of them are refused
 _CLONE_NEWUSER = 0x10000000
@@ -170,20 +186,22 @@ def _insn(code, k, jt=0, jf=0):
     return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
 
 
-def seccomp_filter(machine=None) -> bytes:
-    """The jail's seccomp program (struct sock_filter[]) for this machine: what it refuses is in the docstring.
+def seccomp_filter(machine=None, verifier=False) -> bytes:
+    """A jail's seccomp program (struct sock_filter[]) for this machine: what it refuses is in the docstring.
 
     Per syscall: "eperm" -> EPERM; "flags" (clone, unshare) -> EPERM when the flags ask for CLONE_NEWUSER;
-    "enosys" (clone3, whose flags sit behind a pointer a filter cannot read) -> ENOSYS, so libc falls back to clone.
-    An unknown audit arch (a 32-bit ABI the table does not know) -> EPERM for every syscall.
+    "enosys" (clone3, whose flags sit behind a pointer a filter cannot read, and io_uring) -> ENOSYS, so libc and
+    libraries fall back (to clone, to plain reads and writes). An unknown audit arch (a 32-bit ABI the table does
+    not know) -> EPERM for every syscall. verifier: _VERIFIER_REFUSED too (ptrace and its relatives).
     """
     machine = machine or os.uname().machine
-    if machine not in _SYSCALLS:
-        raise RuntimeError(f"sandbox: no seccomp syscall table for machine {machine!r} (known: {sorted(_SYSCALLS)})")
+    if machine not in _NUMBERS:
+        raise RuntimeError(f"sandbox: no seccomp syscall table for machine {machine!r} (known: {sorted(_NUMBERS)})")
+    refused = {**_REFUSED, **(_VERIFIER_REFUSED if verifier else {})}
     ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
     prog = [_insn(ld_w, 4)]  # seccomp_data.arch
-    for arch, table in _SYSCALLS[machine].items():
-        rules = sorted(table.items())
+    for arch, numbers in _NUMBERS[machine].items():
+        rules = sorted((nr, refused[name]) for name, nr in zip(_NAMES, numbers, strict=True) if name in refused)
         n = len(rules)
         extra = 1 if arch == 0xC000003E else 0  # x32 check
         # block: ld nr, [jge x32 -> eperm], n x jeq, allow, eperm, enosys, ld args[0], jset NEWUSER, eperm, allow
@@ -219,8 +237,9 @@ os.execvp(sys.argv[2], sys.argv[2:])
 """
 
 
-def _seccomp_prefix():
-    return [sys.executable, "-I", "-S", "-c", _SECCOMP_EXEC, seccomp_filter().hex()]
+def _seccomp_prefix(verifier=False):
+    """argv head that installs the filter, then execs the rest (also inside a jail: the venv's python is there)."""
+    return [sys.executable, "-I", "-S", "-c", _SECCOMP_EXEC, seccomp_filter(verifier=verifier).hex()]
 
 
 # -- untrusted task trees -------------------------------------------------------------------------------------
@@ -527,9 +546,11 @@ class Sandbox:
             a += ["--bind", f"{r}/app", "/app", "--bind", f"{r}/logs", "/logs", "--ro-bind", f"{r}/tests", "/tests"]
             if self.solution and self.task.solution_dir:
                 a += ["--ro-bind", f"{r}/solution", "/solution"]
-        else:  # the verifier: the agent's /app, the task's tests, a fresh /logs/verifier; nothing else of the trial
+        else:  # the verifier: the agent's /app, the task's tests, a fresh /logs/verifier, the report channel's
+            # socket and plugin (root-owned, read-only); nothing else of the trial
             a += ["--bind", f"{r}/app", "/app", "--ro-bind", f"{r}/verifier/tests", "/tests",
                   "--perms", "0755", "--dir", "/logs", "--bind", self.verifier_logs, "/logs/verifier"]
+            a += self.report_channel.bwrap_args()
         return a + ["--proc", "/proc", "--dev", "/dev", "--chdir", "/app"]
 
     def start(self):
@@ -813,9 +834,11 @@ class Sandbox:
         """Close the agent's jail, run `bash /tests/test.sh` in a fresh jail of its own, close it, score.
 
         The verifier: uid verifier_uid (/app chowned to it once every agent process is dead, so it reads and may
-        modify the agent's files as Harbor's root verifier could), no capabilities, the agent's rlimits and seccomp
-        filter, a fresh /tmp, /tests read-only, a fresh /logs/verifier (a host dir the agent never owned). The
-        report is read only after every verifier process is dead, as regular files owned by verifier_uid.
+        modify the agent's files as Harbor's root verifier could), no capabilities, the agent's rlimits, the
+        seccomp filter with ptrace and its relatives refused too, a fresh /tmp, /tests read-only, a fresh
+        /logs/verifier (a host dir the agent never owned), the report channel (verifier_report.py). The report is
+        decided only after every verifier process is dead: the pytest that reported through the channel pays;
+        without any, reward.txt (a regular file owned by verifier_uid); a ctrf.json file never pays here.
         """
         scale = reward.SCALE if scale is None else scale
         self._close_jail()  # every agent process dies here (RuntimeError if one does not)
@@ -823,15 +846,29 @@ class Sandbox:
         os.mkdir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
         os.chown(self.verifier_logs, self.verifier_uid, self.verifier_uid)
         self.run_uid = self.verifier_uid
-        self._start_jail(self._bwrap_args("verifier"))
-        timeout = self.limits.verifier_timeout_s or float(self.task.config.get("verifier", {}).get("timeout_sec", 600))
+        self.report_channel = verifier_report.Channel(os.path.join(self.root, "verifier", "report"), self.verifier_uid)
+        self.report_channel.start()
         try:
-            rc, out = self.exec("bash /tests/test.sh", timeout=timeout, env=VERIFIER_ENV)
+            self._start_jail(self._bwrap_args("verifier"))
+            timeout = (self.limits.verifier_timeout_s or
+                       float(self.task.config.get("verifier", {}).get("timeout_sec", 600)))
+            # a second filter stacked on every command's: the verifier's refuses ptrace and process_vm_* as well
+            cmd = shlex.join(_seccomp_prefix(verifier=True) + ["bash", "/tests/test.sh"])
+            try:
+                rc, out = self.exec(cmd, timeout=timeout, env=VERIFIER_ENV)
+            finally:
+                self._close_jail()  # every verifier process dies before the report is decided
         finally:
-            self._close_jail()  # every verifier process dies before the report is read
+            self.report_channel.finish()
         write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
-        return reward.compute(self.verifier_logs, scale, n_assertions=self.task.n_assertions,
-                              owner_uid=self.verifier_uid)
+        res = verifier_report.decide(self.report_channel, scale, n_assertions=self.task.n_assertions)
+        if res is None:  # no pytest reported: a verifier without pytest; its reward.txt (binary) is all there is
+            res = reward.compute(self.verifier_logs, scale, n_assertions=self.task.n_assertions,
+                                 owner_uid=self.verifier_uid,
+                                 no_ctrf_reason="missing CTRF: no pytest reported through the report channel (a "
+                                                "ctrf.json file does not pay in the local jail: the agent's code, run "
+                                                "by the verifier, can write it)")
+        return res
 
     def close(self):
         """Kill everything: the terminal, then bwrap (pid 1 of the jail dies -> its pid namespace is killed), then what

@@ -316,3 +316,27 @@ def test_reason_stays_short_for_a_huge_number_in_the_report(tmp_path):
     (tmp_path / "ctrf.json").write_text('{"results": {"tests": [], "summary": {"tests": ' + "1" * 4000 + "}}}")
     res = reward.compute(str(tmp_path))
     assert res["source"] == "none" and "<4000-digit integer>" in res["reason"] and len(res["reason"]) < 400
+
+
+# --- per-test statuses that came other than as a file (the local jail's report channel) ------------------------
+def test_score_statuses_follows_the_ctrf_rules_without_a_fallback():
+    res = reward.score_statuses(["passed", "failed", "skipped", "passed"], 20)
+    assert res == dict(reward=2 / 20, passed=2, total=4, source="ctrf", reason=None)
+    res = reward.score_statuses(["passed"], 20, n_assertions=3, origin="the channel")
+    assert (res["passed"], res["total"]) == (1, 3) and "the channel lists 1 tests of the task's 3" in res["reason"]
+    res = reward.score_statuses(["passed"] * 6, 20, n_assertions=5)  # a forged count pays 0, nothing falls back
+    assert (res["reward"], res["source"]) == (0.0, "none") and "6 tests, more than the task's 5" in res["reason"]
+    with pytest.raises(ValueError, match="'PASSED' is not one of"):
+        reward.score_statuses(["PASSED"], 20)
+    with pytest.raises(ValueError, match="scale"):
+        reward.score_statuses([], 0)
+
+
+def test_compute_can_leave_the_ctrf_file_unread(tmp_path):
+    (tmp_path / "ctrf.json").write_text(_ctrf(400))  # a forgery the local jail no longer reads
+    (tmp_path / "reward.txt").write_text("1\n")
+    res = reward.compute(str(tmp_path), n_assertions=5, no_ctrf_reason="missing CTRF: not read here")
+    assert (res["source"], res["reward"]) == ("binary", 5 / 20) and res["reason"] == "missing CTRF: not read here"
+    os.unlink(tmp_path / "reward.txt")
+    res = reward.compute(str(tmp_path), no_ctrf_reason="missing CTRF: not read here")
+    assert res["source"] == "none" and res["reason"].startswith("missing CTRF: not read here; missing ")

@@ -292,3 +292,200 @@ def test_daytona_upload_of_a_task_dir_never_follows_its_links(tmp_path):
         with pytest.raises(ValueError, match="shadow.*leaves|links are refused"):
             box.run_verifier()
     assert fake.uploads == []  # e6526f2 uploaded the host's /etc/shadow through the link
+
+
+# --- the verifier's report channel: agent code the verifier runs cannot produce or alter the report that pays -----
+
+# The perms-family pattern: a test runs the agent's /app/fix.sh as a subprocess (as the verifier's uid). The script
+# counts the tests, writes an all-passed ctrf.json and reward.txt into /logs/verifier, and makes them read-only so
+# pytest's own write fails; ATTACKS adds what it does next. Honest value: 1 of 5 (only the script's own test passes).
+FORGE_SH = r'''#!/bin/bash
+n=$(cat /tests/*.py | grep -c 'def test_')
+mkdir -p /logs/verifier
+python3 -c '
+import json, sys
+n = int(sys.argv[1])
+tests = [{"name": f"t{i}", "status": "passed"} for i in range(n)]
+summary = {"tests": n, "passed": n, "failed": 0, "skipped": 0, "pending": 0, "other": 0}
+json.dump({"results": {"tool": {"name": "pytest"}, "summary": summary, "tests": tests}},
+          open("/logs/verifier/ctrf.json", "w"))' "$n"
+echo 1 > /logs/verifier/reward.txt
+chmod 0444 /logs/verifier/ctrf.json /logs/verifier/reward.txt
+chmod 0555 /logs/verifier
+'''
+PERMS_TESTS = "import os, subprocess\n\ndef test_script_runs():\n" + \
+    "    subprocess.run(['bash', '/app/fix.sh'], check=True)\n" + \
+    "".join(f"\ndef test_mode_{i}():\n    assert os.path.exists('/app/never-{i}')\n" for i in range(4))
+FAKE_REPORT = r'''import json, socket
+s = socket.socket(socket.AF_UNIX)
+s.connect("/run/verifier-report/report.sock")
+lines = [{"t": "start", "pid": 1}] + [{"t": "test", "nodeid": f"t{i}", "when": w, "outcome": "passed"}
+                                      for i in range(5) for w in ("setup", "call", "teardown")]
+s.sendall(b"".join(json.dumps(m).encode() + b"\n" for m in lines + [{"t": "done", "exitstatus": 0, "foreign": []}]))
+'''
+OWN_PYTEST = ("mkdir -p /tmp/fake && printf 'def test_a(): pass\\ndef test_b(): pass\\ndef test_c(): pass\\n"
+              "def test_d(): pass\\ndef test_e(): pass\\n' > /tmp/fake/test_fake.py\n"
+              "PYTEST_ADDOPTS='-p verifier_report_plugin' PYTHONPATH=/run/verifier-plugin python3 -m pytest -q "
+              "/tmp/fake/test_fake.py\n")
+ATTACKS = {  # what the script does after the forgery -> (source, passed, total, words in the reason)
+    "forge-only": ("", ("ctrf", 1, 5, None)),
+    "kill-pytest": ("kill -9 $PPID\n", ("none", 0, 0, "without the done line")),
+    "interrupt-pytest": ("kill -INT $PPID\nsleep 1\n", ("none", 0, 0, "exit status 2")),
+    "stop-pytest": ("kill -STOP $PPID\n", ("none", 0, 0, "without the done line")),
+    "own-pytest-with-the-plugin": (OWN_PYTEST, ("none", 0, 0, "2 reporters connected")),
+    "raw-report-on-the-socket": (f"python3 -c '{FAKE_REPORT}'\n", ("none", 0, 0, "2 reporters connected")),
+}
+
+
+@pytest.mark.parametrize("attack", list(ATTACKS))
+def test_agent_script_run_by_a_test_cannot_forge_the_report(tmp_path, attack):
+    tail, (source, passed, total, why) = ATTACKS[attack]
+    task = make_task(tmp_path, solve="cp /solution/fix.sh /app/fix.sh")
+    (task / "solution" / "fix.sh").write_text(FORGE_SH + tail)
+    (task / "tests" / "test_outputs.py").write_text(PERMS_TESTS)
+    res = rollout.run_trial(task, "oracle", limits={"verifier_timeout_s": 8})  # stop-pytest: the verifier times out
+    assert res["exit_reason"] == "oracle", res["error"]
+    got = (res["reward_source"], res["passed"], res["total"], res["reward"])
+    assert got == (source, passed, total, passed / 20), res  # main paid 5 of 5 (0.25) for every one of these
+    assert why is None and res["reward_reason"] is None or why in res["reward_reason"], res["reward_reason"]
+
+
+PROBE_PYTEST = r'''import ctypes, os, sys
+pid = int(sys.argv[1])  # the reporting pytest
+libc = ctypes.CDLL(None, use_errno=True)
+def attempt(name, f):
+    try:
+        f()
+        print(name, "ok")
+    except OSError as e:
+        print(name, "denied", e.errno)
+attempt("fd-list", lambda: os.listdir(f"/proc/{pid}/fd"))
+attempt("mem", lambda: open(f"/proc/{pid}/mem", "r+b").close())
+attempt("environ", lambda: open(f"/proc/{pid}/environ", "rb").read())
+attempt("fd-open", lambda: os.open(f"/proc/{pid}/fd/3", os.O_RDWR))
+nr = {"x86_64": (101, 310, 311, 438), "aarch64": (117, 270, 271, 438)}[os.uname().machine]
+buf = ctypes.create_string_buffer(8)
+iov = (ctypes.c_void_p * 2)(ctypes.addressof(buf), 8)
+for name, n, args in (("ptrace", nr[0], (16, pid, 0, 0)), ("process_vm_readv", nr[1], (pid, iov, 1, iov, 1, 0)),
+                      ("process_vm_writev", nr[2], (pid, iov, 1, iov, 1, 0)),
+                      ("pidfd_getfd", nr[3], (os.pidfd_open(pid), 3, 0))):
+    ctypes.set_errno(0)
+    r = libc.syscall(n, *args)
+    print(name, r, ctypes.get_errno())
+'''
+
+
+def test_agent_script_cannot_reach_into_the_reporting_pytest(tmp_path):
+    """The reporter is non-dumpable (its /proc files closed to its own uid) and the verifier's seccomp filter refuses
+    ptrace, process_vm_readv / writev and pidfd_getfd: the agent's script cannot take the socket or patch memory."""
+    task = make_task(tmp_path, solve="cp /solution/probe.py /app/probe.py")
+    (task / "solution" / "probe.py").write_text(PROBE_PYTEST)
+    (task / "tests" / "test_outputs.py").write_text(
+        "import os, subprocess\n\ndef test_probe():\n    out = subprocess.run(['python3', '/app/probe.py', "
+        "str(os.getpid())], capture_output=True, text=True).stdout\n"
+        "    open('/logs/verifier/probe.txt', 'w').write(out)\n")
+    work = tmp_path / "runs"
+    res = rollout.run_trial(task, "oracle", work_root=work)
+    assert (res["reward_source"], res["passed"], res["total"]) == ("ctrf", 1, 1), res
+    probe = (trial_dir(work) / "verifier" / "logs" / "probe.txt").read_text()
+    for name in ("fd-list", "mem", "environ", "fd-open"):
+        assert f"{name} denied 13" in probe, probe  # EACCES: main's pytest was dumpable (fd-list ok)
+    for name in ("ptrace", "process_vm_readv", "process_vm_writev", "pidfd_getfd"):
+        assert f"{name} -1 1\n" in probe, probe  # EPERM from the filter
+
+
+def test_imported_agent_module_that_writes_the_report_scores_its_honest_value(tmp_path):
+    """The Terminal-Bench pattern sys.path.insert(0, "/app"); import solution: the module's forgery (a file) no
+    longer pays; the report names the agent's module that ran inside the reporting pytest."""
+    task = make_task(tmp_path, solve="cp /solution/solution.py /app/solution.py")
+    (task / "solution" / "solution.py").write_text(
+        "import subprocess\nsubprocess.run(['bash', '-c', " + repr(FORGE_SH) + "], check=True)\n"
+        "def answer():\n    return 41\n")
+    (task / "tests" / "test_outputs.py").write_text(
+        "import sys\nsys.path.insert(0, '/app')\nimport solution\n\n" +
+        "".join(f"def test_answer_{i}():\n    assert solution.answer() == 42\n\n" for i in range(3)))
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["passed"], res["total"], res["reward"]) == ("ctrf", 0, 3, 0.0), res  # main: 3/3
+    assert "agent code ran inside the reporting pytest" in res["reward_reason"], res["reward_reason"]
+    assert "solution (/app/solution.py)" in res["reward_reason"], res["reward_reason"]
+
+
+PLANTED_PYTEST = r'''import json, sys
+n = 3
+tests = [{"name": f"t{i}", "status": "passed"} for i in range(n)]
+json.dump({"results": {"tool": {"name": "pytest"}, "summary": {"tests": n, "passed": n, "failed": 0, "skipped": 0,
+           "pending": 0, "other": 0}, "tests": tests}}, open("/logs/verifier/ctrf.json", "w"))
+sys.exit(0)
+'''
+
+
+def test_python_m_pytest_from_app_runs_the_real_pytest(tmp_path):
+    """test.sh `cd /app && python3 -m pytest`: a planted /app/pytest.py is not what runs (main paid it 3/3); a test
+    still imports the agent's module from the cwd as `python -m` allows, and a test's subprocess gets a plain
+    environment (no PYTHONSAFEPATH, no plugin), so an honest nested pytest does not count as a second reporter."""
+    solve = ("printf 'pear\\napple\\nfig\\nkiwi\\nbanana\\n' > out.txt\n"
+             "cp /solution/pytest.py /solution/sortcheck.py /app/")
+    task = make_task(tmp_path, solve=solve)  # out.txt unsorted: exists and 5 lines pass, sorted fails
+    (task / "solution" / "pytest.py").write_text(PLANTED_PYTEST)
+    (task / "solution" / "sortcheck.py").write_text("def ok():\n    return True\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\ncd /app && python3 -m pytest --ctrf /logs/verifier/ctrf.json "
+        "/tests/test_outputs.py -rA\nif [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > "
+        "/logs/verifier/reward.txt; fi\n")
+    (task / "tests" / "test_outputs.py").write_text(
+        (tmp_path / "sort-lines" / "tests" / "test_outputs.py").read_text() +
+        "\ndef test_cwd_module_and_plain_subprocess_env():\n    import subprocess, sys\n    import sortcheck\n"
+        "    assert sortcheck.ok() and 'PYTHONSAFEPATH' not in os.environ\n"
+        "    assert 'verifier_report' not in os.environ.get('PYTEST_ADDOPTS', '') + os.environ.get('PYTHONPATH', '')\n"
+        "    open('/tmp/test_nested.py', 'w').write('def test_n():\\n    pass\\n')\n"
+        "    subprocess.run([sys.executable, '-m', 'pytest', '-q', '/tmp/test_nested.py'], check=True)\n")
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["passed"], res["total"]) == ("ctrf", 3, 4), res
+    assert "modules: sortcheck (/app/sortcheck.py)" in res["reward_reason"], res["reward_reason"]  # flagged
+
+
+def test_agent_code_cannot_turn_a_pytest_verifier_into_a_binary_one(tmp_path):
+    """No reporter at all falls back to reward.txt (verifiers without pytest); a forged ctrf.json is never read."""
+    task = make_task(tmp_path, solve="true")  # does not solve the task
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\ncp /tests/forged.json /logs/verifier/ctrf.json\n"
+        "echo 0 > /logs/verifier/reward.txt\n")
+    (task / "tests" / "forged.json").write_text(json.dumps(FORGED))
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["reward"]) == ("binary", 0.0), res
+    assert "no pytest reported through the report channel" in res["reward_reason"], res
+
+
+# --- seccomp: the keyring and io_uring in both jails; ptrace in the verifier's ---------------------------------
+SYSCALL_PROBE = r'''import ctypes, os
+libc = ctypes.CDLL(None, use_errno=True)
+nr = {"x86_64": dict(add_key=248, request_key=249, keyctl=250, io_uring_setup=425, ptrace=101),
+      "aarch64": dict(add_key=217, request_key=218, keyctl=219, io_uring_setup=425, ptrace=117)}[os.uname().machine]
+params = ctypes.create_string_buffer(120)
+for name, args in (("add_key", (b"user", b"probe", b"secret /tests", 13, -3)), ("keyctl", (0, -3, 1)),
+                   ("request_key", (b"user", b"probe", None, 0)), ("io_uring_setup", (4, params)),
+                   ("ptrace", (16, 999999, 0, 0))):
+    ctypes.set_errno(0)
+    print(name, libc.syscall(nr[name], *args), ctypes.get_errno())
+'''
+
+
+def test_keyring_and_io_uring_are_refused_in_both_jails_ptrace_in_the_verifiers(tmp_path):
+    """Kernel keyrings are not namespaced (a key stored by one trial outlived it and another trial read it from
+    /proc/keys): add_key, keyctl, request_key -> EPERM; io_uring -> ENOSYS (libraries fall back). ptrace stays for
+    the agent (debuggers), and is EPERM in the verifier's jail."""
+    task = make_task(tmp_path, solve="cp /solution/probe.py /app/probe.py\nsort in.txt > out.txt")
+    (task / "solution" / "probe.py").write_text(SYSCALL_PROBE)
+    (task / "tests" / "test.sh").write_text(
+        "mkdir -p /logs/verifier\npython3 /app/probe.py > /logs/verifier/probe.txt 2>&1\n"
+        + TEST_SH.split("\n", 2)[2])
+    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", solution=True) as box:
+        rc, agent = box.exec("bash /solution/solve.sh && python3 /app/probe.py")
+        res = box.run_verifier()
+        verifier = (tmp_path / "trial" / "verifier" / "logs" / "probe.txt").read_text()
+    assert res["passed"] == 3, res
+    for out in (agent, verifier):
+        for name in ("add_key", "keyctl", "request_key"):
+            assert f"{name} -1 1\n" in out, out  # EPERM (main: add_key returned a key's serial number)
+        assert "io_uring_setup -1 38\n" in out, out  # ENOSYS (main: a ring's fd)
+    assert "ptrace -1 3\n" in agent and "ptrace -1 1\n" in verifier, (agent, verifier)  # ESRCH: allowed; EPERM
