@@ -136,6 +136,8 @@ def _read_file(dir_fd, name, path, cap, cap_name):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise ValueError(f"{path}: {_kind(st.st_mode)}, not a regular file")
+        if st.st_nlink > 1:  # linked in after the walk
+            raise ValueError(f"{path}: a file with {st.st_nlink} hard links (another of its names may be a host file)")
         if st.st_size > cap:
             raise ValueError(f"{path}: {st.st_size} bytes, over the cap of {cap} bytes ({cap_name})")
         data = b""

@@ -325,3 +325,20 @@ def test_rollout_cli_on_a_fifo_task_toml_exits_with_the_reason(tmp_path):
     p = subprocess.run([sys.executable, os.path.join(root, "rollout.py"), "--task", str(d), "--agent", "oracle"],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 1 and f"{d / 'task.toml'}: not a regular file inside the task dir: a FIFO" in p.stderr
+
+
+def test_a_file_swapped_after_the_walk_is_still_refused(tmp_path, monkeypatch):
+    """Between the walk and the read, task.toml becomes a FIFO, a link to /dev/zero, a hard link: refused at open."""
+    host = tmp_path / "host.txt"
+    host.write_text("secret = 1\n")
+    swaps = {"a FIFO": lambda p: os.mkfifo(p), "without following a link": lambda p: os.symlink("/dev/zero", p),
+             "2 hard links": lambda p: os.link(host, p)}
+    for needle, swap in swaps.items():
+        d = make_task(tmp_path / needle.replace(" ", "-"))
+
+        def walk_then_swap(*a, swap=swap, d=d):
+            (d / "task.toml").unlink()
+            swap(d / "task.toml")
+        monkeypatch.setattr(task_io, "_check_tree", walk_then_swap)
+        msg = refused(d, d / "task.toml", needle)
+        assert "secret" not in msg
