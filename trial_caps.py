@@ -137,11 +137,11 @@ class TrialDisk:
 
     def mount(self, rel, size, inodes):
         """A tmpfs of size bytes and inodes (files, dirs, links) at root/rel ("": the root)."""
-        path = self._path(rel)
-        _run(["mount", "-t", "tmpfs", "-o", f"size={int(size)},nr_inodes={int(inodes)},mode=0700,nosuid,nodev",
-              self.source, path], "mounting a trial tmpfs")
+        path = self._path(rel)  # private: no copy of it propagates into other mount namespaces
+        _run(["mount", "--make-private", "-t", "tmpfs", "-o",
+              f"size={int(size)},nr_inodes={int(inodes)},mode=0700,nosuid,nodev", self.source, path],
+             "mounting a trial tmpfs")
         self.points.append(path)
-        _run(["mount", "--make-private", path], "making a trial tmpfs private")
 
     def used(self, rel=""):
         """(bytes, inodes) in use on the tmpfs at root/rel."""
@@ -167,11 +167,10 @@ class TrialDisk:
                     errors.append(f"copying the trial's files out: {p.stderr.strip()[-500:]}")
             except OSError as e:
                 errors.append(f"copying the trial's files out: {e}")
-        for path in reversed(self.points):
-            p = subprocess.run(["umount", path], capture_output=True, text=True)
-            if p.returncode != 0:  # busy: detached now, freed when its last user goes
-                errors.append(f"umount {path}: {p.stderr.strip()[-300:]}; detached (umount -l)")
-                subprocess.run(["umount", "-l", path], capture_output=True)
+        p = subprocess.run(["umount", "-R", self.root], capture_output=True, text=True)  # the root, then below it
+        if p.returncode != 0:  # busy: detached now, freed when its last user goes
+            errors.append(f"umount -R {self.root}: {p.stderr.strip()[-300:]}; detached (umount -l)")
+            subprocess.run(["umount", "-R", "-l", self.root], capture_output=True)
         self.points = []
         if stage is not None:
             try:
