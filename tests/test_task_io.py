@@ -75,6 +75,56 @@ def test_a_real_task_loads(tmp_path):
     assert t.solution_dir == str(tmp_path / "t" / "solution")
 
 
+HARBOR_TOML = """schema_version = "1.1"
+artifacts = []
+
+[task]
+name = "terminal-bench/sort-logs"
+description = "Sort the logs."
+keywords = ["file-operations"]
+[[task.authors]]
+name = "Jane Doe"
+email = "jane@example.com"
+
+[metadata]
+author_name = "Jane Doe"
+difficulty = "hard"
+category = "file-operations"
+tags = []
+expert_time_estimate_min = 960.0
+
+[verifier]
+timeout_sec = 3600.0
+
+[agent]
+timeout_sec = 3600.0
+
+[environment]
+build_timeout_sec = 600.0
+docker_image = "example/sort-logs:20251031"
+cpus = 1
+memory_mb = 2048
+storage_mb = 10240
+gpus = 0
+allow_internet = true
+mcp_servers = []
+
+[verifier.env]
+
+[environment.env]
+
+[solution.env]
+"""
+
+
+def test_a_terminal_bench_2_task_toml_in_harbor_schema_1_1_loads(tmp_path):
+    d = make_task(tmp_path / "t")
+    (d / "task.toml").write_text(HARBOR_TOML)
+    t = load_within(d)
+    assert isinstance(t, task_io.Task), t
+    assert t.config["task"]["authors"][0]["name"] == "Jane Doe" and t.config["agent"]["timeout_sec"] == 3600.0
+
+
 # --- special files: never opened blocking, never read --------------------------------------------------------
 
 @pytest.mark.parametrize("rel", ["task.toml", "instruction.md", "tests/test.sh", "environment/app/sub/pipe"])
