@@ -123,9 +123,9 @@ class Limits:
     task_files: int = 100_000
     """cap on the entries of one copied task tree; paper silent"""
     disk_bytes: int = 1 << 30
-    """bytes the trial may write on top of its staged task files: /app, /logs, /logs/verifier share one tmpfs (RAM,
-    charged to trial_mem_bytes); a task.toml's Harbor [environment] storage_mb lowers it; paper silent (Harbor's
-    default: 10 GiB of disk)"""
+    """bytes the trial may write on top of its staged task files: the agent's /app and /logs share one tmpfs, the
+    verifier's /logs/verifier has another this size (RAM, charged to trial_mem_bytes); a task.toml's Harbor
+    [environment] storage_mb lowers it; paper silent (Harbor's default: 10 GiB of disk)"""
     disk_inodes: int = 100_000
     """files, directories and hard links the trial may create there (the tmpfs's nr_inodes); paper silent"""
     trial_mem_bytes: int = 2 << 30
