@@ -8,11 +8,13 @@ Paper section "rollout" (T1, arXiv 2609.11042): every trial runs in a sandbox of
   dies), so two live trials never share a uid (RLIMIT_NPROC, keyrings and signals are per uid), across processes:
   Ray actors, pytest workers, several runs. What a dead holder left behind (its tmpfs, its cgroups) is removed when
   its uid is taken again.
-- Disk (TrialDisk): the trial's root dir is a tmpfs, mounted by the host (size=, nr_inodes=; hard links count as
-  inodes): /app, /logs and the verifier's /logs/verifier are capped together, bytes and inodes; /tmp is a tmpfs of
-  its own. Its pages are RAM, charged to the memory cgroup of the process that writes them (the trial's). close()
-  copies what it holds to the host disk (cp -a: links kept as links, hard links kept, holes kept, so no more than
-  the cap) when the caller keeps the trial dir, then unmounts it.
+- Disk (TrialDisk): the trial's root dir is a tmpfs mounted by the host (size=, nr_inodes=; a hard link counts as
+  an inode), holding the agent's /app and /logs; its verifier/ (the tests, the verifier's /logs/verifier) and host/
+  (the host's logs) are tmpfs mounts of their own, so an agent that fills its disk cannot fail the verifier's start
+  or the host's writes. The verifier phase writes /app (the agent's budget) and /logs/verifier (its own); /tmp is a
+  tmpfs of each jail. Their pages are RAM, charged to the memory cgroup of the process that writes them (the
+  trial's). close() copies what they hold to the host disk when the caller keeps the trial dir (cp -a: links kept
+  as links, hard links kept, holes kept: no more than the caps), then unmounts them.
 - Memory (TrialCgroup): one cgroup per trial, cgroup v2 where a cgroup2 mount offers the memory controller, else
   cgroup v1's memory (+ pids) hierarchies, under <mount>/t1-sandbox/trial-<uid>: memory cap without swap, pids cap.
   Every command that enters the jail joins it before it execs (join_argv); an OOM kills a process of the trial,
