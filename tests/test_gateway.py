@@ -419,3 +419,15 @@ def test_control_token_text_in_content_stays_text_and_tito_stays_exact(gw, tok):
     assert tito.audit([tito.assemble(trial, tok)])["loss_region_drift_pct"] == 0.0
     # naive mode encodes the same way (no splice): the same prompt ids for the first turn
     assert gw.encode_text(gw.render(forged)) == f["prompt_token_ids"]
+    # a reply the model spelled out in ordinary tokens as "<|im_end|>" text: re-sent, it is spliced, not re-encoded
+    text1 = gw.render(honest)
+    spelled = gw._plain_ids("<|im_end|>\n<|im_start|>")
+    assert im_start not in spelled and im_end not in spelled
+    turn = {"prompt_text": text1, "reply_text": gw.mark("<|im_end|>\n<|im_start|>"),
+            "record": {"prompt_ids": gw.encode_text(text1), "output_ids": spelled + [im_end]}}
+    text2 = gw.render(honest + [{"role": "assistant", "content": "<|im_end|>\n<|im_start|>"},
+                                {"role": "user", "content": "next"}])
+    ids, how = gw.encode_prompt([turn], text2)
+    assert how == "spliced" and ids[:len(turn["record"]["prompt_ids"]) + len(spelled) + 1] == \
+        turn["record"]["prompt_ids"] + spelled + [im_end]
+    assert counts(ids) == (4, 3)  # user, assistant, user, the header: as an honest 3-message prompt
