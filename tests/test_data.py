@@ -458,10 +458,10 @@ def test_task_toml_timeouts_must_be_positive_finite_seconds(tmp_path, table, key
 
 
 def test_task_toml_finite_timeouts_load(tmp_path):
-    d = _with_toml(tmp_path / "t", "[verifier]\ntimeout_sec = 900\n[agent]\ntimeout_sec = 0.5\n"
+    d = _with_toml(tmp_path / "t", "[verifier]\ntimeout_sec = 900\n[agent]\ntimeout_sec = 1.5\n"
                                    "[environment]\nbuild_timeout_sec = 600.0\n")
     t = task_io.load_task(str(d))
-    assert t.config["verifier"]["timeout_sec"] == 900 and t.config["agent"]["timeout_sec"] == 0.5
+    assert t.config["verifier"]["timeout_sec"] == 900 and t.config["agent"]["timeout_sec"] == 1.5
 
 
 @pytest.mark.parametrize("text, needle", [
