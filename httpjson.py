@@ -167,33 +167,44 @@ class _WaitingRoom:
 
     def run(self):
         while not self.stopped:
-            now = time.monotonic()
-            nearest = min((self.deadline(c) for c in self.conns.values()), default=now + 1.0)
-            for key, _ in self.sel.select(max(0.0, min(1.0, nearest - now))):
-                if key.fileobj is self.wake_r:
-                    with contextlib.suppress(OSError):
-                        self.wake_r.recv(4096)
-                elif key.fileobj in self.conns:
-                    self.read(key.fileobj)
-            now = time.monotonic()
-            while self.new:
-                sock, addr, buf = self.new.popleft()
-                try:
-                    sock.setblocking(False)
-                    self.sel.register(sock, selectors.EVENT_READ)
-                except (OSError, ValueError):
-                    self.server.close_connection(sock)
-                    continue
-                self.conns[sock] = _Waiting(addr, buf, now)
-                self.check(sock)
-            for sock, c in list(self.conns.items()):
-                if now >= self.deadline(c):
-                    self.expire(sock, c)
+            try:
+                self.step()
+            except Exception:  # a fault here would stop every connection: logged, and the room goes on
+                print(f"httpjson: waiting room:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+                time.sleep(0.01)
+
+    def step(self):
+        """One turn: wait for bytes or the nearest deadline, take in new connections, expire the late."""
+        now = time.monotonic()
+        nearest = min((self.deadline(c) for c in self.conns.values()), default=now + 1.0)
+        for key, _ in self.sel.select(max(0.0, min(1.0, nearest - now))):
+            if key.fileobj is self.wake_r:
+                with contextlib.suppress(OSError):
+                    self.wake_r.recv(4096)
+            elif key.fileobj in self.conns:
+                self.read(key.fileobj)
+        now = time.monotonic()
+        while self.new:
+            sock, addr, buf = self.new.popleft()
+            try:
+                sock.setblocking(False)
+                self.sel.register(sock, selectors.EVENT_READ)
+            except (OSError, ValueError):
+                self.server.close_connection(sock)
+                continue
+            self.conns[sock] = _Waiting(addr, buf, now)
+            self.check(sock)
+        for sock, c in list(self.conns.items()):
+            if now >= self.deadline(c):
+                self.expire(sock, c)
+
+    def read_timeout(self):
+        return self.server.RequestHandlerClass.timeout or READ_TIMEOUT_S
 
     def deadline(self, c):
         if c.first_byte is None:
             return c.since + IDLE_TIMEOUT_S
-        return c.first_byte + self.server.RequestHandlerClass.timeout
+        return c.first_byte + self.read_timeout()
 
     def drop(self, sock):
         del self.conns[sock]
@@ -252,7 +263,7 @@ class _WaitingRoom:
         if c.first_byte is None:  # idle: closed without a word, as keep-alive servers do
             self.server.close_connection(sock)
             return
-        t = self.server.RequestHandlerClass.timeout
+        t = self.read_timeout()
         m = re.search(rb"\r?\n\r?\n", c.buf)
         if m is None:
             msg = f"request: the request line and headers did not arrive within {t:g} s"
@@ -320,7 +331,11 @@ class JSONServer(HTTPServer):
         self.shutdown_request(sock)
 
     def dispatch(self, sock, addr, buf):
-        threading.Thread(target=self.serve_one, args=(sock, addr, buf), daemon=True, name="httpjson-request").start()
+        try:
+            threading.Thread(target=self.serve_one, args=(sock, addr, buf), daemon=True,
+                             name="httpjson-request").start()
+        except RuntimeError as e:  # no thread to be had: refused, never dropped
+            self.refuse(sock, HTTPError(503, f"server: cannot start a thread ({e}); retry later", code="server_busy"))
 
     def serve_one(self, sock, addr, buf):
         """One request (buf holds it) on its own thread; a kept-alive connection goes back to the waiting room."""
