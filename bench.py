@@ -9,6 +9,7 @@
     python bench.py copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0]  # the copy gate vs steps
     python bench.py pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]  # policy-gradient signal / noise per trajectory
     python bench.py plot runs/x                # a run's curves (curves.png); train_t1.py prints its table at the end
+    python bench.py compare A B                # two evaluations paired; exit 1 naming the file that evaluated nothing
     python train_t1.py trainer-bench [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # the trainer's Megatron
                                                # path on this node (the cluster model on CUDA): step time, dlogp,
                                                # peak memory vs the memory model (needs Args: run through train_t1)
@@ -707,7 +708,8 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
 def compare(path_a: str, path_b: str) -> dict:
     """`bench.py compare A B`: two held-out evaluations of one run or two (evals/step_NNNNNN.json, train_t1.eval_row)
     over the same tasks: each one's solve rate with its 95% interval and tasks solved per family (the task name's
-    last part), then the paired tests of B against A (paired)."""
+    last part), then the paired tests of B against A (paired). ValueError naming the file when one is not an
+    evaluation, or evaluated nothing (no trials, or every trial errored / was cancelled: gateway.trial_failed)."""
     evs, rows = [], {}
     for key, path in (("a", path_a), ("b", path_b)):
         try:
@@ -719,6 +721,11 @@ def compare(path_a: str, path_b: str) -> dict:
             raise ValueError(f"compare: {path} is not an evaluation with per-trial rows (evals/step_*.json): "
                              f"{type(e).__name__}: {e}") from None
         k, n = sum(sum(v) for v in fams.values()), len(ev["trials"])
+        failed = sum(gateway.trial_failed(t) for t in ev["trials"] if "exit_reason" in t)
+        if n == 0 or failed == n:  # nothing was evaluated: a solve rate of 0 here would be a silent zero
+            raise ValueError(f"compare: {path} evaluated nothing: " + (
+                "it has no trials" if n == 0 else
+                f"all {n} trials failed before a verdict (first: {ev['trials'][0].get('error')!r})"))
         rows[key] = {"path": path, "solve_rate": round(k / max(1, n), 4), "ci": [round(x, 4) for x in wilson(k, n)],
                      "n": n, "per_family": {f: sum(v) for f, v in sorted(fams.items())}}
         evs.append(ev)
@@ -887,7 +894,10 @@ def main(argv=None):
     elif args.cmd == "plot":
         print(plot(args.run_dir))
     elif args.cmd == "compare":
-        print(json.dumps(compare(args.a, args.b)))
+        try:
+            print(json.dumps(compare(args.a, args.b)))
+        except ValueError as e:  # a named reason and a non-zero exit, not a traceback or a silent zero
+            sys.exit(f"bench.py {e}")
     elif args.cmd == "pg-snr":
         torch.set_num_threads(args.threads)
         print(json.dumps(pg_snr(args.run_dir, args.ckpt, args.steps, args.n)))

@@ -14,9 +14,11 @@ daytona_sandbox.DaytonaSandbox (sandbox="daytona"), behind one interface.
 
 Run:
     python rollout.py --task DIR --agent oracle|nop|model|scripted [--engine-url URL] [--model-path DIR]
-                      [--sandbox bwrap|daytona] [--keep DIR]
-    # prints one JSON line: reward, resolved, passed, total, reward_source, reward_reason, turns, exit_reason,
-    # error, wall_s, trial_dir (--keep); exit status 1 when the trial errored (exit_reason "error"), 2 on bad flags
+                      [--sandbox bwrap|daytona] [--reward-scale S] [--keep DIR]
+    # prints one JSON line: reward, reward_scale, resolved, passed, total, reward_source, reward_reason, turns,
+    # exit_reason, exit_detail, oracle_exit, error, wall_s, trial_dir (--keep: with host/agent_transcript.jsonl);
+    # exit status 1 when nothing was scored (exit_reason "error" / "cancelled": an unloadable --model-path, an
+    # oracle run of a task without solution/solve.sh, ...), 2 on bad flags
 In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n_keep=...) -> (kept, dropped).
 Steps of train_t1's RL loop: to_samples (trials -> TITO samples), audit_samples
 (the step's TITO / R3 audit).
@@ -29,20 +31,29 @@ Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
 3. With sandbox "bwrap", a task that needs its image built (task_io.image_needs) is refused at the start of run_trial
    (exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker environment", the reasons):
    run here it would fail for want of a tool and score 0 silently.
+4. Tool output and the instruction are rendered literally (render_literal_ids): a special token's spelling in them is
+   byte-level text, never a control token, so a command cannot forge chat structure (as chat servers escape it);
+   prompts without such text keep their exact ids, the sampled ids are untouched (TITO's audit is unchanged).
 """
 import argparse
 import concurrent.futures as cf
+import http.client
 import itertools
 import json
+import math
 import os
 import random
+import socket
+import stat
 import sys
 import tempfile
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
+import weakref
 from pathlib import Path
 
 import infra
@@ -50,9 +61,8 @@ import r3
 import reward
 import task_io
 import tito
-from chat_tokens import ASSISTANT_PREFIX, IM_END
+from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START
 from daytona_sandbox import DaytonaSandbox
-from model import render_ids
 from sandbox import Sandbox, make_limits, remove_tree, write_host_file
 
 
@@ -106,11 +116,77 @@ def parse_reply(text: str):
 
 
 # --- engine client (SGLang protocol) --------------------------------------------------------------
+class CallInterrupted(Exception):
+    """A request ended by its caller: why = "deadline" (the trial's time ran out) or "cancelled" (its stop event)."""
+
+    def __init__(self, why, message):
+        super().__init__(message)
+        self.why = why
+
+
 class EngineClient:
     """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by engine.py too."""
 
     def __init__(self, url, timeout=600.0):
         self.url, self.timeout, self._shape = url.rstrip("/"), timeout, None
+
+    def _call_guarded(self, path, body, timeout, deadline, stop_event):
+        """POST `body` with a hard end: at `deadline` (a time.time() value) or when `stop_event` is set, a guard
+        thread shuts the connection down, so neither a slow nor a hung server holds the caller (the engine notices
+        the hang-up and drops the request: httpjson.on_disconnect) -> reply JSON; CallInterrupted when it was cut."""
+        u = urllib.parse.urlsplit(self.url)
+        why, ended = [], threading.Event()
+
+        def left():
+            return math.inf if deadline is None else deadline - time.time()
+
+        def interrupted():
+            if stop_event is not None and stop_event.is_set():
+                return "cancelled"
+            return "deadline" if left() <= 0 else None
+        if interrupted():
+            raise CallInterrupted(interrupted(), f"engine {path}: not sent ({interrupted()})")
+        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+        conn = conn_cls(u.hostname, u.port, timeout=max(min(timeout or self.timeout, left()), 0.001))
+
+        def guard():
+            while not ended.wait(min(0.1, max(left(), 0.001))):
+                w = interrupted()
+                if w:
+                    why.append(w)
+                    break
+            while not ended.is_set():  # until the call returns: a connect still under way has no socket yet
+                sock = conn.sock
+                if sock is not None:
+                    try:
+                        sock.shutdown(socket.SHUT_RDWR)  # wakes the caller's blocked recv / send at once
+                    except OSError:
+                        pass
+                ended.wait(0.05)
+        threading.Thread(target=guard, daemon=True, name="engine-call-guard").start()
+        t0 = time.time()
+        try:
+            conn.request("POST", (u.path or "") + path, body=json.dumps(body).encode(),
+                         headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            status, raw = r.status, r.read()
+        except (OSError, http.client.HTTPException) as e:
+            w = (why or [interrupted()])[0]
+            if w:
+                raise CallInterrupted(w, f"engine {path}: {'the deadline passed' if w == 'deadline' else 'cancelled'} "
+                                         f"after {time.time() - t0:.1f} s in the request; connection closed") from None
+            if isinstance(e, OSError):  # unreachable, reset, timed out: still an OSError, now naming the engine
+                raise ConnectionError(f"engine {self.url}{path}: {type(e).__name__}: {e}") from None
+            raise RuntimeError(f"engine {path}: bad HTTP reply ({type(e).__name__}: {e})") from None
+        finally:
+            ended.set()
+            conn.close()
+        if status >= 400:
+            raise RuntimeError(f"engine {path}: HTTP {status}: {raw[:500].decode(errors='replace')}")
+        try:
+            return json.loads(raw) if raw.strip() else {}
+        except json.JSONDecodeError:
+            return {"text": raw.decode(errors="replace")}
 
     def _call(self, path, body=None, method="POST", timeout=None):
         data = None if body is None else json.dumps(body).encode()
@@ -133,12 +209,16 @@ class EngineClient:
     def resume_memory(self, tags=None):
         return self._call("/resume_memory_occupation", {} if tags is None else {"tags": list(tags)})
 
-    def generate(self, input_ids, sampling_params, rid=None) -> dict:
-        """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, weight_version,
-        cached_tokens: prompt tokens the server took from its prefix cache, None when it does not say)."""
+    def generate(self, input_ids, sampling_params, rid=None, deadline=None, stop_event=None) -> dict:
+        """-> dict(output_ids, logprobs, routed_experts (N, L, k) int32 or None, finish_reason, finish_message (the
+        server's words on an abort, else None), weight_version, cached_tokens: prompt tokens the server took from its
+        prefix cache, None when it does not say). deadline (time.time()) / stop_event: the request is cut there, its
+        connection closed (CallInterrupted); None for both: one call with the client's timeout."""
         body = {"input_ids": [int(t) for t in input_ids], "sampling_params": dict(sampling_params),
                 "return_logprob": True, "return_routed_experts": True, **({"rid": rid} if rid else {})}
-        out = self._call("/generate", body)
+        guarded = deadline is not None or stop_event is not None
+        out = (self._call_guarded("/generate", body, None, deadline, stop_event) if guarded
+               else self._call("/generate", body))
         meta = out.get("meta_info") or {}
         lps = meta.get("output_token_logprobs") or []
         ids = out.get("output_ids")
@@ -146,12 +226,13 @@ class EngineClient:
         routed = meta.get("routed_experts")
         if routed is not None:
             if self._shape is None:
-                info = self.model_info()
+                info = self.model_info(deadline)
                 self._shape = (int(info["num_moe_layers"]), int(info["top_k"]))
             routed = r3.decode_routed_experts(routed, *self._shape)  # (len(in) + len(out) - 1, L, k)
         fin = meta.get("finish_reason")
         return {"output_ids": ids, "logprobs": [float(x[0]) for x in lps] if lps else None,
                 "routed_experts": routed, "finish_reason": fin.get("type") if isinstance(fin, dict) else fin,
+                "finish_message": fin.get("message") if isinstance(fin, dict) else None,
                 "weight_version": meta.get("weight_version"), "cached_tokens": meta.get("cached_tokens")}
 
     def update_weights_from_disk(self, path, weight_version=None):
@@ -177,8 +258,10 @@ class EngineClient:
         except (OSError, RuntimeError):
             return False
 
-    def model_info(self) -> dict:
-        return self._call("/get_model_info", method="GET", timeout=30)
+    def model_info(self, deadline=None) -> dict:
+        """SGLang's /get_model_info; deadline (time.time()): its timeout is no later (at least 1 s)."""
+        timeout = 30 if deadline is None else min(30, max(deadline - time.time(), 1))
+        return self._call("/get_model_info", method="GET", timeout=timeout)
 
     def server_info(self) -> dict:
         """SGLang's /get_server_info (the embedded engine: its settings and prefix-cache counters)."""
@@ -251,62 +334,117 @@ def _scripted_policy(task, tok, faults=0.0, seed=0):
         unscored = isinstance(reply, dict) and set(reply) == {"unscored"}
         reply = reply["unscored"] if unscored else reply
         text = reply if isinstance(reply, str) else json.dumps(reply)
-        ids = tok.encode(text, add_special_tokens=False) + [im_end]
+        ids = literal_ids(tok, text) + [im_end]  # a reply's text is text: "<|im_end|>" in it is no control token
         fin = "stop" if len(ids) <= max_new else "length"  # a long reply is cut like the engine would
         return {"output_ids": ids[:max_new], "logprobs": None, "routed_experts": None, "finish_reason": fin,
                 "weight_version": None, **({"unscored": True} if unscored else {})}
     return policy
 
 
-def _model_policy(engine_url, tok, sampling, stop_event, done):
-    """The engine as a policy; a watcher aborts the in-flight request when the trial is cancelled."""
+def _model_policy(engine_url, tok, sampling, stop_event, deadline=None):
+    """The engine as a policy. Each request ends at the trial's deadline or its cancellation (its connection is shut,
+    CallInterrupted), whichever is first, and /abort_request is sent for it (best effort, off the trial's thread)."""
     if engine_url is None:
         raise ValueError("engine_url: required for agent 'model'")
-    client, current = EngineClient(engine_url), {"rid": None}
+    client = EngineClient(engine_url)
     params = {**SAMPLING, **(sampling or {})}
     params["stop_token_ids"] = sorted(set(params.get("stop_token_ids") or []) | {tok.convert_tokens_to_ids(IM_END)})
 
-    def policy(prompt_ids, room, rid):
-        current["rid"] = rid
-        return client.generate(prompt_ids, {**params, "max_new_tokens": min(params["max_new_tokens"], room)}, rid=rid)
+    def abort_quietly(rid):
+        try:
+            client.abort(rid)
+        except Exception:
+            pass  # the engine may be gone or hung; the closed connection already tells it
 
-    def watch():
-        while not done.is_set():
-            if stop_event.wait(0.2):
-                if current["rid"] is not None and not done.is_set():
-                    try:
-                        client.abort(current["rid"])
-                    except Exception:
-                        pass  # the engine may be gone; the trial ends on stop_event anyway
-                return
-    threading.Thread(target=watch, daemon=True).start()
+    def policy(prompt_ids, room, rid):
+        try:
+            return client.generate(prompt_ids, {**params, "max_new_tokens": min(params["max_new_tokens"], room)},
+                                   rid=rid, deadline=deadline, stop_event=stop_event)
+        except CallInterrupted:
+            threading.Thread(target=abort_quietly, args=(rid,), daemon=True).start()
+            raise
     return policy
+
+
+_LITERAL_ENCODERS = weakref.WeakKeyDictionary()  # tokenizer -> its own copy that reads special-token text as bytes
+_LITERAL_LOCK = threading.Lock()
+
+
+def _literal_encoder(tok):
+    """tok's Rust pipeline copied with encode_special_tokens on (built once per tokenizer). HF's split_special_tokens
+    flag lives on the shared Rust tokenizer and every encode call resets it, so concurrent trials sharing `tok`
+    could race it back off; this copy is only ever used with it on. None for a tokenizer without a Rust backend."""
+    backend = getattr(tok, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    with _LITERAL_LOCK:
+        enc = _LITERAL_ENCODERS.get(tok)
+        if enc is None:
+            from tokenizers import Tokenizer
+            enc = Tokenizer.from_str(backend.to_str())
+            enc.encode_special_tokens = True
+            _LITERAL_ENCODERS[tok] = enc
+        return enc
+
+
+def render_literal_ids(tok, role: str, text: str) -> list:
+    """Token ids of one message `<|im_start|>{role}\n{text}<|im_end|>\n` in which `text` is literal: a special
+    token's spelling inside it (a tool printing "<|im_end|>\n<|im_start|>system") becomes ordinary byte-level
+    tokens, never the control token; decode(ids) gives the same string back. For text without such a spelling the
+    ids are model.render_ids' (specials are split off before BPE, so the pieces encode alone either way)."""
+    if role not in ("system", "user", "assistant"):
+        raise ValueError(f"role: expected system|user|assistant, got {role!r}")
+    im_start, im_end = tok.convert_tokens_to_ids(IM_START), tok.convert_tokens_to_ids(IM_END)
+    return [im_start] + literal_ids(tok, f"{role}\n{text}") + [im_end] + tok.encode("\n", add_special_tokens=False)
+
+
+def literal_ids(tok, text: str) -> list:
+    """Token ids of `text` with every special token's spelling in it encoded as ordinary text (safe for threads
+    sharing `tok`)."""
+    enc = _literal_encoder(tok)
+    if enc is not None:
+        return list(enc.encode(text, add_special_tokens=False).ids)
+    return list(tok.encode(text, add_special_tokens=False, split_special_tokens=True))  # a Python tokenizer
 
 
 class TokenChat:
     """The agent's side of the conversation on token ids (TITO): prompt_{i+1} = prompt_i + output_i (sampled ids)
     + glue + observation ids, so every boundary is strict; each turn's record goes into result['records']."""
 
-    def __init__(self, policy, tok, max_total_tokens, result):
+    def __init__(self, policy, tok, max_total_tokens, result, deadline=None):
         self.policy, self.tok, self.max_total_tokens, self.result = policy, tok, max_total_tokens, result
         self.im_end, self.nl = tok.convert_tokens_to_ids(IM_END), tok.encode("\n", add_special_tokens=False)
         self.gen_prefix = tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
-        self.prompt, self.out = [], None
+        self.prompt, self.out, self.deadline = [], None, deadline
 
     def add_user(self, text):
+        """The user message `text` (terminal output, the task's instruction) rendered literally (departure 4)."""
         if self.out is not None:  # glue: close the reply (<|im_end|> added after a length stop) + "\n"
             glue = ([] if self.out and self.out[-1] == self.im_end else [self.im_end]) + self.nl
             self.prompt = self.prompt + self.out + glue
-        self.prompt = self.prompt + render_ids(self.tok, "user", text) + self.gen_prefix  # token-first: strict
+        self.prompt = self.prompt + render_literal_ids(self.tok, "user", text) + self.gen_prefix  # token-first
 
     def reply(self, stop_event):
-        """-> (reply text, None), or (None, exit_reason) when the trial ends here."""
+        """-> (reply text, None), or (None, exit_reason) when the trial ends here: "cancelled", "timeout" (the
+        deadline passed during the model call: result["exit_detail"] says so), "max_tokens". RuntimeError when the
+        server aborted the request for a reason of its own (named), never a silently empty turn."""
         room = self.max_total_tokens - len(self.prompt)
         if room < 2:
             return None, "max_tokens"
-        gen = self.policy(self.prompt, room, uuid.uuid4().hex)
-        if gen["finish_reason"] == "abort" and stop_event.is_set():
-            return None, "cancelled"
+        try:
+            gen = self.policy(self.prompt, room, uuid.uuid4().hex)
+        except CallInterrupted as e:
+            if e.why == "cancelled":
+                return None, "cancelled"
+            self.result["exit_detail"] = f"the agent's deadline passed during a model call ({e})"
+            return None, "timeout"
+        if gen["finish_reason"] == "abort":
+            if stop_event.is_set():
+                return None, "cancelled"
+            if self.deadline is not None and time.time() >= self.deadline:
+                self.result["exit_detail"] = "the agent's deadline passed during a model call (request aborted)"
+                return None, "timeout"
+            raise RuntimeError(f"engine aborted the request: {gen.get('finish_message') or 'no reason given'}")
         self.out, result = list(gen["output_ids"]), self.result
         result["records"].append({"prompt_ids": list(self.prompt), "output_ids": self.out,
                                   "output_logprobs": gen["logprobs"], "routed_experts": gen["routed_experts"],
@@ -318,11 +456,14 @@ class TokenChat:
         return self.tok.decode(self.out, skip_special_tokens=True), None
 
 
-def _agent_loop(box, task, chat, limits, stop_event, t_end, result=None):
+def _agent_loop(box, task, chat, limits, stop_event, t_end, result=None, transcript=None):
     """Terminus-2 turns: chat.reply() -> parse -> keystrokes -> terminal output -> chat.add_user(); returns the
-    exit_reason. chat: TokenChat, or gateway.TextChat (text to the OpenAI gateway, which records the ids).
-    result["invalid_replies"] counts the replies the harness refused (not one JSON object of the format)."""
-    chat.add_user(PROMPT.format(instruction=task.instruction, terminal=box.read(0.3)))
+    exit_reason. chat: TokenChat, or gateway.TextChat (text to the OpenAI gateway, which records the ids); run_trial
+    sets chat.deadline = t_end (time.time()), and a chat's reply() must not run past it (TokenChat: "timeout").
+    result["invalid_replies"] counts the replies the harness refused (not one JSON object of the format).
+    transcript(turn, user_text, reply_text): called after each reply (run_trial's kept transcript), or None."""
+    obs = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
+    chat.add_user(obs)
     pending, turns = False, 0  # pending: task_complete seen once, waiting for the confirmation
     while True:
         if stop_event.is_set():
@@ -334,6 +475,8 @@ def _agent_loop(box, task, chat, limits, stop_event, t_end, result=None):
         text, end = chat.reply(stop_event)
         if end is not None:
             return end
+        if transcript is not None:
+            transcript(turns, obs, text)
         turns += 1
         reply, err = parse_reply(text)
         if err is not None:
@@ -365,6 +508,69 @@ def check_runs_here(task) -> None:
                          f"({'; '.join(needs)})")
 
 
+def check_has_solution(task) -> None:
+    """Refuse agent "oracle" up front for a task without a regular solution/solve.sh: run anyway it exits 127 and
+    scores 0 with no error."""
+    solve = os.path.join(task.solution_dir or os.path.join(task.path, "solution"), "solve.sh")
+    try:
+        st = os.lstat(solve)
+    except OSError:
+        st = None
+    if task.solution_dir is None or st is None:
+        raise ValueError(f"{task.path}: agent oracle: the task has no solution/solve.sh (nothing to run)")
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{task.path}: agent oracle: solution/solve.sh is not a regular file")
+
+
+TRANSCRIPT_MAX_BYTES = 16 << 20  # the kept transcript's cap (host/ holds the host's logs; trial_caps.HOST_BYTES)
+
+
+class Transcript:
+    """host/agent_transcript.jsonl of a kept trial: one JSON line per turn {"turn", "user", "reply"} (the user message
+    the reply answered, and the reply's text), flushed as it goes. Created new, never through a link, in the host's
+    folder the agent cannot write; at most TRANSCRIPT_MAX_BYTES. A write that fails or would pass the cap ends the
+    transcript with result["transcript_note"] saying why: it never fails the trial."""
+
+    def __init__(self, host_dir, result):
+        self.result, self.size, self.f = result, 0, None
+        try:
+            fd = os.open(os.path.join(host_dir, "agent_transcript.jsonl"),
+                         os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            self.f = os.fdopen(fd, "w", encoding="ascii")
+        except OSError as e:
+            self._stop(f"not written: {e}")
+
+    def _stop(self, why):
+        self.result["transcript_note"] = f"host/agent_transcript.jsonl {why}"
+        if self.f is not None:
+            try:
+                self.f.close()
+            except OSError:
+                pass
+            self.f = None
+
+    def __call__(self, turn, user, reply):
+        if self.f is None:
+            return
+        line = json.dumps({"turn": turn, "user": user, "reply": reply}) + "\n"  # ASCII (json escapes the rest)
+        if self.size + len(line) > TRANSCRIPT_MAX_BYTES:
+            return self._stop(f"cut before turn {turn}: it would pass {TRANSCRIPT_MAX_BYTES} bytes")
+        try:
+            self.f.write(line)
+            self.f.flush()  # a trial killed mid-way still leaves its turns so far
+            self.size += len(line)
+        except OSError as e:
+            self._stop(f"cut at turn {turn}: {e}")
+
+    def close(self):
+        if self.f is not None:
+            try:
+                self.f.close()
+            except OSError as e:
+                self.result["transcript_note"] = f"host/agent_transcript.jsonl: closing it failed: {e}"
+            self.f = None
+
+
 def score(box, result: dict, reward_scale=None) -> None:
     """Run the verifier (its own jail), and put r = P/S (S = reward_scale, None: reward.SCALE) and its report
     into `result` (with the S it used)."""
@@ -387,13 +593,16 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     --reward-scale; None: reward.SCALE, the paper's 20). chat: agent "model"'s side of the conversation when it
     is not token-first (gateway.TextChat; then no engine_url / tokenizer here); None: TokenChat.
     script_faults, seed: agent "scripted" only: with_faults' rate, drawn per task and seed.
+    The agent's deadline (min of trial_timeout_s and the agent timeout) holds during a model call too: the request
+    is cut there (exit_reason "timeout", exit_detail says so). With work_root, host/agent_transcript.jsonl keeps
+    each turn's user message and reply text ({"turn", "user", "reply"}), in the host's folder the agent cannot write.
     """
     t0, stop_event = time.time(), stop_event or threading.Event()
     result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False,
               "passed": 0, "total": 0, "reward_source": "none", "reward_reason": None, "turns": 0,
-              "invalid_replies": 0, "exit_reason": "error", "error": None, "wall_s": 0.0, "weight_versions": [],
-              "records": []}
-    root, box, done = None, None, threading.Event()
+              "invalid_replies": 0, "exit_reason": "error", "exit_detail": None, "error": None, "wall_s": 0.0,
+              "weight_versions": [], "records": []}
+    root, box, transcript = None, None, None
     try:
         task = task_io.load_task(task_dir)
         result["task"] = task.name
@@ -408,6 +617,11 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
                              f"for agent {agent!r}")
         if agent in ("model", "scripted") and tokenizer is None and chat is None:
             raise ValueError(f"tokenizer: required for agent {agent!r}")
+        if reward_scale is not None and (isinstance(reward_scale, bool) or not isinstance(reward_scale, (int, float))
+                                         or not (math.isfinite(reward_scale) and reward_scale > 0)):
+            raise ValueError(f"reward_scale: S of r = P / S must be a positive finite number, got {reward_scale!r}")
+        if agent == "oracle":
+            check_has_solution(task)
         if sandbox == "bwrap":
             check_runs_here(task)
         limits = make_limits(limits)
@@ -425,15 +639,19 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             rc, out = box.exec("bash /solution/solve.sh", timeout=max(t_end - time.time(), 1))
             write_host_file(os.path.join(box.host_dir, "oracle.txt"), f"[exit {rc}]\n{out}")  # a dir the agent
             # cannot write (DaytonaSandbox: its local logs dir), never through a link
+            result["oracle_exit"] = rc
             exit_reason = "cancelled" if stop_event.is_set() else "oracle"
         elif agent == "nop":
             exit_reason = "nop"
         else:
             if chat is None:
                 policy = (_scripted_policy(task, tokenizer, script_faults, seed) if agent == "scripted" else
-                          _model_policy(engine_url, tokenizer, sampling, stop_event, done))
-                chat = TokenChat(policy, tokenizer, limits.max_total_tokens, result)
-            exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end, result)
+                          _model_policy(engine_url, tokenizer, sampling, stop_event, t_end))
+                chat = TokenChat(policy, tokenizer, limits.max_total_tokens, result, deadline=t_end)
+            chat.deadline = t_end  # the contract of a chat: reply() does not run past it (TokenChat cuts the call)
+            if work_root is not None:
+                transcript = Transcript(box.host_dir, result)
+            exit_reason = _agent_loop(box, task, chat, limits, stop_event, t_end, result, transcript)
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
             score(box, result, reward_scale)
@@ -442,7 +660,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
     except Exception as e:  # a crash inside a trial never propagates
         result.update(exit_reason="error", error=f"{type(e).__name__}: {e}", turns=len(result["records"]))
     finally:
-        done.set()
+        if transcript is not None:
+            transcript.close()  # before the box: close() copies host/ out of its tmpfs
         if box is not None:
             box.close()
         if root is not None and work_root is None:
@@ -663,13 +882,30 @@ def audit_samples(samples: list[dict], step: int) -> dict:
             "r3_placeholder_frac": sum(s.get("placeholder_rows", 0) for s in samples) / rows if rows else float("nan")}
 
 
-CLI_FIELDS = ("task", "reward", "resolved", "passed", "total", "reward_source", "reward_reason", "turns",
-              "exit_reason", "error", "wall_s", "trial_dir")
+CLI_FIELDS = ("task", "reward", "reward_scale", "resolved", "passed", "total", "reward_source", "reward_reason",
+              "turns", "exit_reason", "exit_detail", "oracle_exit", "error", "wall_s", "trial_dir")
+
+
+def _load_tokenizer(path):
+    """-> (tokenizer, None) or (None, one line saying why --model-path cannot give one). A local directory only:
+    a missing path is named, never looked up on the Hugging Face Hub as a repo id."""
+    if not os.path.isdir(path):
+        return None, (f"--model-path {path}: no such directory (a checkpoint with its tokenizer, e.g. "
+                      f"runs/embedded/ckpt/sft)" if not os.path.exists(path) else
+                      f"--model-path {path}: not a directory (a checkpoint with its tokenizer)")
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path, local_files_only=True), None
+    except Exception as e:
+        first = (str(e).strip().splitlines() or [""])[0][:300]
+        return None, f"--model-path {path}: cannot load a tokenizer from it ({type(e).__name__}: {first})"
 
 
 def main(argv=None) -> int:
     """One trial from the command line; prints one JSON line -> exit status 0 (the trial ran and was scored,
-    whatever its reward), 1 (exit_reason "error": the JSON's "error" says why, also on stderr), 2 (bad flags)."""
+    whatever its reward), 1 (nothing was scored: exit_reason "error" or "cancelled", the JSON's "error" says why,
+    also on stderr; a --model-path that gives no tokenizer, an oracle run of a task without a solution), 2 (bad
+    flags)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
@@ -677,8 +913,11 @@ def main(argv=None) -> int:
     p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
     p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "daytona"],
                    help="bwrap: the local jail (root); daytona: the task's image on Daytona (DAYTONA_API_KEY)")
+    p.add_argument("--reward-scale", type=float, default=float(reward.SCALE), metavar="S",
+                   help=f"S of r = P / S (default {reward.SCALE}, the paper's; the number of tests gives a pass rate)")
     p.add_argument("--keep", default=None, metavar="DIR",
-                   help="keep the trial directory (app/, logs/ with the agent's and the verifier's output) under DIR")
+                   help="keep the trial directory (app/, logs/ with the agent's and the verifier's output, host/ with "
+                        "the host's logs and the agent's transcript host/agent_transcript.jsonl) under DIR")
     a = p.parse_args(argv)
     if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
         p.error(f"--keep: {a.keep} exists and is not a directory")
@@ -686,17 +925,24 @@ def main(argv=None) -> int:
         p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
     if a.agent == "model" and not a.engine_url:
         p.error("--agent model needs --engine-url")
-    tok = None
-    if a.model_path:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(a.model_path)
-    res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok, sandbox=a.sandbox, work_root=a.keep)
+    if not (math.isfinite(a.reward_scale) and a.reward_scale > 0):
+        p.error(f"--reward-scale: must be a positive finite number, got {a.reward_scale}")
+    tok, why = _load_tokenizer(a.model_path) if a.model_path else (None, None)
+    if why:
+        res = {"task": os.path.basename(os.path.abspath(a.task)), "reward": 0.0, "reward_scale": a.reward_scale,
+               "resolved": False, "passed": 0, "total": 0, "reward_source": "none", "turns": 0,
+               "exit_reason": "error", "error": why, "wall_s": 0.0}
+    else:
+        res = run_trial(a.task, a.agent, engine_url=a.engine_url, tokenizer=tok, sandbox=a.sandbox, work_root=a.keep,
+                        reward_scale=a.reward_scale)
     print(json.dumps({k: res.get(k) for k in CLI_FIELDS}), flush=True)
     if res.get("trial_dir"):
         print(f"trial directory kept: {res['trial_dir']}", file=sys.stderr)
-    if res["exit_reason"] == "error":
-        print(f"error: {res['error']}", file=sys.stderr)
+    if res["exit_reason"] in ("error", "cancelled"):
+        print(f"error: {res['error'] or 'the trial was ' + res['exit_reason']}", file=sys.stderr)
         return 1
+    if a.agent == "oracle" and res.get("oracle_exit"):
+        print(f"note: solution/solve.sh exited {res['oracle_exit']} (host/oracle.txt with --keep)", file=sys.stderr)
     return 0
 
 
