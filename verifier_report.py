@@ -7,8 +7,8 @@ through a channel that only the reporting pytest holds:
 - Channel(dir, uid) makes a root-owned dir holding a listening Unix stream socket (bound read-only into the
   verifier's jail at SOCKET_DIR_IN_JAIL: connect() needs no write access to the mount) and a root-owned dir holding
   only verifier_report_plugin.py (the jail's PYTHONPATH, read-only); env() is what the verifier's command needs.
-- The plugin (its docstring) makes the pytest process non-dumpable at import, connects at session start (before any
-  test module is collected), sends one JSON line per test phase and a final `done` line.
+- The plugin (its docstring) makes the pytest process non-dumpable and connects when pytest imports it (before any
+  conftest or test module), sends one JSON line per test phase and a final `done` line.
 - A thread accepts and reads every connection (SO_PEERCRED recorded; at most MAX_CONNECTIONS, MAX_BYTES per
   connection, MAX_LINE per line). decide() runs once the jail is closed (every verifier process dead):
   exactly one connection, from the verifier's uid, well-formed, ended by `done` with pytest's exit status 0, 1 or 5:

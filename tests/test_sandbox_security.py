@@ -350,6 +350,19 @@ def test_agent_script_run_by_a_test_cannot_forge_the_report(tmp_path, attack):
     assert why is None and res["reward_reason"] is None or why in res["reward_reason"], res["reward_reason"]
 
 
+def test_agent_script_started_by_a_conftest_cannot_replace_the_reporter(tmp_path):
+    """A conftest (imported before the session starts) starts the agent's script, which kills pytest and sends an
+    all-passed report of its own: the reporter connected when its plugin was imported, before any conftest, so
+    this is a second reporter (0), not the only one."""
+    task = make_task(tmp_path, solve="cp /solution/fix.sh /app/fix.sh")
+    (task / "solution" / "fix.sh").write_text(f"#!/bin/bash\npython3 -c '{FAKE_REPORT}'\nkill -9 $PPID\n")
+    (task / "tests" / "conftest.py").write_text("import subprocess\nsubprocess.run(['bash', '/app/fix.sh'])\n")
+    (task / "tests" / "test_outputs.py").write_text(PERMS_TESTS)
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["reward"]) == ("none", 0.0), res
+    assert "2 reporters connected" in res["reward_reason"], res["reward_reason"]
+
+
 PROBE_PYTEST = r'''import ctypes, os, sys
 pid = int(sys.argv[1])  # the reporting pytest
 libc = ctypes.CDLL(None, use_errno=True)
@@ -420,13 +433,15 @@ sys.exit(0)
 
 
 def test_python_m_pytest_from_app_runs_the_real_pytest(tmp_path):
-    """test.sh `cd /app && python3 -m pytest`: a planted /app/pytest.py is not what runs (main paid it 3/3); a test
+    """test.sh `cd /app && python3 -m pytest`: a planted /app/pytest.py is not what runs (main paid it 3/3), nor an
+    /app/pdb.py that exits 0 as pytest configures itself (before any test: test.sh's reward.txt would say 1); a test
     still imports the agent's module from the cwd as `python -m` allows, and a test's subprocess gets a plain
     environment (no PYTHONSAFEPATH, no plugin), so an honest nested pytest does not count as a second reporter."""
     solve = ("printf 'pear\\napple\\nfig\\nkiwi\\nbanana\\n' > out.txt\n"
-             "cp /solution/pytest.py /solution/sortcheck.py /app/")
+             "cp /solution/pytest.py /solution/pdb.py /solution/sortcheck.py /app/")
     task = make_task(tmp_path, solve=solve)  # out.txt unsorted: exists and 5 lines pass, sorted fails
     (task / "solution" / "pytest.py").write_text(PLANTED_PYTEST)
+    (task / "solution" / "pdb.py").write_text("import os\nos._exit(0)\n")  # pytest imports pdb while configuring
     (task / "solution" / "sortcheck.py").write_text("def ok():\n    return True\n")
     (task / "tests" / "test.sh").write_text(
         "#!/bin/bash\nmkdir -p /logs/verifier\ncd /app && python3 -m pytest --ctrf /logs/verifier/ctrf.json "

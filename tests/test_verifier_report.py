@@ -5,6 +5,7 @@ module, a planted pytest.py) is in test_sandbox_security.py.
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -178,37 +179,73 @@ def test_foreign_modules_are_flagged(tmp_path):
         res["reason"]
 
 
-# --- the plugin at import (a subprocess: it makes its process non-dumpable) -------------------------------------
-IMPORT_PROBE = ("import ctypes, json, os, sys\nimport verifier_report_plugin\n"
-                "print(json.dumps([sys.path[0], ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), "
-                "{k: os.environ.get(k) for k in ('PYTHONSAFEPATH', 'PYTHONPATH', 'PYTEST_ADDOPTS')}]))\n")
+# --- the plugin in a small bwrap jail of its own (the socket and the plugin at their in-jail paths) ---------------
+needs_bwrap = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="needs root and bwrap")
 
 
+def _in_jail(ch, argv, cwd, env):
+    jail = ["bwrap", "--dev-bind", "/", "/", "--tmpfs", "/run"] + ch.bwrap_args() + ["--chdir", str(cwd), "--"]
+    return subprocess.run(jail + argv, env=env, capture_output=True, text=True, timeout=120)
+
+
+PATH0_PROBE = ("import ctypes, json, os, sys\nimport verifier_report_plugin as p\np.pytest_sessionstart(None)\n"
+               "print(json.dumps([sys.path[0], ctypes.CDLL(None).prctl(3, 0, 0, 0, 0), "
+               "{k: os.environ.get(k) for k in ('PYTHONSAFEPATH', 'PYTHONPATH', 'PYTEST_ADDOPTS')}]))\n")
+
+
+@needs_bwrap
 @pytest.mark.parametrize("argv, path0", [
-    (["-c", IMPORT_PROBE], ""),
-    (["-X", "dev", "-W", "ignore", "-c", IMPORT_PROBE], ""),
+    (["-c", PATH0_PROBE], ""),
+    (["-X", "dev", "-W", "ignore", "-c", PATH0_PROBE], ""),
     (["-Bm", "probe_main"], "CWD"),
     (["-W", "ignore", "-m", "probe_main"], "CWD"),
     (["SCRIPT"], "SCRIPTDIR"),
-    (["-P", "-c", IMPORT_PROBE], "NOT-RESTORED"),
+    (["-P", "-c", PATH0_PROBE], "NOT-RESTORED"),
 ])
 def test_the_plugin_takes_the_host_env_and_restores_sys_path_0(tmp_path, argv, path0):
-    pytest.importorskip("pytest")
+    """At import: non-dumpable, the host's variables out of its environment, connected; at session start the
+    sys.path[0] PYTHONSAFEPATH left out is back (-P on the command line: not)."""
     scripts, cwd = tmp_path / "scripts", tmp_path / "cwd"
     scripts.mkdir()
     cwd.mkdir()
-    (scripts / "probe_main.py").write_text(IMPORT_PROBE)
+    (scripts / "probe_main.py").write_text(PATH0_PROBE)
     argv = [str(scripts / "probe_main.py") if a == "SCRIPT" else a for a in argv]
-    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join([HERE, str(scripts), "/keep"]),
-           "PYTEST_ADDOPTS": "-p no:cacheprovider -p verifier_report_plugin -x"}
-    out = subprocess.run([sys.executable] + argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=60)
+    ch = _channel(tmp_path)
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": os.pathsep.join(
+        [verifier_report.PLUGIN_DIR_IN_JAIL, str(scripts), "/keep"]),
+           "PYTEST_ADDOPTS": f"-p no:cacheprovider -p {verifier_report.PLUGIN_NAME} -x"}
+    out = _in_jail(ch, [sys.executable] + argv, cwd, env)
+    ch.finish()
     assert out.returncode == 0, out.stderr
     got_path0, dumpable, got_env = json.loads(out.stdout.strip().splitlines()[-1])
-    want = {"CWD": str(cwd), "SCRIPTDIR": str(scripts)}.get(path0, path0)
-    if path0 == "NOT-RESTORED":
-        assert got_path0 == HERE  # the first PYTHONPATH entry: -P asked for no path0 itself
-    else:
-        assert got_path0 == want
+    want = {"CWD": str(cwd), "SCRIPTDIR": str(scripts), "NOT-RESTORED": verifier_report.PLUGIN_DIR_IN_JAIL}
+    assert got_path0 == want.get(path0, path0)  # -P: the first PYTHONPATH entry stays first
     assert dumpable == 0  # PR_GET_DUMPABLE
-    assert got_env == {"PYTHONSAFEPATH": None, "PYTHONPATH": os.pathsep.join([str(scripts), "/keep"]),  # its dir out
+    assert got_env == {"PYTHONSAFEPATH": None, "PYTHONPATH": os.pathsep.join([str(scripts), "/keep"]),
                        "PYTEST_ADDOPTS": "-p no:cacheprovider -x"}
+    assert len(ch.conns) == 1 and ch.conns[0]["uid"] == os.getuid() and ch.conns[0]["done"] is None
+
+
+@needs_bwrap
+def test_a_real_pytest_reports_through_the_plugin_and_help_or_version_does_not_connect(tmp_path):
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_x.py").write_text("import pytest\n\ndef test_ok():\n    pass\n\ndef test_bad():\n    assert 0\n\n"
+                                     "@pytest.mark.skip\ndef test_skip():\n    pass\n\n"
+                                     "@pytest.fixture\ndef broken():\n    yield\n    raise RuntimeError\n\n"
+                                     "def test_teardown_error(broken):\n    pass\n")
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "PYTHONPATH": verifier_report.PLUGIN_DIR_IN_JAIL,
+           "PYTEST_ADDOPTS": f"-p no:cacheprovider -p {verifier_report.PLUGIN_NAME}",
+           "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}
+    ch = _channel(tmp_path / "a")
+    out = _in_jail(ch, [sys.executable, "-m", "pytest", "-q", str(tests)], tmp_path, env)
+    ch.finish()
+    assert out.returncode == 1, out.stdout + out.stderr
+    res = verifier_report.decide(ch, 20)
+    assert (res["passed"], res["total"], res["source"]) == (1, 4, "ctrf"), res
+    assert "(modules: test_x (" in res["reason"]  # tests outside /tests: flagged as code from outside the roots
+    for flag in ("--version", "--help"):
+        ch = _channel(tmp_path / flag)
+        out = _in_jail(ch, [sys.executable, "-m", "pytest", flag], tmp_path, env)
+        ch.finish()
+        assert out.returncode == 0 and verifier_report.decide(ch, 20) is None, (flag, out.stderr)
