@@ -92,8 +92,10 @@ def parse_reply(text: str):
         return None, "no JSON object found"
     try:
         obj = json.loads(text[start:end + 1])
-    except json.JSONDecodeError as e:
-        return None, f"invalid JSON ({e})"
+    except ValueError as e:  # JSONDecodeError, an integer of more than 4300 digits
+        return None, f"invalid JSON ({str(e)[:200]})"
+    except RecursionError:  # a sampled reply of thousands of brackets: a refused reply, not a crashed trial
+        return None, "invalid JSON (nested too deeply)"
     if not isinstance(obj, dict):
         return None, "the reply must be a JSON object"
     for field in ("analysis", "plan", "commands"):
@@ -105,9 +107,17 @@ def parse_reply(text: str):
     for i, c in enumerate(obj["commands"]):
         if not isinstance(c, dict) or not isinstance(c.get("keystrokes"), str):
             return None, f"commands[{i}] must be an object with a string 'keystrokes'"
+        try:
+            c["keystrokes"].encode()
+        except UnicodeEncodeError:  # "\ud800" in the JSON: a lone surrogate cannot be typed
+            return None, f"commands[{i}].keystrokes: not valid Unicode text (a lone surrogate)"
         d = c.get("duration", 1.0)
-        if isinstance(d, bool) or not isinstance(d, (int, float)) or d < 0:
-            return None, f"commands[{i}].duration must be a number >= 0"
+        try:
+            d = None if isinstance(d, bool) or not isinstance(d, (int, float)) else float(d)
+        except OverflowError:  # an integer too large for a float
+            d = None
+        if d is None or not math.isfinite(d) or d < 0:
+            return None, f"commands[{i}].duration must be a finite number >= 0"
         cmds.append({"keystrokes": c["keystrokes"], "duration": float(d)})
     done = obj.get("task_complete", False)
     if not isinstance(done, bool):

@@ -424,3 +424,21 @@ def test_a_chat_of_its_own_gets_the_deadline_and_a_transcript(tmp_path):
     assert all(d is not None and t0 + 49 < d < time.time() + 50 for d in chat.seen), chat.seen
     lines = open(os.path.join(res["trial_dir"], "host", "agent_transcript.jsonl")).read().splitlines()
     assert [json.loads(ln)["turn"] for ln in lines] == [0, 1, 2] and "transcript_note" not in res
+
+
+def test_a_sampled_reply_never_crashes_the_parser():
+    """Replies a policy can sample that used to raise out of parse_reply (the trial then errored and was dropped from
+    the step instead of being scored): thousands of brackets (RecursionError), an integer of 5000 digits (ValueError),
+    a duration of 400 digits (OverflowError in float), NaN / Infinity durations, a lone surrogate in keystrokes
+    (UnicodeEncodeError when typed). Each is a refused reply with its reason; a good reply still parses."""
+    def reply(duration="1", keys='"ls\\n"'):
+        return '{"analysis": "", "plan": "", "commands": [{"keystrokes": %s, "duration": %s}]}' % (keys, duration)
+    cases = {'{"a": ' + "[" * 5000 + "]" * 5000 + "}": "nested too deeply",
+             reply("9" * 5000): "invalid JSON", reply("9" * 400): "finite number", reply("NaN"): "finite number",
+             reply("Infinity"): "finite number", reply("-1"): "finite number",
+             reply(keys='"a\\ud800b"'): "lone surrogate"}
+    for text, why in cases.items():
+        obj, err = rollout.parse_reply(text)
+        assert obj is None and why in err, (text[:60], err)
+    obj, err = rollout.parse_reply(reply("2.5"))
+    assert err is None and obj["commands"] == [{"keystrokes": "ls\n", "duration": 2.5}]
