@@ -59,7 +59,8 @@ Departures:
   2. Harbor's agent runs in the bubblewrap jail (harbor_env.BwrapEnvironment) instead of Docker, and Harbor's
      verifier in the agent's jail: weaker than rollout.py's native path (harbor_env.py lists the jail's rules).
   3. The text client of `bench.py tito --harness client` (run_text_trial) is rollout's agent loop (run_trial, with
-     its prompts, limits and scoring) over an OpenAI client (TextChat) that re-sends the message list each turn.
+     its prompts, limits and scoring) over an OpenAI client (TextChat) that re-sends the message list each turn;
+     its call is cut at the agent's deadline (chat.deadline) or the stop event, as TokenChat's.
   4. The embedded model is tiny and random-init in `bench.py tito`, so its replies are mostly unparseable;
      that is fine for the measurement (every reply is re-sent as history either way) and makes
      non-canonical token sequences, and hence naive drift, frequent.
@@ -72,18 +73,19 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
+import http.client
 import json
 import math
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -512,17 +514,58 @@ def _make_handler(gw: Gateway):
     return Handler
 
 
-def chat_completion(url, messages, session_id=None, timeout=600, **params) -> dict:
-    """A minimal OpenAI client: POST /v1/chat/completions -> response dict (raises on HTTP errors)."""
-    body = {"model": "t1", "messages": messages, **params}
-    req = urllib.request.Request(url.rstrip("/") + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                 method="POST", headers={"Content-Type": "application/json",
-                                          **({"X-Session-ID": session_id} if session_id else {})})
+class ChatInterrupted(Exception):
+    """chat_completion cut by its caller: why = "deadline" or "cancelled" (its connection was shut)."""
+
+    def __init__(self, why, message):
+        super().__init__(message)
+        self.why = why
+
+
+def chat_completion(url, messages, session_id=None, timeout=600, deadline=None, stop_event=None, **params) -> dict:
+    """A minimal OpenAI client: POST /v1/chat/completions -> response dict (RuntimeError on HTTP errors).
+    deadline (a time.time() value) / stop_event: the call ends there, its connection shut (the gateway sees the
+    hang-up, aborts the engine request and records nothing) -> ChatInterrupted."""
+    body = json.dumps({"model": "t1", "messages": messages, **params}).encode()
+    u = urllib.parse.urlsplit(url.rstrip("/") + "/v1/chat/completions")
+    why, ended = [], threading.Event()
+
+    def interrupted():
+        if stop_event is not None and stop_event.is_set():
+            return "cancelled"
+        return "deadline" if deadline is not None and time.time() >= deadline else None
+    if interrupted():
+        raise ChatInterrupted(interrupted(), f"gateway: not sent ({interrupted()})")
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+
+    def guard():
+        while not ended.wait(0.05):
+            w = interrupted()
+            if w:
+                why.append(w)
+                break
+        while not ended.is_set():  # until the call returns: a connect still under way has no socket yet
+            with contextlib.suppress(OSError, AttributeError):
+                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked send / recv at once
+            ended.wait(0.05)
+    if deadline is not None or stop_event is not None:
+        threading.Thread(target=guard, daemon=True, name="chat-call-guard").start()
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"gateway: HTTP {e.code}: {e.read()[:300].decode(errors='replace')}") from None
+        conn.request("POST", u.path, body=body, headers={"Content-Type": "application/json",
+                                                         **({"X-Session-ID": session_id} if session_id else {})})
+        r = conn.getresponse()
+        status, raw = r.status, r.read()
+    except (OSError, http.client.HTTPException) as e:
+        if why:
+            raise ChatInterrupted(why[0], f"gateway: {'the deadline passed' if why[0] == 'deadline' else 'cancelled'}"
+                                          f" during the request; connection closed") from None
+        raise ConnectionError(f"gateway {url}: {type(e).__name__}: {e}") from None
+    finally:
+        ended.set()
+        conn.close()
+    if status >= 400:
+        raise RuntimeError(f"gateway: HTTP {status}: {raw[:300].decode(errors='replace')}")
+    return json.loads(raw)
 
 
 # --- a text harness: rollout's Terminus-2 loop over an OpenAI client (history re-sent as text) ---------------
@@ -530,18 +573,23 @@ class TextChat:
     """The agent's side of rollout's agent loop as an OpenAI client: the whole message list is re-sent as text each
     turn, the replies verbatim (as Harbor's Chat keeps them); the gateway records the token ids under session_id."""
 
-    def __init__(self, gateway_url, session_id, sampling=None):
-        self.url, self.session_id, self.messages = gateway_url, session_id, []
+    def __init__(self, gateway_url, session_id, sampling=None, deadline=None):
+        self.url, self.session_id, self.messages, self.deadline = gateway_url, session_id, [], deadline
         self.sp = {**rollout.SAMPLING, **(sampling or {})}
 
     def add_user(self, text):
         self.messages.append({"role": "user", "content": text})
 
     def reply(self, stop_event):
-        """-> (reply text, None), or (None, "max_tokens") when the gateway finds the context full."""
+        """-> (reply text, None), or (None, exit_reason): "max_tokens" when the gateway finds the context full,
+        "timeout" / "cancelled" when self.deadline (run_trial sets it: the agent's deadline) passes or stop_event is
+        set during the call (the call is cut there, as TokenChat's)."""
         try:
             resp = chat_completion(self.url, self.messages, self.session_id, temperature=self.sp["temperature"],
-                                   top_p=self.sp["top_p"], max_tokens=self.sp["max_new_tokens"])
+                                   top_p=self.sp["top_p"], max_tokens=self.sp["max_new_tokens"],
+                                   deadline=self.deadline, stop_event=stop_event)
+        except ChatInterrupted as e:
+            return None, "timeout" if e.why == "deadline" else "cancelled"
         except RuntimeError as e:
             if "context length" in str(e):  # the gateway counts the tokens (ContextLengthExceeded)
                 return None, "max_tokens"

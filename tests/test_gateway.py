@@ -431,3 +431,33 @@ def test_control_token_text_in_content_stays_text_and_tito_stays_exact(gw, tok):
     assert how == "spliced" and ids[:len(turn["record"]["prompt_ids"]) + len(spelled) + 1] == \
         turn["record"]["prompt_ids"] + spelled + [im_end]
     assert counts(ids) == (4, 3)  # user, assistant, user, the header: as an honest 3-message prompt
+
+
+def test_text_chat_is_cut_at_the_deadline_or_stop_during_a_model_call(gw, engine):
+    """run_trial sets chat.deadline (the agent's deadline); TextChat's call to the gateway ends there (or at the stop
+    event) even while the engine holds the request, which the gateway then aborts, recording nothing."""
+    import threading
+    rollout.EngineClient(engine.url).pause()  # requests wait in the engine's queue
+    try:
+        for how in ("timeout", "cancelled"):
+            stop = threading.Event()
+            chat = gateway.TextChat(gw.url, f"late-{how}", {"max_new_tokens": 4})
+            chat.add_user("sort the lines")
+            t0 = time.time()
+            if how == "timeout":
+                chat.deadline = t0 + 1.0
+            else:
+                threading.Timer(1.0, stop.set).start()
+            assert chat.reply(stop) == (None, how)
+            assert 0.9 < time.time() - t0 < 5, time.time() - t0
+            deadline = time.time() + 30
+            while engine.queue and time.time() < deadline:
+                time.sleep(0.01)
+            assert not engine.queue  # the gateway saw the hang-up and aborted the engine request
+            assert gw.trial(f"late-{how}")["records"] == []
+    finally:
+        rollout.EngineClient(engine.url).resume()
+    chat = gateway.TextChat(gw.url, "in-time", {"max_new_tokens": 4}, deadline=time.time() + 60)
+    chat.add_user("sort the lines")
+    text, why = chat.reply(threading.Event())
+    assert why is None and len(gw.trial("in-time")["records"]) == 1
