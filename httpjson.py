@@ -45,8 +45,8 @@ READ_TIMEOUT_S = 30.0  # the whole request (line, headers, body) within this of 
 # (paper silent; a total, not per read: 8 MB at >= 0.3 MB/s); a handler class may lower its `timeout` (tests do)
 IDLE_TIMEOUT_S = 15.0  # a connection with no request begun (new, or kept alive) is closed after this (paper silent;
 # uvicorn's keep-alive is 5 s); it holds a file descriptor meanwhile, never a thread
-WRITE_TIMEOUT_S = 60.0  # writing one reply (paper silent): a client that does not take it within this loses it
-MAX_JSON_DEPTH = 64  # nesting of a request body (paper silent; the deepest field served is 4 levels): over it 400
+WRITE_TIMEOUT_S = 60.0  # each write of a reply, head and body (paper silent): a client not taking it loses it
+MAX_JSON_DEPTH = 64  # nesting of a request body (paper silent; the deepest field served is 5 levels): over it 400
 DISCONNECT_POLL_S = 1.0  # a disconnect watcher wakes at once on a hang-up; this only bounds its life after the reply
 SURROGATE = re.compile("[\ud800-\udfff]")  # what json.loads leaves of an unpaired \\ud800-\\udfff escape
 
