@@ -16,13 +16,15 @@ through a channel that only the reporting pytest holds:
   anything else pays 0 with a reason that names it (more than one reporter: agent code or a nested pytest loaded
   the plugin; closed without `done`: the reporter was killed or timed out; a malformed or oversized report;
   pytest interrupted or crashed) and never falls back to a file the agent's code could have written;
-  no connection at all: None, the caller falls back to reward.txt (verifiers that do not run pytest).
+  no connection at all: 0 when the task's test.sh runs pytest (the plugin was kept from loading), else None: the
+  caller falls back to reward.txt (verifiers that do not run pytest).
 Protocol, one JSON object per line: {"t": "start", "pid"}, then {"t": "test", "nodeid", "when": setup | call |
 teardown, "outcome": passed | failed | skipped} per phase, then {"t": "done", "exitstatus", "foreign": [...]}.
 The threat model and what stays unprotectable: sandbox.py's docstring ("The verifier's report").
 """
 import json
 import os
+import re
 import select
 import shutil
 import socket
@@ -42,6 +44,7 @@ MAX_BYTES = 8 << 20  # per connection: ~50,000 test phases with long nodeids
 MAX_LINE = 16 << 10  # the plugin cuts a nodeid at 1000 characters
 OK_EXIT = {0: "all passed", 1: "some failed", 5: "no tests collected"}  # pytest's ExitCode values that finish a run
 PHASES, OUTCOMES = ("setup", "call", "teardown"), ("passed", "failed", "skipped")
+_PYTEST = re.compile(rb"(?<![\w.-])pytest(?![\w-])")
 
 
 class Channel:
@@ -225,12 +228,22 @@ def statuses_of(lines):
     return status
 
 
-def decide(ch, scale, n_assertions=None):
+def runs_pytest(test_sh: bytes) -> bool:
+    """Whether a test.sh runs pytest: the word on a line that is not a comment."""
+    return any(_PYTEST.search(ln) for ln in test_sh.splitlines() if not ln.lstrip().startswith(b"#"))
+
+
+def decide(ch, scale, n_assertions=None, test_sh=b""):
     """The reward of a verifier run from its Channel (after finish()): reward.py's dict, or None when no pytest
-    connected (the caller falls back to reward.txt). What pays 0 and why: the module docstring."""
+    connected and test_sh (the task's test.sh) does not run pytest (the caller falls back to reward.txt). What pays
+    0 and why: the module docstring."""
     if ch.accept_error:
         return _zero(f"report channel failed: {ch.accept_error}")
     conns = ch.conns
+    if not conns and runs_pytest(test_sh):  # its plugin was kept from loading, or pytest never started
+        return _zero("test.sh runs pytest but no pytest reported through the report channel (its plugin did not "
+                     "load: PYTEST_ADDOPTS replaced, -p no:, python -I, an ini file's addopts; or pytest did not "
+                     "start); a ctrf.json or reward.txt file does not pay in its place")
     if not conns:
         return None
     if len(conns) > 1:

@@ -77,8 +77,23 @@ def test_a_finished_report_pays_its_passed_tests_with_ctrf_semantics(tmp_path):
     assert (res["reward"], res["source"]) == (0.0, "none") and "5 tests, more than the task's 4" in res["reason"]
 
 
-def test_no_connection_is_none_for_the_binary_fallback(tmp_path):
+def test_no_connection_is_none_for_the_binary_fallback_unless_test_sh_runs_pytest(tmp_path):
     assert _run(tmp_path) is None
+    ch = _channel(tmp_path / "b")
+    ch.finish()
+    assert verifier_report.decide(ch, 20, test_sh=b"#!/bin/bash\n# pytest is not used\necho 1 > r\n") is None
+    res = verifier_report.decide(ch, 20, test_sh=b"cd /tests\npython3 -m pytest test_outputs.py\n")
+    assert res["source"] == "none" and "test.sh runs pytest but no pytest reported" in res["reason"]
+
+
+@pytest.mark.parametrize("line, runs", [
+    (b"pytest /tests", True), (b"python3 -m pytest -q", True), (b"/usr/bin/pytest", True),
+    (b"pip install pytest", True),
+    (b"# pytest", False), (b"   # run pytest", False), (b"echo pytest-json-ctrf", False), (b"mypytest", False),
+    (b"echo pytest_x", False),
+])
+def test_runs_pytest_reads_test_sh_lines(line, runs):
+    assert verifier_report.runs_pytest(b"#!/bin/bash\n" + line + b"\n") is runs
 
 
 @pytest.mark.parametrize("payload, needle", [
