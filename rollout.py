@@ -160,7 +160,7 @@ class EngineClient:
         conn = conn_cls(u.hostname, u.port, timeout=max(min(timeout or self.timeout, left()), 0.001))
 
         def guard():
-            while not ended.wait(min(0.1, max(left(), 0.001))):
+            while not ended.wait(min(0.25, max(left(), 0.001))):
                 w = interrupted()
                 if w:
                     why.append(w)
