@@ -505,6 +505,7 @@ class Sandbox:
         self.limits = trial_caps.capped_limits(make_limits(limits), getattr(task, "config", None))
         self.stop_event, self.solution, self.keep_files = stop_event or threading.Event(), solution, keep_files
         self._disk = self._cgroup = None  # the trial's tmpfs (start) and memory cgroup (start; None: cap off)
+        self._guard = None  # removes the tmpfs and cgroup if this process dies before close() (start)
         self._uid_lease = trial_caps.allocate_uid()  # until close(): no other live trial, in any process, has it
         self.uid = self._uid_lease.uid  # per-trial host uid (the agent's)
         self.verifier_uid = self.uid + VERIFIER_UID_OFFSET
@@ -567,6 +568,7 @@ class Sandbox:
             # the disk caps: the trial dir is a tmpfs (the agent's /app, /logs); verifier/ (the tests, the verifier's
             # /logs/verifier) and host/ are tmpfs mounts of their own, so a full /app cannot fail the verifier's start
             # or the host's logs. Each holds its staged files, then disk_bytes / disk_inodes more (host/: the host's).
+            self._guard = trial_caps.Guard(self._uid_lease)
             self._disk = trial_caps.TrialDisk(r, self.uid)
             self._disk.mount("", 2 * L.task_bytes + L.disk_bytes, 2 * L.task_files + L.disk_inodes + 64)
             for d in ("host", "verifier", "logs", "logs/agent", "tests"):
@@ -893,5 +895,8 @@ class Sandbox:
             errors.append(f"uid {self.uid} stays leased until this process exits")
         else:
             self._uid_lease.release()
+        if self._guard is not None:
+            self._guard.close()  # after a clean close it finds nothing left; then the uid is free
+            self._guard = None
         for e in errors:
             print(f"[Sandbox] {e}", file=sys.stderr)

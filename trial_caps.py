@@ -83,6 +83,9 @@ class UidLease:
     def release(self):
         self._f.close()
 
+    def fileno(self):
+        return self._f.fileno()
+
     @property
     def held(self):
         return not self._f.closed
@@ -110,6 +113,42 @@ def allocate_uid(lock_dir=UID_LOCK_DIR, first=UID_FIRST, count=UID_COUNT, reap=T
     finally:
         os.close(dfd)
     raise RuntimeError(f"sandbox: no free uid in {first}..{first + count - 1} ({count} live trials hold them all)")
+
+
+# The guard: waits on a pipe whose only write end the trial's process holds; at EOF (close(), or that process's
+# death, however it dies) it removes what is left of the trial. It holds a copy of the uid's lock until it is done,
+# so the uid is not leased again before its leftovers are gone.
+_GUARD = """import os, sys
+sys.path.insert(0, sys.argv[1])
+import trial_caps
+while os.read(0, 4096):
+    pass
+trial_caps.reap_leftovers(int(sys.argv[2]))
+"""
+
+
+class Guard:
+    """The guard process of a leased uid (see _GUARD); close() ends it after a clean close and waits for it."""
+
+    def __init__(self, lease):
+        r, self._w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-I", "-S", "-c", _GUARD, os.path.dirname(os.path.abspath(__file__)),
+                 str(lease.uid)], stdin=r, stdout=subprocess.DEVNULL, pass_fds=(lease.fileno(),),
+                start_new_session=True)  # its own session: a signal to the trial's process group does not reach it
+        finally:
+            os.close(r)
+
+    def close(self, timeout=10.0):
+        if self._w >= 0:
+            os.close(self._w)
+            self._w = -1
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def reap_leftovers(uid):

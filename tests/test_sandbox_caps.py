@@ -155,29 +155,52 @@ DIES = """import sys
 sys.path.insert(0, {repo!r})
 import sandbox, task_io
 box = sandbox.Sandbox(task_io.load_task({task!r}), {trial!r}, {limits!r}).start()
-print(box.uid, flush=True)
+box.exec("setsid sleep 300 > /dev/null 2>&1 < /dev/null &")
+print(box.uid, box._guard.proc.pid, flush=True)
 sys.stdin.readline()
 """
 
 
-def test_a_trial_killed_before_close_leaves_nothing_once_its_uid_is_taken_again(tmp_path):
+def _killed_trial(tmp_path, kill_guard):
+    """A trial process SIGKILLed after start (its guard too, with kill_guard) -> (uid, its cgroup dirs, its tmpfs
+    source name)."""
     code = DIES.format(repo=REPO, task=str(make_task(tmp_path)), trial=str(tmp_path / "trial"), limits=SMALL)
     p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    uid = int(p.stdout.readline())
+    uid, guard = map(int, p.stdout.readline().split())
     dirs = [os.path.join(d, trial_caps.CGROUP_PARENT, f"trial-{uid}") for d in trial_caps.cgroup_layout()[1:] if d]
+    if kill_guard:
+        os.kill(guard, signal.SIGKILL)
     p.send_signal(signal.SIGKILL)
     p.wait()
-    source = trial_caps.MOUNT_SOURCE.format(uid=uid)
-    assert any(m[2] == source for m in trial_caps.mounts()) and all(os.path.isdir(d) for d in dirs)
+    deadline = time.time() + 10  # gone, and its copy of the uid's lock with it
+    while kill_guard and os.path.exists(f"/proc/{guard}/fd/0") and time.time() < deadline:
+        time.sleep(0.02)
+    return uid, dirs, trial_caps.MOUNT_SOURCE.format(uid=uid)
+
+
+def _left(dirs, source):
+    return any(m[2] == source for m in trial_caps.mounts()) or any(os.path.isdir(d) for d in dirs)
+
+
+def test_a_trial_killed_before_close_leaves_nothing_behind(tmp_path):
+    uid, dirs, source = _killed_trial(tmp_path, kill_guard=False)
+    deadline = time.time() + 15  # its guard saw the pipe close: tmpfs and cgroups (the setsid'd sleep) gone
+    while _left(dirs, source) and time.time() < deadline:
+        time.sleep(0.1)
+    assert not _left(dirs, source)
+
+
+def test_leftovers_of_a_killed_trial_and_guard_go_when_the_uid_is_taken_again(tmp_path):
+    uid, dirs, source = _killed_trial(tmp_path, kill_guard=True)
+    assert _left(dirs, source)
     leases = []
     try:
-        while not leases or leases[-1].uid < uid:  # lowest free first: its uid comes up
-            leases.append(trial_caps.allocate_uid())
-        assert leases[-1].uid == uid
+        while not leases or leases[-1].uid < uid:  # lowest free first: its uid comes up (or a concurrent test's
+            leases.append(trial_caps.allocate_uid())  # trial took it first, reaping it the same way)
     finally:
         for lease in leases:
             lease.release()
-    assert not any(m[2] == source for m in trial_caps.mounts()) and not any(os.path.isdir(d) for d in dirs)
+    assert not _left(dirs, source)
 
 
 def test_task_toml_memory_and_storage_lower_the_caps_and_bad_values_are_named(tmp_path):
