@@ -23,7 +23,8 @@ The jails (the security contract):
   the trial dir is a tmpfs of disk_bytes / disk_inodes beyond the staged task (the agent's /app and /logs; verifier/,
   with the verifier's /logs/verifier, another of its own; host/ a third); every command joins the trial's memory
   cgroup (trial_mem_bytes, no swap; trial_procs) before it runs. close(): the cgroup emptied and removed, the files
-  copied back to the host disk (keep_files; bounded by the caps) and the tmpfs unmounted, then the uid released.
+  copied back to the host disk (keep_files; bounded by the caps) and the tmpfs unmounted, then the uid released (a
+  guard process does the same when the trial's process dies before close()).
 - The agent's jail: /app and /logs writable (host dirs under the trial root, owned by the agent's uid 200000+),
   /tests empty and read-only, /solution (oracle only) a checked copy, read-only.
 - The verifier's jail (run_verifier): the agent's jail is closed first (SIGKILL bwrap: its pid 1 dies, the kernel

@@ -6,8 +6,9 @@ Paper section "rollout" (T1, arXiv 2609.11042): every trial runs in a sandbox of
 - Uids (allocate_uid): the lowest uid of the range whose lock file in UID_LOCK_DIR (root-only) no live process holds
   with flock. The lease lasts as long as its descriptor (closed by release(), or by the kernel when the process
   dies), so two live trials never share a uid (RLIMIT_NPROC, keyrings and signals are per uid), across processes:
-  Ray actors, pytest workers, several runs. What a dead holder left behind (its tmpfs, its cgroups) is removed when
-  its uid is taken again.
+  Ray actors, pytest workers, several runs. A trial's process that dies before close() leaves its tmpfs and cgroups
+  to its Guard (a process of its own session holding a copy of the uid's lock: the uid is free once they are gone);
+  if the guard died too, they are removed when the uid is taken again.
 - Disk (TrialDisk): the trial's root dir is a tmpfs mounted by the host (size=, nr_inodes=; a hard link counts as
   an inode), holding the agent's /app and /logs; its verifier/ (the tests, the verifier's /logs/verifier) and host/
   (the host's logs) are tmpfs mounts of their own, so an agent that fills its disk cannot fail the verifier's start
