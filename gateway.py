@@ -509,7 +509,7 @@ def _make_handler(gw: Gateway):
                 self.send_error_json(APIError(503, f"engine: unreachable ({e})", None, "engine_unavailable"))
             except RuntimeError as e:  # the engine answered with an error (rollout.EngineClient)
                 self.send_error_json(APIError(502, str(e)[:500], None, "engine_error"))
-            except Exception as e:  # a fault of the gateway itself: named, never a dropped connection
+            except Exception as e:  # a fault of the gateway itself: named and logged, never a dropped connection
                 self.send_error_json(APIError(500, f"gateway: {type(e).__name__}: {e}", None, None))
     return Handler
 

@@ -2,8 +2,9 @@
 paper section. An HTTP/1.1 server whose threads serve only complete requests: a waiting room (one thread, a
 selector) holds every connection while its request arrives, with a total deadline on reading it and a cap on open
 connections; a quiet handler with strict body framing (Content-Length required, size-capped), strict JSON (UTF-8,
-no lone surrogates, bounded nesting), JSON replies and errors, every 5xx logged on stderr with its traceback, and a
-watcher that notices a client hanging up (so that its request is aborted, not decoded for nobody).
+no lone surrogates, bounded nesting), JSON replies and errors, every 5xx logged on stderr (one sent while handling
+an exception with its traceback), and a watcher that notices a client hanging up (so that its request is aborted,
+not decoded for nobody).
 
 The phases of a connection and their bounds (paper silent; the constants below):
   waiting, no request begun (new, or kept alive after a reply): no thread; closed after IDLE_TIMEOUT_S.
@@ -395,7 +396,7 @@ class JSONHandler(BaseHTTPRequestHandler):
             if not self.replied:
                 self._send(500, self.error_body(HTTPError(500, f"server: {type(e).__name__}: {e}")))
             else:
-                self.log_5xx(500, "(after the reply began)")
+                self.log_5xx(500, f"a fault after the reply began: {type(e).__name__}: {e}")
 
     def finish(self):
         self.leftover = b"" if self.close_connection else self.rfile.read()  # a pipelined next request
@@ -411,7 +412,8 @@ class JSONHandler(BaseHTTPRequestHandler):
         super().send_response(code, message)
 
     def log_5xx(self, code, what):
-        """Every 5xx on stderr: status, method, path, the error, and the traceback of the exception being handled."""
+        """Every 5xx on stderr: status, method, path, the error, and the traceback of the exception being handled
+        (a 5xx sent from an except block: a fault); counted in server.status_5xx. A subclass may add context."""
         if hasattr(self.server, "status_5xx"):
             self.server.status_5xx[code] += 1
         exc = sys.exc_info()[1]

@@ -23,6 +23,8 @@ class Echo(httpjson.JSONHandler):
                     {}["no-such-key"]
                 except KeyError as e:
                     return self._send(500, {"error": f"server: {type(e).__name__}: {e}"})
+            if self.path == "/plain":  # a 5xx sent without a fault in hand: one line
+                return self._send(503, {"error": "backend: not ready"})
             if self.path == "/escapes":
                 raise RuntimeError("a fault that escapes do_POST")
             self._send(200, {"echo": body})
@@ -187,7 +189,9 @@ def test_every_5xx_is_logged_with_its_traceback(server, capfd):
     assert status == 500 and "KeyError" in res["error"]
     status, res = post(server, "/escapes", b"{}")  # a fault that escapes do_POST: answered 500, not a dropped line
     assert status == 500 and "a fault that escapes do_POST" in res["error"]
+    assert post(server, "/plain", b"{}")[0] == 503
     err = capfd.readouterr().err
     assert "httpjson: 500 POST /boom" in err and "Traceback" in err and "KeyError: 'no-such-key'" in err, err
     assert "httpjson: 500 POST /escapes" in err and "RuntimeError: a fault that escapes do_POST" in err, err
-    assert server.status_5xx[500] == 2
+    assert 'httpjson: 503 POST /plain: "backend: not ready"\n' in err and err.count("Traceback") == 2, err
+    assert server.status_5xx == {500: 2, 503: 1}
