@@ -916,8 +916,17 @@ def main(argv=None) -> int:
         except ValueError as e:
             print(f"gateway eval: {e}", file=sys.stderr)
             return 2
+    if not os.path.isdir(a.model_path):
+        print(f"gateway {a.cmd}: --model-path: {a.model_path} is not a directory (a checkpoint with its tokenizer)",
+              file=sys.stderr)
+        return 2
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(a.model_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(a.model_path)
+    except Exception as e:  # a dir without a tokenizer: one line, not the library's traceback
+        print(f"gateway {a.cmd}: --model-path: no tokenizer loads from {a.model_path} ({type(e).__name__}: "
+              f"{str(e)[:300]})", file=sys.stderr)
+        return 2
     if a.cmd == "serve":
         gw = Gateway(a.engine_url, tok, a.mode, max_total_tokens=a.max_total_tokens, host=a.host, port=a.port).start()
         print(f"gateway ({a.mode}) on {gw.url}/v1 -> {a.engine_url}", flush=True)

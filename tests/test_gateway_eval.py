@@ -81,6 +81,17 @@ def test_eval_of_nothing_exits_2_naming_the_reason(tmp_path, tok_dir, capsys, si
         assert rc == 2 and why in err and str(tmp_path / d) in err and "solve_rate" not in out, (d, rc, out, err)
 
 
+def test_a_missing_or_empty_model_path_is_one_line_exit_2(tmp_path, capsys, signals_restored):
+    data = tmp_path / "dataset"
+    data.mkdir()
+    make_task(data, "runs-here")
+    (tmp_path / "empty").mkdir()
+    for path, why in ((tmp_path / "missing", "is not a directory"), (tmp_path / "empty", "no tokenizer loads")):
+        for cmd in (["eval", "--dataset", str(data)], ["harbor-trial", "--task", str(data / "runs-here")]):
+            rc, out, err = run_main(cmd, str(path), capsys)
+            assert rc == 2 and "--model-path: " in err and why in err and "Traceback" not in err, (cmd, rc, err)
+
+
 def test_eval_refuses_tasks_the_jail_cannot_run_and_harbor_failing_is_an_error(tmp_path, tok_dir, capsys,
                                                                              signals_restored):
     """A task that needs its image (rollout.check_runs_here) is refused up front, Harbor never starts for it; a trial
