@@ -229,7 +229,9 @@ class EngineClient:
         guarded = deadline is not None or stop_event is not None
         out = (self._call_guarded("/generate", body, None, deadline, stop_event) if guarded
                else self._call("/generate", body))
-        meta = out.get("meta_info") or {}
+        meta = out.get("meta_info") if isinstance(out, dict) else None
+        if not isinstance(meta, dict) or meta.get("finish_reason") is None:  # not an empty turn: a broken reply
+            raise RuntimeError(f"engine /generate: not a generate reply (no meta_info.finish_reason): {str(out)[:200]}")
         lps = meta.get("output_token_logprobs") or []
         ids = out.get("output_ids")
         ids = [int(x[1]) for x in lps] if ids is None else [int(t) for t in ids]

@@ -442,3 +442,28 @@ def test_a_sampled_reply_never_crashes_the_parser():
         assert obj is None and why in err, (text[:60], err)
     obj, err = rollout.parse_reply(reply("2.5"))
     assert err is None and obj["commands"] == [{"keystrokes": "ls\n", "duration": 2.5}]
+
+
+def test_a_reply_that_is_not_a_generate_reply_is_an_error(tok):
+    """An engine answering /generate with 200 and something else (text, a list, JSON without meta_info): a named
+    error (before: an empty turn, the trial ran on with empty replies to max_turns and scored 0)."""
+    for body in (b"<html>busy</html>", b"[1, 2]", b'{"text": "hi"}', b'{"meta_info": {}}'):
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def do_POST(self, body=body):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+        httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        try:
+            for kw in ({}, {"deadline": time.time() + 30}):
+                with pytest.raises(RuntimeError, match="not a generate reply"):
+                    rollout.EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}").generate([1], {}, **kw)
+        finally:
+            httpd.shutdown()
+            httpd.server_close()
