@@ -21,7 +21,10 @@ Departures (gateway.py departure 2: Harbor's agent in the bubblewrap jail of san
    `user="root"` execs, as the jail's root, which is not under RLIMIT_NPROC and may read and write every file
    the jail can see (not the host's: no dac_read_search, no handle syscalls); the phase ends only if Harbor's
    verifier starts with a root exec or a tests upload (Harbor >= 0.25 does both), and a root exec in mid-run
-   (not Terminus-2's) would kill the agent's processes.
+   (not Terminus-2's) would kill the agent's processes. The report channel of rollout.py's verifier (a socket only
+   its pytest holds) is not used here: Harbor reads the files its verifier leaves in /logs/verifier, so agent code
+   that the verifier runs (a test's subprocess, an imported module) can write the report that pays. Use rollout.py
+   for rewards that train; this path measures Harbor's own harness.
 """
 from __future__ import annotations
 
