@@ -31,11 +31,40 @@ The jails (the security contract):
   kills its pid namespace; run_verifier checks it is empty), /app is lchowned to the verifier's uid (agent uid +
   800000), then a fresh jail with /app, the task's tests read-only at /tests and a fresh /logs/verifier (a host dir
   the agent never owned); `bash /tests/test.sh` runs as the verifier's uid with the agent's rlimits. The jail is
-  closed (every verifier process dead) before the report is read, as regular files owned by the verifier's uid.
+  closed (every verifier process dead) before the report is decided (the verifier's report, below).
 - seccomp (both jails, every command): open_by_handle_at, name_to_handle_at -> EPERM (a handle for the
   filesystem's root opened through the /app mount reaches the whole host); clone / unshare with CLONE_NEWUSER ->
   EPERM, clone3 -> ENOSYS (libc falls back to clone): a user namespace hands out every capability over new
-  namespaces, where most escapes start, and no task needs one; x32 syscalls, unknown 32-bit ABIs -> EPERM.
+  namespaces, where most escapes start, and no task needs one; add_key, keyctl, request_key -> EPERM (kernel
+  keyrings are not namespaced: a key one trial stored outlived it and a later trial read it from /proc/keys);
+  io_uring_setup / _enter / _register -> ENOSYS (libraries fall back to plain I/O; io_uring is a large kernel
+  surface no task needs); x32 syscalls, unknown 32-bit ABIs -> EPERM. The verifier's commands get a second filter
+  on top: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd -> EPERM (the reporter's memory and socket).
+- The verifier's report (local jail; the threat model): the verifier runs the agent's code as the verifier's uid
+  (a test's subprocess, an imported module, `python -m pytest` from /app), and that code can write whatever the
+  verifier can, /logs/verifier included (an all-passed ctrf.json made read-only before pytest's own write was paid
+  in full). So no file pays here. The verifier's pytest reports each test over a Unix socket the host listens on
+  (verifier_report.py, bound read-only at /run/verifier-report) from a plugin the host's environment loads out of a
+  read-only dir holding it alone (verifier_report_plugin.py). The reporter makes itself non-dumpable and connects
+  as pytest imports the plugin, before any conftest or test; the socket is close-on-exec; the verifier's filter
+  refuses ptrace and its relatives. Agent code in another process therefore cannot write the report, cannot reach
+  the reporter's socket or memory (/proc/PID/fd, mem, environ: EACCES; ptrace, process_vm_*, pidfd_getfd: EPERM)
+  and cannot stand in for it: a second connection, or a reporter that did not end with its done line (killed,
+  stopped until the timeout, interrupted), pays 0 with a reason naming it, never a fallback. PYTHONSAFEPATH:
+  `python -m pytest` from /app imports the interpreter's pytest, and pdb / readline while pytest configures (the
+  cwd is put back at session start, for tests that import from it). No reporter: 0 when test.sh runs pytest (the
+  plugin was kept out), else reward.txt, the binary fallback of verifiers without pytest.
+- Not protected, declared: (1) agent code imported into the reporting pytest (`sys.path.insert(0, "/app");
+  import solution`, a conftest or a lazily imported module from an /app cwd) runs inside the reporter and can
+  rewrite its outcomes or lines: a forgery through a file no longer pays, a smarter in-process one would. The
+  report names the modules loaded from outside the interpreter, the venv, /usr and /tests (reward_reason "agent
+  code ran inside the reporting pytest ..."), best effort: such code can hide itself. (2) A test.sh that runs
+  the agent's code before or beside its pytest: code left running could kill pytest before its plugin connects
+  and report in its place. (3) A verifier without pytest: its reward.txt is written by a process tree that ran the
+  agent's code. (4) Whatever the tests read that the verifier's uid can write (/app, /tmp) the agent's code may
+  change while they run. Daytona (daytona_sandbox.py), Harbor's environments (harbor_env.py) and gateway.py's
+  Harbor runs still read ctrf.json and reward.txt from the verifier's folder (reward.compute): the forgeries this
+  channel stops still pay there.
 - Task dirs are untrusted (copy_task_tree for environment/app, tests, solution): a root that is a link, links
   absolute or leaving the tree, device files, FIFOs, sockets, more than Limits.task_files entries or task_bytes
   bytes: ValueError naming the path (the trial: "error").
@@ -59,6 +88,11 @@ Departures from the paper / Terminus-2:
    root cannot be solved here. The host needs root, and uids 200000..1799999 unused (verifiers 1000000+).
 4. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux screen capture;
    read() may return before `duration` once the shell prompt is back.
+5. The verifier reports through a socket, not ctrf.json (above): a test.sh that runs pytest twice pays 0 (two
+   reporters; a test's own nested pytest does not report), python scripts test.sh runs directly do not get their dir
+   on sys.path (PYTHONSAFEPATH), and debuggers (ptrace) do not work inside the verifier. The agent's jail keeps
+   ptrace: tasks debug programs with gdb / strace, the agent can trace only its own uid, and all of it is dead
+   before the verifier starts.
 """
 import dataclasses
 import fcntl
@@ -864,8 +898,12 @@ class Sandbox:
         finally:
             self.report_channel.finish()
         write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
-        res = verifier_report.decide(self.report_channel, scale, n_assertions=self.task.n_assertions)
-        if res is None:  # no pytest reported: a verifier without pytest; its reward.txt (binary) is all there is
+        try:  # the host's staged copy (a checked regular file): does the task's verifier run pytest?
+            test_sh = read_beneath(os.path.join(self.root, "verifier", "tests"), "test.sh", 1 << 20)
+        except (OSError, ValueError):
+            test_sh = b""
+        res = verifier_report.decide(self.report_channel, scale, n_assertions=self.task.n_assertions, test_sh=test_sh)
+        if res is None:  # no pytest reported, none run: a verifier without pytest; its reward.txt is all there is
             res = reward.compute(self.verifier_logs, scale, n_assertions=self.task.n_assertions,
                                  owner_uid=self.verifier_uid,
                                  no_ctrf_reason="missing CTRF: no pytest reported through the report channel (a "

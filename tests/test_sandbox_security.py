@@ -459,6 +459,36 @@ def test_python_m_pytest_from_app_runs_the_real_pytest(tmp_path):
     assert "modules: sortcheck (/app/sortcheck.py)" in res["reward_reason"], res["reward_reason"]  # flagged
 
 
+def test_a_planted_ini_and_conftest_in_the_test_dir_pytest_uses(tmp_path):
+    """A test.sh that runs pytest from /app on a copy of its tests reads the agent's pytest.ini (addopts: -p no: the
+    plugin) and conftest.py (forges the report, main paid 3 of 3): the plugin loads anyway (`-p NAME` after
+    `-p no:NAME` unblocks it), the honest 0 of 3 is paid and the conftest is named as agent code in the reporter."""
+    solve = ("printf '[pytest]\\naddopts = -p no:verifier_report_plugin\\n' > /app/pytest.ini\n"
+             "cp /solution/conftest.py /app/conftest.py")
+    task = make_task(tmp_path, solve=solve)  # out.txt never written
+    (task / "solution" / "conftest.py").write_text(
+        "import subprocess\nsubprocess.run(['bash', '-c', " + repr(FORGE_SH) + "])\n")
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\ncp /tests/test_outputs.py /app/\ncd /app && pytest --ctrf "
+        "/logs/verifier/ctrf.json test_outputs.py -rA\nif [ $? -eq 0 ]; then echo 1 > /logs/verifier/reward.txt; "
+        "else echo 0 > /logs/verifier/reward.txt; fi\n")
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["passed"], res["total"], res["reward"]) == ("ctrf", 0, 3, 0.0), res
+    assert "conftest (/app/conftest.py)" in res["reward_reason"], res["reward_reason"]
+
+
+def test_a_test_sh_that_runs_pytest_without_the_reporter_pays_zero(tmp_path):
+    """A test.sh that replaces PYTEST_ADDOPTS keeps the plugin out: no reporter, and reward.txt (writable by any
+    code the verifier ran) is not trusted in its place for a verifier that runs pytest."""
+    task = make_task(tmp_path)
+    (task / "tests" / "test.sh").write_text(
+        "#!/bin/bash\nmkdir -p /logs/verifier\nPYTEST_ADDOPTS=-q pytest --ctrf /logs/verifier/ctrf.json "
+        "/tests/test_outputs.py\necho 1 > /logs/verifier/reward.txt\n")
+    res = rollout.run_trial(task, "oracle")
+    assert (res["reward_source"], res["reward"]) == ("none", 0.0), res
+    assert "test.sh runs pytest but no pytest reported" in res["reward_reason"], res["reward_reason"]
+
+
 def test_agent_code_cannot_turn_a_pytest_verifier_into_a_binary_one(tmp_path):
     """No reporter at all falls back to reward.txt (verifiers without pytest); a forged ctrf.json is never read."""
     task = make_task(tmp_path, solve="true")  # does not solve the task
