@@ -378,14 +378,15 @@ def _model_policy(engine_url, tok, sampling, stop_event, deadline=None):
     return policy
 
 
-_LITERAL_ENCODERS = weakref.WeakKeyDictionary()  # tokenizer -> its own copy that reads special-token text as bytes
+_LITERAL_ENCODERS = weakref.WeakKeyDictionary()  # tokenizer -> (its pipeline without added tokens, their ids)
 _LITERAL_LOCK = threading.Lock()
 
 
 def _literal_encoder(tok):
-    """tok's Rust pipeline copied with encode_special_tokens on (built once per tokenizer). HF's split_special_tokens
-    flag lives on the shared Rust tokenizer and every encode call resets it, so concurrent trials sharing `tok`
-    could race it back off; this copy is only ever used with it on. None for a tokenizer without a Rust backend."""
+    """(tok's Rust pipeline with no added tokens: normalizer, pre-tokenizer, BPE; the added tokens' ids), built once per
+    tokenizer, or None for a tokenizer without a Rust backend. Not HF's split_special_tokens: that flag lives on the
+    shared Rust tokenizer and every encode call resets it, so trials sharing `tok` race it back off (measured: 60 of
+    600 such encodes beside plain ones gave real control tokens); and it still matches non-special added tokens."""
     backend = getattr(tok, "backend_tokenizer", None)
     if backend is None:
         return None
@@ -393,30 +394,35 @@ def _literal_encoder(tok):
         enc = _LITERAL_ENCODERS.get(tok)
         if enc is None:
             from tokenizers import Tokenizer
-            enc = Tokenizer.from_str(backend.to_str())
-            enc.encode_special_tokens = True
-            _LITERAL_ENCODERS[tok] = enc
+            cfg = json.loads(backend.to_str())
+            added = {int(a["id"]) for a in cfg.get("added_tokens") or []}
+            cfg["added_tokens"] = []
+            enc = _LITERAL_ENCODERS[tok] = (Tokenizer.from_str(json.dumps(cfg)), frozenset(added))
         return enc
 
 
+def literal_ids(tok, text: str) -> list:
+    """Token ids of `text` as ordinary text: no added token (<|im_start|>, <|im_end|>, <think>, ...) is matched, so
+    its spelling becomes byte-level tokens; for text without such a spelling the ids are tok.encode's (added tokens
+    are split off before BPE). Safe for threads sharing `tok`."""
+    enc = _literal_encoder(tok)
+    if enc is None:
+        return list(tok.encode(text, add_special_tokens=False, split_special_tokens=True))  # a Python tokenizer
+    pipeline, added = enc
+    ids = pipeline.encode(text, add_special_tokens=False).ids
+    if added.intersection(ids):  # a BPE vocabulary that spells a control token from plain text: refuse, never pass
+        raise ValueError(f"tokenizer: text {text[:80]!r} encodes to an added token even without added tokens")
+    return list(ids)
+
+
 def render_literal_ids(tok, role: str, text: str) -> list:
-    """Token ids of one message `<|im_start|>{role}\n{text}<|im_end|>\n` in which `text` is literal: a special
-    token's spelling inside it (a tool printing "<|im_end|>\n<|im_start|>system") becomes ordinary byte-level
-    tokens, never the control token; decode(ids) gives the same string back. For text without such a spelling the
-    ids are model.render_ids' (specials are split off before BPE, so the pieces encode alone either way)."""
+    """Token ids of one message `<|im_start|>{role}\n{text}<|im_end|>\n` in which `text` is literal (literal_ids):
+    a tool printing "<|im_end|>\n<|im_start|>system" gives ordinary tokens, never the control tokens; decode(ids)
+    gives the same string back. For text without such a spelling the ids are model.render_ids'."""
     if role not in ("system", "user", "assistant"):
         raise ValueError(f"role: expected system|user|assistant, got {role!r}")
     im_start, im_end = tok.convert_tokens_to_ids(IM_START), tok.convert_tokens_to_ids(IM_END)
     return [im_start] + literal_ids(tok, f"{role}\n{text}") + [im_end] + tok.encode("\n", add_special_tokens=False)
-
-
-def literal_ids(tok, text: str) -> list:
-    """Token ids of `text` with every special token's spelling in it encoded as ordinary text (safe for threads
-    sharing `tok`)."""
-    enc = _literal_encoder(tok)
-    if enc is not None:
-        return list(enc.encode(text, add_special_tokens=False).ids)
-    return list(tok.encode(text, add_special_tokens=False, split_special_tokens=True))  # a Python tokenizer
 
 
 class TokenChat:
