@@ -31,9 +31,9 @@ Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
 3. With sandbox "bwrap", a task that needs its image built (task_io.image_needs) is refused at the start of run_trial
    (exit_reason "error", "needs its image: use --sandbox daytona or Harbor's docker environment", the reasons):
    run here it would fail for want of a tool and score 0 silently.
-4. Tool output and the instruction are rendered literally (render_literal_ids): a special token's spelling in them is
-   byte-level text, never a control token, so a command cannot forge chat structure (as chat servers escape it);
-   prompts without such text keep their exact ids, the sampled ids are untouched (TITO's audit is unchanged).
+4. Tool output, the instruction and scripted replies are encoded as text (literal_ids): a token's spelling in them
+   (<|im_end|>, <think>) is byte-level text, never the control token, so a command cannot forge chat structure (as chat
+   servers escape it); text without such a spelling keeps its exact ids; sampled ids are untouched (TITO unchanged).
 """
 import argparse
 import concurrent.futures as cf
