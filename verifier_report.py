@@ -59,6 +59,7 @@ class Channel:
         self._listener = None
         self._thread = None
         self._closing = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()  # finish() wakes the reader at once
 
     def start(self):
         """Create the dirs (root-owned, 0755: the jail reads them, never writes), copy the plugin, listen."""
@@ -95,8 +96,11 @@ class Channel:
         try:
             while True:
                 rl = [self._listener] if self._listener is not None else []
-                ready, _, _ = select.select(rl + list(socks), [], [], 0.05)
+                ready, _, _ = select.select(rl + list(socks) + [self._wake_r], [], [], 1.0)
                 for s in ready:
+                    if s == self._wake_r:
+                        os.read(self._wake_r, 64)
+                        continue
                     if s is self._listener:
                         self._accept(socks, bufs)
                         continue
@@ -124,7 +128,6 @@ class Channel:
                     if self._listener is not None:
                         self._listener.close()
                         self._listener = None
-                    continue
                 if self._closing.is_set() and not socks:
                     return
                 if self._closing.is_set() and time.time() > self._closing_deadline:
@@ -202,10 +205,15 @@ class Channel:
         """Stop serving (call once every verifier process is dead: their connections are at EOF) and close."""
         self._closing_deadline = time.time() + timeout
         self._closing.set()
+        os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout + 1.0)
         if self._thread is not None and self._thread.is_alive():
             self.accept_error = self.accept_error or f"the reader did not stop within {timeout:g} s"
+        else:
+            for fd in (self._wake_r, self._wake_w):
+                os.close(fd)
+            self._wake_r = self._wake_w = -1
 
     @staticmethod
     def _end(c, rest):
