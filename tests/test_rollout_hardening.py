@@ -103,7 +103,7 @@ class StubEngine:
 
 
 @pytest.fixture
-def stub(request, tok):
+def stub(tok):
     engines = []
 
     def make(mode="reply", replies=()):
