@@ -62,7 +62,9 @@ The jails (the security contract):
   the agent's code before or beside its pytest: code left running could kill pytest before its plugin connects
   and report in its place. (3) A verifier without pytest: its reward.txt is written by a process tree that ran the
   agent's code. (4) Whatever the tests read that the verifier's uid can write (/app, /tmp) the agent's code may
-  change while they run. Daytona (daytona_sandbox.py), Harbor's environments (harbor_env.py) and gateway.py's
+  change while they run. (5) pytest-xdist workers (a test.sh with `-p xdist -n N`) run the tests and pass their
+  reports to the reporter; they are not made non-dumpable, so agent code a test starts could rewrite a worker's
+  memory (/proc/PID/mem). Daytona (daytona_sandbox.py), Harbor's environments (harbor_env.py) and gateway.py's
   Harbor runs still read ctrf.json and reward.txt from the verifier's folder (reward.compute): the forgeries this
   channel stops still pay there.
 - Task dirs are untrusted (copy_task_tree for environment/app, tests, solution): a root that is a link, links
