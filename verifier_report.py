@@ -6,7 +6,7 @@ forge (it did: an all-passed ctrf.json made read-only before pytest's own write)
 through a channel that only the reporting pytest holds:
 - Channel(dir, uid) makes a root-owned dir holding a listening Unix stream socket (bound read-only into the
   verifier's jail at SOCKET_DIR_IN_JAIL: connect() needs no write access to the mount) and a root-owned dir holding
-  only verifier_report_plugin.py (the jail's PYTHONPATH, read-only); env() is what the verifier's command needs.
+  only verifier_report_plugin.py (the jail's PYTHONPATH, read-only; sandbox.VERIFIER_ENV loads it).
 - The plugin (its docstring) makes the pytest process non-dumpable and connects when pytest imports it (before any
   conftest or test module), sends one JSON line per test phase and a final `done` line.
 - A thread accepts and reads every connection (SO_PEERCRED recorded; at most MAX_CONNECTIONS, MAX_BYTES per
@@ -42,7 +42,7 @@ PLUGIN_SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), PLUGIN_NAM
 MAX_CONNECTIONS = 8  # more than one already pays 0; the cap only bounds the host's work
 MAX_BYTES = 8 << 20  # per connection: ~50,000 test phases with long nodeids
 MAX_LINE = 16 << 10  # the plugin cuts a nodeid at 1000 characters
-OK_EXIT = {0: "all passed", 1: "some failed", 5: "no tests collected"}  # pytest's ExitCode values that finish a run
+OK_EXIT = (0, 1, 5)  # pytest's exit codes of a run that finished: all passed, some failed, no tests collected
 PHASES, OUTCOMES = ("setup", "call", "teardown"), ("passed", "failed", "skipped")
 _PYTEST = re.compile(rb"(?<![\w.-])pytest(?![\w-])")
 
@@ -59,7 +59,7 @@ class Channel:
         self._listener = None
         self._thread = None
         self._closing = threading.Event()
-        self._wake_r, self._wake_w = os.pipe()  # finish() wakes the reader at once
+        self._wake_r = self._wake_w = -1  # a pipe: finish() wakes the reader at once
 
     def start(self):
         """Create the dirs (root-owned, 0755: the jail reads them, never writes), copy the plugin, listen."""
@@ -77,6 +77,7 @@ class Channel:
             os.close(dfd)
         self._listener.listen(MAX_CONNECTIONS)
         self._listener.setblocking(False)
+        self._wake_r, self._wake_w = os.pipe()
         self._thread = threading.Thread(target=self._serve, name="verifier-report", daemon=True)
         self._thread.start()
         return self
@@ -85,11 +86,6 @@ class Channel:
         parent = os.path.dirname(SOCKET_DIR_IN_JAIL)  # /run, readable (bwrap makes a missing parent 0700)
         return ["--perms", "0755", "--dir", parent, "--ro-bind", self.sock_dir, SOCKET_DIR_IN_JAIL,
                 "--ro-bind", self.plugin_dir, PLUGIN_DIR_IN_JAIL]
-
-    @staticmethod
-    def env():
-        """The verifier command's environment additions (the plugin takes them out of its own os.environ)."""
-        return {"PYTHONPATH": PLUGIN_DIR_IN_JAIL, "PYTHONSAFEPATH": "1"}
 
     def _serve(self):
         socks, bufs = {}, {}
@@ -205,12 +201,13 @@ class Channel:
         """Stop serving (call once every verifier process is dead: their connections are at EOF) and close."""
         self._closing_deadline = time.time() + timeout
         self._closing.set()
-        os.write(self._wake_w, b"x")
+        if self._wake_w >= 0:
+            os.write(self._wake_w, b"x")
         if self._thread is not None:
             self._thread.join(timeout + 1.0)
         if self._thread is not None and self._thread.is_alive():
             self.accept_error = self.accept_error or f"the reader did not stop within {timeout:g} s"
-        else:
+        elif self._wake_r >= 0:
             for fd in (self._wake_r, self._wake_w):
                 os.close(fd)
             self._wake_r = self._wake_w = -1
