@@ -343,7 +343,7 @@ def test_agent_script_run_by_a_test_cannot_forge_the_report(tmp_path, attack):
     task = make_task(tmp_path, solve="cp /solution/fix.sh /app/fix.sh")
     (task / "solution" / "fix.sh").write_text(FORGE_SH + tail)
     (task / "tests" / "test_outputs.py").write_text(PERMS_TESTS)
-    res = rollout.run_trial(task, "oracle", limits={"verifier_timeout_s": 8})  # stop-pytest: the verifier times out
+    res = rollout.run_trial(task, "oracle", limits={"verifier_timeout_s": 3 if attack == "stop-pytest" else 60})
     assert res["exit_reason"] == "oracle", res["error"]
     got = (res["reward_source"], res["passed"], res["total"], res["reward"])
     assert got == (source, passed, total, passed / 20), res  # main paid 5 of 5 (0.25) for every one of these
