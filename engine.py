@@ -30,8 +30,9 @@ Departures from the paper:
    comes), through the checkpoint loader (a temporary safetensors file) for the Hub-to-fused expert conversion.
 6. The running batch is one left-padded KV cache (no paged attention): while a long request runs, every row attends
    over its padded length; a row that leaves is overwritten in place by the batch's last row (kvcache.drop_rows);
-   a joining row is written into the buffers' spare rows (kvcache.append_rows) unless it is wider than the batch
-   or no row is spare: then the batch is rebuilt (columns left as padding in every row trimmed).
+   a joining row is written into the buffers' spare rows (kvcache.append_rows) unless it is wider than the batch,
+   no row is spare or over half the batch's columns are padding in every row: then the batch is rebuilt (those
+   columns trimmed).
 7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
    installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
 """
@@ -45,6 +46,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 import urllib.request
 import uuid
 
@@ -128,10 +130,12 @@ class Request:
         self.aborted, self.weight_version = False, None  # weight_version: set when the request finishes
         self.output_ids, self.logprobs, self.routing = [], [], None  # routing: (n_in + n_out - 1, L, k) int32
         self.finish, self.error = None, None  # error: this request's own failure inside the engine (-> HTTP 500)
+        self.traceback = None  # the error's traceback (logged with the 500)
         self.cached_tokens = 0  # prompt tokens whose state came from the prefix cache (meta_info.cached_tokens)
 
     def fail(self, e):
         self.error = f"{type(e).__name__}: {e}"
+        self.traceback = "".join(traceback.format_exception(e))  # a row's sampling error was never raised: one line
         self.finish = {"type": "abort", "message": f"engine error: {self.error}"}
         self.done.set()
 
@@ -267,7 +271,10 @@ class EngineServer:
     - A request that still fails inside the engine fails alone where it can: its prefill or seeding (before it
       joins the batch), or its row's sampling. A batched decode forward that raises fails the rows running in it,
       and any other fault of a step fails every running request (each gets HTTP 500 with the error); the
-      scheduler goes on with the queue, so no client is left hanging.
+      scheduler goes on with the queue, so no client is left hanging. Every 500 the engine answers is logged on
+      stderr with its full traceback (a request that failed on the scheduler thread: that thread's) and the
+      request's rid and client (and its lengths and sampling), and counted (errors_500 in /health and
+      /get_server_info).
     - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
       (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
       not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
@@ -323,6 +330,7 @@ class EngineServer:
         self.rows, self.cache, self.mask = [], None, None  # the running batch: Rows, DynamicCache, (B, T) mask
         self.disconnects = collections.deque(maxlen=DISCONNECT_LOG)  # {rid, finish, completion_tokens} per hang-up
         self.prefill_splits = collections.deque(maxlen=DISCONNECT_LOG)  # why a group prefill was re-run one by one
+        self.errors_500, self._errors_lock = 0, threading.Lock()  # HTTP 500 replies (/health, /get_server_info)
         self.httpd, self.threads = None, []
 
     # -- lifecycle --
@@ -364,6 +372,14 @@ class EngineServer:
         if len(self.threads) < 2 or not self.threads[1].is_alive():
             return "the scheduler thread is not running"
         return None
+
+    def report_500(self, what, error, tb):
+        """Count an HTTP 500 reply and log it on stderr: `what` (the endpoint and the request's identity), the error
+        and its full traceback (for a request that failed on the scheduler thread, that thread's)."""
+        with self._errors_lock:
+            self.errors_500 += 1
+            n = self.errors_500
+        print(f"[engine] HTTP 500 (#{n}) {what}: {error}\n{(tb or '').rstrip()}", file=sys.stderr, flush=True)
 
     def cache_stats(self):
         p = self.prefix
@@ -802,16 +818,35 @@ class EngineServer:
 
 def _make_handler(engine):
     class Handler(JSONHandler):
+        def _who(self):
+            return f"client={self.client_address[0]}:{self.client_address[1]}"
+
+        def fault(self, e, body=None):
+            """A server fault: HTTP 500 naming it (never a dropped connection), logged with its traceback and the
+            request's rid, counted."""
+            rid = body.get("rid") if isinstance(body, dict) else None
+            engine.report_500(f"{self.command} {self.path[:200]} rid={str(rid)[:100]} {self._who()}",
+                              f"{type(e).__name__}: {e}", traceback.format_exc())
+            self._send(500, {"error": f"engine: {type(e).__name__}: {e}"})
+
         def do_GET(self):
+            try:
+                self._get()
+            except Exception as e:
+                self.fault(e)
+
+        def _get(self):
             if self.path == "/health":
                 why = engine.health()
-                self._send(503 if why else 200, {"status": "unhealthy", "error": why} if why else {"status": "ok"})
+                body = {"status": "unhealthy", "error": why} if why else {"status": "ok"}
+                self._send(503 if why else 200, {**body, "errors_500": engine.errors_500})
             elif self.path == "/get_server_info":  # SGLang's endpoint; here the settings and the prefix cache
                 self._send(200, {"max_running_requests": engine.max_batch, "torch_threads": engine.torch_threads,
                                  "weight_dtype": engine.weight_dtype, "routed_experts": engine.capture,
                                  "forward": "own" if engine.own_forward else "hf",
                                  "max_prefill_tokens": engine.max_prefill_tokens,
                                  "prefill_splits": list(engine.prefill_splits)[-8:],
+                                 "errors_500": engine.errors_500,
                                  "prefix_cache": engine.cache_stats()})
             elif self.path == "/get_model_info":
                 self._send(200, {"model_path": engine.model_path, "weight_version": engine.weight_version,
@@ -837,12 +872,18 @@ def _make_handler(engine):
                                            "completion_tokens": len(req.output_ids)})
                 self.close_connection = True
                 return
-            if req.error:
+            if req.error:  # raised on the scheduler thread: that thread's traceback
+                engine.report_500(f"POST /generate rid={req.rid[:100]} {self._who()} "
+                                  f"prompt_tokens={len(req.input_ids)} cached_tokens={req.cached_tokens} "
+                                  f"completion_tokens={len(req.output_ids)} max_new_tokens={req.max_new_tokens} "
+                                  f"temperature={req.temperature} seed={req.seed}",
+                                  req.error, req.traceback)
                 return self._send(500, {"error": f"engine: {req.error}"})
             self._send(200, engine.response(req, bool(body.get("return_logprob", False)),
                                             bool(body.get("return_routed_experts", False))))
 
         def do_POST(self):
+            body = None
             try:
                 body = self.read_json()
                 if self.path == "/generate":
@@ -910,8 +951,8 @@ def _make_handler(engine):
                     self._send(404, {"error": f"path: unknown endpoint {self.path[:200]}"})
             except HTTPError as e:
                 self.send_error_json(e)
-            except Exception as e:  # a server fault: named, never a dropped connection
-                self._send(500, {"error": f"engine: {type(e).__name__}: {e}"})
+            except Exception as e:  # a server fault: named, logged, counted
+                self.fault(e, body)
 
     return Handler
 

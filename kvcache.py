@@ -1,9 +1,11 @@
 """The embedded engine's batch state (engine.py): machinery, no paper section. Per-layer state of running rows
-(the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place,
-stacking rows of different lengths (left padding) with one copy of each, and the prefix cache across an agent's
-turns (SGLang's radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
+(the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place
+(spare columns, and spare rows that joining rows are written into), stacking rows of different lengths (left
+padding) with one copy of each, rows leaving in place, and the prefix cache across an agent's turns (SGLang's
+radix cache, kept at prefix ends: a Gated DeltaNet state exists only at the end of what it read).
 
-Run: not by itself; tests/test_engine.py checks a cache hit against a cold prefill (tokens, logprobs, routing).
+Run: not by itself; tests/test_engine.py checks a cache hit against a cold prefill (tokens, logprobs, routing), rows
+joining / leaving in place against a rebuilt batch; tests/test_engine_stress.py drives the batch with agents.
 """
 import collections
 
@@ -44,12 +46,14 @@ class GrowingKV(DynamicLayer):
             self.lazy_initialization(key_states, value_states)
             self.n, self.kbuf, self.vbuf = 0, None, None
         n, s, B = self.n, key_states.shape[-2], key_states.shape[0]  # B: the running rows (drop_rows keeps them first)
+        if self.kbuf is not None and B > self.kbuf.shape[0]:
+            raise ValueError(f"key_states: {B} rows, the cache holds {self.kbuf.shape[0]} (rows join by append_rows)")
         if self.kbuf is None or n + s > self.kbuf.shape[-2]:
             cap, R = max(2 * (n + s), 64), B if self.kbuf is None else self.kbuf.shape[0]  # R: the rows' capacity
             kb = key_states.new_empty(R, *key_states.shape[1:-2], cap, key_states.shape[-1])
             vb = value_states.new_empty(R, *value_states.shape[1:-2], cap, value_states.shape[-1])
-            if n:
-                kb[..., :n, :], vb[..., :n, :] = self.kbuf[:B, ..., :n, :], self.vbuf[:B, ..., :n, :]
+            if n:  # the B running rows only: the spare rows R - B hold nothing (a copy into all R rows failed)
+                kb[:B, ..., :n, :], vb[:B, ..., :n, :] = self.kbuf[:B, ..., :n, :], self.vbuf[:B, ..., :n, :]
             self.kbuf, self.vbuf = kb, vb
         self.kbuf[:B, ..., n:n + s, :] = key_states
         self.vbuf[:B, ..., n:n + s, :] = value_states
@@ -127,12 +131,16 @@ def append_rows(cache, mask, parts):
     """Rows of `parts` [(state, mask (b, t))] join the batch (cache, mask (B, T)) in place: written into the
     GrowingKV buffers' spare rows, right-aligned at the batch's last column (a copy of the new rows only, where
     _merged_cache copies the whole batch again). -> the new mask (B', T), or None (nothing written) when it cannot
-    be done in place: a part wider than the batch or fewer spare rows than new ones (the caller merges then)."""
+    be done in place: a part wider than the batch, fewer spare rows than new ones, or over half the batch's
+    columns padding in every row (left by rows that left: the rebuild trims them; in place, the batch's width would
+    grow by a column every step for as long as it runs, and every row attends over it)."""
     parts = _trimmed(parts)
     B, T = mask.shape
     n_new = sum(m.shape[0] for _, m in parts)
     attn = [layer for layer in cache.layers if not _is_linear(layer)]
     if any(m.shape[1] > T for _, m in parts) or any(layer.kbuf.shape[0] < B + n_new for layer in attn):
+        return None
+    if 2 * int(mask.any(0).long().argmax()) > T:  # the first column some row uses: past the middle
         return None
     for i, layer in enumerate(cache.layers):
         if _is_linear(layer):

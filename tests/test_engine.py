@@ -39,6 +39,14 @@ def get(url):
         return r.status, json.loads(r.read())
 
 
+def get_status(url):
+    """get() that returns an error status and its JSON body instead of raising."""
+    try:
+        return get(url)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
 @pytest.fixture(scope="module")
 def engine(ckpt):
     eng = engine_lib.EngineServer(ckpt, port=0, max_batch=8).start()
@@ -580,7 +588,7 @@ def test_a_rid_already_in_flight_is_refused(engine, tok):
 def test_health_is_503_when_the_scheduler_is_not_running(ckpt):
     eng = engine_lib.EngineServer(ckpt, port=0, max_batch=2).start()
     try:
-        assert get(eng.url + "/health") == (200, {"status": "ok"})
+        assert get(eng.url + "/health") == (200, {"status": "ok", "errors_500": 0})
         dead = threading.Thread(target=lambda: None)
         dead.start()
         dead.join()
@@ -829,6 +837,162 @@ def test_rows_that_join_in_place_equal_a_rebuilt_batch(tok, arch):
     assert kvcache.append_rows(small, small_mask, [state(1, 13)]) is None  # wider than the batch
     after = [t for _, a, b in kvcache._cache_state(small, slice(None), 12) for t in (a, b)]
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+@pytest.mark.parametrize("arch", model_lib.ARCHS)
+def test_the_kv_columns_grow_past_their_capacity_while_rows_are_spare(tok, arch):
+    """GrowingKV: a batch with spare rows (built for later joins, or left by rows that left) decodes past its columns'
+    capacity (2x the widest row, at least 64): the new buffer takes the running rows only, and every step's logits
+    equal a batch without spare rows. Copying into every row of the new buffer raised 'The expanded size of the
+    tensor (12) must match the existing size (8)', an HTTP 500 for every running request."""
+    cfg = model_lib.tiny_config(len(tok), arch)
+    m = model_lib.build_actor(cfg, seed=0).eval()
+    ids = torch.randint(3, len(tok), (3, 10), generator=torch.Generator().manual_seed(0))
+
+    def decode(rows, spare_rows):
+        with torch.no_grad():
+            c = kvcache.DynamicCache(config=cfg)
+            m(input_ids=ids[rows], cache=c, use_cache=True)
+            cache, mask = kvcache._merged_cache(cfg, [(kvcache._cache_state(c, slice(None), 10),
+                                                       torch.ones(len(rows), 10, dtype=torch.long))], rows=spare_rows)
+            if len(rows) == 3:
+                order = kvcache.drop_rows(cache, 3, [1])  # the middle row leaves: 2 run, spare_rows - 2 spare
+                mask = mask[torch.tensor(order)]
+            x, out = ids[[0, 2], -1:], []
+            for step in range(58):  # past 64 columns
+                mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], dim=1)
+                logits = m(input_ids=x, attention_mask=mask, position_ids=torch.full((2, 1), 10 + step), cache=cache,
+                           use_cache=True).logits[:, -1]
+                out.append(logits)
+                x = logits.argmax(-1, keepdim=True)
+        layer = next(x for x in cache.layers if isinstance(x, kvcache.GrowingKV))
+        return torch.stack(out), layer
+    want, plain = decode([0, 2], None)
+    got, layer = decode([0, 1, 2], 4)
+    assert layer.kbuf.shape[0] == 4 and layer.kbuf.shape[2] > 64 and layer.keys.shape[:3] == (2, 2, 68)
+    assert torch.allclose(got, want, atol=1e-5, rtol=0), (got - want).abs().max()
+    assert plain.kbuf.shape[0] == 2
+    with pytest.raises(ValueError, match="key_states: 3 rows, the cache holds 2"):  # more rows than the buffer
+        plain.update(torch.zeros(3, 2, 1, 32), torch.zeros(3, 2, 1, 32))
+
+
+@pytest.mark.parametrize("arch", model_lib.ARCHS)
+def test_a_prefix_hit_joins_in_the_step_where_running_rows_finish(tok, tmp_path, arch):
+    """An agent's next turn (a prefix-cache hit) is admitted in the very step where a running row samples its last
+    token and leaves (and another row keeps running): the hit joins the batch's spare rows, the finished row is
+    dropped in place, and every reply equals an engine without the cache (tokens, logprobs, routing)."""
+    path = str(tmp_path / arch)
+    model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok), arch), seed=5), tok, path)
+    hot = engine_lib.EngineServer(path, port=0, max_batch=4, weight_dtype="fp32").start()
+    cold = engine_lib.EngineServer(path, port=0, max_batch=4, weight_dtype="fp32", prefix_cache_mb=0).start()
+    sp = dict(temperature=1.0, ignore_eos=True)
+    try:
+        ids = prompt(tok, "list the files in /app")
+        first = generate(hot, ids, max_new_tokens=6, seed=1, **sp)
+        hit = engine_lib.Request("hit", ids + first["output_ids"] + prompt(tok, "a.txt b.txt"), 1.0, 1.0, 8, set(), 2)
+        step, seen = hot._step, {}
+
+        def stepped(admit):  # on the scheduler thread, between steps
+            before = {r.req.rid for r in hot.rows}
+            step(admit)
+            if hit in admit:
+                seen["left as the hit joined"] = sorted(before - {r.req.rid for r in hot.rows})
+            ending = next((r for r in hot.rows if r.req.rid == "ends"), None)
+            if ending is not None and len(ending.req.output_ids) == 9:  # its last token is drawn in the next step
+                with hot.cv:
+                    hot.queue.append(hit)
+        hot._step = stepped
+        jobs = {"ends": (prompt(tok, "cat notes.txt"), 10, 3), "runs": (prompt(tok, "wc -l count.txt"), 30, 4)}
+        out = {}
+        assert post(hot.url + "/pause_generation", {})[0] == 200
+        threads = [threading.Thread(target=lambda k=k, j=j: out.__setitem__(k, post(hot.url + "/generate", {
+            "input_ids": j[0], "rid": k, "return_logprob": True, "return_routed_experts": True,
+            "sampling_params": dict(sp, max_new_tokens=j[1], seed=j[2])}))) for k, j in jobs.items()]
+        for t in threads:
+            t.start()
+        deadline = time.time() + 10
+        while len(hot.queue) < 2 and time.time() < deadline:
+            time.sleep(0.01)
+        assert post(hot.url + "/continue_generation", {})[0] == 200
+        for t in threads:
+            t.join(timeout=120)
+        assert hit.done.wait(60) and hit.error is None, hit.error
+        assert seen["left as the hit joined"] == ["ends"] and hit.cached_tokens > 0, (seen, hit.cached_tokens)
+        for k, (p, n, seed) in jobs.items():
+            assert out[k][0] == 200, out[k]
+            _same_reply(out[k][1], generate(cold, p, max_new_tokens=n, seed=seed, **sp))
+        _same_reply(hot.response(hit), generate(cold, hit.input_ids, max_new_tokens=8, seed=2, **sp))
+    finally:
+        hot.stop()
+        cold.stop()
+
+
+def test_a_join_rebuilds_a_batch_whose_columns_are_mostly_padding():
+    """kvcache.append_rows refuses (None: the engine rebuilds, trimming them) when over half the batch's columns are
+    padding in every row (left by a long row that left): in place, the batch's width grew by a column a step for as
+    long as rows kept joining, and every row attends over it."""
+    cfg = model_lib.tiny_config(400, "qwen3_moe")
+    k = torch.randn(2, 2, 12, 32)
+    new = ([("attn", k[:1, :, :3], k[:1, :, :3])] * 4, torch.ones(1, 3, dtype=torch.long))
+    for nobodys, in_place in ((7, False), (6, True)):
+        m = torch.ones(2, 12, dtype=torch.long)
+        m[1, :nobodys] = 0  # row 1 uses the last 12 - nobodys columns
+        cache, mask = kvcache._merged_cache(cfg, [([("attn", k, k)] * 4, m)], rows=4)
+        order = kvcache.drop_rows(cache, 2, [0])  # the long row leaves
+        out = kvcache.append_rows(cache, mask[torch.tensor(order)], [new])
+        assert (out is not None) == in_place, nobodys
+        if in_place:
+            assert out.tolist() == [[0] * 6 + [1] * 6, [0] * 9 + [1] * 3]
+
+
+def test_every_500_is_logged_with_its_traceback_and_counted(ckpt, tok, capfd):
+    """Each HTTP 500 (a request failed inside the batcher: a decode forward that raises, a fault outside a forward;
+    a fault in the handler, POST or GET) is logged on stderr with its full traceback (for a request that failed on
+    the scheduler thread, that thread's) and the request's rid and client, and counted: errors_500 in /health and
+    /get_server_info. A 400 is not a 500."""
+    eng = engine_lib.EngineServer(ckpt, port=0, max_batch=2).start()
+    forward = eng._forward
+
+    def fwd(ids, mask, pos, cache):
+        if ids.shape[1] == 1 and any(r.req.rid == "poisoned" for r in eng.rows):  # its decode steps
+            raise RuntimeError("poisoned decode step")
+        return forward(ids, mask, pos, cache)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected fault")
+    body = {"input_ids": prompt(tok, "x"), "rid": "poisoned", "sampling_params": {"max_new_tokens": 3,
+                                                                                "ignore_eos": True}}
+    try:
+        capfd.readouterr()
+        eng._forward = fwd
+        status, out = post(eng.url + "/generate", body)
+        eng._forward = forward
+        assert status == 500 and "poisoned decode step" in out["error"], out
+        err = capfd.readouterr().err
+        assert "HTTP 500 (#1) POST /generate rid=poisoned client=127.0.0.1:" in err and "prompt_tokens=" in err, err
+        assert "Traceback (most recent call last)" in err and "in fwd" in err and "RuntimeError: poisoned" in err, err
+        insert, eng.prefix.insert = eng.prefix.insert, broken  # a fault outside a forward
+        assert post(eng.url + "/generate", dict(body, rid="outside", input_ids=prompt(tok, "y")))[0] == 500
+        eng.prefix.insert = insert
+        err = capfd.readouterr().err
+        assert "HTTP 500 (#2) POST /generate rid=outside" in err and "in _step" in err and "in broken" in err, err
+        response, eng.response = eng.response, broken  # a fault of the handler itself
+        assert post(eng.url + "/generate", dict(body, rid="handler", input_ids=prompt(tok, "z")))[0] == 500
+        eng.response = response
+        err = capfd.readouterr().err
+        assert "HTTP 500 (#3) POST /generate rid=handler client=" in err and "in generate" in err, err
+        stats, eng.cache_stats = eng.cache_stats, broken
+        status, out = get_status(eng.url + "/get_server_info")
+        eng.cache_stats = stats
+        assert status == 500 and "injected fault" in out["error"], out
+        err = capfd.readouterr().err
+        assert "HTTP 500 (#4) GET /get_server_info" in err and "in _get" in err and "in broken" in err, err
+        assert post(eng.url + "/generate", {"input_ids": []})[0] == 400  # not counted
+        assert get(eng.url + "/health") == (200, {"status": "ok", "errors_500": 4})
+        assert get(eng.url + "/get_server_info")[1]["errors_500"] == 4
+        assert post(eng.url + "/generate", dict(body, rid="fine"))[0] == 200
+    finally:
+        eng.stop()
 
 
 def test_a_prefill_group_that_fails_is_rerun_one_by_one_and_says_why(tok, tmp_path):
