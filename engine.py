@@ -823,17 +823,19 @@ def _make_handler(engine):
 
         def fault(self, e, body=None):
             """A server fault: HTTP 500 naming it (never a dropped connection), logged with its traceback and the
-            request's rid, counted."""
+            request's rid, counted. Called after the except block: httpjson logs a 5xx sent inside one with the
+            traceback again."""
             rid = body.get("rid") if isinstance(body, dict) else None
             engine.report_500(f"{self.command} {self.path[:200]} rid={str(rid)[:100]} {self._who()}",
-                              f"{type(e).__name__}: {e}", traceback.format_exc())
+                              f"{type(e).__name__}: {e}", "".join(traceback.format_exception(e)))
             self._send(500, {"error": f"engine: {type(e).__name__}: {e}"})
 
         def do_GET(self):
             try:
-                self._get()
+                return self._get()
             except Exception as e:
-                self.fault(e)
+                fault = e
+            self.fault(fault)
 
         def _get(self):
             if self.path == "/health":
@@ -883,7 +885,7 @@ def _make_handler(engine):
                                             bool(body.get("return_routed_experts", False))))
 
         def do_POST(self):
-            body = None
+            body, fault = None, None
             try:
                 body = self.read_json()
                 if self.path == "/generate":
@@ -951,8 +953,10 @@ def _make_handler(engine):
                     self._send(404, {"error": f"path: unknown endpoint {self.path[:200]}"})
             except HTTPError as e:
                 self.send_error_json(e)
-            except Exception as e:  # a server fault: named, logged, counted
-                self.fault(e, body)
+            except Exception as e:  # a server fault: answered (named, logged, counted) below
+                fault = e
+            if fault is not None:
+                self.fault(fault, body)
 
     return Handler
 

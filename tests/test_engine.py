@@ -981,6 +981,7 @@ def test_every_500_is_logged_with_its_traceback_and_counted(ckpt, tok, capfd):
         eng.response = response
         err = capfd.readouterr().err
         assert "HTTP 500 (#3) POST /generate rid=handler client=" in err and "in generate" in err, err
+        assert err.count("Traceback (most recent call last)") == 1, err  # logged once
         stats, eng.cache_stats = eng.cache_stats, broken
         status, out = get_status(eng.url + "/get_server_info")
         eng.cache_stats = stats
