@@ -786,6 +786,21 @@ def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[li
     return samples, audit, staleness
 
 
+def engine_errors_500(urls) -> int | None:
+    """HTTP 500s the engines have answered since they started (the embedded engine's /get_server_info counts them and
+    logs each with its traceback); None where an engine does not count them (SGLang: its own log) or cannot answer."""
+    total = 0
+    for url in urls or ():
+        try:
+            n = rollout.EngineClient(url).server_info().get("errors_500")
+        except (OSError, RuntimeError, ValueError):
+            return None
+        if not isinstance(n, int):
+            return None
+        total += n
+    return total
+
+
 def prefix_cache_frac(trials: list) -> float:
     """Prompt tokens the engines took from their prefix cache / prompt tokens sent, over the trials' turns (NaN when
     no engine reported cached_tokens)."""
@@ -881,6 +896,10 @@ def rl_loop(run: Run, ax: SimpleNamespace, tokenizer, train_pool: list, heldout:
                "rollout_beside_update": ro_next is not None,
                **step_record(ro, samples, stats, audit, time_rollout_wait=t_wait, time_publish=t_publish,
                              time_step=time.time() - t_step)}
+        rec["engine_errors_500"] = engine_errors_500(ax.urls)  # since the engines started; each one a lost trial
+        if rec["engine_errors_500"]:
+            log(run.dir, f"WARNING step {step}: the engines have answered {rec['engine_errors_500']} HTTP 500s since "
+                         "they started (each lost a trial; tracebacks in the engines' stderr)")
         run.metrics.write(rec, step, "rl")
         if args.eval_every and step % args.eval_every == 0 and step < args.rl_steps:  # the last: evaluate_checkpoint
             eval_row(run, ev(heldout, f"step {step}"), step, ev(val, f"val step {step}") if val else None)

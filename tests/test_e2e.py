@@ -80,6 +80,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert 0.0 <= rl[0]["reward_mean"] <= 1.0
     for r in rl:  # every turn after the first extends the trajectory the engine cached at the previous turn's end
         assert 0.0 <= r["prefix_cache_frac"] < 1.0 and (r["prefix_cache_frac"] > 0 or r["turns_mean"] <= 1.0), r
+        assert r["engine_errors_500"] == 0, r  # the embedded engines count their 500s: none lost a trial
     assert (run_dir / "ckpt" / "latest" / "model.safetensors").exists()
     assert re.search(r"sft faults: 3 of 3 tasks replayed with a fault turn resolved, [1-9]\d* loss tokens", log)
     # critic before actor, observable in the log

@@ -760,3 +760,36 @@ def test_step_record_logs_the_dense_reward_whatever_the_arm_trains_on():
     assert rec["reward_mean"] == 0.5 and rec["reward_dense_mean"] == pytest.approx(0.65)
     assert rec["solve_rate"] == 0.5 and rec["tokens_mean"] == 2.0
     assert T.step_record({**ro, "trials": []}, [], {}, {})["reward_dense_mean"] == 0.0
+
+
+def test_engine_errors_500_sums_the_engines_counts_and_is_none_where_one_does_not_count():
+    """The RL step's engine_errors_500: the sum of the engines' /get_server_info counts; None (not 0) where an
+    engine does not count them (SGLang) or does not answer, so a missing count never reads as 'no trial lost'."""
+    import http.server
+    import threading
+
+    def serve(body):
+        class H(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *a):
+                pass
+        srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+    servers = [serve({"errors_500": 2}), serve({"errors_500": 3}), serve({"version": "sglang"})]
+    try:
+        urls = [u for _, u in servers]
+        assert T.engine_errors_500(urls[:2]) == 5
+        assert T.engine_errors_500(urls) is None
+        assert T.engine_errors_500(urls[:1] + ["http://127.0.0.1:1"]) is None
+    finally:
+        for srv, _ in servers:
+            srv.shutdown()
