@@ -1,9 +1,10 @@
 """Stress test for engine.py and kvcache.py: concurrent multi-turn agents (the rollout's traffic: each turn re-sends
 the trajectory, its reply and a tool output of random length) whose rows join and leave the running batch at many
 batch sizes and prompt lengths, on both architectures, with more agents than the batch holds, a request aborted
-mid-decode and a client that hangs up. Every request must answer 200 with a reply that a teacher-forced forward of
-the same weights agrees with (each output token's logprob, every routing row), and the run must have exercised
-what it claims (rows joining in place, rows leaving, a full batch, the KV columns growing with spare rows, hits).
+mid-decode and a client that hangs up. Every request must answer 200 with a reply that teacher-forced forwards of
+the same weights agree with (each output token's logprob, replaying the reply's routing; its routing rows), and the
+run must have exercised what it claims (rows joining in place, rows leaving, a full batch, the KV columns growing
+with spare rows, prefix hits).
 
 Each agent's schedule (lengths, tokens, sampling seeds, think times) is seeded; the threads' interleaving is not.
 """
@@ -34,7 +35,8 @@ SCHEDULES = [("qwen3_moe", 8, 5, 4, 13), ("qwen3_5_moe", 8, 5, 3, 14), ("qwen3_m
              ("qwen3_5_moe", 3, 6, 2, 12)]
 MAX_NEW = 150  # a turn's max_new_tokens: 1..4 (rows leave almost every step) or 1..MAX_NEW, even odds
 LONG_ANSWER = 200  # agent 0's first turn
-LOGPROB_ATOL = 1e-3  # a reply's logprobs vs the teacher-forced forward (the largest difference measured: 8e-7)
+LOGPROB_ATOL = 1e-4  # a reply's logprobs vs the teacher-forced forward replaying its routing (measured: < 2e-6)
+ROUTING_AGREE = 0.98  # of a reply's routing rows equal to a teacher-forced forward's (one near-tie flip in 234 seen)
 
 
 def post(url, obj, timeout=120):
@@ -148,34 +150,48 @@ def _check_reply(ids, body, out, n_layers, top_k):
     return routed
 
 
+def _padded(seqs):
+    out = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)  # right-padded: a causal model's real
+    for b, seq in enumerate(seqs):  # positions do not see the padding
+        out[b, :len(seq)] = torch.tensor(seq)
+    return out
+
+
 def _teacher_forced(ref, logs):
-    """Every reply against a teacher-forced forward of the same weights: each output token's logprob, every routing
-    row. An agent's turns are prefixes of its last one, so one forward over each agent's whole trajectory covers
-    them all (the agents right-padded into one batch: a causal model's real positions do not see the padding)."""
+    """Every reply against teacher-forced forwards of the same weights. Routing: an agent's turns are prefixes of
+    its last one, so one recording forward over every agent's whole trajectory gives each reply's rows: ROUTING_AGREE
+    of them must match (the engine's own forward differs from transformers' by ~1e-6, which can flip a near-tied
+    top-k choice). Logprobs: one forward per turn index, replaying each reply's own routed experts (R3, as the
+    trainer does, so a flipped near-tie does not move them): every output token's within LOGPROB_ATOL."""
     n_layers, top_k = len(r3.routers(ref)), ref.config.num_experts_per_tok
     agents = [[e for e in log if e[0] == "reply"] for log in logs]
     seqs = [turns[-1][2] + turns[-1][4][1]["output_ids"] for turns in agents]
-    full = torch.zeros(len(seqs), max(map(len, seqs)), dtype=torch.long)
-    for b, seq in enumerate(seqs):
-        full[b, :len(seq)] = torch.tensor(seq)
     with torch.no_grad(), r3.routing(ref, "record") as rec:
-        logits = ref(full).logits.double()
-    for b, turns in enumerate(agents):
-        for _, rid, ids, body, (_, out) in turns:
-            routed = _check_reply(ids, body, out, n_layers, top_k)
+        ref(_padded(seqs))
+    recorded = rec.experts  # (agents, T, L, k)
+    for t in range(max(map(len, agents))):
+        group = [(b, turns[t]) for b, turns in enumerate(agents) if len(turns) > t]
+        full = _padded([ids + out["output_ids"] for _, (_, _, ids, _, (_, out)) in group])
+        experts = recorded[[b for b, _ in group], :full.shape[1]].clone()  # the rows no reply has: as recorded
+        for i, (b, (_, rid, ids, body, (_, out))) in enumerate(group):
+            routed = torch.from_numpy(_check_reply(ids, body, out, n_layers, top_k))
+            assert seqs[b][:len(ids) + len(out["output_ids"])] == ids + out["output_ids"], f"{rid}: not a prefix"
+            agree = (recorded[b, :len(routed)] == routed).all(-1).all(-1).float().mean().item() if len(routed) else 1
+            assert agree >= ROUTING_AGREE, f"{rid}: {agree:.1%} of routing rows equal a teacher-forced forward's"
+            experts[i, :len(routed)] = routed
+        with torch.no_grad(), r3.routing(ref, "replay", experts=experts):
+            logits = ref(full).logits.double()
+        for i, (b, (_, rid, ids, body, (_, out))) in enumerate(group):
             n_in, n_out, T = len(ids), len(out["output_ids"]), body["sampling_params"]["temperature"]
-            assert seqs[b][:n_in + n_out] == ids + out["output_ids"], f"{rid}: not a prefix of the agent's last turn"
             if n_out == 0:  # aborted before its first token
                 continue
-            logp = torch.log_softmax(logits[b, n_in - 1:n_in + n_out - 1] / (T or 1.0), -1)  # greedy: raw logits'
-            want = logp.gather(1, full[b, n_in:n_in + n_out, None])[:, 0]
+            logp = torch.log_softmax(logits[i, n_in - 1:n_in + n_out - 1] / (T or 1.0), -1)  # greedy: raw logits'
+            want = logp.gather(1, full[i, n_in:n_in + n_out, None])[:, 0]
             if T == 0:  # greedy: the argmax (up to a near-tie)
                 assert (logp.max(-1).values - want).max().item() < LOGPROB_ATOL, f"{rid}: not the argmax"
             got = torch.tensor([x[0] for x in out["meta_info"]["output_token_logprobs"]], dtype=torch.float64)
             err = (got - want).abs().max().item()
             assert err < LOGPROB_ATOL, f"{rid}: logprobs differ from a teacher-forced forward by {err:.2e}"
-            agree = (rec.experts[b, :n_in + n_out - 1].numpy() == routed).all(axis=(1, 2)).mean()
-            assert agree >= 0.98, f"{rid}: {agree:.1%} of routing rows equal a teacher-forced forward's"
 
 
 @pytest.mark.parametrize("arch,max_batch,n_agents,n_turns,seed", SCHEDULES)
