@@ -33,8 +33,8 @@ Departures from the paper:
    a joining row is written into the buffers' spare rows (kvcache.append_rows) unless it is wider than the batch,
    no row is spare or over half the batch's columns are padding in every row: then the batch is rebuilt (those
    columns trimmed).
-7. HTTP: the standard library's ThreadingHTTPServer, not SGLang's FastAPI + uvicorn (not in the environment:
-   installing them moves opentelemetry-api off the version Ray's SDK pins), with the same checks answering 400.
+7. HTTP: httpjson.JSONServer on the standard library's http.server, not SGLang's FastAPI + uvicorn (not in the
+   environment: installing them moves opentelemetry-api off the version Ray's SDK pins), same checks answering 400.
 """
 
 import argparse
@@ -276,7 +276,8 @@ class EngineServer:
       request's rid and client (and its lengths and sampling), and counted (errors_500 in /health and
       /get_server_info).
     - Body framing: Transfer-Encoding 411; Content-Length not one non-negative integer 400; over MAX_BODY_BYTES
-      (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (stalled READ_TIMEOUT_S = 30 s);
+      (8 MiB) 413, unread; shorter than announced 400 (client closed) or 408 (the whole request not arrived within
+      httpjson.READ_TIMEOUT_S = 30 s of its first byte; it waits in httpjson's waiting room, holding no thread);
       not JSON (or > 4300-digit integers, deep nesting, bad UTF-8) 400. No Content-Length = empty body.
     - Listen backlog LISTEN_BACKLOG = 1024 (>= the paper's 560 trials per step); a client that hangs up mid-request
       has its generation aborted (EngineServer.disconnects logs each such request); /health answers 503 when the
