@@ -170,6 +170,10 @@ class Limits:
     [environment] memory_mb lowers it; 0: no cgroup, per-process RLIMIT_AS only; paper silent (Harbor: 2048 MB)"""
     trial_procs: int = 1024
     """pids cap of the trial's cgroup (processes and threads of both phases, root's included); paper silent"""
+    keep_bytes: int = 1 << 30
+    """a kept trial dir (keep_files) gets its files back on the host disk only while they take at most this many
+    bytes; above it only host/ (the host's own logs, the transcript) and a note host/not_kept.txt (a run that keeps
+    every trial, train_t1, sets it low so that agents cannot fill the host disk trial by trial); paper silent"""
 
 
 def make_limits(limits):
@@ -929,7 +933,7 @@ class Sandbox:
             self._cgroup = None if err is None else self._cgroup
         alive = bool(errors)  # a process of the trial may have survived: its uid is not handed out again
         if self._disk is not None:
-            err = self._disk.close(self.keep_files)
+            err = self._disk.close(self.keep_files, self.limits.keep_bytes)
             errors += [err] if err else []
             self._disk = None
         if alive:

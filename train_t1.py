@@ -121,6 +121,7 @@ class Args:
     trial_mem_bytes: int = 2 << 30  # memory cap of a whole trial: processes + files, a cgroup (0: per process only)
     trial_disk_bytes: int = 1 << 30  # bytes a trial may write (its tmpfs; task.toml storage_mb lowers it)
     trial_disk_inodes: int = 100_000  # files a trial may create (paper silent, as the two above: sandbox.Limits)
+    trial_keep_bytes: int = 16 << 20  # run_dir/trials keeps a trial's files up to this, else its host logs only
     # --- evaluation (paper protocol, one source: gateway.EVAL; every trial counts, gateway.evaluate_trials)
     eval_temperature: float = gateway.EVAL["temperature"]  # evaluation temperature (paper: 0.1)
     eval_top_p: float = gateway.EVAL["top_p"]  # evaluation top-p (paper: 0.95)
@@ -280,6 +281,7 @@ NUMERIC = {
     "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]", "max_turns": ">= 1",
     "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0", "rollout_workers": ">= 1",
     "trial_mem_bytes": ">= 0", "trial_disk_bytes": ">= 1", "trial_disk_inodes": ">= 1",
+    "trial_keep_bytes": ">= 0",
     "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0", "eval_train_tasks": ">= 0",
     "eval_every": ">= 0", "n_val_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0",
     "sft_batch_size": ">= 1",
@@ -441,7 +443,8 @@ def run_rollouts(task_dirs, agent, args: Args, run_dir: Path, tokenizer, workers
                 "stop_token_ids": [tokenizer.convert_tokens_to_ids(M.IM_END)]}
     limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
               "trial_timeout_s": args.trial_timeout_s, "trial_mem_bytes": args.trial_mem_bytes,
-              "disk_bytes": args.trial_disk_bytes, "disk_inodes": args.trial_disk_inodes, **(limits or {})}
+              "disk_bytes": args.trial_disk_bytes, "disk_inodes": args.trial_disk_inodes,
+              "keep_bytes": args.trial_keep_bytes, **(limits or {})}
     kw = dict(sampling=sampling, limits=limits, work_root=str(run_dir / "trials"), sandbox=args.sandbox,
               reward_scale=args.reward_scale, **({"script_faults": script_faults, "seed": args.seed}
                                                  if script_faults else {}))

@@ -194,19 +194,28 @@ class TrialDisk:
         _run(["mount", "-o", f"remount,size={int(size)},nr_inodes={int(inodes)}", self._path(rel)],
              "resizing a trial tmpfs")
 
-    def close(self, keep):
+    def close(self, keep, keep_bytes=None):
         """Unmount them all; keep: first copy what they hold (cp -a: links not followed, hard links and holes kept)
-        to the host disk and put it back at root. -> None, or the error text (never raises: used in close())."""
+        to the host disk and put it back at root; when they take more than keep_bytes, only host/ (the host's own
+        logs) and a note host/not_kept.txt. -> None, or the error text (never raises: used in close())."""
         if not self.points:
             return None
         errors, stage = [], None
         if keep:
             try:
                 stage = tempfile.mkdtemp(prefix=f".{os.path.basename(self.root)}-keep-", dir=os.path.dirname(self.root))
-                p = subprocess.run(["cp", "-a", "--sparse=always", "--", self.root + "/.", stage],
-                                   capture_output=True, text=True)
+                used = sum((st.f_blocks - st.f_bfree) * st.f_frsize for st in map(os.statvfs, self.points))
+                over = keep_bytes is not None and used > keep_bytes
+                src, dst = (self.root + "/host/.", os.path.join(stage, "host")) if over else (self.root + "/.", stage)
+                if over:
+                    os.mkdir(dst, 0o700)
+                p = subprocess.run(["cp", "-a", "--sparse=always", "--", src, dst], capture_output=True, text=True)
                 if p.returncode != 0:
                     errors.append(f"copying the trial's files out: {p.stderr.strip()[-500:]}")
+                if over:
+                    with open(os.path.join(dst, "not_kept.txt"), "x") as f:
+                        f.write(f"the trial's files took {used} bytes, more than keep_bytes = {keep_bytes}: only "
+                                "host/ was kept\n")
             except OSError as e:
                 errors.append(f"copying the trial's files out: {e}")
         p = subprocess.run(["umount", "-R", self.root], capture_output=True, text=True)  # the root, then below it

@@ -265,3 +265,21 @@ def test_the_cgroup_join_runs_nothing_when_it_cannot_join(tmp_path):
             "sh", "-c", "echo RAN"]
     p = subprocess.run(argv, capture_output=True, text=True)
     assert p.returncode == 125 and "RAN" not in p.stdout, p
+
+
+def test_a_kept_trial_over_keep_bytes_keeps_only_the_hosts_logs(tmp_path):
+    """A run that keeps every trial (train_t1's run_dir/trials) must not let agents fill the host disk trial by
+    trial: over keep_bytes only host/ comes back (the verifier's output, the transcript), with a note; under it,
+    everything, as before."""
+    task = task_io.load_task(make_task(tmp_path))
+    with sandbox.Sandbox(task, tmp_path / "big", {**SMALL, "keep_bytes": 4 * MiB}) as box:
+        box.exec("head -c 20M /dev/urandom > /app/junk; sort in.txt > out.txt")
+        assert box.run_verifier()["passed"] == 3
+    big = tmp_path / "big"
+    assert sorted(os.listdir(big)) == ["host"] and du_bytes(big) < 1 * MiB
+    assert "more than keep_bytes = 4194304: only host/ was kept" in (big / "host" / "not_kept.txt").read_text()
+    assert "[exit 0]" in (big / "host" / "verifier_output.txt").read_text()
+    with sandbox.Sandbox(task, tmp_path / "small", {**SMALL, "keep_bytes": 4 * MiB}) as box:
+        box.exec("head -c 1M /dev/urandom > /app/junk")
+    small = tmp_path / "small"
+    assert os.path.getsize(small / "app" / "junk") == MiB and not (small / "host" / "not_kept.txt").exists()
