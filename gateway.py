@@ -73,14 +73,11 @@ from __future__ import annotations
 
 import argparse
 import collections
-import contextlib
-import http.client
 import json
 import math
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -514,55 +511,14 @@ def _make_handler(gw: Gateway):
     return Handler
 
 
-class ChatInterrupted(Exception):
-    """chat_completion cut by its caller: why = "deadline" or "cancelled" (its connection was shut)."""
-
-    def __init__(self, why, message):
-        super().__init__(message)
-        self.why = why
-
-
 def chat_completion(url, messages, session_id=None, timeout=600, deadline=None, stop_event=None, **params) -> dict:
     """A minimal OpenAI client: POST /v1/chat/completions -> response dict (RuntimeError on HTTP errors).
-    deadline (a time.time() value) / stop_event: the call ends there, its connection shut (the gateway sees the
-    hang-up, aborts the engine request and records nothing) -> ChatInterrupted."""
+    deadline (a time.time() value) / stop_event: the call ends there, its connection shut (rollout.post_guarded: the
+    gateway sees the hang-up, aborts the engine request and records nothing) -> rollout.CallInterrupted."""
     body = json.dumps({"model": "t1", "messages": messages, **params}).encode()
-    u = urllib.parse.urlsplit(url.rstrip("/") + "/v1/chat/completions")
-    why, ended = [], threading.Event()
-
-    def interrupted():
-        if stop_event is not None and stop_event.is_set():
-            return "cancelled"
-        return "deadline" if deadline is not None and time.time() >= deadline else None
-    if interrupted():
-        raise ChatInterrupted(interrupted(), f"gateway: not sent ({interrupted()})")
-    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
-
-    def guard():
-        while not ended.wait(0.05):
-            w = interrupted()
-            if w:
-                why.append(w)
-                break
-        while not ended.is_set():  # until the call returns: a connect still under way has no socket yet
-            with contextlib.suppress(OSError, AttributeError):
-                conn.sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked send / recv at once
-            ended.wait(0.05)
-    if deadline is not None or stop_event is not None:
-        threading.Thread(target=guard, daemon=True, name="chat-call-guard").start()
-    try:
-        conn.request("POST", u.path, body=body, headers={"Content-Type": "application/json",
-                                                         **({"X-Session-ID": session_id} if session_id else {})})
-        r = conn.getresponse()
-        status, raw = r.status, r.read()
-    except (OSError, http.client.HTTPException) as e:
-        if why:
-            raise ChatInterrupted(why[0], f"gateway: {'the deadline passed' if why[0] == 'deadline' else 'cancelled'}"
-                                          f" during the request; connection closed") from None
-        raise ConnectionError(f"gateway {url}: {type(e).__name__}: {e}") from None
-    finally:
-        ended.set()
-        conn.close()
+    headers = {"Content-Type": "application/json", **({"X-Session-ID": session_id} if session_id else {})}
+    status, raw = rollout.post_guarded(url.rstrip("/") + "/v1/chat/completions", body, headers, timeout=timeout,
+                                       deadline=deadline, stop_event=stop_event, what="gateway")
     if status >= 400:
         raise RuntimeError(f"gateway: HTTP {status}: {raw[:300].decode(errors='replace')}")
     return json.loads(raw)
@@ -588,7 +544,7 @@ class TextChat:
             resp = chat_completion(self.url, self.messages, self.session_id, temperature=self.sp["temperature"],
                                    top_p=self.sp["top_p"], max_tokens=self.sp["max_new_tokens"],
                                    deadline=self.deadline, stop_event=stop_event)
-        except ChatInterrupted as e:
+        except rollout.CallInterrupted as e:
             return None, "timeout" if e.why == "deadline" else "cancelled"
         except RuntimeError as e:
             if "context length" in str(e):  # the gateway counts the tokens (ContextLengthExceeded)

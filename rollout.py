@@ -134,6 +134,60 @@ class CallInterrupted(Exception):
         self.why = why
 
 
+def post_guarded(url, body: bytes, headers: dict, *, timeout, deadline=None, stop_event=None, what="server"):
+    """POST `body` to `url` with a hard end -> (HTTP status, raw reply bytes). At `deadline` (a time.time() value) or
+    when `stop_event` is set, a guard thread shuts the connection down, so neither a slow nor a hung server holds the
+    caller (the server sees the hang-up) -> CallInterrupted(why); unreachable -> ConnectionError naming `what` and the
+    URL; a reply that is not HTTP -> RuntimeError. Without deadline and stop_event: one plain call (no guard)."""
+    u = urllib.parse.urlsplit(url)
+    why, ended = [], threading.Event()
+
+    def left():
+        return math.inf if deadline is None else deadline - time.time()
+
+    def interrupted():
+        if stop_event is not None and stop_event.is_set():
+            return "cancelled"
+        return "deadline" if left() <= 0 else None
+    if interrupted():
+        raise CallInterrupted(interrupted(), f"{what}: not sent ({interrupted()})")
+    conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
+    conn = conn_cls(u.hostname, u.port, timeout=max(min(timeout, left()), 0.001))
+
+    def guard():
+        while not ended.wait(min(0.25, max(left(), 0.001))):
+            w = interrupted()
+            if w:
+                why.append(w)
+                break
+        while not ended.is_set():  # until the call returns: a connect still under way has no socket yet
+            sock = conn.sock
+            if sock is not None:
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)  # wakes the caller's blocked recv / send at once
+                except OSError:
+                    pass
+            ended.wait(0.05)
+    if deadline is not None or stop_event is not None:
+        threading.Thread(target=guard, daemon=True, name="http-call-guard").start()
+    t0 = time.time()
+    try:
+        conn.request("POST", u.path or "/", body=body, headers=headers)
+        r = conn.getresponse()
+        return r.status, r.read()
+    except (OSError, http.client.HTTPException) as e:
+        w = (why or [interrupted()])[0]
+        if w:
+            raise CallInterrupted(w, f"{what}: {'the deadline passed' if w == 'deadline' else 'cancelled'} after "
+                                     f"{time.time() - t0:.1f} s in the request; connection closed") from None
+        if isinstance(e, OSError):  # unreachable, reset, timed out: still an OSError, now naming the server
+            raise ConnectionError(f"{what} ({url}): {type(e).__name__}: {e}") from None
+        raise RuntimeError(f"{what}: bad HTTP reply ({type(e).__name__}: {e})") from None
+    finally:
+        ended.set()
+        conn.close()
+
+
 class EngineClient:
     """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by engine.py too."""
 
@@ -141,56 +195,11 @@ class EngineClient:
         self.url, self.timeout, self._shape = url.rstrip("/"), timeout, None
 
     def _call_guarded(self, path, body, timeout, deadline, stop_event):
-        """POST `body` with a hard end: at `deadline` (a time.time() value) or when `stop_event` is set, a guard
-        thread shuts the connection down, so neither a slow nor a hung server holds the caller (the engine notices
-        the hang-up and drops the request: httpjson.on_disconnect) -> reply JSON; CallInterrupted when it was cut."""
-        u = urllib.parse.urlsplit(self.url)
-        why, ended = [], threading.Event()
-
-        def left():
-            return math.inf if deadline is None else deadline - time.time()
-
-        def interrupted():
-            if stop_event is not None and stop_event.is_set():
-                return "cancelled"
-            return "deadline" if left() <= 0 else None
-        if interrupted():
-            raise CallInterrupted(interrupted(), f"engine {path}: not sent ({interrupted()})")
-        conn_cls = http.client.HTTPSConnection if u.scheme == "https" else http.client.HTTPConnection
-        conn = conn_cls(u.hostname, u.port, timeout=max(min(timeout or self.timeout, left()), 0.001))
-
-        def guard():
-            while not ended.wait(min(0.25, max(left(), 0.001))):
-                w = interrupted()
-                if w:
-                    why.append(w)
-                    break
-            while not ended.is_set():  # until the call returns: a connect still under way has no socket yet
-                sock = conn.sock
-                if sock is not None:
-                    try:
-                        sock.shutdown(socket.SHUT_RDWR)  # wakes the caller's blocked recv / send at once
-                    except OSError:
-                        pass
-                ended.wait(0.05)
-        threading.Thread(target=guard, daemon=True, name="engine-call-guard").start()
-        t0 = time.time()
-        try:
-            conn.request("POST", (u.path or "") + path, body=json.dumps(body).encode(),
-                         headers={"Content-Type": "application/json"})
-            r = conn.getresponse()
-            status, raw = r.status, r.read()
-        except (OSError, http.client.HTTPException) as e:
-            w = (why or [interrupted()])[0]
-            if w:
-                raise CallInterrupted(w, f"engine {path}: {'the deadline passed' if w == 'deadline' else 'cancelled'} "
-                                         f"after {time.time() - t0:.1f} s in the request; connection closed") from None
-            if isinstance(e, OSError):  # unreachable, reset, timed out: still an OSError, now naming the engine
-                raise ConnectionError(f"engine {self.url}{path}: {type(e).__name__}: {e}") from None
-            raise RuntimeError(f"engine {path}: bad HTTP reply ({type(e).__name__}: {e})") from None
-        finally:
-            ended.set()
-            conn.close()
+        """POST `body` to `path` with a hard end (post_guarded: the engine notices the hang-up and drops the request,
+        httpjson.on_disconnect) -> reply JSON; CallInterrupted when it was cut."""
+        status, raw = post_guarded(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"},
+                                   timeout=timeout or self.timeout, deadline=deadline, stop_event=stop_event,
+                                   what=f"engine {path}")
         if status >= 400:
             raise RuntimeError(f"engine {path}: HTTP {status}: {raw[:500].decode(errors='replace')}")
         try:
