@@ -181,12 +181,20 @@ def score_statuses(statuses, scale=SCALE, *, n_assertions=None, origin="the per-
     bad = [s for s in statuses if s not in CTRF_STATUSES]
     if bad:
         raise ValueError(f"{origin}: status {_short(bad[0])} is not one of {', '.join(CTRF_STATUSES)}")
-    passed, total, reason = statuses.count("passed"), len(statuses), None
+    passed, total = statuses.count("passed"), len(statuses)
     if n_assertions is not None and total > n_assertions:  # P never above the task's own count
         return dict(reward=0.0, passed=0, total=0, source="none",
                     reason=f"{origin}: {total} tests, more than the task's {n_assertions} assertions (recorded at "
                            f"audit)")
-    if n_assertions is not None and total < n_assertions:  # departure 3: not resolved unless all ran
+    return _per_test(passed, total, scale, n_assertions, origin)
+
+
+def _per_test(passed, total, scale, n_assertions, origin):
+    """The reward of P passed of `total` per-test outcomes (a CTRF file or the report channel, named by origin):
+    r = P / S; fewer tests than n_assertions keeps P but reports total = n_assertions (departure 3: not resolved
+    unless all ran)."""
+    reason = None
+    if n_assertions is not None and total < n_assertions:
         reason = f"{origin} lists {total} tests of the task's {n_assertions} assertions: total = {n_assertions}"
         total = n_assertions
     return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=reason)  # r = P / S
@@ -221,11 +229,7 @@ def compute(verifier_dir, scale=SCALE, *, n_assertions=None, owner_uid=None, no_
             if no_ctrf_reason is not None:
                 raise _NotRead(no_ctrf_reason)
             passed, total = _parse_ctrf(_read_report(dir_fd, "ctrf.json", CTRF_MAX_BYTES, owner_uid), n_assertions)
-            reason = None
-            if n_assertions is not None and total < n_assertions:  # departure 3: not resolved unless all ran
-                reason = f"CTRF lists {total} tests of the task's {n_assertions} assertions: total = {n_assertions}"
-                total = n_assertions
-            return dict(reward=passed / scale, passed=passed, total=total, source="ctrf", reason=reason)  # r = P / S
+            return _per_test(passed, total, scale, n_assertions, "CTRF")
         except _NotRead as e:
             reason = str(e)
         except FileNotFoundError:
