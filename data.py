@@ -9,9 +9,10 @@ Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0 [--rst-rounds 2]
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
         # (accepted / borderline / rejected per reason and family), then one JSON line
-    rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: rst.py
-    task_io.load_task(dir), task_io.image_needs(task)  # reading a task dir and what the jail cannot run: task_io.py
-    copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy data
+    rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
+    task_io.load_task(dir), task_io.image_needs(task)  # reading a task dir and what the jail cannot run:
+    sandbox/task_io.py copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy
+    data
 
 A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, audit (the verdict), n_assertions;
 [verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
@@ -21,12 +22,12 @@ generated tasks, else the oracle's count in t1_audit.json (a task.toml this proj
 
 Departures from the paper:
 1. No LLM: the seeds are 6 templated families of real shell work and RST's rewriting draws from a fixed library
-   of operations (families.py, its departure 1).
+   of operations (tasks/families.py, its departure 1).
 2. The audit is mechanical: validate() (the oracle resolves with reward == total/S and total == n_assertions, nop
    scores below full, the scripted expert resolves), then rst.audit's rule-based hard rejects, not an LLM's.
 3. `quality` is rst.audit's weighted score (task.toml, with the verdict); a draft rejected by either is redrawn,
    never repaired. With --no-validate it stays a heuristic (assertion count + family difficulty).
-4. Instructions and expert replies are short and formulaic (families.py, its departures 2 and 3).
+4. Instructions and expert replies are short and formulaic (tasks/families.py, its departures 2 and 3).
 5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
    the split is recorded in task.toml.
 """
@@ -42,12 +43,12 @@ import shutil
 import tempfile
 import time
 
-import families
+from tasks import families
 import model
 import reward
 import rollout
-import rst
-import task_io
+from tasks import rst
+from sandbox import task_io
 
 SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
 
@@ -408,8 +409,8 @@ def copy_items(texts, max_chars: int = COPY_ITEM_CHARS) -> list:
 
 
 def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
-    """n synthetic copy samples for the base phase (train_t1.base_phase) and the copy gate (bench.py copy), in the
-    trainer's sample format: a user message "list: x1 .. xk" and the assistant's reply "copy: x1 .. xk" (k in
+    """n synthetic copy samples for the base phase (train_t1.base_phase) and the copy gate (experiments/bench.py copy),
+    in the trainer's sample format: a user message "list: x1 .. xk" and the assistant's reply "copy: x1 .. xk" (k in
     COPY_ITEMS, x drawn from `items`), loss on the reply; copy_from = the first token of the copied items.
     The skill a held-out task needs (its names and numbers copied from the instruction into commands), taught
     on its own: issue 13 measured the embedded model copying at chance without it."""

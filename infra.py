@@ -1,7 +1,7 @@
 """Infrastructure (paper section "infrastructure"): the closed-form memory model b(Pi, T) and the planner that picks
 the sharding before initialisation (Proposition 7.1), and the Ray layout of one-step async (where the trainer,
 engine and rollout-worker actors go; the workers and the publish barrier are in rollout.py). The context-parallel
-Gated DeltaNet operator is cp_gdn.py.
+Gated DeltaNet operator is cluster/cp_gdn.py.
 
     python infra.py plan --preset qwen35-122b-a10b --gpus 64 [--tokens 16384] [--mem-gib 95] [--json] [--all]
 
@@ -88,7 +88,8 @@ MODEL_SHAPES = {  # the one table of the Qwen3.5 shapes (mcore.megatron_shape gi
                                     32, 2, 256, 16, 64, 128, 128),
     "qwen35-35b-a3b": ModelConfig("qwen35-35b-a3b", 40, 2048, 256, 8, 512, 512, 30, 10, 248320,
                                   16, 2, 256, 16, 32, 128, 128),
-    # model.tiny_config("qwen3_5_moe") at the embedded vocabulary: the CPU rehearsal of the cluster path (cluster.py)
+    # model.tiny_config("qwen3_5_moe") at the embedded vocabulary: the CPU rehearsal of the cluster path
+    # (cluster/launch.py)
     "t1-tiny": ModelConfig("t1-tiny", 4, 128, 8, 2, 128, 128, 3, 1, 2048, 4, 2, 32, 2, 4, 32, 32),
 }
 
@@ -321,7 +322,7 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
 # ----------------------------------------------------------------------------- free_port, gloo ranks (tests, bench)
 def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800):
     """A process group outside the default one (trainer rank 0 + every engine rank), as SGLang builds it
-    (cluster.py departure 4: SGLang's init_custom_process_group when sglang is importable)."""
+    (cluster/launch.py departure 4: SGLang's init_custom_process_group when sglang is importable)."""
     try:
         from sglang.srt.utils import init_custom_process_group as sgl_init  # identical keys (departure 4)
     except ImportError:
@@ -398,7 +399,7 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
 # workers (rollout.RolloutWorker: trials in sandboxes); the publish barrier is Trainer.publish (rollout.DiskPublisher
 # here). One placement group holds them all: one bundle per trainer
 # rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
-# SGLang servers get their own GPU placement groups in cluster.py). Bundle CPUs are logical: on a 2-core
+# SGLang servers get their own GPU placement groups in cluster/launch.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 8).
 
 def core_split() -> tuple[list, list]:

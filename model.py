@@ -2,9 +2,9 @@
 
 T1 trains Qwen3.5-122B-A10B, a hybrid MoE (Gated DeltaNet linear attention 3:1 with gated full attention; 48 MoE
 layers, 256 experts, top-8). The embedded scale uses the same Hugging Face architecture (Qwen3_5MoeForCausalLM) at a
-tiny size; engine.py serves its checkpoints over SGLang's protocol.
+tiny size; engine/server.py serves its checkpoints over SGLang's protocol.
 
-    python engine.py serve --model-path DIR --port 30000   # serve a checkpoint written by save_checkpoint
+    python -m engine.server serve --model-path DIR --port 30000   # serve a checkpoint written by save_checkpoint
 
 engine_forward is the engine's own forward (decode steps and prefills) for the Qwen3-MoE layout (as SGLang keeps its
 own model code beside the Hub's): the same weights and math as the transformers forward, in fewer operations.
@@ -98,7 +98,7 @@ def tiny_config(vocab_size: int, arch: str = "qwen3_5_moe"):
     """The embedded preset (hidden 128, 4 layers [GDN x3, full], 8 experts top-2, aux loss off).
 
     arch "qwen3_moe": the same sizes with standard attention in every layer and no shared expert
-    (Qwen3-MoE), the other layout mcore.py converts (`train_t1.py --arch qwen3_moe`).
+    (Qwen3-MoE), the other layout cluster/mcore.py converts (`train_t1.py --arch qwen3_moe`).
     """
     if arch == "qwen3_moe":
         return Qwen3MoeConfig(

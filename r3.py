@@ -8,7 +8,7 @@ allowed only where m[j+1] = 0 (`check_capture`, which also says what aborts).
 
     w[j, l, :] = softmax(router_l(h_j))[R[j, l, :]] / sum_k softmax(router_l(h_j))[R[j, l, k]]
 
-Use (`python bench.py r3 --quick` measures |delta log p| engine vs trainer with replay off / on):
+Use (`python -m experiments.bench r3 --quick` measures |delta log p| engine vs trainer with replay off / on):
 
     r3.install(model)                                    # once, after building/loading the model
     with r3.routing(model, "record") as rec:             # sampler / engine side
@@ -32,7 +32,8 @@ Departures from the paper:
    only while the context is open, never a global or an environment variable.
 5. Megatron replay wraps each RouterReplay's `get_replay_topk`: all -1 rows fall back to live top-k as in the HF path,
    and a slice whose row count differs from the router's tokens raises (the native gather would route the first rows).
-6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (engine.py departure 2) on a
+6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (engine/server.py departure 2)
+on a
    random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
 """
 

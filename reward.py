@@ -12,11 +12,11 @@ dict(reward, passed, total, source "ctrf" | "binary" | "none", reason: why a rep
 the host folder behind /logs/verifier (ctrf.json, reward.txt); n_assertions is the task's own count (data.py's
 audit); owner_uid the verifier's host uid. What is refused is listed above `_read_report`.
 score_statuses(statuses, scale, *, n_assertions) -> the same dict from per-test CTRF statuses that did not come as
-a file: the local jail's verifier reports through a socket (verifier_report.py) and its ctrf.json does not pay
+a file: the local jail's verifier reports through a socket (sandbox/verifier_report.py) and its ctrf.json does not pay
 there (the agent's code, run by the verifier, can write that file). Source "ctrf" means per-assertion outcomes,
-whichever way they came; Daytona, Harbor and gateway.py's Harbor runs still read the CTRF file.
-Standard library only at import (torch inside place_on_last_token): sandbox.py imports this module, and so
-does Harbor's venv (harbor_env.py), which has no torch.
+whichever way they came; Daytona, Harbor and engine/gateway.py's Harbor runs still read the CTRF file.
+Standard library only at import (torch inside place_on_last_token): sandbox/jail.py imports this module, and so
+does Harbor's venv (sandbox/harbor_env.py), which has no torch.
 
 Departures from the paper:
 1. Reports are checked (file type, owner, size, strict CTRF, counts, at most n_assertions tests): the paper relies
@@ -172,7 +172,7 @@ def _check_args(scale, n_assertions):
 
 
 def score_statuses(statuses, scale=SCALE, *, n_assertions=None, origin="the per-test report"):
-    """Reward from per-test CTRF statuses received other than as a file (sandbox.py's report channel): the same
+    """Reward from per-test CTRF statuses received other than as a file (sandbox/jail.py's report channel): the same
     rules as a CTRF report (P = the passed tests, r = P / S; fewer tests than n_assertions: total = n_assertions),
     except that more tests than n_assertions pays 0 (no fallback: the caller's reward.txt is no safer). Source
     "ctrf" (per-assertion outcomes, whatever carried them); origin names the carrier in a reason."""
@@ -256,7 +256,7 @@ def is_resolved(result):
 
 def place_on_last_token(reward, length):
     """Per-token reward vector (T,): zeros except the last token, which carries r."""
-    import torch  # here, not at the top: Harbor's venv imports this module (through sandbox.py) without torch
+    import torch  # here, not at the top: Harbor's venv imports this module (through sandbox/jail.py) without torch
     if length <= 0:
         raise ValueError(f"length must be >= 1, got {length}")
     rewards = torch.zeros(length, dtype=torch.float32)  # (T,)

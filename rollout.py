@@ -9,7 +9,7 @@ task; a step launches 560 tasks and keeps the first 512 that finish, the rest ar
 Token-first history (TITO): the conversation is kept as token ids; prompt_{i+1} = prompt_i +
 output_i (the sampled ids, stop token included) + glue + observation ids, so every turn boundary
 is strict by construction and the loss tokens are exactly the sampled ones.
-The sandbox is sandbox.Sandbox (the local bubblewrap jail; its security policy is listed in sandbox.py) or
+The sandbox is sandbox.Sandbox (the local bubblewrap jail; its security policy is listed in sandbox/jail.py) or
 daytona_sandbox.DaytonaSandbox (sandbox="daytona"), behind one interface.
 
 Run:
@@ -23,7 +23,7 @@ In code: run_trial(task_dir, agent, ...) -> dict; run_trials(task_dirs, agent, n
 Steps of train_t1's RL loop: to_samples (trials -> TITO samples), audit_samples
 (the step's TITO / R3 audit).
 
-Departures from the paper / Terminus-2 (the sandbox's: sandbox.py):
+Departures from the paper / Terminus-2 (the sandbox's: sandbox/jail.py):
 1. Prompt texts are condensed (a few lines, same JSON schema): the embedded policy is a tiny model
    trained from scratch, Terminus-2's long prompt would dominate its context.
 2. Oversampling counts a trial as "finished" when it ended without a crash; crashed and cancelled
@@ -59,11 +59,11 @@ from pathlib import Path
 import infra
 import r3
 import reward
-import task_io
+from sandbox import task_io
 import tito
 from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START
-from daytona_sandbox import DaytonaSandbox
-from sandbox import Sandbox, make_limits, remove_tree, write_host_file
+from sandbox.daytona import DaytonaSandbox
+from sandbox.jail import Sandbox, make_limits, remove_tree, write_host_file
 
 
 # --- Terminus-2 protocol --------------------------------------------------------------------------
@@ -189,7 +189,7 @@ def post_guarded(url, body: bytes, headers: dict, *, timeout, deadline=None, sto
 
 
 class EngineClient:
-    """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by engine.py too."""
+    """Client of SGLang's HTTP protocol (/generate with input_ids, weights, pause); served by engine/server.py too."""
 
     def __init__(self, url, timeout=600.0):
         self.url, self.timeout, self._shape = url.rstrip("/"), timeout, None
@@ -936,7 +936,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"])
-    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. engine.py's")
+    p.add_argument("--engine-url", default=None, help="SGLang-protocol engine (agent model), e.g. engine/server.py's")
     p.add_argument("--model-path", default=None, help="directory with the tokenizer (model/scripted agents)")
     p.add_argument("--sandbox", default="bwrap", choices=["bwrap", "daytona"],
                    help="bwrap: the local jail (root); daytona: the task's image on Daytona (DAYTONA_API_KEY)")

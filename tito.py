@@ -16,7 +16,8 @@ The loss-mask convention (stated once, used everywhere: critic.py, train_t1.py, 
 
     python tito.py audit SAMPLES_PATH [--json]   # cases, loss-region drift (4 decimals), relocation failures;
                                                  # exit 1 when a loss-region token drifted
-    python bench.py tito --quick                 # naive vs TITO through the token gateway (gateway.py)
+    python -m experiments.bench tito --quick                 # naive vs TITO through the token gateway
+    (engine/gateway.py)
 
 Departures from the paper:
   1. A split boundary yields one more sample (segment) carrying the trajectory's reward (the paper does not say how a

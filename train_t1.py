@@ -35,12 +35,12 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
      import, Megatron's own distributed optimizer), written against megatron-core 0.16.1 but not yet run on a GPU.
   5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (launch_tasks).
   6. Evaluation: the paper's protocol (gateway.EVAL) through the native token-first harness, not Terminus-2 via
-     Harbor (`gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
+     Harbor (`engine/gateway.py eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
   7. The embedded model is Qwen3-MoE (--arch qwen3_moe: attention in every layer), not Qwen3.5's hybrid: at this
      size the hybrid does not learn to copy (issue 13: .16 flat over 1,000 steps; Qwen3-MoE .99 at 1,000 here,
      RESULTS.md), and held-out tasks need it. --arch qwen3_5_moe stays tested; the cluster model stays Qwen3.5.
   8. A base phase (--base-steps, embedded only): synthetic copy pretraining before SFT, standing in for the
-     pretrained model the paper starts from; its copy gate is logged (bench.py copy runs it alone).
+     pretrained model the paper starts from; its copy gate is logged (experiments/bench.py copy runs it alone).
 """
 from __future__ import annotations
 
@@ -62,19 +62,19 @@ import numpy as np
 import torch
 from transformers import AutoTokenizer
 
-import bench
+from experiments import bench
 import critic as C
 import data
-import engine
-import families
-import gateway
+from engine import server
+from tasks import families
+from engine import gateway
 import infra
 import model as M
-import paper
+from experiments import paper
 import ppo
 import reward
 import rollout
-import task_io
+from sandbox import task_io
 import tito
 from trainer import (Metrics, actor_threads, load_state, log, parallel_plan, prune_previous, resume_run, rewrite_jsonl,
                      write_atomic)
@@ -189,9 +189,10 @@ class Args:
     minibatch_size: int = 64  # trajectories per optimizer step
     max_grad_norm: float = 1.0  # gradient clipping
     async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness exactly 1 (paper)
-    # trainer and engines share devices (paper silent: its devices are disjoint; cluster.py's one-node 35B preset):
-    # the engines release their memory (weights + KV cache) for each update and take it back for the publish, the KV
-    # cache alone for the critic warm-up; synchronous (--async-rollout false: nothing samples while the trainer works)
+    # trainer and engines share devices (paper silent: its devices are disjoint; cluster/launch.py's one-node 35B
+    # preset): the engines release their memory (weights + KV cache) for each update and take it back for the publish,
+    # the KV cache alone for the critic warm-up; synchronous (--async-rollout false: nothing samples while the trainer
+    # works)
     colocate: bool = False
     sync_steps: int = 0  # run the first sync_steps RL steps sequentially (async vs sequential step time within one run)
     pin_cores: bool = False  # trainer and rollout side on disjoint halves of the cores (infra.core_split)
@@ -199,7 +200,7 @@ class Args:
     # --- engine, sandboxes, Ray
     engine_weight_dtype: str = "bf16"  # engine weights: bf16-rounded (production-like mismatch) or fp32
     n_engines: int = 1  # embedded engines started as Ray actors (ignored with engine_urls)
-    # comma-separated SGLang-protocol servers already running (cluster.py launch); empty: start n_engines
+    # comma-separated SGLang-protocol servers already running (cluster/launch.py launch); empty: start n_engines
     engine_urls: str = ""
     rollout_actors: int = 8  # Ray rollout-worker actors; rollout_workers concurrent trials are spread over them
     sandbox: str = "bwrap"  # bwrap (local jail) | daytona (cluster; needs DAYTONA_API_KEY)
@@ -207,8 +208,8 @@ class Args:
     # CPU threads of the trainer and of each embedded engine; 0: half the cores each when async (the overlapped rollout
     # and update then do not fight over the same cores), all of them (max 2) otherwise
     torch_threads: int = 0
-    # --- cluster (the flags `cluster.py launch` passes)
-    backend: str = "hf"  # trainer backend: hf (transformers, this machine) | megatron (mcore.py; CPU or GPU nodes)
+    # --- cluster (the flags `cluster/launch.py launch` passes)
+    backend: str = "hf"  # trainer: hf (transformers, this machine) | megatron (cluster/mcore.py; CPU or GPU)
     # the Megatron trainer's parameter dtype: fp32 | bf16 (with fp32 master shards in the distributed optimizer);
     # paper silent; the cluster presets train in bf16 (Megatron's mixed precision, as slime runs it)
     param_dtype: str = "fp32"
@@ -223,7 +224,7 @@ class Args:
     trainer_ranks: int = 1
 
 
-COPY_GATE = 0.9  # the base phase should reach this greedy copy accuracy (issue 13's gate; bench.py copy)
+COPY_GATE = 0.9  # the base phase should reach this greedy copy accuracy (issue 13's gate; experiments/bench.py copy)
 
 # Embedded presets: the paper's ratios kept where they mean something at this scale
 # (critic lr = 30 x actor lr, eval protocol, clip values, S by the paper's 90th-percentile rule on this pool),
@@ -369,7 +370,7 @@ def check_args(args: Args) -> None:
     if args.backend == "megatron" and p["world"] > 1:
         if p["cp"] > 1 and p["pp"] > 1:  # _gpt_forward's CP chunks are not passed between pipeline stages
             raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
-                                      "parallel is not written (mcore_parallel.py departure 2); "
+                                      "parallel is not written (cluster/mcore_parallel.py departure 2); "
                                       "use cp with tp / ep / dp")
         if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
             raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
@@ -385,9 +386,9 @@ TRAINER_BYTES_PER_PARAM = {"fp32": 3 * 4 + 4 * 4, "bf16": 3 * 2 + 4 * 4 + 2 * 4}
 def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
     """--model-path with --backend megatron: the trainer builds its Megatron models from that HF checkpoint
     (mcore.trainer_models, each rank reading its shards): on a CUDA node the cluster model (bf16 with --param-dtype
-    bf16, Megatron's distributed optimizer, TE layers and DeepEP where they import; the planner, `cluster.py check`,
-    sizes the device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path runs.
-    Refused by name: a layout the converter does not know; on the CPU a checkpoint whose trainer state
+    bf16, Megatron's distributed optimizer, TE layers and DeepEP where they import; the planner, `cluster/launch.py
+    check`, sizes the device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path
+    runs. Refused by name: a layout the converter does not know; on the CPU a checkpoint whose trainer state
     (TRAINER_BYTES_PER_PARAM) exceeds this machine's memory. A GPU node without flash-linear-attention runs Megatron's
     torch gated delta rule (mcore.init_cpu), slower: said in the log, not refused."""
     import importlib.util
@@ -425,7 +426,8 @@ def check_loss_args(args: Args) -> None:
             raise NotImplementedError(
                 f"--{k.replace('_', '-')} {v} with --backend megatron: not wired (mcore.MegatronActor.token_logprobs "
                 "gives only the sampled token's logprob: no entropy over the vocab-parallel logits, no router logits "
-                "for the load-balancing loss (Megatron's own moe_aux_loss_coeff is 0 in mcore.py), no reference "
+                "for the load-balancing loss (Megatron's own moe_aux_loss_coeff is 0 in cluster/mcore.py), no "
+                "reference "
                 "copy for KL); use --backend hf or 0 (the paper's value)")
 
 
@@ -490,9 +492,9 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
 def eval_row(run: Run, ev: dict, step: int, val: dict | None = None) -> None:
     """A held-out evaluation (and the validation set's, --n-val-tasks) as a metrics row (phase "eval", at the RL
     step whose weights it scored; SFT: 0), and whole, per-trial rows included, in evals/step_NNNNNN.json (and
-    evals/val_step_NNNNNN.json): any two compare paired (`bench.py compare A B`). A row of the same step already in
-    metrics.jsonl (written before a kill that came ahead of the state's commit; resume keeps it, as the step is
-    committed) is replaced, so each evaluation has one row."""
+    evals/val_step_NNNNNN.json): any two compare paired (`experiments/bench.py compare A B`). A row of the same step
+    already in metrics.jsonl (written before a kill that came ahead of the state's commit; resume keeps it, as the step
+    is committed) is replaced, so each evaluation has one row."""
     row = {"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
            "heldout_n_trials": ev["n_trials"]}
     if val is not None:
@@ -672,7 +674,7 @@ def start_actors(run: Run, ax: SimpleNamespace) -> None:
     (train() stops whatever started)."""
     args, ray, place, sft_dir = run.args, ax.ray, ax.place, str(run.sft_dir)
     cores = infra.core_split()[1] if args.pin_cores else None  # the rollout side's half (--pin-cores)
-    ax.engines = [ray.remote(engine.EngineActor).options(**place["engines"][i]).remote(
+    ax.engines = [ray.remote(server.EngineActor).options(**place["engines"][i]).remote(
         sft_dir, args.engine_weight_dtype, actor_threads(args), cores=cores) for i in range(ax.n_eng)]
     ax.trainer = ppo.TrainerGroup(ray, args, sft_dir, run.state["step"], place["trainers"])
     ax.workers = rollout.ray_rollout_workers(args.rollout_actors, math.ceil(args.rollout_workers / args.rollout_actors),
@@ -959,7 +961,7 @@ def train(args: Args) -> dict:
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
                "eval_rl_best_val": bench.best_val(run.dir),
                "rl_steps": state["step"], "async_vs_sequential": bench.async_vs_sequential(run.dir)}
-    write_atomic(run.dir / "summary.json", json.dumps(summary, indent=1))  # paper.py reads it as an arm's end
+    write_atomic(run.dir / "summary.json", json.dumps(summary, indent=1))  # experiments.paper reads it: an arm's end
     bench.plot(run.dir)
     bench.print_table(summary)
     return summary
@@ -998,7 +1000,7 @@ def parse_args(argv=None) -> Args:
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "plot":
         print(bench.plot(sys.argv[2]))
-    elif len(sys.argv) > 1 and sys.argv[1] == "paper":  # the paper's comparisons: paper.py run
+    elif len(sys.argv) > 1 and sys.argv[1] == "paper":  # the paper's comparisons: experiments/paper.py run
         paper.main(["run", *sys.argv[2:]])
     elif len(sys.argv) > 1 and sys.argv[1] == "trainer-bench":  # bench.trainer_bench with this file's Args
         tb = argparse.ArgumentParser(prog="train_t1.py trainer-bench")

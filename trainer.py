@@ -42,12 +42,12 @@ from types import SimpleNamespace
 
 import torch
 
-import cluster
+from cluster import launch
 import critic as C
 import infra
-import mcore
-import mcore_parallel
-import mcore_weights
+from cluster import mcore
+from cluster import mcore_parallel
+from cluster import mcore_weights
 import model as M
 import rollout
 
@@ -418,7 +418,7 @@ class Trainer:
         critic, optimizers and RNG of this rank's checkpoint file."""
         args, step = self.args, self.step0
         src = self.latest if step > 0 else self.sft_dir
-        if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (mcore.py)
+        if args.backend == "megatron":  # Megatron-Core GPTModels converted from the HF checkpoint (cluster/mcore.py)
             cfg, self.tokenizer = M.load_config(src)  # no HF weights in memory: each rank reads its shards
             self.hf_config = cfg
             self.actor, self.behaviour, self.critic = mcore.trainer_models(  # this rank's shards
@@ -505,7 +505,7 @@ class Trainer:
         Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not self.sharded:
-            self.group = cluster.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
+            self.group = launch.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
             return
         import datetime
         import torch.distributed as dist
@@ -557,8 +557,8 @@ class Trainer:
         if not master_address:
             import ray
             master_address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.publisher = cluster.WeightPublisher(
-            [cluster.SGLangClient(u) for u in urls], world_sizes, master_address,
+        self.publisher = launch.WeightPublisher(
+            [launch.SGLangClient(u) for u in urls], world_sizes, master_address,
             backend="nccl" if torch.cuda.is_available() else "gloo").connect()
 
     def publish(self, version: int) -> int:

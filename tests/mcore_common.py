@@ -4,8 +4,8 @@ the two R3 checks. A test module defines `hf_cfg` and `hf`; `from mcore_common i
 import pytest
 import torch
 
-import mcore
-import mcore_weights
+from cluster import mcore
+from cluster import mcore_weights
 import r3
 
 B, T, V = 2, 12, 96

@@ -1,6 +1,6 @@
-"""cluster.py (presets, checks, SGLang client + weight publish) and daytona_sandbox.DaytonaSandbox, on CPU.
+"""cluster/launch.py (presets, checks, SGLang client + weight publish) and daytona_sandbox.DaytonaSandbox, on CPU.
 
-SGLang request bodies are checked two ways: against the embedded engine (engine.py) where the protocol
+SGLang request bodies are checked two ways: against the embedded engine (engine/server.py) where the protocol
 is shared, and, for the distributed weight update the embedded engine does not serve, against a small
 HTTP server here that validates the bodies as SGLang's io_struct.py declares them (main at 001067f:
 InitWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, PauseGenerationReqInput) and
@@ -18,13 +18,13 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import cluster
+from cluster import launch
 import data
 import model as model_lib
-import daytona_sandbox
+from sandbox import daytona
 import rollout
-import task_io
-from engine import EngineServer
+from sandbox import task_io
+from engine.server import EngineServer
 from test_engine import get, post
 
 # --- helpers: a validating fake SGLang server in its own process --------------------------------------
@@ -67,7 +67,7 @@ def fake_sglang(port_q, result_q):
                 if self.path == "/init_weights_update_group":
                     validate(body, INIT_FIELDS, ["master_address", "master_port", "rank_offset", "world_size"])
                     state["calls"].append(("init", body))
-                    state["groups"] = cluster.init_update_group(body["master_address"], body["master_port"],
+                    state["groups"] = launch.init_update_group(body["master_address"], body["master_port"],
                                                                 body["rank_offset"], body["world_size"],
                                                                 body["group_name"], body["backend"])
                     state["group_name"] = body["group_name"]
@@ -129,7 +129,7 @@ def engine(tmp_path_factory):
 
 def test_sglang_client_speaks_the_shared_protocol_of_the_embedded_engine(engine, tmp_path):
     eng, path, tok = engine
-    c = cluster.SGLangClient(eng.url)
+    c = launch.SGLangClient(eng.url)
     assert c.health()
     info = c.model_info()
     assert info["num_moe_layers"] == 4 and info["top_k"] == 2
@@ -147,7 +147,7 @@ def test_sglang_client_speaks_the_shared_protocol_of_the_embedded_engine(engine,
 
 
 def test_sglang_server_command_has_routed_experts_and_token_io():
-    cmd = cluster.sglang_command("/m", 31000, tp=8)
+    cmd = launch.sglang_command("/m", 31000, tp=8)
     assert cmd[1:3] == ["-m", "sglang.launch_server"]
     for flag in ("--enable-return-routed-experts", "--skip-tokenizer-init", "--trust-remote-code"):
         assert flag in cmd
@@ -160,16 +160,16 @@ def test_buckets_hold_every_weight_exactly_once_in_order_within_the_size():
     specs = [(f"w{i}", torch.bfloat16 if i % 2 else torch.float32, (i + 1, 16)) for i in range(20)]
     specs.append(("big", torch.bfloat16, (1000, 100)))  # 200 kB: larger than a bucket, goes alone
     cap = 2048
-    buckets = cluster.make_buckets(specs, cap)
+    buckets = launch.make_buckets(specs, cap)
     flat = [n for b in buckets for n, _, _ in b]
     assert flat == [n for n, _, _ in specs]  # every weight once, order kept
     for b in buckets:
         size = sum(torch.Size(s).numel() * torch.empty((), dtype=d).element_size() for _, d, s in b)
         assert size <= cap or len(b) == 1
     assert buckets[-1] == [("big", torch.bfloat16, (1000, 100))]
-    assert len(cluster.make_buckets(specs, 1 << 40)) == 1
+    assert len(launch.make_buckets(specs, 1 << 40)) == 1
     with pytest.raises(ValueError, match="bucket_bytes"):
-        cluster.make_buckets(specs, 0)
+        launch.make_buckets(specs, 0)
 
 
 @pytest.mark.parametrize("ep,etp", [(1, 1), (4, 1), (2, 2)])
@@ -194,10 +194,10 @@ def test_gather_experts_rebuilds_every_expert_from_ep_and_etp_shards(ep, etp):
     for ep_r in range(ep):
         for etp_r in range(etp):
             local = {k: shard(k, ep_r, etp_r) for k in full}
-            got = cluster.gather_experts(local, ep_r, ep, fake_all_gather(ep_r, etp_r), etp, dims)
+            got = launch.gather_experts(local, ep_r, ep, fake_all_gather(ep_r, etp_r), etp, dims)
             for k in full:
                 assert torch.equal(got[k], full[k])
-    named = cluster.expert_named_tensors(3, full, cluster.hf_expert_name)
+    named = launch.expert_named_tensors(3, full, launch.hf_expert_name)
     assert len(named) == E * 3 and len({n for n, _ in named}) == E * 3
     assert named[0][0] == "model.layers.3.mlp.experts.0.gate_proj.weight"
     assert torch.equal(dict(named)["model.layers.3.mlp.experts.5.down_proj.weight"], full["down_proj"][5])
@@ -206,8 +206,8 @@ def test_gather_experts_rebuilds_every_expert_from_ep_and_etp_shards(ep, etp):
 # --- the distributed publish end to end (gloo, a validating fake SGLang in a second process) -----------
 def test_publish_barrier_sends_sglang_bodies_and_every_tensor_over_the_group():
     with fake_sglang_server() as (url, result_q):
-        client = cluster.SGLangClient(url, timeout=120)
-        pub = cluster.WeightPublisher([client], [1], "127.0.0.1", group_name="t1_test", backend="gloo",
+        client = launch.SGLangClient(url, timeout=120)
+        pub = launch.WeightPublisher([client], [1], "127.0.0.1", group_name="t1_test", backend="gloo",
                                       bucket_bytes=64 * 4)
         pub.connect()
         torch.manual_seed(0)
@@ -249,17 +249,17 @@ def _model_dir(tmp_path, **over):
 
 
 def test_preset_check_passes_when_everything_is_there(tmp_path):
-    p = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
-    errs = cluster.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, _model_dir(tmp_path),
-                                packages={m: True for m in cluster.PACKAGES})
+    p = launch.CLUSTER_PRESETS["qwen35-122b-a10b"]
+    errs = launch.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, _model_dir(tmp_path),
+                                packages={m: True for m in launch.PACKAGES})
     assert errs == []
-    row, rows = cluster.choose_plan(p)
+    row, rows = launch.choose_plan(p)
     assert row is not None and row["feasible"] and row["tp"] * row["pp"] * row["cp"] * row["dp"] == p.train_gpus
 
 
 def test_preset_check_refuses_with_a_clear_message_for_each_missing_piece(tmp_path):
-    p = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
-    errs = cluster.check_preset(p, {}, [("NVIDIA A100", 81920.0)] * 2, None,
+    p = launch.CLUSTER_PRESETS["qwen35-122b-a10b"]
+    errs = launch.check_preset(p, {}, [("NVIDIA A100", 81920.0)] * 2, None,
                                 packages={"sglang": False, "ray": True})
     text = "\n".join(errs)
     assert "DAYTONA_API_KEY is not set" in text
@@ -267,11 +267,11 @@ def test_preset_check_refuses_with_a_clear_message_for_each_missing_piece(tmp_pa
     assert "below 130 GiB" in text
     assert "--model-path" in text and "T1_MODEL_PATH" in text
     assert "packages: sglang not installed" in text and "requirements-cluster.txt" in text
-    wrong = cluster.check_preset(p, {"DAYTONA_API_KEY": "k", "T1_MODEL_PATH": _model_dir(tmp_path, num_experts=128)},
+    wrong = launch.check_preset(p, {"DAYTONA_API_KEY": "k", "T1_MODEL_PATH": _model_dir(tmp_path, num_experts=128)},
                                  H200, None, packages={})
     assert wrong == [f"model path: {tmp_path / 'qwen' / 'config.json'}: num_experts = 128, preset qwen35-122b-a10b "
                      f"expects 256"]
-    assert "not a directory" in cluster.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, str(tmp_path / "nope"),
+    assert "not a directory" in launch.check_preset(p, {"DAYTONA_API_KEY": "k"}, H200, str(tmp_path / "nope"),
                                                      packages={})[0]
 
 
@@ -279,14 +279,14 @@ def test_check_command_exits_listing_the_problems(monkeypatch, capsys):
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
     monkeypatch.delenv("T1_MODEL_PATH", raising=False)
     with pytest.raises(SystemExit) as e:
-        cluster.main(["check", "--preset", "qwen35-35b-a3b"])
+        launch.main(["check", "--preset", "qwen35-35b-a3b"])
     assert "is not ready" in str(e.value) and "DAYTONA_API_KEY" in str(e.value)
     assert "chosen plan:" in capsys.readouterr().out  # the planner's choice is printed before refusing
 
 
 def test_layout_bundles_cover_the_preset_and_keep_each_server_on_one_node():
-    for p in cluster.CLUSTER_PRESETS.values():
-        lay = {role: bundles for _, roles in cluster.layout(p) for role, bundles in roles.items()}
+    for p in launch.CLUSTER_PRESETS.values():
+        lay = {role: bundles for _, roles in launch.layout(p) for role, bundles in roles.items()}
         if p.device == "cpu":  # the rehearsal: the engines' CPU bundles; train_t1 places its trainer ranks
             assert list(lay) == ["engines"] and all("GPU" not in b for b in lay["engines"])
             continue
@@ -352,15 +352,15 @@ class FakeDaytona:
 def test_daytona_create_params_are_the_sdks_own_objects(tmp_path):
     daytona = pytest.importorskip("daytona")
     task = _task(tmp_path, 'docker_image = "ghcr.io/laude/tb2-task:1"\nallow_internet = false\n')
-    params = daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial").create_params()
+    params = daytona.DaytonaSandbox(task, tmp_path / "trial").create_params()
     assert isinstance(params, daytona.CreateSandboxFromImageParams)
     assert params.image == "ghcr.io/laude/tb2-task:1"
     assert (params.resources.cpu, params.resources.memory, params.resources.disk) == (2, 3, 10)
     assert params.ephemeral and params.network_block_all and params.ttl_minutes == 6 + 30
     assert params.labels == {"t1-task": "task"}
-    built = daytona_sandbox.DaytonaSandbox(_task(tmp_path / "b"), tmp_path / "t2").create_params()
+    built = daytona.DaytonaSandbox(_task(tmp_path / "b"), tmp_path / "t2").create_params()
     assert isinstance(built.image, daytona.Image) and built.network_block_all is False  # from environment/Dockerfile
-    snap = daytona_sandbox.DaytonaSandbox(_task(tmp_path / "c"), tmp_path / "t3", snapshot="tb2-base").create_params()
+    snap = daytona.DaytonaSandbox(_task(tmp_path / "c"), tmp_path / "t3", snapshot="tb2-base").create_params()
     assert isinstance(snap, daytona.CreateSandboxFromSnapshotParams) and snap.snapshot == "tb2-base"
 
 
@@ -370,7 +370,7 @@ def test_daytona_sandbox_terminal_exec_and_verifier_through_the_sdk_calls(tmp_pa
                         "tests": [{"name": "a", "status": "passed"}, {"name": "b", "status": "failed"}]}}
     fake = FakeDaytona(pane=["$ ", "$ ls\nfile.txt\n$ "], files={"/logs/verifier/ctrf.json": json.dumps(ctrf).encode()})
     task = _task(tmp_path)
-    with daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
+    with daytona.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
         assert fake.created and any("tmux new-session -d -s t1" in c for c, _, _ in fake.cmds)
         assert box.read(0) == "$ "
         box.send_keys("ls\n")
@@ -392,30 +392,30 @@ def test_daytona_sandbox_is_deleted_on_every_exit_path(tmp_path, monkeypatch):
     task = _task(tmp_path)
     fake = FakeDaytona(fail_on="tmux new-session")  # start fails after the sandbox exists
     with pytest.raises(RuntimeError, match="tmux"):
-        daytona_sandbox.DaytonaSandbox(task, tmp_path / "t1", client=fake).start()
+        daytona.DaytonaSandbox(task, tmp_path / "t1", client=fake).start()
     assert fake.deleted == 1
     fake = FakeDaytona()
     with pytest.raises(KeyError):
-        with daytona_sandbox.DaytonaSandbox(task, tmp_path / "t2", client=fake):
+        with daytona.DaytonaSandbox(task, tmp_path / "t2", client=fake):
             raise KeyError("agent crashed")
     assert fake.deleted == 1
-    box = daytona_sandbox.DaytonaSandbox(task, tmp_path / "t3", client=fake).start()
-    assert box in daytona_sandbox._DAYTONA_OPEN
-    daytona_sandbox._close_open_daytona()  # the atexit hook
-    assert fake.deleted == 2 and box not in daytona_sandbox._DAYTONA_OPEN
+    box = daytona.DaytonaSandbox(task, tmp_path / "t3", client=fake).start()
+    assert box in daytona._DAYTONA_OPEN
+    daytona._close_open_daytona()  # the atexit hook
+    assert fake.deleted == 2 and box not in daytona._DAYTONA_OPEN
     box.close()  # idempotent
     assert fake.deleted == 2
     monkeypatch.delenv("DAYTONA_API_KEY", raising=False)
     with pytest.raises(RuntimeError, match="DAYTONA_API_KEY is not set"):
-        daytona_sandbox.DaytonaSandbox(task, tmp_path / "t4").start()
+        daytona.DaytonaSandbox(task, tmp_path / "t4").start()
 
 
 def test_gpu_check_probe_model_has_exactly_the_parameters_the_memory_model_counts():
     from transformers import Qwen3_5MoeForCausalLM
     import infra
-    c = cluster.probe_config()
+    c = launch.probe_config()
     with torch.device("meta"):  # no memory: only the parameter shapes
-        m = Qwen3_5MoeForCausalLM(cluster.hf_config(c))
+        m = Qwen3_5MoeForCausalLM(launch.hf_config(c))
     assert sum(p.numel() for p in m.parameters()) == infra.param_counts(c)["total"]
     assert m.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
 
@@ -426,9 +426,9 @@ def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_mis
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_5_moe", "dtype": "bfloat16"}))
     with open(tmp_path / "model.safetensors", "wb") as f:  # sparse: the 122B's ~244 GB of bf16 weights
         f.truncate(244 * 10**9)
-    preset = cluster.CLUSTER_PRESETS["qwen35-122b-a10b"]
+    preset = launch.CLUSTER_PRESETS["qwen35-122b-a10b"]
     row = {"tp": 2, "pp": 1, "cp": 1, "ep": 64, "etp": 1, "dp": 32, "recompute": True}
-    cmd = cluster.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
+    cmd = launch.train_command(preset, "runs/x", str(tmp_path), ["http://a:1", "http://b:2"], row, ["--rl-steps", "3"])
     args = train_t1.parse_args(cmd[2:])
     assert ((args.backend, args.sandbox, args.rl_steps, args.n_launch, args.n_keep)
             == ("megatron", "daytona", 3, 560, 512))
@@ -497,8 +497,8 @@ def test_trainer_publishes_its_weights_under_hub_names_over_the_group(tmp_path):
 def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     """The cluster publish (cluster.WeightPublisher: SGLang's /init_weights_update_group and
     /update_weights_from_distributed, every tensor broadcast over one gloo group) into an embedded engine in its own
-    process (`engine.py serve`): after ppo.Trainer publishes version 5 the engine's greedy reply and logprobs equal
-    an engine loaded from the trainer's checkpoint on disk. A bucket naming a weight the model does not have is
+    process (`engine/server.py serve`): after ppo.Trainer publishes version 5 the engine's greedy reply and logprobs
+    equal an engine loaded from the trainer's checkpoint on disk. A bucket naming a weight the model does not have is
     refused (400, naming it) with its tensors still received, so the group stays in step; a trainer that dies
     without leaving the group is replaced by one joining under the same name, whose publish applies."""
     import subprocess
@@ -512,8 +512,8 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     path = str(tmp_path / "sft")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
     port = infra.free_port()
-    proc = subprocess.Popen([sys.executable, "engine.py", "serve", "--model-path", path, "--port", str(port),
-                             "--weight-dtype", "fp32", "--threads", "1"], cwd=os.path.dirname(cluster.__file__),
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", str(port),
+                             "--weight-dtype", "fp32", "--threads", "1"], cwd=os.path.dirname(infra.__file__),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -560,12 +560,13 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
 
 
 def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
-    """`bash run.sh cluster-rehearsal --quick`: the embedded SFT writes a Qwen3.5 checkpoint, then cluster.py launch
-    (checks, the planner's plan for 4 devices, Ray, an embedded engine started by the launcher) runs train_t1 with
+    """`bash run.sh cluster-rehearsal --quick`: the embedded SFT writes a Qwen3.5 checkpoint, then cluster/launch.py
+    launch (checks, the planner's plan for 4 devices, Ray, an embedded engine started by the launcher) runs train_t1
+    with
     --model-path and --backend megatron over the plan's 4 gloo ranks, publishing over one process group; it prints
     the end-of-run table; a second launch on the same run directory resumes and adds exactly one step."""
     import subprocess
-    root = os.path.dirname(os.path.abspath(cluster.__file__))
+    root = os.path.dirname(os.path.abspath(launch.__file__))
     env = dict(os.environ, T1_REHEARSAL_SFT=str(tmp_path / "sft"), T1_REHEARSAL_RUN=str(tmp_path / "run"))
     env.pop("RAY_ADDRESS", None)
     flags = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
@@ -614,7 +615,7 @@ def test_gpu_check_table_shows_each_kind_of_check():
             "optimizer": "MegatronAdam"}},
         {"name": "trainer bench 122b-slice", "ok": False, "result": None, "tail": "Traceback ...\nOOM | boom"},
         {"name": "static bytes", "ok": True, "measured": 10, "predicted": 9, "ratio": 1.11}]}
-    table = cluster.gpu_check_table(res)
+    table = launch.gpu_check_table(res)
     print(table)
     rows = table.splitlines()
     assert len(rows) == 5 and all(r.count("|") == 4 for r in rows)

@@ -7,10 +7,10 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-import cp_gdn  # noqa: E402
+from cluster import cp_gdn  # noqa: E402
 import infra  # noqa: E402
-import mcore  # noqa: E402
-import mcore_parallel  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_parallel  # noqa: E402
 
 S, B = 250, 2  # 4 chunks of 64, the last one partial (only the last rank pads)
 

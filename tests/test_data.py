@@ -12,9 +12,9 @@ import pytest
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
 import data  # noqa: E402
-import families  # noqa: E402
-import rst  # noqa: E402
-import task_io  # noqa: E402
+from tasks import families  # noqa: E402
+from tasks import rst  # noqa: E402
+from sandbox import task_io  # noqa: E402
 
 S = data.SCALE
 
@@ -529,7 +529,7 @@ def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
     assert task_io.load_task(str(unrecorded)).n_assertions == n
 
 
-# --- issue 13: the mechanical RST audit (rst.py): each hard reject on a task built to violate it -------------
+# --- issue 13: the mechanical RST audit (tasks/rst.py): each hard reject on a task built to violate it -------------
 def _hostile_tasks(root):
     """A good text task and four copies, each breaking one rule of the audit (built from the family specs)."""
     import random

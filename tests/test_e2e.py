@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 
 import rollout
-import task_io
+from sandbox import task_io
 import tito
 import train_t1
-from engine import EngineServer
+from engine.server import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
@@ -92,7 +92,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
                for s in samples)
 
     # resume: the same run dir continues at step 3 (redone from its start), nothing repeated; this time against
-    # an engine already running (--engine-urls, as cluster.py launch passes its SGLang servers)
+    # an engine already running (--engine-urls, as cluster/launch.py launch passes its SGLang servers)
     engine = EngineServer(str(run_dir / "ckpt" / "sft"), port=0).start()
     try:
         summary = train_t1.train(train_t1.parse_args(TINY + val + ["--run-dir", str(run_dir), "--rl-steps", "3",

@@ -1,4 +1,4 @@
-"""Tests for engine.py: the embedded engine over real HTTP (wire format, batching, weight updates, the CLI, and
+"""Tests for engine/server.py: the embedded engine over real HTTP (wire format, batching, weight updates, the CLI, and
 requests refused before they join a batch)."""
 import json
 import os
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine as engine_lib  # noqa: E402
-import httpjson  # noqa: E402
+from engine import server as engine_lib  # noqa: E402
+from engine import httpjson  # noqa: E402
 import infra  # noqa: E402
-import kvcache  # noqa: E402
+from engine import kvcache  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 from test_model import prompt  # noqa: E402
@@ -286,8 +286,8 @@ def test_abort_request_ends_a_queued_request(engine, tok):
 def test_serve_command_line_starts_a_server(ckpt):
     port = infra.free_port()
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.Popen([sys.executable, os.path.join(root, "engine.py"), "serve", "--model-path", ckpt,
-                             "--port", str(port), "--weight-dtype", "fp32"],
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", ckpt,
+                             "--port", str(port), "--weight-dtype", "fp32"], cwd=root,
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert "engine serving" in proc.stdout.readline()  # printed once healthy
@@ -1123,10 +1123,10 @@ def test_a_distributed_weight_update_is_refused_before_it_allocates(engine, tok)
 
 
 def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
-    """`python bench.py engine --quick`: one JSON line with the HF comparison at 8 / 32, the multi-turn workload
-    (whose later turns hit the prefix cache), the same workloads over two 1-thread engines, and the capture overhead;
-    no figure asserted, only that each exists."""
-    import bench
+    """`python -m experiments.bench engine --quick`: one JSON line with the HF comparison at 8 / 32, the multi-turn
+    workload (whose later turns hit the prefix cache), the same workloads over two 1-thread engines, and the capture
+    overhead; no figure asserted, only that each exists."""
+    from experiments import bench
     bench.main(["engine", "--quick", "--threads", "2"])
     fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for k in ("engine_vs_hf_8", "engine_vs_hf_32", "hf_tok_s_32", "engine_tok_s_32"):

@@ -1,6 +1,6 @@
-"""Stress test for engine.py and kvcache.py: concurrent multi-turn agents (the rollout's traffic: each turn re-sends
-the trajectory, its reply and a tool output of random length) whose rows join and leave the running batch at many
-batch sizes and prompt lengths, on both architectures, with more agents than the batch holds, a request aborted
+"""Stress test for engine/server.py and engine/kvcache.py: concurrent multi-turn agents (the rollout's traffic: each
+turn re-sends the trajectory, its reply and a tool output of random length) whose rows join and leave the running batch
+at many batch sizes and prompt lengths, on both architectures, with more agents than the batch holds, a request aborted
 mid-decode and a client that hangs up. Every request must answer 200 with a reply that teacher-forced forwards of
 the same weights agree with (each output token's logprob, replaying the reply's routing; its routing rows), and the
 run must have exercised what it claims (rows joining in place, rows leaving, a full batch, the KV columns growing
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import engine as engine_lib  # noqa: E402
-import kvcache  # noqa: E402
+from engine import server as engine_lib  # noqa: E402
+from engine import kvcache  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 

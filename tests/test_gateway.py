@@ -1,4 +1,4 @@
-"""gateway.py: OpenAI-compatible token gateway over the real embedded engine; Harbor's Terminus-2 through it."""
+"""engine/gateway.py: OpenAI-compatible token gateway over the real embedded engine; Harbor's Terminus-2 through it."""
 import json
 import os
 import shutil
@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-import gateway
+from engine import gateway
 import model
 import rollout
 import tito
-from engine import EngineServer
+from engine.server import EngineServer
 
 TEXTS = ['{"analysis": "hello world", "plan": "sort the lines", "commands": [], "task_complete": false}',
          "New terminal output:\n$ ls -la\nin.txt out.txt\n"] * 20

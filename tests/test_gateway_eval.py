@@ -1,5 +1,6 @@
-"""gateway.py eval / harbor-trial never give a silent zero: nothing to evaluate, tasks the jail cannot run, Harbor's
-own failures and a stop by signal each end non-zero with a named reason. Harbor is a stand-in script here (its venv is
+"""engine/gateway.py eval / harbor-trial never give a silent zero: nothing to evaluate, tasks the jail cannot run,
+Harbor's own failures and a stop by signal each end non-zero with a named reason. Harbor is a stand-in script here (its
+venv is
 --harbor-venv); no engine is contacted."""
 import json
 import os
@@ -11,7 +12,7 @@ import time
 
 import pytest
 
-import gateway
+from engine import gateway
 from test_rollout import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -164,14 +165,14 @@ def test_sigint_ends_the_harbor_groups_started_here(signals_restored):
 
 
 def test_sigterm_stops_evals_harbor_process_group(tmp_path, tok_dir):
-    """Killing `gateway.py eval` orphaned Harbor's process group (its own session); now the group ends with it and
-    the eval exits 128 + the signal."""
+    """Killing `engine/gateway.py eval` orphaned Harbor's process group (its own session); now the group ends with it
+    and the eval exits 128 + the signal."""
     sig = signal.SIGTERM
     data = tmp_path / "dataset"
     data.mkdir()
     make_task(data, "runs-here")
     venv = fake_harbor(tmp_path, RUNS_LONG)
-    p = subprocess.Popen([sys.executable, os.path.join(REPO, "gateway.py"), "eval", "--dataset", str(data),
+    p = subprocess.Popen([sys.executable, "-m", "engine.gateway", "eval", "--dataset", str(data),
                           "--engine-url", "http://127.0.0.1:9", "--model-path", tok_dir, "--attempts", "1",
                           "--harbor-venv", str(venv), "--trials-dir", str(tmp_path / "trials")],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True)

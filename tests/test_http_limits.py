@@ -1,4 +1,4 @@
-"""httpjson.py: the servers' bounds (a total request deadline, no thread for a waiting connection, a cap on open
+"""engine/httpjson.py: the servers' bounds (a total request deadline, no thread for a waiting connection, a cap on open
 connections), strict text (UTF-8, no lone surrogates, bounded nesting), every 5xx logged. Loopback only."""
 import json
 import socket
@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import httpjson
+from engine import httpjson
 
 
 class Echo(httpjson.JSONHandler):

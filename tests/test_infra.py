@@ -1,4 +1,5 @@
-"""infra.py: memory model (Proposition 7.1), planner, parameter counts; cp_gdn.py: context-parallel Gated DeltaNet."""
+"""infra.py: memory model (Proposition 7.1), planner, parameter counts; cluster/cp_gdn.py: context-parallel Gated
+DeltaNet."""
 import json
 import math
 import os
@@ -9,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
-import cp_gdn
+from experiments import bench
+from cluster import cp_gdn
 import infra
 from infra import GiB, MODEL_SHAPES, Plan
 

@@ -1,12 +1,12 @@
-"""Tests for mcore.py on CPU: tiny Megatron-Core MoE vs its HF twin, conversion both ways, native R3 replay,
+"""Tests for cluster/mcore.py on CPU: tiny Megatron-Core MoE vs its HF twin, conversion both ways, native R3 replay,
 the Megatron critic vs critic.Critic's conventions."""
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
-import mcore  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Qwen3MoeModel  # noqa: E402
 

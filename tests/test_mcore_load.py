@@ -18,8 +18,8 @@ import torch
 pytest.importorskip("megatron.core")
 pytest.importorskip("safetensors")
 import infra  # noqa: E402
-import mcore  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 
 V = 96
 ARCHS = {"qwen35": mcore.tiny_qwen35_hf_config, "qwen3": mcore.tiny_hf_config}

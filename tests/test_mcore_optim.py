@@ -20,9 +20,9 @@ import torch
 
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
-import mcore  # noqa: E402
-import mcore_parallel  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_parallel  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 from test_mcore_tp import V, hf_weights  # noqa: E402  (the tiny Qwen3.5 weights, norms moved off their init)
 
 B, T = 4, 12  # global batch

@@ -1,12 +1,12 @@
-"""Tests for mcore.py's Qwen3.5 layout on CPU: Megatron-Core's GatedDeltaNet + gated attention + MoE with a gated
-shared expert (local modules, torch GDN kernel) vs HF Qwen3_5MoeForCausalLM, conversion both ways, native R3."""
+"""Tests for cluster/mcore.py's Qwen3.5 layout on CPU: Megatron-Core's GatedDeltaNet + gated attention + MoE with a
+gated shared expert (local modules, torch GDN kernel) vs HF Qwen3_5MoeForCausalLM, conversion both ways, native R3."""
 import pytest
 import torch
 
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
-import mcore  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
 

@@ -1,8 +1,8 @@
-"""Tests for mcore_weights.py's Transformer-Engine layout (to_te_layout / from_te_layout /
+"""Tests for cluster/mcore_weights.py's Transformer-Engine layout (to_te_layout / from_te_layout /
 load_hf_into_cluster_model): the cluster model's parameter names. On CPU: the renames against names listed here per
-layer type from megatron-core 0.16.1's TE spec (mcore_weights.py, the comment above _fused_input_norm), round trips,
-expert numbering after shard_for_ep. On a GPU with Transformer Engine: the real `mcore._qwen35_gpt` has exactly those
-names and loads HF weights round trip."""
+layer type from megatron-core 0.16.1's TE spec (cluster/mcore_weights.py, the comment above _fused_input_norm), round
+trips, expert numbering after shard_for_ep. On a GPU with Transformer Engine: the real `mcore._qwen35_gpt` has exactly
+those names and loads HF weights round trip."""
 import importlib.util
 
 import pytest
@@ -10,8 +10,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
-import mcore  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
 V = 96

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
-import mcore  # noqa: E402
-import mcore_weights  # noqa: E402
+from cluster import mcore  # noqa: E402
+from cluster import mcore_weights  # noqa: E402
 
 B, T, V = 2, 12, 96
 

@@ -1,5 +1,5 @@
-"""paper.py (issue 14): the report from arm run directories (synthetic ones, by hand), the verdicts, and the quick
-form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
+"""experiments/paper.py (issue 14): the report from arm run directories (synthetic ones, by hand), the verdicts, and
+the quick form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
 import dataclasses
 import json
 import os
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-import bench
-import paper
+from experiments import bench
+from experiments import paper
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -120,12 +120,12 @@ def test_report_from_run_directories(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
 def test_quick_form_end_to_end(tmp_path):
-    """`paper.py run --quick` with two arms (grpo: G samples per task, the shared warmed critic; binary: its own
-    critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the shared SFT run,
-    each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the finished arms are kept
-    (nothing re-run) and the report rewritten."""
+    """`experiments/paper.py run --quick` with two arms (grpo: G samples per task, the shared warmed critic; binary:
+    its own critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the shared SFT
+    run, each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the finished arms are
+    kept (nothing re-run) and the report rewritten."""
     out = tmp_path / "paper"
-    cmd = [sys.executable, os.path.join(ROOT, "paper.py"), "run", "--quick", "--arms", "grpo", "binary", "--out",
+    cmd = [sys.executable, "-m", "experiments.paper", "run", "--quick", "--arms", "grpo", "binary", "--out",
            str(out), "--rl-steps", "1"]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
@@ -151,7 +151,7 @@ def test_quick_form_end_to_end(tmp_path):
 
 def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
     """A kill while an arm was being seeded (its checkpoints half copied, no state.json yet) does not stop the next
-    run from seeding it; the files paper.py and train_t1 write for it are written whole (tmp + rename)."""
+    run from seeding it; the files experiments/paper.py and train_t1 write for it are written whole (tmp + rename)."""
     shared = tmp_path / "shared"
     for name in ("base", "sft"):
         (shared / "ckpt" / name).mkdir(parents=True)
@@ -176,7 +176,8 @@ def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
                                         (["--", "--r3-mode", "off"], "--r3-mode"),
                                         (["--", "--seed=3", "--lr", "1"], "--seed")])
 def test_run_refuses_flags_that_would_break_the_comparison(argv, what, capsys):
-    """--seeds 0 / --rl-steps 0 were read as the defaults; a train_t1 flag after -- that paper.py sets per arm
+    """--seeds 0 / --rl-steps 0 were read as the defaults; a train_t1 flag after -- that experiments/paper.py sets per
+    arm
     (R3, reward, advantage, warm-up, seed, run dir) would win over the arm's own and make every arm the same."""
     with pytest.raises(SystemExit) as e:
         paper.main(["run", "--quick", *argv])

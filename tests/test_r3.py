@@ -10,10 +10,10 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from experiments import bench  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
-from engine import EngineServer  # noqa: E402
+from engine.server import EngineServer  # noqa: E402
 
 torch.set_num_threads(2)
 B, T = 2, 24

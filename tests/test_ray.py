@@ -11,7 +11,7 @@ import pytest
 import infra
 import model
 import rollout
-from engine import EngineActor
+from engine.server import EngineActor
 from test_rollout import SCRIPT, make_task
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),

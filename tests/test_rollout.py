@@ -1,4 +1,4 @@
-"""rollout.py and sandbox.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
+"""rollout.py and sandbox/jail.py: real bubblewrap sandboxes, real pytest --ctrf verifiers, the token-first harness."""
 import json
 import os
 import random
@@ -14,8 +14,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import rollout  # noqa: E402
-import sandbox  # noqa: E402
-import task_io  # noqa: E402
+from sandbox import jail  # noqa: E402
+from sandbox import task_io  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
@@ -87,8 +87,8 @@ def task(tmp_path):
 
 @pytest.fixture
 def box(task, tmp_path):
-    limits = sandbox.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
+    limits = jail.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         yield b
 
 
@@ -227,7 +227,7 @@ def test_terminal_keeps_state_and_ctrl_c_interrupts(box):
     box.read(0.5)
     box.send_keys("sleep 100\n")
     box.read(0.3)
-    deadline = time.time() + 15  # C-c once sleep runs (launched as `nohup ... &`, sleep ignored SIGINT: sandbox.py)
+    deadline = time.time() + 15  # C-c once sleep runs (launched as `nohup ... &`, sleep ignored SIGINT: the jail)
     while not any(cmdline(p) == "sleep 100" for p in uid_procs(box.uid)) and time.time() < deadline:
         time.sleep(0.05)
     box.send_keys("C-c")
@@ -392,7 +392,7 @@ def test_run_trials_keeps_first_finished_and_cancels_rest(tmp_path):
 
 def test_model_agent_against_embedded_engine(task, tok, tmp_path):
     model = pytest.importorskip("model")
-    engine_lib = pytest.importorskip("engine")
+    engine_lib = pytest.importorskip("engine.server")
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
     engine = engine_lib.EngineServer(str(path), port=0).start()
@@ -455,7 +455,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
     """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
     import threading
     stop = threading.Event()
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", sandbox.Limits(max_procs=32),
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", jail.Limits(max_procs=32),
                          stop_event=stop) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "y\n" * (1 << 20))
@@ -469,8 +469,8 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
 
 def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
     """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
-    limits = sandbox.Limits(max_procs=32, max_duration_s=2.0)
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
+    limits = jail.Limits(max_procs=32, max_duration_s=2.0)
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "z\n" * (1 << 19))
         th.join(60)

@@ -1,7 +1,7 @@
-"""rollout.py and bench.py hardened: a trial's deadline holds during a model call (a slow, trickling or paused engine),
-no silent zero (an oracle without a solution, an unloadable --model-path, an engine abort, bench.py compare of an
-evaluation that evaluated nothing), --reward-scale, the agent's transcript under --keep, and tool output that spells
-special tokens rendered as text (TITO's audit still exact)."""
+"""rollout.py and experiments/bench.py hardened: a trial's deadline holds during a model call (a slow, trickling or
+paused engine), no silent zero (an oracle without a solution, an unloadable --model-path, an engine abort,
+experiments/bench.py compare of an evaluation that evaluated nothing), --reward-scale, the agent's transcript under
+--keep, and tool output that spells special tokens rendered as text (TITO's audit still exact)."""
 import json
 import os
 import select
@@ -15,7 +15,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bench  # noqa: E402
+from experiments import bench  # noqa: E402
 import rollout  # noqa: E402
 import tito  # noqa: E402
 from test_rollout import DONE, SCRIPT, SORT, _check_token_path, _tok, make_task  # noqa: E402
@@ -183,10 +183,10 @@ def test_the_guarded_call_is_not_sent_after_the_deadline_and_is_cut_before_conne
 
 @needs_jail
 def test_the_embedded_engine_drops_the_request_cut_at_the_deadline(tmp_path, tok):
-    """Against engine.py, paused so that the request waits in its queue: at the 3 s deadline the client hangs up, the
-    engine takes the request out (EngineServer.disconnects lists its rid) and nothing is left queued or running."""
+    """Against engine/server.py, paused so that the request waits in its queue: at the 3 s deadline the client hangs
+    up, the engine takes the request out (EngineServer.disconnects lists its rid) and nothing is left queued or running."""
     model = pytest.importorskip("model")
-    engine_lib = pytest.importorskip("engine")
+    engine_lib = pytest.importorskip("engine.server")
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
     engine = engine_lib.EngineServer(str(path), port=0).start()
@@ -301,7 +301,8 @@ def test_keep_has_the_model_agents_transcript(tmp_path, tok, stub, capsys):
 
 
 def test_bench_compare_refuses_an_evaluation_that_evaluated_nothing(tmp_path):
-    """bench.py compare: an evaluation with no trials, or whose every trial errored: exit 1 naming the file and why
+    """experiments/bench.py compare: an evaluation with no trials, or whose every trial errored: exit 1 naming the file
+    and why
     (before: solve_rate 0.0 and exit 0, or numpy's "need at least one array" traceback)."""
     good = {"trials": [{"task": "a-files", "attempt": 0, "resolved": True, "reward": 0.2,
                         "exit_reason": "task_complete", "error": None},

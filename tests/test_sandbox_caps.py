@@ -1,4 +1,4 @@
-"""Per-trial caps of the local jail (trial_caps.py, sandbox.Sandbox): a disk quota (bytes and inodes) on all the
+"""Per-trial caps of the local jail (sandbox/trial_caps.py, sandbox.Sandbox): a disk quota (bytes and inodes) on all the
 trial can write, a memory cgroup for the whole trial, uids that two live trials never share. Each test plays the
 attacker with small caps (64 MiB, 1000 inodes) so it runs in seconds.
 """
@@ -12,12 +12,12 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import sandbox  # noqa: E402
-import task_io  # noqa: E402
-import trial_caps  # noqa: E402
+from sandbox import jail  # noqa: E402
+from sandbox import task_io  # noqa: E402
+from sandbox import trial_caps  # noqa: E402
 from test_rollout import TEST_SH, make_task  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not sandbox.shutil.which("bwrap"),
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not jail.shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MiB = 1 << 20
@@ -44,7 +44,7 @@ def test_trial_writes_past_the_disk_caps_get_enospc_in_both_phases_and_the_kept_
         "(head -c 100M /dev/zero > /app/vfill) 2>&1 | grep -q 'No space' && echo VERIFIER-APP-FULL\n"
         "rm -f /logs/verifier/fill /app/vfill\n" + TEST_SH.split("\n", 1)[1])
     host = os.stat(tmp_path).st_dev
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", SMALL) as box:
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", SMALL) as box:
         assert os.stat(box.root).st_dev != host and os.stat(f"{box.root}/app").st_dev != host  # not the host disk
         for target in ("/app/big", "/logs/big", "/logs/agent/big", "/tmp/big"):
             rc, out = box.exec(f"head -c 100M /dev/zero > {target}; echo rc=$?; rm -f {target}")
@@ -76,13 +76,13 @@ def test_trial_writes_past_the_disk_caps_get_enospc_in_both_phases_and_the_kept_
 
 def test_dropped_files_leave_nothing_and_the_trial_dir_must_be_empty(tmp_path):
     task = task_io.load_task(make_task(tmp_path))
-    with sandbox.Sandbox(task, tmp_path / "trial", SMALL, keep_files=False) as box:
+    with jail.Sandbox(task, tmp_path / "trial", SMALL, keep_files=False) as box:
         box.exec("head -c 10M /dev/zero > /app/x")
     assert os.listdir(tmp_path / "trial") == []
     (tmp_path / "t2").mkdir()
     (tmp_path / "t2" / "old").write_text("x")
     with pytest.raises(ValueError, match="must be empty"):
-        sandbox.Sandbox(task, tmp_path / "t2", SMALL).start()
+        jail.Sandbox(task, tmp_path / "t2", SMALL).start()
 
 
 MEM_HOG = "python3 -c 'import time; a = b\"x\" * (80 << 20); time.sleep(2)'"
@@ -91,7 +91,7 @@ MEM_HOG = "python3 -c 'import time; a = b\"x\" * (80 << 20); time.sleep(2)'"
 def test_processes_past_the_trial_memory_cap_are_oom_killed_and_the_trial_is_scored(tmp_path):
     task = make_task(tmp_path)
     limits = {**SMALL, "trial_mem_bytes": 160 * MiB}  # three processes of 80 MB each: 240 MB, under RLIMIT_AS
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as box:
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as box:
         rc, out = box.exec(f"{MEM_HOG} & a=$!; {MEM_HOG} & b=$!; {MEM_HOG} & c=$!; "
                            "wait $a; echo rc=$?; wait $b; echo rc=$?; wait $c; echo rc=$?")
         codes = [int(x.split("=")[1]) for x in out.split() if x.startswith("rc=")]
@@ -104,7 +104,7 @@ def test_processes_past_the_trial_memory_cap_are_oom_killed_and_the_trial_is_sco
 
 
 def test_the_agent_cannot_see_or_leave_its_cgroup_and_close_kills_what_is_in_it(tmp_path):
-    with sandbox.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial", SMALL) as box:
+    with jail.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial", SMALL) as box:
         dirs = list(box._cgroup.dirs)
         rc, out = box.exec("ls /sys/fs/cgroup 2>&1; ls /sys 2>&1; mount -t cgroup2 none /tmp 2>&1; "
                            "setsid sleep 300 > /dev/null 2>&1 < /dev/null & echo started")
@@ -134,16 +134,16 @@ def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path):
              for _ in range(2)]
     try:
         held = [set(map(int, p.stdout.readline().split())) for p in procs]
-        mine = [sandbox.Sandbox(task_io.load_task(task), "/nonexistent") for _ in range(201)]  # past pid % 4000 x 200
+        mine = [jail.Sandbox(task_io.load_task(task), "/nonexistent") for _ in range(201)]  # past pid % 4000 x 200
         uids = [b.uid for b in mine]
         assert len(set(uids)) == 201 and len(held[0]) == len(held[1]) == 60, (uids, held)
         assert not (held[0] & held[1]) and not (held[0] | held[1]) & set(uids)
-        assert all(b.verifier_uid == b.uid + sandbox.VERIFIER_UID_OFFSET for b in mine)
+        assert all(b.verifier_uid == b.uid + jail.VERIFIER_UID_OFFSET for b in mine)
         procs[0].kill()  # a holder dies: its uids are free again (the kernel dropped its locks)
         procs[0].wait()
         for b in mine:
             b.close()
-        again = sandbox.Sandbox(task_io.load_task(task), "/nonexistent").uid
+        again = jail.Sandbox(task_io.load_task(task), "/nonexistent").uid
         assert again <= min(held[0]), (again, min(held[0]))  # lowest free first
     finally:
         for p in procs:
@@ -207,9 +207,9 @@ def test_task_toml_memory_and_storage_lower_the_caps_and_bad_values_are_named(tm
     task = make_task(tmp_path)
     toml = (task / "task.toml").read_text()
     (task / "task.toml").write_text(toml + '\n[environment]\nmemory_mb = 300\nstorage = "100M"\n')
-    box = sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial")
+    box = jail.Sandbox(task_io.load_task(task), tmp_path / "trial")
     assert (box.limits.trial_mem_bytes, box.limits.disk_bytes) == (300 * MiB, 100 * MiB)
-    box = sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", {"trial_mem_bytes": 200 * MiB})
+    box = jail.Sandbox(task_io.load_task(task), tmp_path / "trial", {"trial_mem_bytes": 200 * MiB})
     assert box.limits.trial_mem_bytes == 200 * MiB  # a lower cap only: never raises ours
     assert trial_caps.task_caps({"environment": {"memory": "2G", "memory_mb": 100}})[0] == 2 << 30  # as Harbor
     for env, field in [({"memory_mb": "lots"}, "memory_mb"), ({"storage": "10 parsecs"}, "storage"),
@@ -217,14 +217,14 @@ def test_task_toml_memory_and_storage_lower_the_caps_and_bad_values_are_named(tm
         with pytest.raises(ValueError, match=f"environment\\] {field}"):
             trial_caps.task_caps({"environment": env})
     with pytest.raises(ValueError, match="limits.disk_inodes"):
-        sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", {"disk_inodes": -1})
+        jail.Sandbox(task_io.load_task(task), tmp_path / "trial", {"disk_inodes": -1})
 
 
 def test_no_memory_cgroup_is_an_error_naming_it_unless_the_cap_is_off(tmp_path, capsys):
     with pytest.raises(RuntimeError, match="no usable memory cgroup.*trial_mem_bytes=0"):
         trial_caps.cgroup_layout([("/", "ext4", "/dev/vda", "rw"), ("/cg/cpu", "cgroup", "cgroup", "rw,cpu")])
     trial_caps._said_off.clear()
-    with sandbox.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial",
+    with jail.Sandbox(task_io.load_task(make_task(tmp_path)), tmp_path / "trial",
                          {**SMALL, "trial_mem_bytes": 0}) as box:
         assert box._cgroup is None and box.exec("echo ok")[1].strip() == "ok"
     assert "trial_mem_bytes=0: no memory cap per trial" in capsys.readouterr().err
@@ -272,14 +272,14 @@ def test_a_kept_trial_over_keep_bytes_keeps_only_the_hosts_logs(tmp_path):
     trial: over keep_bytes only host/ comes back (the verifier's output, the transcript), with a note; under it,
     everything, as before."""
     task = task_io.load_task(make_task(tmp_path))
-    with sandbox.Sandbox(task, tmp_path / "big", {**SMALL, "keep_bytes": 4 * MiB}) as box:
+    with jail.Sandbox(task, tmp_path / "big", {**SMALL, "keep_bytes": 4 * MiB}) as box:
         box.exec("head -c 20M /dev/urandom > /app/junk; sort in.txt > out.txt")
         assert box.run_verifier()["passed"] == 3
     big = tmp_path / "big"
     assert sorted(os.listdir(big)) == ["host"] and du_bytes(big) < 1 * MiB
     assert "more than keep_bytes = 4194304: only host/ was kept" in (big / "host" / "not_kept.txt").read_text()
     assert "[exit 0]" in (big / "host" / "verifier_output.txt").read_text()
-    with sandbox.Sandbox(task, tmp_path / "small", {**SMALL, "keep_bytes": 4 * MiB}) as box:
+    with jail.Sandbox(task, tmp_path / "small", {**SMALL, "keep_bytes": 4 * MiB}) as box:
         box.exec("head -c 1M /dev/urandom > /app/junk")
     small = tmp_path / "small"
     assert os.path.getsize(small / "app" / "junk") == MiB and not (small / "host" / "not_kept.txt").exists()

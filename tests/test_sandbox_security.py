@@ -1,4 +1,4 @@
-"""sandbox.py's jail against a hostile agent and a hostile task directory (issue 11, section 1).
+"""sandbox/jail.py's jail against a hostile agent and a hostile task directory (issue 11, section 1).
 
 Each test plays the attacker: the oracle's solve.sh runs as the agent (same uid, same jail as a model's commands), a
 task's test.sh runs what the agent wrote, a task directory carries links, devices, FIFOs and oversized files.
@@ -13,10 +13,10 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import harbor_env  # noqa: E402
+from sandbox import harbor_env  # noqa: E402
 import rollout  # noqa: E402
-import sandbox  # noqa: E402
-import task_io  # noqa: E402
+from sandbox import jail  # noqa: E402
+from sandbox import task_io  # noqa: E402
 from test_rollout import TEST_SH, make_task  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -65,7 +65,7 @@ def canary(tmp_path, name="canary.txt"):
 
 def test_agent_commands_cannot_open_by_handle_or_make_a_user_namespace(tmp_path):
     task = make_task(tmp_path)
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         rc, out = box.exec("python3 /app/probe.py nowhere; unshare -U true; echo unshare=$?")
     assert "name_to_handle_at -1 Operation not permitted" in out, out
@@ -207,25 +207,26 @@ def test_copy_task_tree_keeps_in_tree_links_and_drops_special_bits(tmp_path):
     os.chmod(src / "sub" / "run.sh", 0o4755)
     os.symlink("sub/run.sh", src / "link")
     os.symlink("../link", src / "sub" / "back")
-    n = sandbox.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
+    n = jail.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
     dst = tmp_path / "dst"
     assert os.readlink(dst / "link") == "sub/run.sh" and os.readlink(dst / "sub" / "back") == "../link"
     assert (dst / "link").read_text() == "echo hi\n" and stat.S_IMODE(os.stat(dst / "sub" / "run.sh").st_mode) == 0o755
     assert n == {"files": 4, "bytes": 8}
     with pytest.raises(ValueError, match="more than 3 files"):
-        sandbox.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
+        jail.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
     assert not (tmp_path / "dst2").exists()
 
 
 def test_seccomp_filter_is_built_for_each_known_machine():
     for machine in ("x86_64", "aarch64"):
-        prog = sandbox.seccomp_filter(machine)
+        prog = jail.seccomp_filter(machine)
         assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 4096
     with pytest.raises(RuntimeError, match="riscv64"):
-        sandbox.seccomp_filter("riscv64")
+        jail.seccomp_filter("riscv64")
 
 
-# --- the Harbor path (harbor_env.py's ToolsSandbox, what BwrapEnvironment drives) ------------------------------
+# --- the Harbor path (sandbox/harbor_env.py's ToolsSandbox, what BwrapEnvironment drives)
+# ------------------------------
 
 def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_path):
     import types
@@ -234,7 +235,7 @@ def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_pat
     task = make_task(tmp_path)
     t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
                               name="harbor")
-    with harbor_env._ToolsSandbox(t, tmp_path / "trial", sandbox.Limits()) as box:
+    with harbor_env._ToolsSandbox(t, tmp_path / "trial", jail.Limits()) as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
         rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
@@ -264,7 +265,7 @@ print("i386 name_to_handle_at", int80(341), "getpid", int80(20))
 @pytest.mark.skipif(os.uname().machine != "x86_64", reason="the i386 syscall ABI exists on x86_64 only")
 def test_i386_syscall_abi_cannot_name_a_handle(tmp_path):
     task = make_task(tmp_path)
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial") as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(I386_PROBE)
         rc, out = box.exec("python3 /app/probe.py")
     # -1 (EPERM): refused by the filter; unfiltered it gets -14 (EFAULT: the NULL name), -38 without IA32 emulation
@@ -283,12 +284,12 @@ def test_a_deep_tree_in_app_does_not_break_the_handover_to_the_verifier(tmp_path
 
 def test_daytona_upload_of_a_task_dir_never_follows_its_links(tmp_path):
     pytest.importorskip("daytona")
-    import daytona_sandbox
+    from sandbox import daytona
     from test_cluster import FakeDaytona, _task
     task = _task(tmp_path)
     os.symlink("/etc/shadow", os.path.join(task.tests_dir, "shadow"))
     fake = FakeDaytona()
-    with daytona_sandbox.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
+    with daytona.DaytonaSandbox(task, tmp_path / "trial", client=fake) as box:
         with pytest.raises(ValueError, match="shadow.*leaves|links are refused"):
             box.run_verifier()
     assert fake.uploads == []  # e6526f2 uploaded the host's /etc/shadow through the link
@@ -524,7 +525,7 @@ def test_keyring_and_io_uring_are_refused_in_both_jails_ptrace_in_the_verifiers(
     (task / "tests" / "test.sh").write_text(
         "mkdir -p /logs/verifier\npython3 /app/probe.py > /logs/verifier/probe.txt 2>&1\n"
         + TEST_SH.split("\n", 2)[2])
-    with sandbox.Sandbox(task_io.load_task(task), tmp_path / "trial", solution=True) as box:
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", solution=True) as box:
         rc, agent = box.exec("bash /solution/solve.sh && python3 /app/probe.py")
         res = box.run_verifier()
         verifier = (tmp_path / "trial" / "verifier" / "logs" / "probe.txt").read_text()

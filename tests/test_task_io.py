@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-import task_io
+from sandbox import task_io
 
 TOML = ('version = "1.0"\n\n[metadata]\ndifficulty = "medium"\ncategory = "system-administration"\n\n'
         '[verifier]\ntimeout_sec = 900.0\n\n[agent]\ntimeout_sec = 1800.0\n\n'

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 
-import bench
+from experiments import bench
 import critic as C
 import data
-import gateway
+from engine import gateway
 import model as M
 import ppo
 import rollout
@@ -572,7 +572,8 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     assert gate["steps"] == 10 and "WARNING" not in line and "the probe that decided read 0.910" in line
 
 
-# --- the end-of-run table's statistics (bench.py) ----------------------------------------------------------
+# --- the end-of-run table's statistics (experiments/bench.py)
+# ----------------------------------------------------------
 
 def _ev(resolved, rewards):
     return {"trials": [{"task": f"t{i}", "attempt": 0, "resolved": r, "reward": w}
@@ -601,7 +602,8 @@ def test_paired_mcnemar_and_bootstrap_by_hand():
 
 
 def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
-    """eval_row writes evals/step_N.json whole (per-trial rows); bench.py compare pairs two of them by task."""
+    """eval_row writes evals/step_N.json whole (per-trial rows); experiments.bench compare pairs two of them
+    by task."""
     rows = []
     run = SimpleNamespace(dir=tmp_path, metrics=SimpleNamespace(write=lambda rec, step, phase: rows.append(step)))
     sft = {**_ev([False] * 20 + [True] * 5, [0.0] * 20 + [1.0] * 5), "solve_rate": 0.2, "reward_mean": 0.2,
@@ -729,7 +731,7 @@ def test_invalid_reply_frac_counts_refused_replies_over_all_turns():
 def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monkeypatch):
     """--n-val-tasks on a run whose pools and SFT pool exist: the new set is drawn avoiding all three pools'
     instructions (a fresh run draws it before SFT, whose pool then drops any shared one: warm_start)."""
-    import task_io
+    from sandbox import task_io
     args = T.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--n-train-tasks", "2", "--n-heldout-tasks",
                          "1", "--validate-train", "false"])
     monkeypatch.setattr(data, "validate", lambda *a, **k: None)
@@ -752,7 +754,7 @@ def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monk
 
 def test_step_record_logs_the_dense_reward_whatever_the_arm_trains_on():
     """An RL step's metrics row: reward_mean is what the update trained on (a binary arm's 0 / 1), reward_dense_mean
-    the samples' r = P / S (paper.py plots it for every arm)."""
+    the samples' r = P / S (experiments/paper.py plots it for every arm)."""
     trials = [{"resolved": True, "turns": 2}, {"resolved": False, "turns": 1}]
     samples = [{"reward": 1.0, "turns": 2, "tokens": [1, 2, 3]}, {"reward": 0.3, "turns": 1, "tokens": [1]}]
     ro = {"trials": trials, "n_launched": 2, "dropped": [], "tok_s": 10.0, "t_rollout": 1.0}

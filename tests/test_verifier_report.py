@@ -1,4 +1,4 @@
-"""verifier_report.py (the host's end of the verifier's report channel) and its pytest plugin, without a jail.
+"""sandbox/verifier_report.py (the host's end of the verifier's report channel) and its pytest plugin, without a jail.
 
 The jail end to end (the attacks: a forging script, a killed or stopped pytest, a second reporter, an imported agent
 module, a planted pytest.py) is in test_sandbox_security.py.
@@ -15,7 +15,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, HERE)
-import verifier_report  # noqa: E402
+from sandbox import verifier_report  # noqa: E402
 
 
 def _channel(tmp_path, uid=None):
