@@ -14,8 +14,8 @@
 #   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
 #   bash run.sh paper [--quick]      # the paper's comparisons (dense vs binary, PPO vs GRPO, warm vs cold critic,
 #                                    #   R3 on / off) from one shared SFT run; the report appended to RESULTS.md
-#   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: cluster/launch.py launch, the planner's
-#                                    #   plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
+#   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: `python -m cluster.launch launch`,
+#                                    #   the planner's plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
 #
 # On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
 # tmux for the terminal, jq for the generated tasks), a virtual environment at .venv/ and requirements.txt (torch pinned to the
@@ -50,7 +50,7 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 
-# --- Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, engine/gateway.py eval and tests ---
+# --- Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, `-m engine.gateway eval` and tests ---
 HPY=""
 for c in "${HARBOR_PYTHON:-}" python3.12 python3.13 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
   if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then HPY=$c; break; fi
@@ -83,14 +83,14 @@ case "${1:-}" in
     exec .venv/bin/python -m cluster.launch gpu-check "$@"
     ;;
   paper)
-    # the paper's comparisons in miniature (issue 14): every arm's RL phase from one shared SFT run, the report
+    # the paper's comparisons in miniature: every arm's RL phase from one shared SFT run, the report
     shift
     exec .venv/bin/python -m experiments.paper run "$@"
     ;;
   cluster-rehearsal)
     # the cluster path on this CPU: the embedded SFT writes a Qwen3.5 HF checkpoint (runs/rehearsal-sft), then
-    # `cluster/launch.py launch --preset cpu-rehearsal` runs it as a cluster would: checks, the planner's plan over 4 gloo
-    # trainer ranks (Megatron), an embedded engine as a Ray actor taking each publish over a gloo group,
+    # `python -m cluster.launch launch --preset cpu-rehearsal` runs it as a cluster would: checks, the planner's plan
+    # over 4 gloo trainer ranks (Megatron), an embedded engine as a Ray actor taking each publish over a gloo group,
     # bubblewrap jails; the same --run-dir resumes. --quick: tiny settings; other flags go to train_t1.py
     shift
     quick=(); rest=()
