@@ -1,7 +1,7 @@
 """Daytona sandboxes: the cluster-scale member of the sandbox interface (paper: rollout, infrastructure).
 
 T1 runs every trial in a cloud sandbox (Daytona; about 600 instances a minute at scale). DaytonaSandbox has the
-interface of sandbox.Sandbox (start/close, context manager, exec, send_keys, read, run_verifier, host_dir) on a
+interface of sandbox.jail.Sandbox (start/close, context manager, exec, send_keys, read, run_verifier, host_dir) on a
 Daytona sandbox, through the `daytona` Python SDK (imported only when a sandbox is made: requirements-cluster.txt).
 
 Run: `python rollout.py --task DIR --agent oracle --sandbox daytona` (DAYTONA_API_KEY), or rollout.run_trial(...,
@@ -27,7 +27,9 @@ import threading
 import time
 
 import reward
-from sandbox.jail import KEYS, _Capped, copy_task_tree, make_limits, write_host_file
+from sandbox.host_fs import copy_task_tree, write_host_file
+from sandbox.limits import make_limits
+from sandbox.terminal import KEYS, Capped
 
 
 # === Daytona sandboxes (cluster scale) =============================================================
@@ -43,7 +45,7 @@ from sandbox.jail import KEYS, _Capped, copy_task_tree, make_limits, write_host_
 # sandbox and runs on every exit path (context manager, run_trial's finally, a failed start, and an
 # atexit hook for sandboxes still open); the sandbox is also created ephemeral with a TTL, so Daytona
 # deletes it even if this process is killed. Departures from the local Sandbox: module docstring.
-# Task dirs are uploaded from a sandbox.copy_task_tree copy (no links followed).
+# Task dirs are uploaded from a host_fs.copy_task_tree copy (no links followed).
 _DAYTONA_OPEN = set()  # sandboxes not yet closed, deleted at interpreter exit
 
 
@@ -157,7 +159,7 @@ class DaytonaSandbox:
         return int(r.exit_code if r.exit_code is not None else -1), r.result or ""
 
     def _upload_dir(self, local_dir, remote_dir):
-        """Upload a task's dir (untrusted): first checked and copied by sandbox.copy_task_tree (no link followed
+        """Upload a task's dir (untrusted): first checked and copied by host_fs.copy_task_tree (no link followed
         or kept, no devices / FIFOs, size caps), then uploaded from that copy."""
         from daytona import FileUpload
         stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
@@ -183,7 +185,7 @@ class DaytonaSandbox:
         if self.stop_event.is_set():
             return 130, "\n[cancelled]"
         rc, text = self._run(cmd, self.limits.cmd_timeout_s if timeout is None else timeout, env)
-        out = _Capped(self.limits.output_bytes)
+        out = Capped(self.limits.output_bytes)
         out.add(text.encode())
         return rc, out.text()
 
@@ -212,7 +214,7 @@ class DaytonaSandbox:
         pane = pane.rstrip("\n")
         new = pane[len(self._seen):] if pane.startswith(self._seen) else pane  # cleared screen: all of it
         self._seen = pane
-        out = _Capped(self.limits.output_bytes)
+        out = Capped(self.limits.output_bytes)
         out.add(new.lstrip("\n").encode())
         return out.text()
 

@@ -2,14 +2,18 @@
 
 Paper section "rollout" (T1, arXiv 2609.11042): every trial runs in a sandbox of its own; the agent's keystrokes
 go to a real shell there; when it stops, the task's tests are copied in and its own verifier scores the trial
-(reward.py: r = P/S). Sandbox is the local member of the sandbox interface, daytona_sandbox.DaytonaSandbox the
-cluster's; rollout.run_trial picks one (sandbox="bwrap" | "daytona"). The interface: Box(task, root_dir, limits,
+(reward.py: r = P/S). Sandbox is the local member of the sandbox interface, sandbox/daytona.py's DaytonaSandbox
+the cluster's; rollout.run_trial picks one (sandbox="bwrap" | "daytona"). The interface: Box(task, root_dir, limits,
 stop_event, solution).start() / close() (a context manager too), exec(cmd, timeout, env, as_root) -> (rc, output),
 send_keys(keystrokes, deadline), read(wait_s) -> the new output, run_verifier(scale) -> reward.compute's report,
 host_dir (the host's own logs).
 
 Run (as root): through rollout.py, `python rollout.py --task DIR --agent oracle|nop [--keep DIR]`; tests:
 tests/test_sandbox_security.py (a hostile agent, a hostile task dir), tests/test_sandbox_caps.py, tests/test_rollout.py.
+The parts, each in its own module: Limits (sandbox/limits.py), the seccomp filter (sandbox/seccomp.py), the host's
+file operations on untrusted trees (sandbox/host_fs.py), the jail's processes seen through /proc (sandbox/procs.py),
+the terminal's text (sandbox/terminal.py), the per-trial caps (sandbox/trial_caps.py), the verifier's report channel
+(sandbox/verifier_report.py); this module starts and closes the jails and runs commands, the terminal and the verifier.
 
 The jails (the security contract):
 - Two per trial, one after the other, each a long-lived bwrap whose command waits on a lifeline pipe (it ends when
@@ -20,12 +24,11 @@ The jails (the security contract):
 - Every command enters a jail with nsenter and runs as a per-trial host uid under rlimits (prlimit): RLIMIT_NPROC,
   RLIMIT_FSIZE, RLIMIT_AS, no core; no_new_privs, no capabilities, the seccomp filter below.
 - Per-trial caps (sandbox/trial_caps.py): the agent's uid is leased (flock) so no two live trials share one, in any
-process;
-  the trial dir is a tmpfs of disk_bytes / disk_inodes beyond the staged task (the agent's /app and /logs; verifier/,
-  with the verifier's /logs/verifier, another of its own; host/ a third); every command joins the trial's memory
-  cgroup (trial_mem_bytes, no swap; trial_procs) before it runs. close(): the cgroup emptied and removed, the files
-  copied back to the host disk (keep_files; bounded by the caps) and the tmpfs unmounted, then the uid released (a
-  guard process does the same when the trial's process dies before close()).
+  process; the trial dir is a tmpfs of disk_bytes / disk_inodes beyond the staged task (the agent's /app and /logs;
+  verifier/, with the verifier's /logs/verifier, another of its own; host/ a third); every command joins the trial's
+  memory cgroup (trial_mem_bytes, no swap; trial_procs) before it runs. close(): the cgroup emptied and removed, the
+  files copied back to the host disk (keep_files; bounded by the caps) and the tmpfs unmounted, then the uid
+  released (a guard process does the same when the trial's process dies before close()).
 - The agent's jail: /app and /logs writable (host dirs under the trial root, owned by the agent's uid 200000+),
   /tests empty and read-only, /solution (oracle only) a checked copy, read-only.
 - The verifier's jail (run_verifier): the agent's jail is closed first (SIGKILL bwrap: its pid 1 dies, the kernel
@@ -33,14 +36,15 @@ process;
   800000), then a fresh jail with /app, the task's tests read-only at /tests and a fresh /logs/verifier (a host dir
   the agent never owned); `bash /tests/test.sh` runs as the verifier's uid with the agent's rlimits. The jail is
   closed (every verifier process dead) before the report is decided (the verifier's report, below).
-- seccomp (both jails, every command): open_by_handle_at, name_to_handle_at -> EPERM (a handle for the
-  filesystem's root opened through the /app mount reaches the whole host); clone / unshare with CLONE_NEWUSER ->
-  EPERM, clone3 -> ENOSYS (libc falls back to clone): a user namespace hands out every capability over new
-  namespaces, where most escapes start, and no task needs one; add_key, keyctl, request_key -> EPERM (kernel
-  keyrings are not namespaced: a key one trial stored outlived it and a later trial read it from /proc/keys);
-  io_uring_setup / _enter / _register -> ENOSYS (libraries fall back to plain I/O; io_uring is a large kernel
-  surface no task needs); x32 syscalls, unknown 32-bit ABIs -> EPERM. The verifier's commands get a second filter
-  on top: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd -> EPERM (the reporter's memory and socket).
+- seccomp (both jails, every command; sandbox/seccomp.py): open_by_handle_at, name_to_handle_at -> EPERM (a handle
+  for the filesystem's root opened through the /app mount reaches the whole host); clone / unshare with
+  CLONE_NEWUSER -> EPERM, clone3 -> ENOSYS (libc falls back to clone): a user namespace hands out every capability
+  over new namespaces, where most escapes start, and no task needs one; add_key, keyctl, request_key -> EPERM
+  (kernel keyrings are not namespaced: a key one trial stored outlived it and a later trial read it from
+  /proc/keys); io_uring_setup / _enter / _register -> ENOSYS (libraries fall back to plain I/O; io_uring is a large
+  kernel surface no task needs); x32 syscalls, unknown 32-bit ABIs -> EPERM. The verifier's commands get a second
+  filter on top: ptrace, process_vm_readv, process_vm_writev, pidfd_getfd -> EPERM (the reporter's memory and
+  socket).
 - The verifier's report (local jail; the threat model): the verifier runs the agent's code as the verifier's uid
   (a test's subprocess, an imported module, `python -m pytest` from /app), and that code can write whatever the
   verifier can, /logs/verifier included (an all-passed ctrf.json made read-only before pytest's own write was paid
@@ -55,23 +59,22 @@ process;
   `python -m pytest` from /app imports the interpreter's pytest, and pdb / readline while pytest configures (the
   cwd is put back at session start, for tests that import from it). No reporter: 0 when test.sh runs pytest (the
   plugin was kept out), else reward.txt, the binary fallback of verifiers without pytest.
-- Not protected, declared: (1) agent code imported into the reporting pytest (`sys.path.insert(0, "/app");
-  import solution`, a conftest or a lazily imported module from an /app cwd) runs inside the reporter and can
-  rewrite its outcomes or lines: a forgery through a file no longer pays, a smarter in-process one would. The
-  report names the modules loaded from outside the interpreter, the venv, /usr and /tests (reward_reason "agent
-  code ran inside the reporting pytest ..."), best effort: such code can hide itself. (2) A test.sh that runs
-  the agent's code before or beside its pytest: code left running could kill pytest before its plugin connects
-  and report in its place. (3) A verifier without pytest: its reward.txt is written by a process tree that ran the
-  agent's code. (4) Whatever the tests read that the verifier's uid can write (/app, /tmp) the agent's code may
-  change while they run. (5) pytest-xdist workers (a test.sh with `-p xdist -n N`) run the tests and pass their
-  reports to the reporter; they are not made non-dumpable, so agent code a test starts could rewrite a worker's
-  memory (/proc/PID/mem). Daytona (sandbox/daytona.py), Harbor's environments (sandbox/harbor_env.py) and
-  engine/gateway.py's
-  Harbor runs still read ctrf.json and reward.txt from the verifier's folder (reward.compute): the forgeries this
-  channel stops still pay there.
-- Task dirs are untrusted (copy_task_tree for environment/app, tests, solution): a root that is a link, links
-  absolute or leaving the tree, device files, FIFOs, sockets, more than Limits.task_files entries or task_bytes
-  bytes: ValueError naming the path (the trial: "error").
+- Not protected, declared: (1) agent code imported into the reporting pytest (`sys.path.insert(0, "/app"); import
+  solution`, a conftest or a lazily imported module from an /app cwd) runs inside the reporter and can rewrite its
+  outcomes or lines: a forgery through a file no longer pays, a smarter in-process one would. The report names the
+  modules loaded from outside the interpreter, the venv, /usr and /tests (reward_reason "agent code ran inside the
+  reporting pytest ..."), best effort: such code can hide itself. (2) A test.sh that runs the agent's code before or
+  beside its pytest: code left running could kill pytest before its plugin connects and report in its place. (3) A
+  verifier without pytest: its reward.txt is written by a process tree that ran the agent's code. (4) Whatever the
+  tests read that the verifier's uid can write (/app, /tmp) the agent's code may change while they run. (5)
+  pytest-xdist workers (a test.sh with `-p xdist -n N`) run the tests and pass their reports to the reporter; they
+  are not made non-dumpable, so agent code a test starts could rewrite a worker's memory (/proc/PID/mem). Daytona
+  (sandbox/daytona.py), Harbor's environments (sandbox/harbor_env.py) and engine/gateway.py's Harbor runs still read
+  ctrf.json and reward.txt from the verifier's folder (reward.compute): the forgeries this channel stops still pay
+  there.
+- Task dirs are untrusted (sandbox/host_fs.py's copy_task_tree for environment/app, tests, solution): a root that is
+  a link, links absolute or leaving the tree, device files, FIFOs, sockets, more than Limits.task_files entries or
+  task_bytes bytes: ValueError naming the path (the trial: "error").
 - The host writes its own logs (host/oracle.txt, host/verifier_output.txt) into a root-only dir with O_CREAT |
   O_EXCL | O_NOFOLLOW; it reads nothing the agent wrote, and touches /app only once every agent process is dead
   (chown -R -P -h; rm -rf at the end: no link followed, any depth).
@@ -86,8 +89,9 @@ Departures from the paper / Terminus-2:
    /app, the host's /usr provides the tools. bwrap runs as root without a user namespace (bwrap 0.8 as a plain uid
    cannot bind dirs below the 0700 trial root); commands run as unprivileged uids, the verifier too (Harbor's: root).
 2. Caps per trial: processes (RLIMIT_NPROC of its uid, pids of its cgroup), memory (a cgroup; its files count, they
-   are RAM), disk (tmpfs). Not bounded: CPU time. Sizes are paper silent (Limits; Harbor's task.toml memory_mb /
-   storage_mb lower them). trial_mem_bytes=0 where no memory cgroup exists: memory is then capped per process only.
+   are RAM), disk (tmpfs). Not bounded: CPU time. Sizes are paper silent (Limits, sandbox/limits.py; Harbor's
+   task.toml memory_mb / storage_mb lower them). trial_mem_bytes=0 where no memory cgroup exists: memory is then
+   capped per process only.
 3. The agent is an unprivileged uid without network (Terminal-Bench agents are root): tasks that need apt/pip or
    root cannot be solved here. The host needs root, and uids 200000..1799999 unused (verifiers 1000000+).
 4. Terminal state is the incremental output stream of a pty (keystroke echo included), not a tmux screen capture;
@@ -98,7 +102,6 @@ Departures from the paper / Terminus-2:
    ptrace: tasks debug programs with gdb / strace, the agent can trace only its own uid, and all of it is dead
    before the verifier starts.
 """
-import dataclasses
 import fcntl
 import json
 import os
@@ -116,10 +119,15 @@ import threading
 import time
 
 import reward
+from sandbox import host_fs
+from sandbox import procs
+from sandbox import seccomp
+from sandbox import terminal
 from sandbox import trial_caps
 from sandbox import verifier_report
+from sandbox.limits import make_limits
 
-# --- limits ---------------------------------------------------------------------------------------
+# --- the verifier's environment -------------------------------------------------------------------------------------
 # The verifier's pytest is this project's venv (bound read-only into the jail): its other plugins (xdist, anyio, ...)
 # are the host's, not the task's, so they are not auto-loaded; only the CTRF reporter behind `pytest --ctrf` is.
 # A clean pytest also takes ~40% off a trial (an oracle's test.sh 0.22-0.31 s against 0.42-0.70 s, loaded machine).
@@ -131,397 +139,11 @@ VERIFIER_ENV = {"PYTEST_ADDOPTS": f"-p no:cacheprovider -p ctrf.main -p {verifie
                 "PYTHONSAFEPATH": "1"}
 
 
-@dataclasses.dataclass
-class Limits:
-    max_turns: int = 50
-    """model calls per trial (parse-error and confirmation turns count)"""
-    max_total_tokens: int = 8192
-    """prompt + output tokens of the whole trajectory (the tiny model's context)"""
-    trial_timeout_s: float = 900.0
-    """wall time of the agent phase (capped further by the task's [agent] timeout_sec)"""
-    agent_timeout_s: float = 0.0
-    """> 0: replaces the task's [agent] timeout_sec (the evaluation protocol's override, 3600 s in the paper)"""
-    verifier_timeout_s: float = 0.0
-    """> 0: replaces the task's [verifier] timeout_sec (the evaluation protocol's override, 900 s in the paper)"""
-    max_duration_s: float = 60.0
-    """cap on one keystroke's `duration` (Terminus-2 caps waits at 60 s)"""
-    cmd_timeout_s: float = 600.0
-    """default timeout of one Sandbox.exec command (oracle, verifier use the task's timeouts)"""
-    output_bytes: int = 10_000
-    """output cap of one exec / one observation (Terminus-2 keeps the first and last parts of 10 KB)"""
-    max_procs: int = 256
-    """RLIMIT_NPROC of the trial's uid"""
-    file_bytes: int = 256 << 20
-    """RLIMIT_FSIZE: largest file a command may write"""
-    mem_bytes: int = 4 << 30
-    """RLIMIT_AS per process"""
-    tmp_bytes: int = 256 << 20
-    """size of the /tmp tmpfs (the agent's and, a fresh one, the verifier's)"""
-    task_bytes: int = 1 << 30
-    """cap on the file bytes of one copied task tree (environment/app, tests, solution); paper silent"""
-    task_files: int = 100_000
-    """cap on the entries of one copied task tree; paper silent"""
-    disk_bytes: int = 1 << 30
-    """bytes the trial may write on top of its staged task files: the agent's /app and /logs share one tmpfs, the
-    verifier's /logs/verifier has another this size (RAM, charged to trial_mem_bytes); a task.toml's Harbor
-    [environment] storage_mb lowers it; paper silent (Harbor's default: 10 GiB of disk)"""
-    disk_inodes: int = 100_000
-    """files, directories and hard links the trial may create there (the tmpfs's nr_inodes); paper silent"""
-    trial_mem_bytes: int = 2 << 30
-    """memory cgroup cap of the whole trial (both phases, every process, its tmpfs files and /tmp); a task.toml's
-    [environment] memory_mb lowers it; 0: no cgroup, per-process RLIMIT_AS only; paper silent (Harbor: 2048 MB)"""
-    trial_procs: int = 1024
-    """pids cap of the trial's cgroup (processes and threads of both phases, root's included); paper silent"""
-    keep_bytes: int = 1 << 30
-    """a kept trial dir (keep_files) gets its files back on the host disk only while they take at most this many
-    bytes; above it only host/ (the host's own logs, the transcript) and a note host/not_kept.txt (a run that keeps
-    every trial, train_t1, sets it low so that agents cannot fill the host disk trial by trial); paper silent"""
-
-
-def make_limits(limits):
-    """Limits from None, a Limits, or a dict of field overrides (unknown keys raise)."""
-    if limits is None or isinstance(limits, Limits):
-        return limits or Limits()
-    if not isinstance(limits, dict):
-        raise ValueError(f"limits: expected Limits or dict, got {type(limits).__name__}")
-    names = {f.name for f in dataclasses.fields(Limits)}
-    bad = sorted(set(limits) - names)
-    if bad:
-        raise ValueError(f"limits: unknown keys {bad}; known: {sorted(names)}")
-    return Limits(**limits)
-
-
 # --- sandbox --------------------------------------------------------------------------------------
 TOOLS = ("bwrap", "nsenter", "prlimit", "setpriv", "setsid", "chown")
 PROMPT_END = "$ "  # the shell prompt is PS1='$PWD$ '
 SHELL_START_S = 10.0  # how long a new terminal may take to show its first prompt before keystrokes go in
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[ -/]*[@-~]|\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)|\x1b[()][A-Z0-9]|\x1b[=>]")
-KEYS = {"Enter": "\n", "Tab": "\t", "Escape": "\x1b", "Up": "\x1b[A", "Down": "\x1b[B", "Right": "\x1b[C",
-        "Left": "\x1b[D", "BSpace": "\x7f"}  # tmux key names Terminus-2 agents use
 VERIFIER_UID_OFFSET = 800_000  # verifier uid = agent uid + this (agent uids 200000..999999, verifier 1000000..1799999)
-
-
-# -- seccomp: a classic-BPF filter, built here (no libseccomp) ---------------------------------------------------
-# what each jail refuses, by name -> action (the docstring says why); the verifier's jail refuses both lists
-_REFUSED = {"name_to_handle_at": "eperm", "open_by_handle_at": "eperm", "clone": "flags", "unshare": "flags",
-            "clone3": "enosys", "add_key": "eperm", "request_key": "eperm", "keyctl": "eperm",
-            "io_uring_setup": "enosys", "io_uring_enter": "enosys", "io_uring_register": "enosys"}
-_VERIFIER_REFUSED = {"ptrace": "eperm", "process_vm_readv": "eperm", "process_vm_writev": "eperm",
-                     "pidfd_getfd": "eperm"}
-_NAMES = ("name_to_handle_at", "open_by_handle_at", "clone", "unshare", "clone3", "add_key", "request_key", "keyctl",
-          "io_uring_setup", "io_uring_enter", "io_uring_register", "ptrace", "process_vm_readv", "process_vm_writev",
-          "pidfd_getfd")
-# per machine: {audit arch (native, then its 32-bit compat ABI): numbers of _NAMES, in order}; from the kernel's
-# syscall tables (x86_64: syscall_64.tbl / syscall_32.tbl; aarch64: asm-generic unistd.h / arm's syscall.tbl)
-_NUMBERS = {
-    "x86_64": {0xC000003E: (303, 304, 56, 272, 435, 248, 249, 250, 425, 426, 427, 101, 310, 311, 438),  # x86_64
-               0x40000003: (341, 342, 120, 310, 435, 286, 287, 288, 425, 426, 427, 26, 347, 348, 438)},  # i386
-    "aarch64": {0xC00000B7: (264, 265, 220, 97, 435, 217, 218, 219, 425, 426, 427, 117, 270, 271, 438),  # aarch64
-                0x40000028: (370, 371, 120, 337, 435, 309, 310, 311, 425, 426, 427, 26, 376, 377, 438)},  # arm
-}
-_X32_BIT = 0x40000000  # x86_64: syscall numbers of the x32 ABI carry this bit; all of them are refused
-_CLONE_NEWUSER = 0x10000000
-_RET_ALLOW, _RET_ERRNO = 0x7FFF0000, 0x00050000
-_EPERM, _ENOSYS = 1, 38
-
-
-def _insn(code, k, jt=0, jf=0):
-    return struct.pack("=HBBI", code, jt, jf, k)  # struct sock_filter
-
-
-def seccomp_filter(machine=None, verifier=False) -> bytes:
-    """A jail's seccomp program (struct sock_filter[]) for this machine: what it refuses is in the docstring.
-
-    Per syscall: "eperm" -> EPERM; "flags" (clone, unshare) -> EPERM when the flags ask for CLONE_NEWUSER;
-    "enosys" (clone3, whose flags sit behind a pointer a filter cannot read, and io_uring) -> ENOSYS, so libc and
-    libraries fall back (to clone, to plain reads and writes). An unknown audit arch (a 32-bit ABI the table does
-    not know) -> EPERM for every syscall. verifier: _VERIFIER_REFUSED too (ptrace and its relatives).
-    """
-    machine = machine or os.uname().machine
-    if machine not in _NUMBERS:
-        raise RuntimeError(f"sandbox: no seccomp syscall table for machine {machine!r} (known: {sorted(_NUMBERS)})")
-    refused = {**_REFUSED, **(_VERIFIER_REFUSED if verifier else {})}
-    ld_w, jeq, jge, jset, ret = 0x20, 0x15, 0x35, 0x45, 0x06
-    prog = [_insn(ld_w, 4)]  # seccomp_data.arch
-    for arch, numbers in _NUMBERS[machine].items():
-        rules = sorted((nr, refused[name]) for name, nr in zip(_NAMES, numbers, strict=True) if name in refused)
-        n = len(rules)
-        extra = 1 if arch == 0xC000003E else 0  # x32 check
-        # block: ld nr, [jge x32 -> eperm], n x jeq, allow, eperm, enosys, ld args[0], jset NEWUSER, eperm, allow
-        at = {"allow": 1 + extra + n, "eperm": 2 + extra + n, "enosys": 3 + extra + n, "flags": 4 + extra + n}
-        block = [_insn(ld_w, 0)]  # seccomp_data.nr
-        if extra:
-            block.append(_insn(jge, _X32_BIT, at["eperm"] - 2, 0))
-        for j, (nr, kind) in enumerate(rules):
-            here = 1 + extra + j
-            block.append(_insn(jeq, nr, at[kind] - here - 1, 0))
-        block += [_insn(ret, _RET_ALLOW), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ERRNO | _ENOSYS),
-                  _insn(ld_w, 16),  # low 32 bits of seccomp_data.args[0] (little-endian machines only)
-                  _insn(jset, _CLONE_NEWUSER, 0, 1), _insn(ret, _RET_ERRNO | _EPERM), _insn(ret, _RET_ALLOW)]
-        prog.append(_insn(jeq, arch, 0, len(block)))
-        prog += block
-    prog.append(_insn(ret, _RET_ERRNO | _EPERM))  # an audit arch not in the table
-    return b"".join(prog)
-
-
-# Installs the filter (hex in argv[1]) with no_new_privs, then execs argv[2:]: the host-side head of every
-# nsenter chain, so the agent's commands (which do not descend from bwrap) run under the same filter.
-_SECCOMP_EXEC = """import ctypes, os, sys
-prog = bytes.fromhex(sys.argv[1])
-buf = ctypes.create_string_buffer(prog, len(prog))
-class P(ctypes.Structure):
-    _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
-fp = P(len(prog) // 8, ctypes.addressof(buf))
-libc = ctypes.CDLL(None, use_errno=True)
-u = ctypes.c_ulong
-if libc.prctl(38, u(1), u(0), u(0), u(0)) or libc.prctl(22, u(2), ctypes.byref(fp), u(0), u(0)):
-    sys.exit("seccomp: prctl failed: " + os.strerror(ctypes.get_errno()))
-os.execvp(sys.argv[2], sys.argv[2:])
-"""
-
-
-def _seccomp_prefix(verifier=False):
-    """argv head that installs the filter, then execs the rest (also inside a jail: the venv's python is there)."""
-    return [sys.executable, "-I", "-S", "-c", _SECCOMP_EXEC, seccomp_filter(verifier=verifier).hex()]
-
-
-# -- untrusted task trees -------------------------------------------------------------------------------------
-def copy_task_tree(src, dst, max_bytes, max_files, links=True):
-    """Copy a task's directory (untrusted) to a new directory dst without following any link.
-
-    Refused (ValueError naming the path and why; dst is removed, nothing is left copied): a source root that is a
-    link or not a directory; a link that is absolute or whose target leaves the tree being copied (in-tree relative
-    links are kept as links); device files, FIFOs, sockets; more than max_files entries or max_bytes of file data;
-    a tree deeper than 64 levels; with links=False, every link (for trees a jail wrote: nothing in them is followed
-    or kept). The in-tree check is lexical: the host never follows a copied link, only a jail resolves it. Every
-    file and directory is opened with O_NOFOLLOW; modes keep rwx bits only (no setuid/setgid/sticky). dst must not
-    exist; it is created with mode 0755, owned by the caller.
-    """
-    src, dst = os.path.abspath(str(src)), os.path.abspath(str(dst))
-    try:
-        st = os.lstat(src)
-    except FileNotFoundError:
-        raise ValueError(f"{src}: does not exist") from None
-    if stat.S_ISLNK(st.st_mode):
-        raise ValueError(f"{src}: is a symbolic link (a task directory must be a real directory)")
-    if not stat.S_ISDIR(st.st_mode):
-        raise ValueError(f"{src}: is not a directory")
-    os.mkdir(dst, 0o755)
-    count = {"files": 0, "bytes": 0}
-    try:
-        sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        dfd = os.open(dst, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-        try:
-            _copy_dir(sfd, dfd, src, "", count, max_bytes, max_files, 0, links)
-        finally:
-            os.close(sfd)
-            os.close(dfd)
-    except BaseException:
-        shutil.rmtree(dst, ignore_errors=True)
-        raise
-    return count
-
-
-def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth, links):
-    if depth > 64:
-        raise ValueError(f"{os.path.join(src_root, rel)}: more than 64 directory levels")
-    for name in sorted(os.listdir(sfd)):
-        path, sub = os.path.join(src_root, rel, name), os.path.join(rel, name)
-        count["files"] += 1
-        if count["files"] > max_files:
-            raise ValueError(f"{src_root}: more than {max_files} files and directories (at {path})")
-        st = os.lstat(name, dir_fd=sfd)
-        mode = stat.S_IMODE(st.st_mode) & 0o777
-        if stat.S_ISLNK(st.st_mode):
-            target = os.readlink(name, dir_fd=sfd)
-            inside = os.path.normpath(os.path.join(rel, target))
-            if not links:
-                raise ValueError(f"{path}: is a symbolic link (to {target!r}); links are refused here")
-            if os.path.isabs(target) or inside == ".." or inside.startswith("../"):
-                raise ValueError(f"{path}: link to {target!r} leaves {src_root} (only relative links inside the "
-                                 f"tree are copied)")
-            os.symlink(target, name, dir_fd=dfd)
-        elif stat.S_ISDIR(st.st_mode):
-            os.mkdir(name, 0o700, dir_fd=dfd)
-            s2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=sfd)
-            d2 = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dfd)
-            try:
-                _copy_dir(s2, d2, src_root, sub, count, max_bytes, max_files, depth + 1, links)
-                os.chmod(d2, mode | 0o700)
-            finally:
-                os.close(s2)
-                os.close(d2)
-        elif stat.S_ISREG(st.st_mode):
-            r = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=sfd)
-            try:
-                if not stat.S_ISREG(os.fstat(r).st_mode):  # swapped since the lstat
-                    raise ValueError(f"{path}: changed while being copied")
-                w = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600, dir_fd=dfd)
-                try:
-                    while True:
-                        chunk = os.read(r, 1 << 20)
-                        if not chunk:
-                            break
-                        count["bytes"] += len(chunk)
-                        if count["bytes"] > max_bytes:
-                            raise ValueError(f"{src_root}: more than {max_bytes} bytes of files (at {path})")
-                        os.write(w, chunk)
-                    os.fchmod(w, mode)
-                finally:
-                    os.close(w)
-            finally:
-                os.close(r)
-        else:
-            kind = ("a device file" if stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode) else
-                    "a FIFO" if stat.S_ISFIFO(st.st_mode) else "a socket" if stat.S_ISSOCK(st.st_mode) else
-                    "not a regular file")
-            raise ValueError(f"{path}: is {kind} (refused in a task directory)")
-
-
-def write_host_file(path, text):
-    """Write a new host-side log file: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or link is never followed."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-
-
-def _open_dir_beneath(base, parts, create_uid=None):
-    """fd of base/parts[0]/... walked one component at a time with O_NOFOLLOW (a link anywhere -> OSError ELOOP /
-    ENOTDIR); missing dirs are created (0755, chowned to create_uid) when create_uid is not None."""
-    fd = os.open(base, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for part in parts:
-            if part in ("", ".", ".."):
-                raise ValueError(f"{base}: bad path component {part!r} in {'/'.join(parts)!r}")
-            if create_uid is not None:
-                try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
-                    os.chown(part, create_uid, create_uid, dir_fd=fd, follow_symlinks=False)
-                except FileExistsError:
-                    pass
-            nfd = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
-            os.close(fd)
-            fd = nfd
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-
-
-def write_beneath(base, rel, data: bytes, mode=0o644, uid=None):
-    """Write data to base/rel (a dir a jail can write) without following a link at any component; the file is
-    replaced if it is a regular file; owned by uid (None: the caller)."""
-    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise ValueError(f"{base}: bad relative path {rel!r}")
-    dfd = _open_dir_beneath(base, parts[:-1], create_uid=os.geteuid() if uid is None else uid)
-    try:
-        fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_NONBLOCK, mode,
-                     dir_fd=dfd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
-            if uid is not None:
-                os.fchown(fd, uid, uid)
-            os.write(fd, data)
-        finally:
-            os.close(fd)
-    finally:
-        os.close(dfd)
-
-
-def read_beneath(base, rel, max_bytes):
-    """Read base/rel (a file a jail wrote): no link followed at any component, a regular file, at most max_bytes."""
-    parts = [p for p in os.path.normpath(rel).split("/") if p not in ("", ".")]
-    if not parts or ".." in parts:
-        raise ValueError(f"{base}: bad relative path {rel!r}")
-    dfd = _open_dir_beneath(base, parts[:-1])
-    try:
-        fd = os.open(parts[-1], os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dfd)
-    finally:
-        os.close(dfd)
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{os.path.join(base, rel)}: not a regular file")
-        data = f.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise ValueError(f"{os.path.join(base, rel)}: larger than {max_bytes} bytes")
-    return data
-
-
-def _pidns_procs(ns):
-    """Host pids of the live processes in pid namespace `ns` (a readlink of /proc/PID/ns/pid); zombies are dead
-    (they run no code) and left out: the jail's pid 1 stays one until the host's init reaps it."""
-    out = []
-    for p in os.listdir("/proc"):
-        if p.isdigit():
-            try:
-                if os.readlink(f"/proc/{p}/ns/pid") == ns:
-                    with open(f"/proc/{p}/stat") as f:
-                        if f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X"):
-                            out.append(int(p))
-            except OSError:
-                pass
-    return out
-
-
-def _uid_procs_in(ns, uid):
-    """Host pids of the processes of pid namespace `ns` whose real uid is `uid`."""
-    out = []
-    for p in _pidns_procs(ns):
-        try:
-            with open(f"/proc/{p}/status") as f:
-                if any(ln.startswith("Uid:") and ln.split()[1] == str(uid) for ln in f):
-                    out.append(p)
-        except OSError:
-            pass
-    return out
-
-
-class _Capped:
-    """Byte collector that keeps the first and last cap/2 bytes and counts what it dropped."""
-
-    def __init__(self, cap):
-        self.half, self.head, self.tail, self.dropped = max(cap // 2, 1), bytearray(), bytearray(), 0
-
-    def add(self, data):
-        room = max(self.half - len(self.head), 0)
-        self.head, self.tail = self.head + data[:room], self.tail + data[room:]
-        if len(self.tail) > self.half:
-            self.dropped += len(self.tail) - self.half
-            del self.tail[:len(self.tail) - self.half]
-
-    def text(self):
-        mid = f"\n[... output truncated: {self.dropped} bytes omitted ...]\n".encode() if self.dropped else b""
-        return clean(bytes(self.head + mid + self.tail))
-
-
-def clean(data: bytes) -> str:
-    """Terminal bytes -> text: utf-8, ANSI escapes and carriage returns removed."""
-    return _ANSI.sub("", data.decode("utf-8", errors="replace")).replace("\r", "")
-
-
-def _kill_group(proc):
-    if proc is not None and proc.poll() is None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)  # the process group we started (start_new_session)
-        except ProcessLookupError:
-            pass
-        proc.wait()
-
-
-def remove_tree(path):
-    """rm -rf a trial's tree (fts: any depth; shutil.rmtree recurses in Python and an agent's 3000-level tree raised
-    RecursionError out of run_trial's finally); -> None, or the error text (never raises: used in finally blocks)."""
-    p = subprocess.run(["rm", "-rf", "--one-file-system", "--", str(path)], capture_output=True, text=True)
-    return None if p.returncode == 0 else f"rm -rf {path} failed: {p.stderr[-500:]}"
-
-
-def _chown_tree(path, uid):
-    """lchown a tree, links not followed (chown -R -P -h: fts, any depth or path length; a tree the agent built)."""
-    p = subprocess.run(["chown", "-R", "-P", "-h", f"{uid}:{uid}", "--", path], capture_output=True, text=True)
-    if p.returncode != 0:
-        raise RuntimeError(f"sandbox: chown -R {uid} {path} failed: {p.stderr[-500:]}")
 
 
 class Sandbox:
@@ -620,17 +242,17 @@ class Sandbox:
             self._disk.mount("host", trial_caps.HOST_BYTES, trial_caps.HOST_INODES)
             app_src = os.path.join(self.task.env_dir, "app")
             if os.path.lexists(app_src):
-                copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
+                host_fs.copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
             else:
                 os.mkdir(f"{r}/app", 0o755)
             # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the
             # agent phase) and bound into the verifier's jail only; None: the caller brings them (Harbor's upload_dir)
             if self.task.tests_dir is not None:
-                copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
+                host_fs.copy_task_tree(self.task.tests_dir, f"{r}/verifier/tests", L.task_bytes, L.task_files)
             if self.solution and self.task.solution_dir:
-                copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
+                host_fs.copy_task_tree(self.task.solution_dir, f"{r}/solution", L.task_bytes, L.task_files)
             for d in ("app", "logs"):
-                _chown_tree(f"{r}/{d}", self.uid)
+                host_fs.chown_tree(f"{r}/{d}", self.uid)
             for d in ("", "verifier"):
                 used_bytes, used_inodes = self._disk.used(d)
                 self._disk.resize(d, used_bytes + L.disk_bytes, used_inodes + L.disk_inodes)
@@ -652,7 +274,7 @@ class Sandbox:
         alone leaves a window: a parent killed between fork and bwrap's prctl(PR_SET_PDEATHSIG) orphaned a jail
         running `sleep infinity` for ever (seen once in CI: a SIGKILLed run left a jail behind)."""
         (rfd, wfd), (sfd, swfd), (lfd, self._lifeline) = os.pipe(), os.pipe(), os.pipe()
-        prog = seccomp_filter()
+        prog = seccomp.seccomp_filter()
         os.write(swfd, prog)  # a few hundred bytes: fits the pipe buffer
         os.close(swfd)
         try:
@@ -668,7 +290,7 @@ class Sandbox:
             ready, _, _ = select.select([self.jail.stdout], [], [], 20)
             line = self.jail.stdout.readline() if ready else b""
             if line.strip() != b"ready":
-                _kill_group(self.jail)
+                procs.kill_group(self.jail)
                 raise RuntimeError(f"sandbox: bwrap did not start: {self.jail.stderr.read()[-800:].decode()!r}")
             self.pid = json.loads(info.read())["child-pid"]
         self.pidns = os.readlink(f"/proc/{self.pid}/ns/pid")
@@ -676,12 +298,12 @@ class Sandbox:
     def _close_jail(self, timeout=10.0):
         """Kill the jail (terminal, then bwrap: pid 1 dies, the kernel kills its pid namespace) and wait until no
         process is left in its pid namespace; RuntimeError if one is still there after `timeout` seconds."""
-        _kill_group(self.term)
+        procs.kill_group(self.term)
         self.term = None
         if self.master >= 0:
             os.close(self.master)
             self.master = -1
-        _kill_group(self.jail)
+        procs.kill_group(self.jail)
         for s in (self.jail.stdout, self.jail.stderr) if self.jail else ():
             s.close()
         if self._lifeline >= 0:
@@ -689,17 +311,17 @@ class Sandbox:
             self._lifeline = -1
         ns, self.jail, self.pid, self.pidns = self.pidns, None, None, None
         deadline = time.time() + timeout
-        while ns is not None and _pidns_procs(ns):
+        while ns is not None and procs.pidns_procs(ns):
             if time.time() > deadline:
-                raise RuntimeError(f"sandbox: processes {_pidns_procs(ns)} of the closed jail ({ns}) are still alive "
-                                   f"after {timeout:g} s")
+                raise RuntimeError(f"sandbox: processes {procs.pidns_procs(ns)} of the closed jail ({ns}) are still "
+                                   f"alive after {timeout:g} s")
             time.sleep(0.02)
 
     def kill_uid(self, uid, timeout=10.0):
         """SIGKILL every process of `uid` in the jail (the jail itself stays); wait until they are gone."""
         deadline = time.time() + timeout
         while True:
-            pids = _uid_procs_in(self.pidns, uid) if self.pidns else []
+            pids = procs.uid_procs_in(self.pidns, uid) if self.pidns else []
             if not pids:
                 return
             if time.time() > deadline:
@@ -722,7 +344,7 @@ class Sandbox:
         trial's memory cgroup (joined by the first host process, before any of it runs: a setsid cannot leave it)."""
         L, u = self.limits, "0" if as_root else str(self.run_uid)
         caps = "-all,+chown,+dac_override,+fowner" if as_root else "-all"  # never dac_read_search (open_by_handle)
-        return ((self._cgroup.join_argv() if self._cgroup is not None else []) + _seccomp_prefix() +
+        return ((self._cgroup.join_argv() if self._cgroup is not None else []) + seccomp.seccomp_prefix() +
                 ["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
                  "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
                  "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
@@ -736,12 +358,12 @@ class Sandbox:
         p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
                              env=self._env(env))
-        out, deadline, note = _Capped(self.limits.output_bytes), time.time() + timeout, ""
+        out, deadline, note = terminal.Capped(self.limits.output_bytes), time.time() + timeout, ""
         fd, exited_at = p.stdout.fileno(), None
         while True:
             if time.time() > deadline or self.stop_event.is_set():
                 note = f"\n[command timed out after {timeout:g} s]" if not self.stop_event.is_set() else "\n[cancelled]"
-                _kill_group(p)  # the command's process group; escaped (setsid) processes die at close()
+                procs.kill_group(p)  # the command's process group; escaped (setsid) processes die at close()
                 break
             ready, _, _ = select.select([fd], [], [], 0.05)
             data = os.read(fd, 65536) if ready else b""
@@ -789,7 +411,7 @@ class Sandbox:
                 os.close(self.master)
             self._open_terminal()  # first use, or the agent's shell exited: a fresh one
         k = keystrokes.strip()
-        data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else KEYS.get(k, keystrokes)  # C-c -> \x03
+        data = chr(ord(k[2]) - 96) if re.fullmatch(r"C-[a-z]", k) else terminal.KEYS.get(k, keystrokes)  # C-c -> \x03
         buf, sent, why = data.encode(), 0, None
         stall, last_progress = self.limits.max_duration_s, time.time()
         while sent < len(buf):  # one write attempt at least, then the limits
@@ -833,7 +455,7 @@ class Sandbox:
 
     def _pending_out(self):
         if self._pending is None:
-            self._pending = _Capped(self.limits.output_bytes)
+            self._pending = terminal.Capped(self.limits.output_bytes)
         return self._pending
 
     def _drain(self) -> bool:
@@ -851,13 +473,13 @@ class Sandbox:
         """Output since the last read, collected for up to wait_s (earlier once the prompt is back), capped."""
         if self.term is None:
             self._open_terminal()
-        out, self._pending = self._pending or _Capped(self.limits.output_bytes), None
+        out, self._pending = self._pending or terminal.Capped(self.limits.output_bytes), None
         self._collect(out, time.time() + wait_s)
         return out.text()
 
     def _collect(self, out, end):
-        """Terminal output into `out` (a _Capped) until time `end`, stop_event, the shell's exit, or its prompt back
-        and quiet for 50 ms."""
+        """Terminal output into `out` (a terminal.Capped) until time `end`, stop_event, the shell's exit, or its
+        prompt back and quiet for 50 ms."""
         last = bytes((out.head + out.tail)[-64:])
         while time.time() < end and not self.stop_event.is_set():
             ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
@@ -882,13 +504,12 @@ class Sandbox:
         modify the agent's files as Harbor's root verifier could), no capabilities, the agent's rlimits, the
         seccomp filter with ptrace and its relatives refused too, a fresh /tmp, /tests read-only, a fresh
         /logs/verifier (a host dir the agent never owned), the report channel (sandbox/verifier_report.py). The report
-        is
-        decided only after every verifier process is dead: the pytest that reported through the channel pays;
+        is decided only after every verifier process is dead: the pytest that reported through the channel pays;
         without any, reward.txt (a regular file owned by verifier_uid); a ctrf.json file never pays here.
         """
         scale = reward.SCALE if scale is None else scale
         self._close_jail()  # every agent process dies here (RuntimeError if one does not)
-        _chown_tree(os.path.join(self.root, "app"), self.verifier_uid)
+        host_fs.chown_tree(os.path.join(self.root, "app"), self.verifier_uid)
         os.mkdir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
         os.chown(self.verifier_logs, self.verifier_uid, self.verifier_uid)
         self.run_uid = self.verifier_uid
@@ -899,16 +520,16 @@ class Sandbox:
             timeout = (self.limits.verifier_timeout_s or
                        float(self.task.config.get("verifier", {}).get("timeout_sec", 600)))
             # a second filter stacked on every command's: the verifier's refuses ptrace and process_vm_* as well
-            cmd = shlex.join(_seccomp_prefix(verifier=True) + ["bash", "/tests/test.sh"])
+            cmd = shlex.join(seccomp.seccomp_prefix(verifier=True) + ["bash", "/tests/test.sh"])
             try:
                 rc, out = self.exec(cmd, timeout=timeout, env=VERIFIER_ENV)
             finally:
                 self._close_jail()  # every verifier process dies before the report is decided
         finally:
             self.report_channel.finish()
-        write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
+        host_fs.write_host_file(os.path.join(self.host_dir, "verifier_output.txt"), f"[exit {rc}]\n{out}")
         try:  # the host's staged copy (a checked regular file): does the task's verifier run pytest?
-            test_sh = read_beneath(os.path.join(self.root, "verifier", "tests"), "test.sh", 1 << 20)
+            test_sh = host_fs.read_beneath(os.path.join(self.root, "verifier", "tests"), "test.sh", 1 << 20)
         except (OSError, ValueError):
             test_sh = b""
         res = verifier_report.decide(self.report_channel, scale, n_assertions=self.task.n_assertions, test_sh=test_sh)

@@ -25,8 +25,8 @@ import tomllib
 # checked: task.toml about 1 KiB, instruction.md under 2 KiB, timeouts 600 to 3600 s)
 MAX_TOML_BYTES = 16 << 10  # task.toml (tomllib is quadratic in a dotted key's length: 16 KiB parse in under 1 s)
 MAX_INSTRUCTION_BYTES = 256 << 10  # instruction.md (it becomes the agent's first prompt)
-MAX_TASK_ENTRIES = 100_000  # files and directories in the whole task dir (sandbox.Limits.task_files per copied tree)
-MAX_TASK_DEPTH = 64  # directory levels below the task dir (as sandbox.copy_task_tree)
+MAX_TASK_ENTRIES = 100_000  # files and directories in the whole task dir (limits.Limits.task_files per copied tree)
+MAX_TASK_DEPTH = 64  # directory levels below the task dir (as host_fs.copy_task_tree)
 MAX_TOML_DEPTH = 16  # nesting of tables and arrays in task.toml
 MIN_TIMEOUT_S, MAX_TIMEOUT_S = 1.0, 24 * 3600.0  # every *timeout_sec in task.toml, in seconds
 MAX_N_ASSERTIONS = 10_000  # [metadata] n_assertions / t1_audit.json (reward.compute's bound on P)
@@ -241,7 +241,7 @@ def _check_config(config, toml_path):
     for where, value in _timeout_fields(config):  # every timeout: MIN_TIMEOUT_S..MAX_TIMEOUT_S seconds
         _timeout(value, f"{toml_path}: {where}")
     env, meta = config.get("environment", {}), config.get("metadata", {})
-    for key in ("cpus", "memory_mb", "storage_mb"):  # read by daytona_sandbox
+    for key in ("cpus", "memory_mb", "storage_mb"):  # read by sandbox/daytona.py
         if key in env:
             _positive_finite(env[key], f"{toml_path}: [environment] {key}")
     for table, key in (("metadata", "family"), ("metadata", "difficulty"), ("metadata", "split"),

@@ -1,7 +1,8 @@
 """Per-trial caps of the local jail (sandbox/jail.py): a host uid of its own, a disk quota, a memory cgroup.
 
 Paper section "rollout" (T1, arXiv 2609.11042): every trial runs in a sandbox of its own; its sizes are paper silent
-(sandbox.Limits documents the defaults). Used by sandbox.Sandbox; tests: tests/test_sandbox_caps.py.
+(sandbox/limits.py's Limits documents the defaults). Used by sandbox/jail.py's Sandbox; tests:
+tests/test_sandbox_caps.py.
 
 - Uids (allocate_uid): the lowest uid of the range whose lock file in UID_LOCK_DIR (root-only) no live process holds
   with flock. The lease lasts as long as its descriptor (closed by release(), or by the kernel when the process
@@ -35,7 +36,7 @@ import tempfile
 import time
 
 UID_LOCK_DIR = "/run/t1-sandbox/uids"  # root-only: one lock file per uid ever leased on this host
-UID_FIRST, UID_COUNT = 200_000, 800_000  # agent uids 200000..999999 (the verifiers': + sandbox.VERIFIER_UID_OFFSET)
+UID_FIRST, UID_COUNT = 200_000, 800_000  # agent uids 200000..999999 (the verifiers': + jail.VERIFIER_UID_OFFSET)
 CGROUP_PARENT = "t1-sandbox"  # <cgroup mount>/t1-sandbox/trial-<uid>
 MOUNT_SOURCE = "t1-trial-{uid}"  # the tmpfs's source name: a leftover of a dead trial is found by it
 HOST_BYTES, HOST_INODES = 64 << 20, 1024  # the host's own logs (root/host): written by the host only
@@ -417,7 +418,7 @@ def task_caps(config):
 
 
 def capped_limits(limits, config):
-    """limits (a sandbox.Limits) checked, with the task's Harbor [environment] memory / storage as lower caps (the
+    """limits (a limits.Limits) checked, with the task's Harbor [environment] memory / storage as lower caps (the
     memory cap only where it is on) -> a new Limits. ValueError naming the field when a cap is out of range."""
     import dataclasses
     for name, low in (("disk_bytes", 1 << 20), ("disk_inodes", 16), ("trial_mem_bytes", 0), ("trial_procs", 16)):

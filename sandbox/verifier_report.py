@@ -6,7 +6,7 @@ forge (it did: an all-passed ctrf.json made read-only before pytest's own write)
 through a channel that only the reporting pytest holds:
 - Channel(dir, uid) makes a root-owned dir holding a listening Unix stream socket (bound read-only into the
   verifier's jail at SOCKET_DIR_IN_JAIL: connect() needs no write access to the mount) and a root-owned dir holding
-  only sandbox/verifier_report_plugin.py (the jail's PYTHONPATH, read-only; sandbox.VERIFIER_ENV loads it).
+  only sandbox/verifier_report_plugin.py (the jail's PYTHONPATH, read-only; jail.VERIFIER_ENV loads it).
 - The plugin (its docstring) makes the pytest process non-dumpable and connects when pytest imports it (before any
   conftest or test module), sends one JSON line per test phase and a final `done` line.
 - A thread accepts and reads every connection (SO_PEERCRED recorded; at most MAX_CONNECTIONS, MAX_BYTES per

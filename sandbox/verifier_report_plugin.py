@@ -1,6 +1,6 @@
 """The verifier's pytest plugin (local jail): each test's outcome goes to the host over a socket, not to a file.
 
-Loaded only inside the verifier's jail, by the environment sandbox.Sandbox.run_verifier sets (PYTEST_ADDOPTS
+Loaded only inside the verifier's jail, by the environment jail.Sandbox.run_verifier sets (PYTEST_ADDOPTS
 `-p verifier_report_plugin`, PYTHONPATH the read-only dir that holds this file alone); sandbox/verifier_report.py is
 the host side and its docstring the protocol. What it does, in order:
 - at import (while pytest parses its options, before any conftest, other plugin hook or test module runs): makes

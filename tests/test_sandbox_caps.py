@@ -1,6 +1,6 @@
-"""Per-trial caps of the local jail (sandbox/trial_caps.py, sandbox.Sandbox): a disk quota (bytes and inodes) on all the
-trial can write, a memory cgroup for the whole trial, uids that two live trials never share. Each test plays the
-attacker with small caps (64 MiB, 1000 inodes) so it runs in seconds.
+"""Per-trial caps of the local jail (sandbox/trial_caps.py, sandbox/jail.py's Sandbox): a disk quota (bytes and inodes)
+on all the trial can write, a memory cgroup for the whole trial, uids that two live trials never share. Each test
+plays the attacker with small caps (64 MiB, 1000 inodes) so it runs in seconds.
 """
 import os
 import signal
@@ -120,8 +120,8 @@ def test_the_agent_cannot_see_or_leave_its_cgroup_and_close_kills_what_is_in_it(
 
 HOLDER = """import sys, time
 sys.path.insert(0, {repo!r})
-import sandbox, task_io
-boxes = [sandbox.Sandbox(task_io.load_task({task!r}), "/nonexistent", {{}}) for _ in range({n})]
+from sandbox import jail, task_io
+boxes = [jail.Sandbox(task_io.load_task({task!r}), "/nonexistent", {{}}) for _ in range({n})]
 print(" ".join(str(b.uid) for b in boxes), flush=True)
 sys.stdin.readline()
 """
@@ -153,8 +153,8 @@ def test_live_sandboxes_never_share_a_uid_across_processes(tmp_path):
 
 DIES = """import sys
 sys.path.insert(0, {repo!r})
-import sandbox, task_io
-box = sandbox.Sandbox(task_io.load_task({task!r}), {trial!r}, {limits!r}).start()
+from sandbox import jail, task_io
+box = jail.Sandbox(task_io.load_task({task!r}), {trial!r}, {limits!r}).start()
 box.exec("setsid sleep 300 > /dev/null 2>&1 < /dev/null &")
 print(box.uid, box._guard.proc.pid, flush=True)
 sys.stdin.readline()

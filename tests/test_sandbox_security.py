@@ -1,4 +1,4 @@
-"""sandbox/jail.py's jail against a hostile agent and a hostile task directory (issue 11, section 1).
+"""sandbox/jail.py's jail against a hostile agent and a hostile task directory.
 
 Each test plays the attacker: the oracle's solve.sh runs as the agent (same uid, same jail as a model's commands), a
 task's test.sh runs what the agent wrote, a task directory carries links, devices, FIFOs and oversized files.
@@ -15,8 +15,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from sandbox import harbor_env  # noqa: E402
 import rollout  # noqa: E402
+from sandbox import host_fs  # noqa: E402
 from sandbox import jail  # noqa: E402
+from sandbox import seccomp  # noqa: E402
 from sandbox import task_io  # noqa: E402
+from sandbox.limits import Limits  # noqa: E402
 from test_rollout import TEST_SH, make_task  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -207,22 +210,22 @@ def test_copy_task_tree_keeps_in_tree_links_and_drops_special_bits(tmp_path):
     os.chmod(src / "sub" / "run.sh", 0o4755)
     os.symlink("sub/run.sh", src / "link")
     os.symlink("../link", src / "sub" / "back")
-    n = jail.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
+    n = host_fs.copy_task_tree(src, tmp_path / "dst", max_bytes=1 << 20, max_files=10)
     dst = tmp_path / "dst"
     assert os.readlink(dst / "link") == "sub/run.sh" and os.readlink(dst / "sub" / "back") == "../link"
     assert (dst / "link").read_text() == "echo hi\n" and stat.S_IMODE(os.stat(dst / "sub" / "run.sh").st_mode) == 0o755
     assert n == {"files": 4, "bytes": 8}
     with pytest.raises(ValueError, match="more than 3 files"):
-        jail.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
+        host_fs.copy_task_tree(src, tmp_path / "dst2", max_bytes=1 << 20, max_files=3)
     assert not (tmp_path / "dst2").exists()
 
 
 def test_seccomp_filter_is_built_for_each_known_machine():
     for machine in ("x86_64", "aarch64"):
-        prog = jail.seccomp_filter(machine)
+        prog = seccomp.seccomp_filter(machine)
         assert len(prog) % 8 == 0 and 0 < len(prog) // 8 < 4096
     with pytest.raises(RuntimeError, match="riscv64"):
-        jail.seccomp_filter("riscv64")
+        seccomp.seccomp_filter("riscv64")
 
 
 # --- the Harbor path (sandbox/harbor_env.py's ToolsSandbox, what BwrapEnvironment drives)
@@ -235,7 +238,7 @@ def test_harbor_root_exec_ends_the_agent_phase_and_cannot_open_by_handle(tmp_pat
     task = make_task(tmp_path)
     t = types.SimpleNamespace(env_dir=str(task / "environment"), solution_dir=None, config={}, tests_dir=None,
                               name="harbor")
-    with harbor_env._ToolsSandbox(t, tmp_path / "trial", jail.Limits()) as box:
+    with harbor_env._ToolsSandbox(t, tmp_path / "trial", Limits()) as box:
         (tmp_path / "trial" / "app" / "probe.py").write_text(PROBE)
         loop = "while :; do echo forged > /logs/verifier/ctrf.json; sleep 0.01; done"
         rc, out = box.exec(f"mkdir -p /logs/verifier; setsid nohup bash -c '{loop}' > /dev/null 2>&1 < /dev/null &"
