@@ -33,6 +33,7 @@ import math
 import os
 import re
 import stat
+import sys
 
 SCALE = 20  # S: paper, fixed for the whole run (~90th percentile of T1-15k assertion counts)
 CTRF_MAX_BYTES = 1 << 20  # paper silent: a real report of ~35 tests with tracebacks is a few tens of KiB
@@ -264,16 +265,29 @@ def place_on_last_token(reward, length):
     return rewards
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="CTRF report -> r = P/S")
-    p.add_argument("verifier_dir")
+def build_parser():
+    """The command line: one verifier folder -> its reward as one JSON line."""
+    p = argparse.ArgumentParser(description="Score a verifier's report folder: r = P / S from its CTRF report, else "
+                                            "the binary reward.txt; prints one JSON line.",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("verifier_dir", help="the host folder behind the trial's /logs/verifier (ctrf.json, reward.txt)")
     p.add_argument("--scale", type=float, default=SCALE, help="S of r = P/S (paper: 20)")
-    p.add_argument("--n-assertions", type=int, default=None, help="the task's assertion count (recorded at audit)")
-    p.add_argument("--owner-uid", type=int, default=None, help="refuse reports not owned by this uid")
-    a = p.parse_args()
+    p.add_argument("--n-assertions", type=int, default=None,
+                   help="the task's assertion count (recorded at audit); None: not checked")
+    p.add_argument("--owner-uid", type=int, default=None, help="refuse reports not owned by this uid; None: any owner")
+    return p
+
+
+def main(a):
+    """Print compute's dict for a.verifier_dir as one JSON line; a bad folder or report exits non-zero."""
     if not os.path.isdir(a.verifier_dir) or os.path.islink(a.verifier_dir):
         raise SystemExit(f"reward.py: {a.verifier_dir} is not a directory (or is a symlink)")
     try:
         print(json.dumps(compute(a.verifier_dir, a.scale, n_assertions=a.n_assertions, owner_uid=a.owner_uid)))
     except ValueError as e:
         raise SystemExit(f"reward.py: {e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(build_parser().parse_args()))

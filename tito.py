@@ -16,8 +16,7 @@ The loss-mask convention (stated once, used everywhere: critic.py, train_t1.py, 
 
     python tito.py audit SAMPLES_PATH [--json]   # cases, loss-region drift (4 decimals), relocation failures;
                                                  # exit 1 when a loss-region token drifted
-    python -m experiments.bench tito --quick                 # naive vs TITO through the token gateway
-    (engine/gateway.py)
+    python -m experiments.bench tito --quick     # naive vs TITO through the token gateway (engine/gateway.py)
 
 Departures from the paper:
   1. A split boundary yields one more sample (segment) carrying the trajectory's reward (the paper does not say how a
@@ -35,9 +34,28 @@ import json
 import sys
 from pathlib import Path
 
-import numpy as np
 
-from chat_tokens import IM_END, PAD
+def build_parser():
+    """The command line (standard library only: `--help` answers before numpy loads)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    a = sub.add_parser("audit", formatter_class=fmt,
+                       help="audit samples written by a run (a .jsonl file or a directory of them)",
+                       description="Relocate every completion of saved samples, classify each turn boundary and "
+                                   "report the token drift in the loss region; exit 1 when a loss-region token "
+                                   "drifted.")
+    a.add_argument("samples_path", help="a samples .jsonl file, or a directory searched for *.jsonl files")
+    a.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    return p
+
+
+if __name__ == "__main__":
+    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before numpy loads
+
+import numpy as np  # noqa: E402
+
+from chat_tokens import IM_END, PAD  # noqa: E402
 
 CASES = ("strict", "normalized", "retokenized", "split")
 
@@ -484,13 +502,8 @@ def load_samples(path: str | Path) -> list[dict]:
     return out
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    a = sub.add_parser("audit", help="audit samples written by a run (a .jsonl file or a directory of them)")
-    a.add_argument("samples_path")
-    a.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
+def main(args):
+    """`audit` (build_parser's arguments) -> exit status: 1 when a loss-region token drifted."""
     path = Path(args.samples_path)
     files = sorted(path.glob("**/*.jsonl")) if path.is_dir() else [path]
     if not files or not all(f.exists() for f in files):
@@ -511,8 +524,8 @@ def main(argv=None):
             print(f"  drift: {d}")
         for r in report["relocation"]:
             print(f"  relocation: {r}")
-    if report["drifted_tokens"]:
-        sys.exit(1)  # a wrong token in the loss region: the audit fails
+    return 1 if report["drifted_tokens"] else 0  # a wrong token in the loss region: the audit fails
+
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(ARGV))

@@ -101,7 +101,7 @@ def test_cli_prints_one_json_line(tmp_path):
     assert (d["reward"], d["passed"], d["total"], d["source"]) == (0.15, 3, 5, "ctrf")
 
 
-# --- what is refused (issue 11: rewards are bounded and strict; reports read only as the verifier's regular files)
+# --- what is refused (rewards are bounded and strict; reports read only as the verifier's regular files)
 def _ctrf(n_tests, n_passed=None, summary=True, **summary_overrides):
     n_passed = n_tests if n_passed is None else n_passed
     tests = [{"name": f"t{i}", "status": "passed" if i < n_passed else "failed"} for i in range(n_tests)]
