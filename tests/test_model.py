@@ -8,6 +8,7 @@ from transformers import AutoTokenizer, Qwen3_5MoeForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import model as model_lib  # noqa: E402
+from chat_tokens import ASSISTANT_PREFIX  # noqa: E402
 import r3  # noqa: E402
 
 torch.set_num_threads(2)
@@ -22,7 +23,7 @@ CONVERSATION = [
 
 
 def prompt(tok, text):
-    return model_lib.render_ids(tok, "user", text) + tok.encode(model_lib.ASSISTANT_PREFIX)
+    return model_lib.render_ids(tok, "user", text) + tok.encode(ASSISTANT_PREFIX)
 
 
 # --- tokenizer and chat format --------------------------------------------------------------------
@@ -37,7 +38,7 @@ def test_tokenizer_training_is_deterministic_with_chatml_specials(tok):
 
 def test_render_ids_concatenated_equals_apply_chat_template(tok):
     ours = [i for m in CONVERSATION for i in model_lib.render_ids(tok, m["role"], m["content"])]
-    ours += tok.encode(model_lib.ASSISTANT_PREFIX, add_special_tokens=False)
+    ours += tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     theirs = tok.apply_chat_template(CONVERSATION, tokenize=True, add_generation_prompt=True, return_dict=False)
     assert ours == list(theirs)
     msg = model_lib.render_ids(tok, "assistant", "done")

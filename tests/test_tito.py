@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import tito
+from chat_tokens import ASSISTANT_PREFIX, IM_END
 
 L, K = 3, 2
 
@@ -207,8 +208,8 @@ def tok():
 def chat_trial(tok, outputs, harness_copies, with_routing=True):
     """Turns whose next prompt = P_i + the harness's copy of O_i + <|im_end|>\\n + user message + header."""
     import model
-    header = tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
-    im_end, nl = tok.convert_tokens_to_ids(model.IM_END), tok.encode("\n", add_special_tokens=False)
+    header = tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
+    im_end, nl = tok.convert_tokens_to_ids(IM_END), tok.encode("\n", add_special_tokens=False)
     prompt = model.render_ids(tok, "user", "Task: sort in.txt") + header
     recs = []
     for i, out in enumerate(outputs):
@@ -289,7 +290,7 @@ def test_split_boundary_starts_a_new_segment(tok):
     trial = chat_trial(tok, [o0, o1], [o0[:-1]])
     import model
     summary = (model.render_ids(tok, "user", "Summary: sorted.")
-               + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False))
+               + tok.encode(ASSISTANT_PREFIX, add_special_tokens=False))
     p1 = summary
     trial["records"][1]["prompt_ids"] = p1
     trial["records"][1]["routed_experts"] = routing(len(p1) + len(o1) - 1, 1)
@@ -311,7 +312,7 @@ def test_all_four_cases_in_one_trajectory_audit_clean(tok, tmp_path):
               outs[3][:-1]]
     trial = chat_trial(tok, outs, copies)
     import model
-    p4 = model.render_ids(tok, "user", "Summary.") + tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    p4 = model.render_ids(tok, "user", "Summary.") + tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     trial["records"][4]["prompt_ids"] = p4
     trial["records"][4]["routed_experts"] = routing(len(p4) + len(outs[4]) - 1, 4)
     assert tito.case_counts(trial, tok) == {"strict": 1, "normalized": 1, "retokenized": 1, "split": 1}
