@@ -1,10 +1,12 @@
-"""The paper's comparisons in miniature (issue 14; paper: the ablation results): every arm's RL phase from one shared
-SFT checkpoint and warmed critic, then one report with the paper's figure beside ours.
+"""The paper's comparisons in miniature (the paper's ablations): every arm's RL phase from one shared SFT checkpoint
+and warmed critic, then one report with the paper's figure beside ours.
 
     bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold cold_default r3off] [-- train_t1 flags]
     python -m experiments.paper run --out runs/paper [--quick | --full] [--seeds N] [--seed S] [--rl-steps N]
-    [--results ...] python -m experiments.paper report runs/paper    # the report again from the run directories
- OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
+                                    [--results FILE] [-- train_t1 flags]
+    python -m experiments.paper report runs/paper    # the report again from the run directories
+
+OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
 warm-up). Each arm x seed is its own train_t1.py run directory OUT/<arm>-s<seed>, started from a copy of the shared
 state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic, except for the cold
 arm, which has none, and the binary arm, which warms its critic on its own reward), so that arms differ only in their
@@ -24,26 +26,24 @@ Arms (ARMS; the flags they add to the shared preset):
   cold_default  the same with --critic-head-init default: a randomly initialised head, the miscalibrated cold critic
   r3off  --r3-mode off: the trainer routes live (the mismatch R3 removes: |dlogp| and whether training suffers)
 
-After the arms, TITO vs naive re-tokenisation (tito_step: experiments/bench.py tito with the shared SFT model sampling,
-and with a
-random-init model whose token sequences are not canonical) fills the TITO row; the dense vs binary claim is also
-tested on the hard slice (held-out tasks with >= HARD_MIN assertions, where full solves are rare; the table says so
-when the pool has none).
+After the arms, TITO vs naive re-tokenisation (tito_step: `python -m experiments.bench tito`, with the shared SFT
+model sampling, and with a random-init model whose token sequences are not canonical) fills the TITO row; the dense
+vs binary claim is also tested on the hard slice (held-out tasks with >= HARD_MIN assertions, where full solves are
+rare; the table says so when the pool has none).
 
-Every arm runs the preset's RL settings: with --full that is rollouts at T = 0.7 and a KL of 0.05 to SFT (train_t1.FULL,
-not the paper's T = 1 without KL), the same for every arm. With --n-val-tasks N passed to train_t1, each arm also
-gets a row "<arm>@val": held-out at the RL step its validation set chose (bench.best_val), and RL@val vs SFT a claim
-row; the arms' comparisons stay at their last step (the paper compares fixed step counts).
+Every arm runs the preset's RL settings: with --full that is rollouts at T = 0.7 and a KL of 0.05 to SFT
+(train_t1.FULL, not the paper's T = 1 without KL), the same for every arm. With --n-val-tasks N passed to train_t1,
+each arm also gets a row "<arm>@val": held-out at the RL step its validation set chose (report.best_val), and RL@val
+vs SFT a claim row; the arms' comparisons stay at their last step (the paper compares fixed step counts).
 
-Choices (the issue is silent): arms run sequentially, seed by seed (every arm's seed 0, then every arm's seed 1, ...);
-the default is 3 seeds per arm (the issue's minimum); the interval of an arm is mean +- t * sd / sqrt(n) over its
-seeds, clipped to [0, 1], or the Wilson interval of the seeds' trials pooled where that is wider (Wilson's alone for
-one seed); "agrees" in the table means the difference has the paper's sign and
-the paired test gives p < 0.05, "disagrees" the opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s."
-otherwise. The paired test holds the two trained models
-fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the paper's claims
-tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its report is written to
-OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
+Choices where the paper is silent: arms run sequentially, seed by seed (every arm's seed 0, then every arm's seed 1,
+...); the default is 3 seeds per arm; the interval of an arm is mean +- t * sd / sqrt(n) over its seeds, clipped to
+[0, 1], or the Wilson interval of the seeds' trials pooled where that is wider (Wilson's alone for one seed);
+"agrees" in the table means the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the
+opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two
+trained models fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the
+paper's claims tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its
+report is written to OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
 """
 import argparse
 import datetime
@@ -55,23 +55,53 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
-
-from experiments import bench
-from sandbox import task_io
-from trainer import write_atomic
-
-ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, ...
-
 ARMS = {"ppo": [], "binary": ["--reward-mode", "binary"], "grpo": ["--advantage", "grpo", "--samples-per-task", "G"],
         "cold": ["--critic-warmup-epochs", "0"],
         "cold_default": ["--critic-warmup-epochs", "0", "--critic-head-init", "default"],
         "r3off": ["--r3-mode", "off"]}  # G: 4, or 2 when 4 does not divide the preset's --n-launch (the quick one's 10)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (standard library only: --help and bad flags answer before the project modules load)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(prog="python -m experiments.paper", description=__doc__.split("\n\n")[0],
+                                formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="the shared phase, every arm x seed, then the report", formatter_class=fmt)
+    r.add_argument("--out", default=None, help="the experiment's directory (default: %(default)s, which is "
+                   "runs/paper, or runs/paper-quick with --quick)")
+    r.add_argument("--quick", action="store_true", help="the quick preset, one seed: a smoke run (the test's form)")
+    r.add_argument("--full", action="store_true",
+                   help="the full preset (150 held-out tasks, 48 RL steps an arm: ~1 h per arm x seed; --rl-steps N)")
+    r.add_argument("--seeds", type=int, default=None,
+                   help="seeds per arm (default: %(default)s, which is 3, or 1 with --quick)")
+    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS), help="the arms to run")
+    r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (default: %(default)s, the preset's)")
+    r.add_argument("--seed", type=int, default=None, help="the shared run's seed (tasks, base, SFT); arm seed s runs "
+                   "with it + s (default: %(default)s, the preset's)")
+    r.add_argument("--results", default="RESULTS.md", help="the report is appended here (not with --quick)")
+    r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
+    rp = sub.add_parser("report", help="the report from the run directories under OUT", formatter_class=fmt)
+    rp.add_argument("out", help="the directory `run` wrote (its shared/ and <arm>-s<seed>/ runs)")
+    return p
+
+
+if __name__ == "__main__":
+    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before the project modules load
+
+import numpy as np  # noqa: E402
+
+from report import mcnemar_p, paired, wilson  # noqa: E402
+from sandbox import task_io  # noqa: E402
+from trainer import write_atomic  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, ...
+
 OWNED = {"--reward-mode", "--advantage", "--samples-per-task", "--critic-warmup-epochs", "--critic-head-init",
          "--r3-mode", "--rl-steps", "--seed", "--run-dir"}  # the flags experiments/paper.py sets: refused after --
 OWN_WARMUP = ("cold", "cold_default", "binary")  # the cold ones: no warm-up (their flag); binary: on its own reward
 SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
-HARD_MIN = 8  # the hard slice: held-out tasks with >= 8 assertions, where full solves are rare (issue 14's notes)
+HARD_MIN = 8  # the hard slice: held-out tasks with >= 8 assertions, where full solves are rare (dense reward's case)
 T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t quantiles
 
 
@@ -174,10 +204,11 @@ def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, p
 
 
 def tito_step(out: Path, quick: bool) -> int:
-    """TITO vs naive re-tokenisation (bench.tito_measure): the same tasks through the token gateway in naive and TITO
-    mode, the loss-region drift of what each would train on, twice: the shared SFT model sampling (what the arms
-    train) and a random-init tiny model (non-canonical token sequences, where naive mode drifts) -> OUT/tito.json
-    (kept: a finished measurement is not redone). A failure is reported; the table says "not run"."""
+    """TITO vs naive re-tokenisation (experiments/mechanisms.py tito_measure): the same tasks through the token
+    gateway in naive and TITO mode, the loss-region drift of what each would train on, twice: the shared SFT model
+    sampling (what the arms train) and a random-init tiny model (non-canonical token sequences, where naive mode
+    drifts) -> OUT/tito.json (kept: a finished measurement is not redone). A failure is reported; the table says
+    "not run"."""
     if (out / "tito.json").exists():
         return 0
     res, t0 = {}, time.time()
@@ -206,7 +237,7 @@ def _interval(evals: list) -> tuple:
     xs = [e["solve_rate"] for e in evals]
     m, lo, hi = float(np.mean(xs)), float("nan"), float("nan")
     if all(e.get("trials") for e in evals):
-        lo, hi = bench.wilson(sum(t["resolved"] for e in evals for t in e["trials"]),
+        lo, hi = wilson(sum(t["resolved"] for e in evals for t in e["trials"]),
                               sum(e["n_trials"] for e in evals))
     if len(xs) > 1:
         h = T_975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / math.sqrt(len(xs))
@@ -242,11 +273,11 @@ def pooled(pairs: list, tasks: set | None = None) -> dict:
     pairs, exact McNemar on the pooled discordant tasks, the mean reward difference; {} without per-trial rows.
     tasks: only these held-out tasks (the hard slice)."""
     pairs = [(only(x, tasks), only(y, tasks)) for x, y in pairs]
-    ts = [bench.paired(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
+    ts = [paired(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
     if not ts:
         return {}
     g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
-    return dict(gained=g, lost=l, mcnemar_p=bench.mcnemar_p(g, l),
+    return dict(gained=g, lost=l, mcnemar_p=mcnemar_p(g, l),
                 reward_diff=float(np.mean([t["reward_diff"] for t in ts])), n_pairs=len(ts))
 
 
@@ -434,24 +465,10 @@ def plots(out: Path, arms: dict) -> None:
         plt.close(fig)
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    r = sub.add_parser("run", help="the shared phase, every arm x seed, then the report")
-    r.add_argument("--out", default=None, help="runs/paper (runs/paper-quick with --quick)")
-    r.add_argument("--quick", action="store_true", help="the quick preset, one seed: a smoke run (the test's form)")
-    r.add_argument("--full", action="store_true",
-                   help="the full preset (150 held-out tasks, 48 RL steps an arm: ~1 h per arm x seed; --rl-steps N)")
-    r.add_argument("--seeds", type=int, default=None, help="seeds per arm (3; --quick: 1)")
-    r.add_argument("--arms", nargs="+", choices=list(ARMS), default=list(ARMS))
-    r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (the preset's by default)")
-    r.add_argument("--seed", type=int, default=None, help="the shared run's seed (tasks, base, SFT; the preset's by "
-                   "default); arm seed s runs with it + s")
-    r.add_argument("--results", default="RESULTS.md", help="the report is appended here (not with --quick)")
-    r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
-    rp = sub.add_parser("report", help="the report from the run directories under OUT")
-    rp.add_argument("out")
-    a = p.parse_args(argv)
+def main(argv=None) -> None:
+    """Run one command: argv is a list of flags, or the parsed namespace."""
+    p = build_parser()
+    a = argv if isinstance(argv, argparse.Namespace) else p.parse_args(argv)
     if a.cmd == "report":
         try:
             print(report(Path(a.out)))
@@ -481,4 +498,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGV)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from experiments import bench
+from experiments import mechanisms
 from cluster import cp_gdn
 import infra
 from infra import GiB, MODEL_SHAPES, Plan
@@ -157,7 +157,7 @@ def test_single_rank_rule_bitwise_equals_transformers_reference():
 def test_cp_forward_bitwise_and_grad_error(kappa):
     shape = dict(B=1, S=300, nk=2, nv=4, dk=16, dv=16)  # 5 chunks, the last one partial
     ref_out, ref_grads, ref_bytes = cp_gdn.reference_gdn(shape)
-    out, grads, nbytes = bench.run_cp(kappa, shape)
+    out, grads, nbytes = mechanisms.run_cp(kappa, shape)
     assert torch.equal(out, ref_out)  # bitwise identical forward
     assert max((a - b).abs().max().item() for a, b in zip(grads, ref_grads)) < 1e-6
     assert max(nbytes) < ref_bytes * (1 / kappa + 0.25)  # per-rank saved activations shrink ~1/kappa

@@ -1,4 +1,4 @@
-"""experiments/paper.py (issue 14): the report from arm run directories (synthetic ones, by hand), the verdicts, and
+"""experiments/paper.py: the report from arm run directories (synthetic ones, by hand), the verdicts, and
 the quick form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
 import dataclasses
 import json
@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from experiments import bench
 from experiments import paper
+import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -216,7 +216,7 @@ def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
     assert "| binary | 2 | 0.725 [0.000, 1.000]; per seed 0.950, 0.500 |" in paper.report(tmp_path)  # clipped
     _arm(tmp_path, "cold-s0", [1] * 20 + [0] * 20, [row])
     _arm(tmp_path, "cold-s1", [0] * 20 + [1] * 20, [row])  # seeds that agree on the rate: the pooled Wilson interval
-    lo, hi = bench.wilson(40, 80)
+    lo, hi = report.wilson(40, 80)
     assert f"| cold | 2 | 0.500 [{lo:.3f}, {hi:.3f}]; per seed 0.500, 0.500 |" in paper.report(tmp_path)
 
 

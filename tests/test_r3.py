@@ -10,7 +10,7 @@ import transformers
 from transformers import DynamicCache
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from experiments import bench  # noqa: E402
+from experiments import mechanisms  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 from engine.server import EngineServer  # noqa: E402
@@ -301,7 +301,7 @@ def test_replay_with_fp32_engine_weights_matches_rollout_logprobs(fp32_engine):
     bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
                "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": i}}
               for i, p in enumerate(prompts)]
-    outs, _ = bench._generate_wave(engine, bodies)  # admitted together: left-padded batched prefill + decode
+    outs, _ = mechanisms._generate_wave(engine, bodies)  # admitted together: left-padded batched prefill + decode
     trainer, _ = model_lib.load_actor(path)
     trainer.eval()
     for p, o in zip(prompts, outs):
@@ -320,8 +320,8 @@ def test_capture_off_samples_the_same_tokens_and_returns_no_routing(fp32_engine)
     engine, tok, _ = fp32_engine
     body = {"input_ids": model_lib.render_ids(tok, "user", "echo line 5"), "return_logprob": True,
             "sampling_params": {"temperature": 1.0, "max_new_tokens": 8, "ignore_eos": True, "seed": 11}}
-    (on,), _t = bench._generate_wave(engine, [dict(body, return_routed_experts=True)])
-    (off,), _t = bench._generate_wave(engine, [dict(body, return_routed_experts=False)])
+    (on,), _t = mechanisms._generate_wave(engine, [dict(body, return_routed_experts=True)])
+    (off,), _t = mechanisms._generate_wave(engine, [dict(body, return_routed_experts=False)])
     assert on["output_ids"] == off["output_ids"]
     assert on["meta_info"]["output_token_logprobs"] == off["meta_info"]["output_token_logprobs"]
     assert "routed_experts" in on["meta_info"] and "routed_experts" not in off["meta_info"]
