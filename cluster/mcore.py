@@ -2,37 +2,41 @@
 Qwen3.5-122B-A10B with Megatron-Core: Gated DeltaNet + gated attention, MoE over DeepEP's flex dispatcher, aux
 loss 0, native `RouterReplay` for R3 with router fusion off, distributed optimizer).
 
-The backend is three modules: this one (the models and what train_t1.py --backend megatron calls),
-cluster/mcore_weights.py (HF <-> Megatron weights, per-rank shards, streaming load, save) and cluster/mcore_parallel.py
-(context and pipeline parallel, DDP + the distributed optimizer around Megatron-Core). Here: `build_tiny` (a Qwen3-MoE
-or Qwen3.5-MoE GPTModel from an HF config: local modules, or TE's on CUDA), `MegatronActor` (logits, vocab-parallel
-`token_logprobs`, R3 through `r3.routing`, under TP / SP / EP / PP / CP), `MegatronCritic` (scalar value head,
-critic.py's conventions), `trainer_layout` / `trainer_models` (actor, behaviour copy and critic for the trainer, on
-the CPU or, as the cluster model, on CUDA), and `qwen35_config` / `_qwen35_gpt` (a Qwen3.5 preset's shapes from
-infra.py with the TE spec: tests/test_mcore_te.py on a GPU).
+The backend's modules: this one (the models and what train_t1.py --backend megatron calls);
+cluster/mcore_convert.py (HF <-> Megatron state dicts: names, the TE layout, per-rank cuts) and
+cluster/mcore_weights.py (those weights into and out of a built model: per-rank load, streaming load, gather, save);
+cluster/mcore_parallel.py (context and pipeline parallel, DDP + the distributed optimizer around Megatron-Core);
+cluster/mcore_cpu.py (Megatron-Core on a CUDA-less torch). Here: `build_tiny` (a Qwen3-MoE or Qwen3.5-MoE GPTModel
+from an HF config: local modules, or TE's on CUDA), `MegatronActor` (logits, vocab-parallel `token_logprobs`, R3
+through `r3.routing`, under TP / SP / EP / PP / CP), `MegatronCritic` (scalar value head, critic.py's conventions),
+`trainer_layout` / `trainer_models` (actor, behaviour copy and critic for the trainer, on the CPU or, as the cluster
+model, on CUDA), and `qwen35_config` / `_qwen35_gpt` (a Qwen3.5 preset's shapes from infra.py with the TE spec:
+tests/test_mcore_te.py on a GPU).
 
     python -m pytest tests/test_mcore.py -q        # CPU: build, conversion round trip, native replay, critic
     python -m pytest tests/test_mcore_qwen35.py -q # CPU: the same for Qwen3.5 (GDN, gated attention, shared expert)
     python -m pytest tests/test_mcore_parallel.py -q  # CPU: MegatronActor logprobs / R3 at TP, EP, PP, CP = 2
     python -m pytest tests/test_trainer_group.py -q   # CPU: the trainer over 2 Ray ranks (--plan) vs one rank
-    python train_t1.py trainer-bench --shape 122b-slice --preset qwen35-122b-a10b  # GPU: the cluster model's steps
+    python -m experiments.bench trainer --shape 122b-slice --preset qwen35-122b-a10b  # GPU: the cluster model's steps
 
 Departures from the paper:
 1. On CPU Qwen3.5 is built from local modules (`_qwen35_local_spec`), not the Transformer-Engine spec: the same
-   classes, unfused norms, one module per expert (cluster/mcore_weights.py renames them for the cluster model).
+   classes, unfused norms, one module per expert (cluster/mcore_convert.py renames them for the cluster model).
    Megatron's GatedDeltaNet ignores the attention mask: right padding is safe, left padding or packed sequences would
    leak.
-2. CPU shims, never on GPU (`init_cpu`, `cpu_shims`): current_device -> "cpu", Megatron's torch gated delta rule in
-   place of flash-linear-attention; `_RMSNorm` because WrappedTorchNorm refuses zero-centred gamma. A no-op CUDA RNG
-   tracker on both (dropout is 0 and weights are loaded, so Megatron's model-parallel RNG has nothing to do).
+2. CPU shims, never on GPU (cluster/mcore_cpu.py: `init_cpu`, `cpu_shims`): current_device -> "cpu", Megatron's
+   torch gated delta rule in place of flash-linear-attention; `RMSNorm` because WrappedTorchNorm refuses zero-centred
+   gamma. A no-op CUDA RNG tracker on both (dropout is 0 and weights are loaded, so Megatron's model-parallel RNG has
+   nothing to do).
 3. The critic routes live (no R3 replay): it never ran in the sampler, so there is nothing to replay. Its backbone
    starts as a copy of the SFT actor's (`MegatronCritic.from_actor`, critic.py departure 1).
 4. Optimizer: fp32 at world size 1 on the CPU, torch's Adam (nothing to shard); otherwise Megatron's DDP with the
    distributed optimizer: Megatron's own on CUDA (mcore_parallel.MegatronAdam), mcore_parallel.ShardedAdam (the same
    ZeRO-1, ours) on the CPU, where Megatron's refuses CPU parameters.
 5. The cluster model on CUDA (trainer_layout: bf16, TE where it imports, DeepEP's flex dispatcher where deep_ep
-   imports, else all-to-all) is written against megatron-core 0.16.1 and run on CPU in pieces only (the optimizer
-   under a test shim, TE names as functions): no GPU has been lent to run it yet (`bash run.sh gpu-check`).
+   imports, else all-to-all) is written against megatron-core 0.16.1. It has run on one GPU without TE or DeepEP
+   (`python -m cluster.launch gpu-check`; results/LOG.md, 2026-12-04: the GPU check on one H200); the TE layers and
+   DeepEP only on CPU in pieces (the optimizer under a test shim, TE names as functions).
 """
 
 import contextlib
@@ -44,83 +48,9 @@ import infra
 from cluster import mcore_parallel
 from cluster import mcore_weights
 import r3
-from cluster.mcore_parallel import _ValueHead, cpu_shims, stage_layers
-from cluster.mcore_weights import is_qwen35
-
-# --- CPU shims (megatron-core 0.16.1 on a CUDA-less torch) -------------------------------------------
-_CPU_READY = False
-
-
-class _NoCudaRngTracker:
-    """Stands in for CudaRNGStatesTracker on CPU: fork() is a no-op (dropout is 0 in the tiny model)."""
-
-    def fork(self, name=None):
-        return contextlib.nullcontext()
-
-    def add(self, name, seed):
-        pass
-
-    def reset(self):
-        pass
-
-    def get_states(self):
-        return {}
-
-    def set_states(self, states):
-        pass
-
-
-def init_cpu():
-    """One-process group (gloo; nccl on CUDA) + Megatron parallel state (all sizes 1) unless the trainer set them, the
-    process-wide CPU shims, and Megatron's torch gated delta rule wherever flash-linear-attention is missing."""
-    global _CPU_READY
-    if _CPU_READY:
-        return
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import random as mrandom
-    from megatron.core.transformer.moe import moe_utils
-    if not hasattr(moe_utils, "te_general_gemm"):  # 0.16.1 without TE: name never bound
-        moe_utils.te_general_gemm = None
-    from megatron.core.ssm import gated_delta_net as gdn
-    if not gdn.HAVE_FLA:  # GDN without flash-linear-attention (triton; on a GPU node without it: slower, same numbers):
-        gdn.HAVE_FLA = True  # GatedDeltaNet.__init__ raises ImportError on this flag alone
-        gdn.l2norm = _l2norm  # fla.modules.l2norm
-        gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel
-    mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
-    mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    if not torch.cuda.is_available():  # the backward of TP / SP layers asks for the device outside any block
-        torch.cuda.current_device = lambda: "cpu"
-    if not dist.is_initialized():  # no port to collide on; nccl for CUDA tensors (a one-GPU trainer)
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
-                                world_size=1)
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    _CPU_READY = True
-
-
-def _l2norm(x, dim=-1, eps=1e-6):
-    """fla's l2norm on CPU (as transformers' Qwen3.5 reference): x / sqrt(sum x^2 + eps)."""
-    return x * torch.rsqrt((x * x).sum(dim=dim, keepdim=True) + eps)
-
-
-class _RMSNorm(torch.nn.Module):
-    """Local stand-in for TENorm(RMSNorm) honouring `layernorm_zero_centered_gamma` (y = x / rms(x) * (1 + w)),
-    which megatron-core's own WrappedTorchNorm refuses; computed in fp32 as TE and transformers do."""
-
-    def __init__(self, config, hidden_size, eps=1e-6, **unused):
-        super().__init__()
-        self.zero_centered, self.eps = config.layernorm_zero_centered_gamma, eps
-        init = torch.zeros if self.zero_centered else torch.ones
-        self.weight = torch.nn.Parameter(init(hidden_size, dtype=config.params_dtype))
-        # as TENorm: under sequence parallel each TP rank's grad is partial; finalize_model_grads all-reduces it
-        setattr(self.weight, "sequence_parallel", config.sequence_parallel)
-
-    def forward(self, x):
-        y = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
-        w = self.weight.float() + 1 if self.zero_centered else self.weight.float()
-        return (y * w).type_as(x)
-
+from cluster.mcore_cpu import RMSNorm, cpu_shims, init_cpu
+from cluster.mcore_parallel import _ValueHead, stage_layers
+from cluster.mcore_convert import is_qwen35
 
 # --- tiny standard-attention MoE: HF config and the Megatron-Core GPTModel ------------------------------
 def tiny_hf_config(vocab_size=96):
@@ -198,24 +128,24 @@ def _qwen35_local_spec(cfg, cp_attention=False):
     base = get_gpt_layer_local_spec(num_experts=cfg.num_moe_experts, moe_grouped_gemm=False, qk_layernorm=True,
                                     normalization="RMSNorm")  # MoE spec has SharedExpertMLP
     gdn = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
-        in_proj=ColumnParallelLinear, out_norm=_RMSNorm, out_proj=RowParallelLinear))
+        in_proj=ColumnParallelLinear, out_norm=RMSNorm, out_proj=RowParallelLinear))
     layers = []
     for linear in cfg.linear_attention_freq:
         spec = copy.deepcopy(base)
         sub = spec.submodules
-        sub.input_layernorm = sub.pre_mlp_layernorm = _RMSNorm
+        sub.input_layernorm = sub.pre_mlp_layernorm = RMSNorm
         if linear:
             sub.self_attention = gdn
         else:
-            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = _RMSNorm
+            sub.self_attention.submodules.q_layernorm = sub.self_attention.submodules.k_layernorm = RMSNorm
             if cp_attention:
                 sub.self_attention.submodules.core_attention = mcore_parallel.cp_dot_product_attention()
         layers.append(spec)
-    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=_RMSNorm)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
 def _te_spec(hf, cfg):
-    """The Transformer-Engine layer spec of the cluster model (mcore_weights.to_te_layout's names): Qwen3.5 as
+    """The Transformer-Engine layer spec of the cluster model (mcore_convert.to_te_layout's names): Qwen3.5 as
     _qwen35_gpt builds it, Qwen3-MoE megatron-core's TE GPT spec with grouped-GEMM experts."""
     if is_qwen35(hf):
         from megatron.core.models.gpt.experimental_attention_variant_module_specs import (

@@ -34,23 +34,9 @@ import contextlib
 import torch
 
 from cluster import cp_gdn
+from cluster.mcore_cpu import cpu_shims
 
-# --- helpers of cluster/mcore.py and cluster/mcore_weights.py: the CPU device shim, the critic's value head
-# ---------------
-@contextlib.contextmanager
-def cpu_shims():
-    """torch.cuda.current_device -> "cpu" inside the block (rotary embedding, router weight moves)."""
-    if torch.cuda.is_available():
-        yield
-        return
-    saved = torch.cuda.current_device
-    torch.cuda.current_device = lambda: "cpu"
-    try:
-        yield
-    finally:
-        torch.cuda.current_device = saved
-
-
+# --- the critic's value head (cluster/mcore.py's MegatronCritic; replicated over TP, gathers under SP) -------------
 class _ValueHead(torch.nn.Module):
     """Scalar head in GPTModel's output_layer slot: (S, B, H) -> ((S, B, 1), None). Replicated on every TP
     rank; under sequence parallel it gathers the sequence, backward only splits (no reduce: grads are whole)."""
@@ -94,7 +80,6 @@ def cp_rank_size_group():
     if not ps.model_parallel_is_initialized() or ps.get_context_parallel_world_size() == 1:
         return 0, 1, None
     return ps.get_context_parallel_rank(), ps.get_context_parallel_world_size(), ps.get_context_parallel_group()
-
 
 
 @contextlib.contextmanager
@@ -343,8 +328,8 @@ def stage_layers(cfg) -> tuple:
 
 
 # --- the distributed optimizer on CPU: ZeRO-1 as Megatron shards it (DDP grad buffers, gloo) ----------------
-# Megatron's DistributedOptimizer (get_megatron_optimizer(use_distributed_optimizer=True), what mcore.build_qwen35 /
-# mcore._ddp_and_optimizer use on the cluster) is ZeRO-1 over DDP's contiguous grad buffers: each bucket is cut into dp
+# Megatron's DistributedOptimizer (get_megatron_optimizer(use_distributed_optimizer=True), what MegatronAdam below
+# steps on CUDA) is ZeRO-1 over DDP's contiguous grad buffers: each bucket is cut into dp
 # equal shards (DDP pads it to a multiple of lcm(dp, 128)); finalize_model_grads reduce-scatters the grads so the
 # rank r of the bucket's data-parallel group holds the summed grads of shard r; the optimizer keeps fp32 state for
 # that shard only, updates that shard of the params, and DDP all-gathers the params (start_param_sync). Expert
@@ -507,7 +492,6 @@ class ShardedAdam:
         if any(m is not None for m in masters):
             with cpu_shims():  # every rank's shard of the rounded masters into every replica (a collective)
                 self.ddp.start_param_sync(force_sync=True)
-
 
 
 class MegatronAdam:

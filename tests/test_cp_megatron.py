@@ -8,9 +8,10 @@ import torch
 
 pytest.importorskip("megatron.core")
 from cluster import cp_gdn  # noqa: E402
-import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_parallel  # noqa: E402
+import infra  # noqa: E402
 
 S, B = 250, 2  # 4 chunks of 64, the last one partial (only the last rank pads)
 
@@ -22,7 +23,7 @@ def gdn_layer(seed=0):
     cfg = mcore.megatron_config(mcore.tiny_qwen35_hf_config())
     spec = mcore._qwen35_local_spec(cfg).layer_specs[0].submodules.self_attention
     torch.manual_seed(seed)
-    with mcore.cpu_shims():
+    with mcore_cpu.cpu_shims():
         layer = build_module(spec, config=cfg, layer_number=1,
                              pg_collection=ProcessGroupCollection.use_mpu_process_groups())
     with torch.no_grad():  # off Megatron's init (out_norm 0, dt_bias 1) so every parameter matters
@@ -49,7 +50,7 @@ def run_layer(layer, x, dout, cp=False):
 def _cp_rank(rank, world):
     """One spawn for both kappas: the 4 ranks as one CP group of 4, then as DP 2 x CP 2 (two CP groups of 2)."""
     from megatron.core import parallel_state
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     x, dout = inputs()
     res = {}
     for kappa in (world, 2):
@@ -82,7 +83,7 @@ def cp_runs():
 @pytest.fixture(scope="module")
 def references():
     """Single rank: (Megatron's own layer and torch kernel, the same layer through the CP path at kappa = 1)."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     layer, (x, dout) = gdn_layer(), inputs()
     megatron = run_layer(layer, x, dout)
     kappa1 = run_layer(layer, x, dout, cp=True)

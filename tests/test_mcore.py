@@ -6,7 +6,7 @@ import torch
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
 from cluster import mcore  # noqa: E402
-from cluster import mcore_weights  # noqa: E402
+from cluster import mcore_convert  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3MoeForCausalLM, Qwen3MoeModel  # noqa: E402
 
@@ -34,14 +34,14 @@ def test_hf_and_megatron_logits_agree(hf, actor, batch):
 def test_hf_megatron_hf_round_trip_gives_equal_logprobs(hf, hf_cfg, actor, batch):
     ids, am = batch
     back = Qwen3MoeForCausalLM(hf_cfg).eval()
-    back.load_state_dict(mcore_weights.megatron_to_hf(actor.gpt.state_dict(), hf_cfg), strict=True)
+    back.load_state_dict(mcore_convert.megatron_to_hf(actor.gpt.state_dict(), hf_cfg), strict=True)
     with torch.no_grad():
         assert torch.equal(logprobs(hf, ids, am), logprobs(back, ids, am))
 
 
 def test_megatron_hf_megatron_round_trip_gives_equal_weights(hf_cfg, actor):
     sd = {k: v for k, v in actor.gpt.state_dict().items() if not k.endswith("_extra_state")}
-    again = mcore_weights.hf_to_megatron(mcore_weights.megatron_to_hf(sd, hf_cfg), hf_cfg)
+    again = mcore_convert.hf_to_megatron(mcore_convert.megatron_to_hf(sd, hf_cfg), hf_cfg)
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
 
 
@@ -137,7 +137,7 @@ def hf_critic(hf, hf_cfg):
 @pytest.fixture(scope="module")
 def mg_critic(hf_critic, hf_cfg):
     c = mcore.MegatronCritic(mcore.build_tiny(hf_cfg, moe_enable_routing_replay=False))
-    sd = mcore_weights.critic_hf_to_megatron(hf_critic.state_dict(), hf_cfg)
+    sd = mcore_convert.critic_hf_to_megatron(hf_critic.state_dict(), hf_cfg)
     missing, unexpected = c.gpt.load_state_dict(sd, strict=False)
     assert not unexpected and all(k.endswith("_extra_state") for k in missing)
     return c.eval()
@@ -154,7 +154,7 @@ def test_megatron_critic_values_match_hf_critic(hf_critic, mg_critic, batch):
 
 def test_critic_hf_megatron_hf_round_trip_is_bit_equal(hf_critic, mg_critic, hf_cfg):
     sd = hf_critic.state_dict()
-    back = mcore_weights.critic_megatron_to_hf(mg_critic.gpt.state_dict(), hf_cfg)
+    back = mcore_convert.critic_megatron_to_hf(mg_critic.gpt.state_dict(), hf_cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
@@ -202,15 +202,15 @@ def test_critic_value_at_j_uses_only_tokens_before_j(mg_critic, batch):
 
 
 def test_trainer_bench_runs_the_trainers_megatron_path(tmp_path):
-    """`python train_t1.py trainer-bench` (what `bash run.sh gpu-check` runs on a GPU for the cluster model): here, on
-    the CPU, the bf16 trainer (local modules, ShardedAdam with fp32 masters) from a bf16 checkpoint, 2 real
-    train_steps on trajectories recorded by the HF model; dlogp = the HF fp32 vs Megatron bf16 mismatch of the same
-    weights (measured 1.1e-3 with R3, 1.9e-3 without on 256 tokens)."""
+    """`python -m experiments.bench trainer` (what `python -m cluster.launch gpu-check` runs on a GPU for the cluster
+    model): here, on the CPU, the bf16 trainer (local modules, ShardedAdam with fp32 masters) from a bf16 checkpoint,
+    2 real train_steps on trajectories recorded by the HF model; dlogp = the HF fp32 vs Megatron bf16 mismatch of the
+    same weights (measured 1.1e-3 with R3, 1.9e-3 without on 256 tokens)."""
     import json
     import subprocess
     import sys
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, "train_t1.py", "trainer-bench", "--shape", "t1-tiny", "--tokens", "96",
+    out = subprocess.run([sys.executable, "-m", "experiments.bench", "trainer", "--shape", "t1-tiny", "--tokens", "96",
                           "--steps", "2", "--param-dtype", "bf16", "--torch-threads", "1"],
                          cwd=root, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -19,6 +19,7 @@ pytest.importorskip("megatron.core")
 pytest.importorskip("safetensors")
 import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 
 V = 96
@@ -83,7 +84,7 @@ def test_streaming_load_is_bit_identical_at_one_rank(checkpoints, arch, kind):
     path, hf = checkpoints[arch, kind]
     if kind == "sharded":
         assert (path / "model.safetensors.index.json").exists() and len(list(path.glob("*.safetensors"))) > 2
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     differ, stats = compare(path, hf)
     print(f"{arch} {kind}: read {stats['read_bytes'] / stats['file_bytes']:.2f} of the files")
     assert differ == []
@@ -99,7 +100,7 @@ def test_missing_tensor_is_refused(checkpoints, tmp_path):
     del sd["model.layers.1.self_attn.k_norm.weight"]
     os.makedirs(tmp_path / "ck")
     save_file(sd, str(tmp_path / "ck" / "model.safetensors"))
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     with pytest.raises(KeyError, match="k_norm"):
         mcore_weights.load_checkpoint_into_megatron(mcore.build_tiny(hf), tmp_path / "ck", hf)
 
@@ -108,7 +109,7 @@ def _load_rank(rank, world, path, arch, tp, ep, etp, pp):
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp)
-    mcore.init_cpu()  # shims only: the group and parallel state above are kept
+    mcore_cpu.init_cpu()  # shims only: the group and parallel state above are kept
     hf = ARCHS[arch](V)
     return compare(path, hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                    expert_tensor_parallel_size=etp, pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32,

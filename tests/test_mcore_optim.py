@@ -21,6 +21,8 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_convert  # noqa: E402
+from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_parallel  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 from test_mcore_tp import V, hf_weights  # noqa: E402  (the tiny Qwen3.5 weights, norms moved off their init)
@@ -79,7 +81,7 @@ PLANS = [(1, 1), (1, 2), (2, 1)]  # (tp, ep) on 2 ranks: dp2, ep2, tp2sp
 def _ranks(rank, world):
     """Every plan on the same 2 ranks (one spawn), Megatron's parallel state rebuilt for each; DP = 2 resumes."""
     from megatron.core import parallel_state as ps
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     res = {}
     for tp, ep in PLANS:
         ps.destroy_model_parallel()
@@ -214,7 +216,7 @@ def run_reference(dp):
 @pytest.fixture(scope="module")
 def reference():
     """{data-parallel size: run_reference(dp)} for the dense DP sizes of the parallel runs (1: TP = 2, 2: DP / EP)."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     return {dp: run_reference(dp) for dp in (1, 2)}
 
 
@@ -226,7 +228,7 @@ def parallel_runs():
 
 
 def test_wrap_ddp_needs_per_token_loss():
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     gpt = mcore.build_tiny(mcore.tiny_qwen35_hf_config(V))
     with pytest.raises(ValueError, match="calculate_per_token_loss"):
         mcore_parallel.wrap_ddp(gpt)
@@ -249,9 +251,9 @@ def test_sharded_adam_matches_one_rank_adam(reference, parallel_runs, tp, ep):
     for rank, (norms, out, sizes) in enumerate(results):
         d_norm = max(d_norm, np.abs(norms / ref_norms - 1).max())
         tp_rank, ep_rank = rank % tp, rank // tp % ep  # parallel_state's order: TP fastest, then EP
-        want = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(ref_params, hf, tp_rank, tp), hf.num_experts,
+        want = mcore_convert.shard_for_ep(mcore_convert.shard_for_tp(ref_params, hf, tp_rank, tp), hf.num_experts,
                                           ep_rank, ep)
-        start = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(init, hf, tp_rank, tp), hf.num_experts,
+        start = mcore_convert.shard_for_ep(mcore_convert.shard_for_tp(init, hf, tp_rank, tp), hf.num_experts,
                                            ep_rank, ep)
         got = {n: torch.from_numpy(p) for n, p in out["params"].items()}
         assert got.keys() == want.keys()
@@ -319,7 +321,7 @@ def test_sharded_adam_bf16_keeps_fp32_masters(parallel_runs):
 
 def hf_bf16_masters():
     """The bf16 model's parameters before training, by Megatron name."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     return {n: p.detach() for n, p in make_actor(dtype=torch.bfloat16).gpt.named_parameters()}
 
 
@@ -366,7 +368,7 @@ def _megatron_adam_ranks(rank, world):
     """Each plan: the same STEPS steps with MegatronAdam and with ShardedAdam (fresh models), and MegatronAdam resumed
     from its state after STEPS - 1 -> {plan: (norms M, norms S, params M, params S, params M resumed, state numel)}."""
     from megatron.core import parallel_state as ps
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     out = {}
     for tp, ep, dtype in OPT_PLANS:
         ps.destroy_model_parallel()

@@ -10,6 +10,7 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from test_mcore_tp import hf_weights  # noqa: E402
@@ -61,7 +62,7 @@ def _rank(rank, world, replay):
     """One spawn of 4 ranks for every plan: Megatron's parallel state rebuilt per plan (a plan of 2 ranks runs on
     ranks 0 and 1, the others only join the group creation), then the Qwen3-MoE CP = 2 run on ranks 0 and 1."""
     from megatron.core import parallel_state
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     res = {}
     for tp, ep, pp, cp in PLANS:
         parallel_state.destroy_model_parallel()
@@ -81,7 +82,7 @@ def _rank(rank, world, replay):
 
 @pytest.fixture(scope="module")
 def reference():
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     return actor_checks()
 
 
@@ -93,7 +94,7 @@ def shifted(reference):
 @pytest.fixture(scope="module")
 def one_rank_replay(shifted):
     """One rank replaying the shifted routing: actor_checks(replay=shifted), once for every plan."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     return actor_checks(replay=shifted)
 
 
@@ -160,7 +161,7 @@ def qwen3_moe_checks():
 def test_qwen3_moe_context_parallel_matches_one_rank(ranks):
     """CP = 2 without GDN (T = 11 -> 12, chunks of 6): every layer's attention reads the other chunk's K / V and
     the rotary positions of the second chunk start at 6; logprobs and grads summed over the CP ranks = one rank."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     lp1, g1 = qwen3_moe_checks()
     res = ranks["qwen3"]
     assert len(res) == 2

@@ -6,6 +6,7 @@ import torch
 pytest.importorskip("megatron.core")
 import critic  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_convert  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM  # noqa: E402
@@ -52,14 +53,14 @@ def test_qwen35_hf_and_megatron_logits_agree(hf, actor, batch):
 
 def test_qwen35_hf_megatron_hf_round_trip_is_bit_equal(hf, hf_cfg, actor):
     sd = hf.state_dict()
-    back = mcore_weights.megatron_to_hf(actor.gpt.state_dict(), hf_cfg)
+    back = mcore_convert.megatron_to_hf(actor.gpt.state_dict(), hf_cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)
 
 
 def test_qwen35_megatron_hf_megatron_round_trip_is_bit_equal(hf_cfg):
     gpt = mcore.build_tiny(hf_cfg, seed=3)  # Megatron's own init: out_norm 0, A_log from its range
     sd = {k: v for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    again = mcore_weights.hf_to_megatron(mcore_weights.megatron_to_hf(sd, hf_cfg), hf_cfg)
+    again = mcore_convert.hf_to_megatron(mcore_convert.megatron_to_hf(sd, hf_cfg), hf_cfg)
     assert again.keys() == sd.keys() and all(torch.equal(again[k], sd[k]) for k in sd)
 
 

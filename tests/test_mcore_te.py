@@ -1,6 +1,6 @@
 """Tests for cluster/mcore_weights.py's Transformer-Engine layout (to_te_layout / from_te_layout /
 load_hf_into_cluster_model): the cluster model's parameter names. On CPU: the renames against names listed here per
-layer type from megatron-core 0.16.1's TE spec (cluster/mcore_weights.py, the comment above _fused_input_norm), round
+layer type from megatron-core 0.16.1's TE spec (cluster/mcore_convert.py, the comment above _fused_input_norm), round
 trips, expert numbering after shard_for_ep. On a GPU with Transformer Engine: the real `mcore._qwen35_gpt` has exactly
 those names and loads HF weights round trip."""
 import importlib.util
@@ -11,6 +11,7 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_convert  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 from transformers import Qwen3_5MoeForCausalLM, Qwen3MoeForCausalLM  # noqa: E402
 
@@ -19,7 +20,7 @@ V = 96
 
 def hf_state_dict(hf_cfg, seed=0):
     torch.manual_seed(seed)
-    cls = Qwen3_5MoeForCausalLM if mcore.is_qwen35(hf_cfg) else Qwen3MoeForCausalLM
+    cls = Qwen3_5MoeForCausalLM if mcore_convert.is_qwen35(hf_cfg) else Qwen3MoeForCausalLM
     m = cls(hf_cfg)
     with torch.no_grad():  # norms and gates off their init, so a swapped norm would show in the values
         for name, p in m.named_parameters():
@@ -32,7 +33,7 @@ def hf_state_dict(hf_cfg, seed=0):
 def layout(request):
     """(hf config, local-layout Megatron state dict from hf_to_megatron) for each of mcore's two layouts."""
     hf_cfg = mcore.tiny_qwen35_hf_config(V) if request.param == "qwen3_5_moe" else mcore.tiny_hf_config(V)
-    return hf_cfg, mcore_weights.hf_to_megatron(hf_state_dict(hf_cfg), hf_cfg)
+    return hf_cfg, mcore_convert.hf_to_megatron(hf_state_dict(hf_cfg), hf_cfg)
 
 
 def expected_te_keys(hf_cfg, n_local_experts):
@@ -44,7 +45,7 @@ def expected_te_keys(hf_cfg, n_local_experts):
     keys = {"embedding.word_embeddings.weight", "decoder.final_layernorm.weight", "output_layer.weight"}
     for i in range(hf_cfg.num_hidden_layers):
         m = f"decoder.layers.{i}."
-        if mcore.is_qwen35(hf_cfg) and hf_cfg.layer_types[i] == "linear_attention":
+        if mcore_convert.is_qwen35(hf_cfg) and hf_cfg.layer_types[i] == "linear_attention":
             keys |= {m + "self_attention." + n for n in ("in_proj.weight", "in_proj.layer_norm_weight",
                                                          "conv1d.weight", "dt_bias", "A_log", "out_norm.weight",
                                                          "out_proj.weight")}
@@ -54,14 +55,14 @@ def expected_te_keys(hf_cfg, n_local_experts):
                                                          "linear_proj.weight")}
         keys |= {m + "pre_mlp_layernorm.weight", m + "mlp.router.weight"}
         keys |= {f"{m}mlp.experts.linear_fc{j}.weight{e}" for j in (1, 2) for e in range(n_local_experts)}
-        if mcore.is_qwen35(hf_cfg):
+        if mcore_convert.is_qwen35(hf_cfg):
             keys |= {m + "mlp.shared_experts." + n for n in ("linear_fc1.weight", "linear_fc2.weight", "gate_weight")}
     return keys
 
 
 def test_te_layout_has_exactly_the_te_spec_names(layout):
     hf_cfg, local = layout
-    te = mcore_weights.to_te_layout(local, hf_cfg)
+    te = mcore_convert.to_te_layout(local, hf_cfg)
     assert set(te) == expected_te_keys(hf_cfg, hf_cfg.num_experts)
     assert len(te) == len(local)  # a rename: nothing merged or dropped
     for i in range(hf_cfg.num_hidden_layers):  # the input norm moved into the TE linear that follows it
@@ -71,10 +72,10 @@ def test_te_layout_has_exactly_the_te_spec_names(layout):
 
 def test_local_te_local_round_trip_is_bit_exact(layout):
     hf_cfg, local = layout
-    te = mcore_weights.to_te_layout(local, hf_cfg)
-    back = mcore_weights.from_te_layout(te, hf_cfg)
+    te = mcore_convert.to_te_layout(local, hf_cfg)
+    back = mcore_convert.from_te_layout(te, hf_cfg)
     assert back.keys() == local.keys() and all(torch.equal(back[k], local[k]) for k in local)
-    again = mcore_weights.to_te_layout(back, hf_cfg)
+    again = mcore_convert.to_te_layout(back, hf_cfg)
     assert again.keys() == te.keys() and all(torch.equal(again[k], te[k]) for k in te)
 
 
@@ -84,27 +85,27 @@ def test_grouped_experts_are_numbered_by_local_index_after_shard_for_ep(layout, 
     E = hf_cfg.num_experts  # 4 (Qwen3-MoE) or 8 (Qwen3.5)
     per = E // ep_size
     for rank in range(ep_size):
-        shard = mcore_weights.shard_for_ep(local, E, rank, ep_size)
-        te = mcore_weights.to_te_layout(shard, hf_cfg)
+        shard = mcore_convert.shard_for_ep(local, E, rank, ep_size)
+        te = mcore_convert.to_te_layout(shard, hf_cfg)
         assert set(te) == expected_te_keys(hf_cfg, per)
         for i in range(hf_cfg.num_hidden_layers):
             for j in range(per):  # GroupedLinear weight{j} on rank r = global expert r * per + j
                 for fc in ("linear_fc1", "linear_fc2"):
                     glob = local[f"decoder.layers.{i}.mlp.experts.local_experts.{rank * per + j}.{fc}.weight"]
                     assert torch.equal(te[f"decoder.layers.{i}.mlp.experts.{fc}.weight{j}"], glob)
-        back = mcore_weights.from_te_layout(te, hf_cfg)
+        back = mcore_convert.from_te_layout(te, hf_cfg)
         assert back.keys() == shard.keys() and all(torch.equal(back[k], shard[k]) for k in shard)
 
 
 def test_te_layout_after_shard_for_tp_keeps_the_norm_whole(layout):
     hf_cfg, local = layout
-    shard = mcore_weights.shard_for_tp(mcore_weights.shard_for_ep(local, hf_cfg.num_experts, 1, 2), hf_cfg, 1, 2)
-    te = mcore_weights.to_te_layout(shard, hf_cfg)
+    shard = mcore_convert.shard_for_tp(mcore_convert.shard_for_ep(local, hf_cfg.num_experts, 1, 2), hf_cfg, 1, 2)
+    te = mcore_convert.to_te_layout(shard, hf_cfg)
     assert set(te) == expected_te_keys(hf_cfg, hf_cfg.num_experts // 2)
     H = hf_cfg.hidden_size
     norms = [k for k in te if k.endswith("layer_norm_weight")]  # LayerNormLinear's norm: replicated, (H,)
     assert len(norms) == hf_cfg.num_hidden_layers and all(te[k].shape == (H,) for k in norms)
-    back = mcore_weights.from_te_layout(te, hf_cfg)
+    back = mcore_convert.from_te_layout(te, hf_cfg)
     assert back.keys() == shard.keys() and all(torch.equal(back[k], shard[k]) for k in shard)
 
 
@@ -118,21 +119,21 @@ def test_te_layout_under_pipeline_stages_round_trips(layout, cuts):
     hf_cfg, sd = layout
     if cuts[-1] != hf_cfg.num_hidden_layers:  # the 2-layer Qwen3-MoE: one cut, 1 + 1
         cuts = (0, 1, hf_cfg.num_hidden_layers)
-    te = mcore_weights.to_te_layout(sd, hf_cfg)
-    stages = [(a, mcore_weights.shard_for_pp(te, a, b, a == 0, b == hf_cfg.num_hidden_layers))
+    te = mcore_convert.to_te_layout(sd, hf_cfg)
+    stages = [(a, mcore_convert.shard_for_pp(te, a, b, a == 0, b == hf_cfg.num_hidden_layers))
               for a, b in zip(cuts[:-1], cuts[1:])]
-    back = mcore_weights.unshard_pp([(a, mcore_weights.from_te_layout(part, hf_cfg, a)) for a, part in stages])
+    back = mcore_convert.unshard_pp([(a, mcore_convert.from_te_layout(part, hf_cfg, a)) for a, part in stages])
     assert back.keys() == sd.keys()
     assert all(torch.equal(back[k], sd[k]) for k in sd)
-    if mcore.is_qwen35(hf_cfg):  # GDN and attention layers name their norm differently: the offset matters
-        wrong = mcore_weights.unshard_pp([(a, mcore_weights.from_te_layout(part, hf_cfg, 0)) for a, part in stages])
+    if mcore_convert.is_qwen35(hf_cfg):  # GDN and attention layers name their norm differently: the offset matters
+        wrong = mcore_convert.unshard_pp([(a, mcore_convert.from_te_layout(part, hf_cfg, 0)) for a, part in stages])
         assert wrong.keys() != sd.keys()
 
 
 def test_to_te_layout_refuses_a_dict_without_the_input_norms(layout):
     hf_cfg, local = layout
     with pytest.raises(KeyError, match="input_layernorm"):
-        mcore_weights.to_te_layout({k: v for k, v in local.items() if "input_layernorm" not in k}, hf_cfg)
+        mcore_convert.to_te_layout({k: v for k, v in local.items() if "input_layernorm" not in k}, hf_cfg)
 
 
 # --- GPU + Transformer Engine: the cluster model itself --------------------------------------------------------
@@ -165,8 +166,8 @@ def test_cluster_model_has_the_te_layout_names_and_loads_hf_round_trip(monkeypat
     names = {k for k in gpt.state_dict() if not k.endswith("_extra_state")}
     sd = hf_state_dict(hf_cfg)
     assert names == expected_te_keys(hf_cfg, 8)
-    assert names == set(mcore_weights.to_te_layout(mcore_weights.hf_to_megatron(sd, hf_cfg), hf_cfg))
+    assert names == set(mcore_convert.to_te_layout(mcore_convert.hf_to_megatron(sd, hf_cfg), hf_cfg))
     mcore_weights.load_hf_into_cluster_model(gpt, sd, hf_cfg)
     te = {k: v.cpu() for k, v in gpt.state_dict().items() if not k.endswith("_extra_state")}
-    back = mcore_weights.megatron_to_hf(mcore_weights.from_te_layout(te, hf_cfg), hf_cfg)
+    back = mcore_convert.megatron_to_hf(mcore_convert.from_te_layout(te, hf_cfg), hf_cfg)
     assert back.keys() == sd.keys() and all(torch.equal(back[k], sd[k]) for k in sd)

@@ -1,8 +1,9 @@
-"""Model-parallel tiny Qwen3.5 GPTModel (mcore_weights.shard_for_tp / shard_for_ep): the same HF weights loaded into
+"""Model-parallel tiny Qwen3.5 GPTModel (mcore_convert.shard_for_tp / shard_for_ep): the same HF weights loaded into
 Megatron-Core's GPTModel sharded over 2 spawned gloo processes (TP = 2 with sequence parallel, or EP = 2) vs the
 TP = EP = 1 model in this process: full-vocab logits gathered on every rank and the parameter grads must match.
-The way back (mcore_weights.unshard_tp / unshard_ep, gather_full_state, to_hf / save_hf): shard -> unshard is the
-identity, and a model loaded sharded over 2 or 4 ranks gathers and converts back to the HF weights bit for bit."""
+The way back (mcore_convert.unshard_tp / unshard_ep, mcore_weights.gather_full_state, to_hf / save_hf): shard ->
+unshard is the identity, and a model loaded sharded over 2 or 4 ranks gathers and converts back to the HF weights bit
+for bit."""
 
 import pytest
 import torch
@@ -10,6 +11,8 @@ import torch
 pytest.importorskip("megatron.core")
 import infra  # noqa: E402
 from cluster import mcore  # noqa: E402
+from cluster import mcore_convert  # noqa: E402
+from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 
 B, T, V = 2, 12, 96
@@ -44,7 +47,7 @@ def run_model(tp=1, ep=1, etp=None):
     gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
                            expert_tensor_parallel_size=etp)
     gpt = mcore_weights.load_hf_into_megatron(gpt, hf_weights(), hf)  # train mode: MoELayer refuses TP > 1 without SP
-    with mcore.cpu_shims():  # the gather allocates on torch.cuda.current_device()
+    with mcore_cpu.cpu_shims():  # the gather allocates on torch.cuda.current_device()
         out = mcore._gpt_forward(gpt, *batch())  # (B, T, V / tp): the vocab-parallel output layer's shard
         out = gather_from_tensor_model_parallel_region(out) if tp > 1 else out  # (B, T, V)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))  # (B, T, V)
@@ -60,7 +63,7 @@ PARALLEL_PLANS = [(2, 1, None), (1, 2, None), (2, 2, 1)]  # (tp, ep, etp) on 2 r
 def _parallel_rank(rank, world):
     """Every plan of PARALLEL_PLANS on the same 2 ranks, Megatron's parallel state rebuilt for each."""
     from megatron.core import parallel_state
-    mcore.init_cpu()  # shims only: the group and parallel state below are kept
+    mcore_cpu.init_cpu()  # shims only: the group and parallel state below are kept
     res = {}
     for tp, ep, etp in PARALLEL_PLANS:
         parallel_state.destroy_model_parallel()
@@ -82,15 +85,15 @@ def parallel_runs():
 
 @pytest.fixture(scope="module")
 def reference():
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     return run_model()
 
 
 def test_shard_for_tp_splits_each_part():
     """GDN in_proj [q k v z b a] and GLU fc1 [gate; up] split per part; the two shards re-join to the whole."""
     hf = mcore.tiny_qwen35_hf_config(V)
-    sd = mcore_weights.hf_to_megatron(hf_weights(), hf)
-    s0, s1 = (mcore_weights.shard_for_tp(sd, hf, r, 2) for r in range(2))
+    sd = mcore_convert.hf_to_megatron(hf_weights(), hf)
+    s0, s1 = (mcore_convert.shard_for_tp(sd, hf, r, 2) for r in range(2))
     k = "decoder.layers.0.self_attention.in_proj.weight"
     sizes = [16, 16, 32, 32, 4, 4]  # q k v z b a rows at TP = 1 (2 x 8, 2 x 8, 4 x 8, 4 x 8, 4, 4)
     half = [n // 2 for n in sizes]
@@ -121,7 +124,7 @@ def test_parallel_model_matches_one_rank(reference, parallel_runs, tp, ep):
     d_g = 0.0
     for rank, (_, grads, sp) in enumerate(results):
         tp_rank, ep_rank = rank % tp, rank // tp  # parallel_state's order: TP fastest
-        want = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(ref_g, hf, tp_rank, tp), hf.num_experts,
+        want = mcore_convert.shard_for_ep(mcore_convert.shard_for_tp(ref_g, hf, tp_rank, tp), hf.num_experts,
                                           ep_rank, ep)
         want = {k: 2 * g if ep > 1 and ".local_experts." in k else g for k, g in want.items()}
         if tp > 1:  # replicated parameters saw this rank's sequence slice or heads: partial sums over TP ranks,
@@ -136,8 +139,8 @@ def test_parallel_model_matches_one_rank(reference, parallel_runs, tp, ep):
     assert d_g < 1e-5 * scale
 
 
-# --- the inverse: sharded Megatron -> TP = EP = 1 -> Hugging Face (mcore_weights.unshard_tp / unshard_ep /
-# gather_full_state)
+# --- the inverse: sharded Megatron -> TP = EP = 1 -> Hugging Face (mcore_convert.unshard_tp / unshard_ep /
+# mcore_weights.gather_full_state)
 def hf_config(layout):
     """"qwen35": the tiny Qwen3.5 (2 KV groups, 2 GDN key heads: TP <= 2); "qwen35_tp4": with 4 KV groups and 4 GDN
     key heads, so TP = 4 keeps whole query groups and key heads per rank; "qwen3": the tiny Qwen3-MoE."""
@@ -162,13 +165,13 @@ def test_unshard_inverts_shard(layout, tp, ep):
     over the rows: the TP = EP = 1 dict back, bit for bit, same keys and dtypes."""
     hf = hf_config(layout)
     E = hf.num_experts
-    sd = mcore_weights.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
-    shards = [[mcore_weights.shard_for_tp(mcore_weights.shard_for_ep(sd, E, e, ep), hf, t, tp) for t in range(tp)]
+    sd = mcore_convert.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
+    shards = [[mcore_convert.shard_for_tp(mcore_convert.shard_for_ep(sd, E, e, ep), hf, t, tp) for t in range(tp)]
               for e in range(ep)]
     k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"  # really cut: 1 / tp rows, E / ep experts
     assert shards[-1][-1][k].shape[0] * tp == sd[k].shape[0]
     assert sum(".local_experts." in n for n in shards[-1][-1]) * ep == sum(".local_experts." in n for n in sd)
-    back = mcore_weights.unshard_ep([mcore_weights.unshard_tp(row, hf, tp) for row in shards], E, ep)
+    back = mcore_convert.unshard_ep([mcore_convert.unshard_tp(row, hf, tp) for row in shards], E, ep)
     assert back.keys() == sd.keys()
     for n in sd:
         assert back[n].dtype == sd[n].dtype and torch.equal(back[n], sd[n]), n
@@ -194,21 +197,21 @@ def _gather_rank(rank, world, tp, ep, path, etp=None):
     from megatron.core import parallel_state
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                              expert_tensor_parallel_size=etp)
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     hf = mcore.tiny_qwen35_hf_config(V)
     gpt = mcore.build_tiny(hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, sequence_parallel=tp > 1,
                            expert_tensor_parallel_size=etp)
     actor = mcore.MegatronActor(mcore_weights.load_hf_into_megatron(gpt, hf_weights(), hf))
-    back = mcore_weights.megatron_to_hf(mcore_weights.gather_full_state(actor.gpt, hf), hf)
+    back = mcore_convert.megatron_to_hf(mcore_weights.gather_full_state(actor.gpt, hf), hf)
     via_to_hf = mcore_weights.to_hf(actor, hf).state_dict()
     critic = mcore.MegatronCritic.from_actor(actor)
     with torch.no_grad():
         w, b = value_head(hf.hidden_size)
         critic.gpt.output_layer.weight.copy_(w)
         critic.gpt.output_layer.bias.copy_(b)
-    critic_hf = mcore_weights.critic_megatron_to_hf(mcore_weights.gather_full_state(critic.gpt, hf), hf)
+    critic_hf = mcore_convert.critic_megatron_to_hf(mcore_weights.gather_full_state(critic.gpt, hf), hf)
     to0 = mcore_weights.gather_full_state(actor.gpt, hf, to_rank0=True)  # None on every rank but 0
-    to0 = None if to0 is None else mcore_weights.megatron_to_hf(to0, hf)
+    to0 = None if to0 is None else mcore_convert.megatron_to_hf(to0, hf)
     mcore_weights.save_hf(actor, hf, _Tokenizer(), path)
     as_np = lambda d: None if d is None else {k: v.numpy() for k, v in d.items()}  # noqa: E731
     return as_np(back), as_np(via_to_hf), as_np(critic_hf), as_np(to0)
@@ -216,7 +219,7 @@ def _gather_rank(rank, world, tp, ep, path, etp=None):
 
 def one_rank_critic(hf):
     """The same critic at TP = EP = 1, converted: what every rank's gathered critic must equal."""
-    mcore.init_cpu()
+    mcore_cpu.init_cpu()
     actor = mcore.MegatronActor(mcore_weights.load_hf_into_megatron(mcore.build_tiny(hf), hf_weights(), hf))
     critic = mcore.MegatronCritic.from_actor(actor)
     with torch.no_grad():
@@ -224,7 +227,7 @@ def one_rank_critic(hf):
         critic.gpt.output_layer.weight.copy_(w)
         critic.gpt.output_layer.bias.copy_(b)
     sd = {k: v for k, v in critic.gpt.state_dict().items() if not k.endswith("_extra_state")}
-    return mcore_weights.critic_megatron_to_hf(sd, hf)
+    return mcore_convert.critic_megatron_to_hf(sd, hf)
 
 
 def assert_bit_equal(got, want):
@@ -266,8 +269,8 @@ def test_unshard_inverts_shard_with_expert_tp(layout, tp, etp, ep):
     unshard_ep over those: the TP = EP = 1 dict back, bit for bit."""
     hf = hf_config(layout)
     E, n = hf.num_experts, max(tp, etp)
-    sd = mcore_weights.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
-    shards = [[mcore_weights.shard_for_tp(mcore_weights.shard_for_ep(sd, E, e, ep), hf, i % tp, tp, i % etp, etp)
+    sd = mcore_convert.hf_to_megatron(hf_weights() if layout == "qwen35" else weights_of(hf), hf)
+    shards = [[mcore_convert.shard_for_tp(mcore_convert.shard_for_ep(sd, E, e, ep), hf, i % tp, tp, i % etp, etp)
                for i in range(n)] for e in range(ep)]
     last = shards[-1][-1]
     k = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1.weight"
@@ -279,7 +282,7 @@ def test_unshard_inverts_shard_with_expert_tp(layout, tp, etp, ep):
     assert last[k].shape[0] * tp == sd[k].shape[0]
     k = "decoder.layers.0.mlp.router.weight"
     assert torch.equal(last[k], sd[k])  # replicated
-    back = mcore_weights.unshard_ep([mcore_weights.unshard_tp(row, hf, tp, etp) for row in shards], E, ep)
+    back = mcore_convert.unshard_ep([mcore_convert.unshard_tp(row, hf, tp, etp) for row in shards], E, ep)
     assert back.keys() == sd.keys()
     for n in sd:
         assert back[n].dtype == sd[n].dtype and torch.equal(back[n], sd[n]), n
@@ -300,7 +303,7 @@ def test_expert_tp_1_under_tp_2_matches_one_rank(reference, parallel_runs):
     d_dense = d_experts = 0.0
     for rank, (_, grads, sp) in enumerate(results):
         tp_rank, ep_rank = rank % tp, rank // etp % ep  # dense: TP fastest; experts: ETP fastest, then EP
-        want = mcore_weights.shard_for_ep(mcore_weights.shard_for_tp(ref_g, hf, tp_rank, tp, 0, etp), hf.num_experts,
+        want = mcore_convert.shard_for_ep(mcore_convert.shard_for_tp(ref_g, hf, tp_rank, tp, 0, etp), hf.num_experts,
                                           ep_rank, ep)
         replicated = {k for k in want if want[k].shape == ref_g[k].shape and ".local_experts." not in k}
         assert replicated <= sp  # summed over TP by finalize_model_grads (flag sequence_parallel)
