@@ -23,13 +23,14 @@
 The code of each lives by what it measures: experiments/engine_speed.py (engine, sampling), experiments/mechanisms.py
 (r3, tito, cp), experiments/training.py (trainer, copy, pg-snr), report.py (plot and the paired tests of compare).
 Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests; the figures
-measured so far are in RESULTS.md.
+measured so far are in RESULTS.md (the headline tables) and results/LOG.md (the dated log).
 """
 import argparse
 import json
 import sys
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, results/, ...
 ARCHS = ("qwen3_5_moe", "qwen3_moe")  # model.ARCHS, named here so that --help answers before torch imports
 SHAPES = ("t1-tiny", "probe", "122b-slice")  # training.trainer_bench's shapes
 
@@ -101,11 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def parse(argv=None) -> tuple[argparse.Namespace, list]:
-    """-> (the command's flags, the train_t1.py flags after them: `trainer` only; any other command refuses them)."""
+    """-> (the command's flags, the train_t1.py flags after them: `trainer` only; any other command refuses them).
+    `plot` of a run under the repository's results/ without --out is refused: its figures there are tracked."""
     p = build_parser()
     args, rest = p.parse_known_args(argv)
     if rest and args.cmd != "trainer":
         p.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.cmd == "plot" and args.out is None and (ROOT / "results") in Path(args.run_dir).resolve().parents:
+        p.error(f"plot: {args.run_dir} is under results/ (tracked figures): pass --out PNG to write elsewhere")
     return args, rest
 
 
@@ -119,8 +123,6 @@ import report  # noqa: E402
 import train_t1  # noqa: E402  (its parser gives `trainer` its Args; the experiments may import the entry point)
 from engine import gateway  # noqa: E402
 from experiments import engine_speed, mechanisms, training  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, results/, ...
 
 
 def compare(path_a: str, path_b: str) -> dict:
@@ -188,10 +190,6 @@ def main(argv=None) -> None:
         print(json.dumps(training.trainer_bench(train_t1.parse_args(rest), args.shape, args.tokens, args.samples,
                                                 args.steps)))
     elif args.cmd == "plot":
-        run_dir = Path(args.run_dir).resolve()
-        if args.out is None and (ROOT / "results") in (run_dir, *run_dir.parents):
-            sys.exit(f"experiments/bench.py plot: {args.run_dir} is under results/ (tracked figures): "
-                     "pass --out PNG to write elsewhere")
         print(report.plot(args.run_dir, args.out))
     else:
         try:
