@@ -9,7 +9,7 @@ Conventions (the mask convention of tito.py): tensors are (B, T) by token positi
 sampled; values[:, j] = V(tokens[:j]), as logprobs[:, j] = log pi(tokens[j] | tokens[:j]); GAE skips m = 0 tokens
 (tool output, template glue) and carries the bootstrap across. Every function takes an optional `group` (the
 trainer ranks under --trainer-ranks N): losses over the minibatch's global token count, gradients summed over ranks
-before clipping (`allreduce_grads`); group=None runs no collective.
+before clipping (dp.py); group=None runs no collective.
 
 Run: used by train_t1.py; `python -m pytest tests/test_critic.py` checks it.
 
@@ -24,9 +24,10 @@ Departures from the paper:
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from transformers import AutoModel
+
+import dp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | None = None) -> torch.Tensor:
@@ -35,16 +36,6 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, n: torch.Tensor | None = No
     n: the denominator when these rows are one rank's share of a minibatch (its global token count)."""
     mask = mask.to(x.dtype)
     return (x * mask).sum() / (mask.sum().clamp(min=1.0) if n is None else n)
-
-
-# --- data parallel over the trainer ranks (group None: one rank, no collective) -------------------------
-
-def dp_sum(x: torch.Tensor, group=None) -> torch.Tensor:
-    """x summed over the trainer ranks of `group`."""
-    if group is not None:
-        x = x.detach().clone()
-        dist.all_reduce(x, group=group)
-    return x
 
 
 AGGS = ("token", "sample")
@@ -71,43 +62,14 @@ def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tenso
     if group is None:
         return None
     local = mask.sum() if agg == "token" else (mask.sum(-1) > 0).sum()
-    return dp_sum(local.to(torch.float32), group).clamp(min=1.0)
+    return dp.dp_sum(local.to(torch.float32), group).clamp(min=1.0)
 
 
 def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
     """masked_mean over the masked positions of every rank (a statistic, no gradient)."""
     if group is None:
         return masked_mean(x, mask)
-    return dp_sum(masked_mean(x, mask, dp_sum(mask.sum().to(x.dtype), group).clamp(min=1.0)), group)
-
-
-def optimizer_step(model: nn.Module, optimizer, max_grad_norm: float, group=None) -> None:
-    """Sum the grads over the ranks, clip by the global norm, step (the one-rank step on the whole minibatch).
-    mcore_parallel.ShardedAdam (the Megatron backend over ranks) does all three itself: DDP's reduce-scatter over the
-    data-parallel ranks, the norm over every model-parallel shard, Adam on this rank's shard; it is not a torch
-    Optimizer (the megatron backend on one rank steps a torch Adam, so the fact is the class, not the backend)."""
-    if not isinstance(optimizer, torch.optim.Optimizer):  # mcore_parallel.ShardedAdam
-        optimizer.step(max_grad_norm)
-        return
-    allreduce_grads(model, group)
-    nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
-    optimizer.step()
-
-
-def allreduce_grads(model: nn.Module, group=None) -> None:
-    """Sum the gradients over the ranks (one flat fp32 buffer). A parameter no rank touched (an expert
-    nobody routed to) keeps grad None, as on one rank, so Adam skips it there too."""
-    if group is None:
-        return
-    params = list(model.parameters())
-    used = dp_sum(torch.tensor([float(p.grad is not None) for p in params]), group) > 0
-    params = [p for p, u in zip(params, used) if u]
-    flat = dp_sum(torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float()
-                             for p in params]), group)
-    i = 0
-    for p in params:
-        p.grad = flat[i:i + p.numel()].view_as(p).to(p.dtype)
-        i += p.numel()
+    return dp.dp_sum(masked_mean(x, mask, dp.dp_sum(mask.sum().to(x.dtype), group).clamp(min=1.0)), group)
 
 
 # --- value model ------------------------------------------------------------------------------------
@@ -132,7 +94,7 @@ class Critic(nn.Module):
     def from_actor(cls, actor, head_init: str = "zero") -> "Critic":
         """Full-size critic initialised from the actor's backbone (departure 1). head_init (paper silent): "zero", the
         value head predicts 0 until trained; "default", nn.Linear's own random init (a miscalibrated cold critic, the
-        kind behind the paper's cold-start EV of -33.6; issue 14's second cold arm)."""
+        kind behind the paper's cold-start EV of -33.6; the second cold-start arm of the experiments)."""
         if head_init not in HEAD_INITS:
             raise ValueError(f"--critic-head-init: expected one of {'|'.join(HEAD_INITS)}, got {head_init!r}")
         critic = cls(actor.config)
@@ -200,8 +162,8 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     m = mask.bool()
     r, v = returns[m].double(), values[m].double()
     if group is not None:
-        n, sr, srr, sd, sdd = dp_sum(torch.stack([torch.tensor(r.numel(), dtype=torch.float64), r.sum(),
-                                                   (r * r).sum(), (r - v).sum(), ((r - v) ** 2).sum()]), group)
+        n, sr, srr, sd, sdd = dp.dp_sum(torch.stack([torch.tensor(r.numel(), dtype=torch.float64), r.sum(),
+                                                      (r * r).sum(), (r - v).sum(), ((r - v) ** 2).sum()]), group)
         if n < 2 or srr / n - (sr / n) ** 2 <= 1e-12:
             return float("nan")
         return float(1.0 - (sdd / n - (sd / n) ** 2) / (srr / n - (sr / n) ** 2))
@@ -240,8 +202,8 @@ def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, cli
                 values = critic(b["input_ids"], b["attention_mask"])
                 loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n, agg, n_tok)
                 loss.backward()
-            optimizer_step(critic, optimizer, max_grad_norm, group)
-            loss, clipfrac = dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)
+            dp.optimizer_step(critic, optimizer, max_grad_norm, group)
+            loss, clipfrac = dp.dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)
             losses.append(loss.item())
             clipfracs.append(clipfrac.item())
     old = torch.cat([b["old_values"][b["mask"].bool()] for b in batches])

@@ -1,12 +1,12 @@
-"""The update of one RL step, on the trainer (paper: the optimisation section; DESIGN.md section 3, steps 5-6).
+"""The update of one RL step, on the trainer (paper: the optimisation section, steps 5-6 of an RL step).
 
-What the trainer process (trainer.py) runs, given as step functions: train_step = V_old -> GAE (gamma = lambda = 1)
--> critic update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy -> PPO actor update
-(ppo_loss, clip eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and
-the Critic Warm-Up (critic_warmup). The loop that calls them is train_t1.py; the critic's math is critic.py.
-Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each chunk and each
-minibatch cut after its longest row (by_length, trim: the same values on every token; Megatron ranks over a group
-keep one full-width forward, a collective needs equal shapes).
+What the trainer process (trainer.py) calls by name: train_step = V_old -> GAE (gamma = lambda = 1) -> critic
+update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy -> PPO actor update (ppo_loss, clip
+eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and the Critic Warm-Up
+(critic_warmup). The loop that drives them is train_t1.py; the critic's math is critic.py, the sums over the
+trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each
+chunk and each minibatch cut after its longest row (by_length, trim: the same values on every token; Megatron ranks
+over a group keep one full-width forward, a collective needs equal shapes).
 
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
 
@@ -16,7 +16,7 @@ Departures from the paper (numbered; what and why):
      --aux-loss-coef exist for ablations (hf backend only).
   2. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
-  3. The paper's comparison arms, off by default (issue 14): --reward-mode binary (1 if every test passed) and
+  3. The paper's comparison arms, off by default: --reward-mode binary (1 if every test passed) and
      --advantage grpo (group-normalised rewards over --samples-per-task G, the critic neither used nor updated).
 """
 from __future__ import annotations
@@ -25,7 +25,6 @@ import math
 import random
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -35,8 +34,8 @@ from tqdm import tqdm
 import critic as C
 import r3
 import tito
-import trainer
-from trainer import even, local_rows, log, share
+from dp import dp_sum, even, local_rows, optimizer_step, share
+from rundir import log
 
 
 REWARD_MODES = ("dense", "binary")  # --reward-mode: r = P / S (paper) | 1 if every test passed, else 0
@@ -45,7 +44,7 @@ ADVANTAGES = ("gae", "grpo")  # --advantage: GAE with the critic (paper) | group
 
 def trained_reward(s: dict, mode: str = "dense") -> float:
     """The reward a sample trains on: dense, the trial's r = P / S as reward.compute gave it (paper); binary, 1 when
-    every test of its report passed (passed == total > 0), else 0 (the paper's first experiment; issue 14)."""
+    every test of its report passed (passed == total > 0), else 0 (the paper's first experiment)."""
     if mode == "dense":
         return s["reward"]
     if mode == "binary":
@@ -138,8 +137,8 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
 
 
 # rows per no-grad forward of a training step (V_old, the old / R3-off / reference logprobs; this project's choice):
-# in chunks of similar length a forward computes about the rows' tokens, where one (B, T_max) forward of run
-# full's 32-trajectory steps computed 1.7x them (58% of its positions were tokens) and held (B, T, V) logits at once
+# in chunks of similar length a forward computes about the rows' tokens, where one (B, T_max) forward of the full
+# preset's 32-trajectory steps computed 1.7x them (58% of its positions were tokens) and held (B, T, V) logits at once
 NOGRAD_ROWS = 8
 
 
@@ -172,8 +171,6 @@ def minibatches(n: int, size: int, rng: random.Random):
     idx = list(range(n))
     rng.shuffle(idx)
     return [idx[i:i + size] for i in range(0, n, size)]
-
-
 
 
 BASE_LR, BASE_BATCH = 2e-3, 16  # the base phase's lr and copy samples per step (this project's; paper: no base phase)
@@ -254,9 +251,10 @@ def ppo_loss(logp, old_logp, adv, mask, clip_eps: float, agg: str = "token", n=N
 
 
 # k3 grows as exp(log pi_ref / pi_theta): one token the policy has all but dropped (pi_theta << pi_ref) gave a k3 of
-# 1.8e6 at actor lr 3e-4 (RESULTS.md 12-03), a gradient that swamps the minibatch's policy gradient under the norm
-# clip. Beyond this log ratio k3 continues as its tangent line: the pull back to pi_ref stays, bounded (paper silent:
-# the paper runs without KL; verl's low_var_kl clamps the value instead, which drops the pull on those tokens).
+# 1.8e6 at actor lr 3e-4 (results/LOG.md, 2026-12-03: RL at 256 trajectories a step), a gradient that swamps the
+# minibatch's policy gradient under the norm clip. Beyond this log ratio k3 continues as its tangent line: the pull
+# back to pi_ref stays, bounded (paper silent: the paper runs without KL; verl's low_var_kl clamps the value instead,
+# which drops the pull on those tokens).
 KL_K3_LINEAR_BEYOND = 2.0  # log ratio where k3 turns linear (pi_theta = 13.5% of pi_ref); slope e^2 - 1 ~ 6.4
 
 
@@ -315,7 +313,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
     - entropy_coef x entropy, aux_loss_coef x the routers' load-balancing loss.
 
     batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
-    all n_samples with the same rng on every rank, each rank trains its share (critic.py: data parallel)."""
+    all n_samples with the same rng on every rank, each rank trains its share (dp.py: data parallel)."""
     if args.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
     actor.train()
@@ -347,7 +345,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
                         loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
                     if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
                         am = sub["attention_mask"].sum().float()
-                        aux = aux if group is None else aux * am / C.dp_sum(am, group)
+                        aux = aux if group is None else aux * am / dp_sum(am, group)
                         loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
                     loss.backward()  # inside the routing context: recompute replays the same experts
                 with torch.no_grad():
@@ -355,9 +353,9 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
                                                  C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]),
                                     extra])
             elif args.aux_loss_coef > 0 and group is not None:  # the same collectives as the ranks with rows
-                C.dp_sum(torch.zeros(()), group)
-            C.optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
-            for k, v in zip(stats, C.dp_sum(st.detach(), group).tolist()):
+                dp_sum(torch.zeros(()), group)
+            optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
+            for k, v in zip(stats, dp_sum(st.detach(), group).tolist()):
                 stats[k].append(v)
     return {k: float(np.mean(v)) for k, v in stats.items()}
 
@@ -423,7 +421,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
                         ref_logprobs)
     r = full["rewards"].sum(1)
     return {"reward_mean": float(r.mean()),  # the rewards trained on: one per sample
-            # groups (tasks) in which every sample failed (reward 0): no GRPO signal there (issue 14)
+            # groups (tasks) in which every sample failed (reward 0): no GRPO signal there
             "all_fail_group_frac": float(np.mean([bool((r[g] == 0).all()) for g in groups])),
             "explained_variance": cstats["charts/explained_variance"],
             "explained_variance_traj": cstats["charts/explained_variance_traj"],  # one point per trajectory
@@ -433,15 +431,3 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
             "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
             "expert_set_mismatch": mismatch, **astats,  # mismatch: over rank 0's samples only
             "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}
-
-
-# --- the trainer actor (trainer.py) bound to the step functions above ------------------------------
-
-class Trainer(trainer.Trainer):
-    """trainer.Trainer with this file's critic warm-up and steps 5-6 (a Ray actor: ray.remote(Trainer))."""
-    steps = SimpleNamespace(critic_warmup=critic_warmup, train_step=train_step)
-
-
-class TrainerGroup(trainer.TrainerGroup):
-    """trainer.TrainerGroup whose ranks are the Trainer above."""
-    trainer = Trainer

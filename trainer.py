@@ -1,18 +1,17 @@
-"""The trainer process: actor + critic co-resident (paper) on Ray actors, their checkpoints, rank sharing of rows.
+"""The trainer process: actor + critic co-resident (paper) on Ray actors, ranks, checkpoints, the publish barrier.
 
-Machinery for steps 5-6 and the checkpoint (DESIGN.md section 3): `Trainer` holds the actor, the behaviour copy,
-the critic, both optimizers and the published weight versions, and runs the step functions it is given
-(`Trainer.steps`: ppo.Trainer binds ppo's critic_warmup and train_step, which use this file's row sharing, so this
-file imports neither ppo nor the loop); `TrainerGroup` fans the loop's calls out to N trainer ranks. The checkpoint
-of an RL step and the run directory's commit point (state.json) live here too: save_trainer writes it, resume_run
-brings a run directory back to what state.json committed.
+Machinery for steps 5-7: `Trainer` holds the actor, the behaviour copy, the critic, both optimizers and the
+published weight versions; its methods call ppo.critic_warmup and ppo.train_step (the update itself, ppo.py), save
+the step's checkpoint (rundir.save_trainer: the run directory's commit point is state.json, written by the loop)
+and publish the weights to the engines (the barrier of step 7). `TrainerGroup` fans the loop's calls out to N
+trainer ranks, with the hf backend (full replicas) or the Megatron backend (cluster/) that this file drives.
 
 Run: not by itself; `python train_t1.py` starts it (tests/test_trainer_group.py, tests/test_resume.py).
 
 Departures (numbered; what and why):
   1. hf backend over N ranks: full replicas (pure DP, no optimizer sharding) in their own process group (gloo;
-     nccl for CUDA weights). Sample i lives on rank i mod N; losses divide by the minibatch's global token count
-     and gradients are summed before the clip, so a step equals the one-rank step.
+     nccl for CUDA weights). Sample i lives on rank i mod N (dp.py); losses divide by the minibatch's global token
+     count and gradients are summed before the clip, so a step equals the one-rank step.
   2. Rank 0 saves and publishes, every rank keeps the published copies; losses, clip fractions, EV and |dlogp|
      are over all ranks, expert_set_mismatch over rank 0's samples.
   3. megatron backend over tp * pp * cp * dp ranks (join_group): parallel_state carves the group per --plan; each
@@ -32,24 +31,23 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 import random
-import shutil
 import time
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
-from cluster import launch
 import critic as C
 import infra
-from cluster import mcore
-from cluster import mcore_parallel
-from cluster import mcore_weights
 import model as M
+import ppo
 import rollout
+from cluster import launch, mcore, mcore_parallel, mcore_weights
+from rundir import load_trainer_file, log, save_trainer
+# train_t1 still imports these run-directory names from here; they live in rundir.py
+from rundir import Metrics, load_state, prune_previous, resume_run, rewrite_jsonl, write_atomic  # noqa: F401
 
 
 def optimizer_lr(opt) -> float:
@@ -66,34 +64,6 @@ def set_optimizer_lr(opt, lr: float) -> None:
     else:
         for group in opt.param_groups:
             group["lr"] = lr
-
-
-# --- the run directory's log.txt and metrics.jsonl ---------------------------------------------------
-
-def log(run_dir: Path, msg: str) -> None:
-    """A timestamped line on stdout and in the run directory's log.txt."""
-    line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-    print(line, flush=True)
-    with open(run_dir / "log.txt", "a") as f:
-        f.write(line + "\n")
-
-
-class Metrics:
-    """metrics.jsonl (one object per record) + TensorBoard; names are listed in the README."""
-
-    def __init__(self, run_dir: Path):
-        from torch.utils.tensorboard import SummaryWriter
-        self.path = run_dir / "metrics.jsonl"
-        self.tb = SummaryWriter(str(run_dir / "tb"))
-
-    def write(self, rec: dict, step: int, phase: str) -> None:
-        rec = {"phase": phase, "step": step, **rec}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
-        for k, v in rec.items():
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and k != "step":
-                self.tb.add_scalar(f"{phase}/{k}", v, step)
-        self.tb.flush()
 
 
 # --- the trainer's layout ---------------------------------------------------------------------------
@@ -123,258 +93,6 @@ def plan_recompute(args) -> bool:
     return r
 
 
-# --- checkpoints and the run directory's commit point (state.json) -------------------------------------
-
-def save_trainer(path: Path, save_actor, state: dict, name: str = "trainer.pt", rank: int = 0,
-                 barrier=lambda: None) -> None:
-    """Checkpoint: the actor in HF layout (save_actor(dir)) and `state` (critic, both optimizers, step, RNG) as
-    `name`, then step.json ({"step": k}, written last: a directory without it is incomplete); swapped in with
-    renames. The checkpoint it replaces stays as `previous` until state.json commits step k (prune_previous):
-    a kill before the commit resumes from it (resume_run). Sharded trainer ranks (Megatron model parallel) all
-    call it: the actor save is their gather (rank 0 writes), each rank writes its own shard file, rank 0 swaps
-    once every rank is done."""
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    barrier()
-    save_actor(tmp)
-    tmp.mkdir(parents=True, exist_ok=True)
-    torch.save(state, tmp / name)
-    barrier()
-    if rank > 0:
-        return
-    write_atomic(tmp / "step.json", json.dumps({"step": int(state["step"])}))  # the marker is whole or absent
-    prev = path.with_name("previous")
-    shutil.rmtree(prev, ignore_errors=True)  # state.json is at the step of `path` (the loop commits before saving)
-    if path.exists():
-        path.rename(prev)
-    tmp.rename(path)
-
-
-def prune_previous(run_dir: Path) -> None:
-    """After state.json committed the step of ckpt/latest: the checkpoint before it is no longer needed."""
-    shutil.rmtree(run_dir / "ckpt" / "previous", ignore_errors=True)
-
-
-def checkpoint_step(d: Path) -> int | None:
-    """The RL step a checkpoint directory holds (its step.json); None when absent or incomplete (no step.json)."""
-    f = d / "step.json"
-    if not f.is_file():
-        return None
-    try:
-        step = json.loads(f.read_text())["step"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{f}: corrupt checkpoint marker ({e}); expected {{\"step\": N}}") from e
-    if not isinstance(step, int) or isinstance(step, bool) or step < 1:
-        raise ValueError(f"{f}: corrupt checkpoint marker: step {step!r} is not a positive integer")
-    return step
-
-
-def load_trainer_file(path: Path) -> dict:
-    """A trainer checkpoint file (critic, optimizers, step, RNG); one that cannot be read is named in the error."""
-    try:
-        return torch.load(path, weights_only=False)
-    except Exception as e:  # a truncated zip, a pickle error, a missing file: all the same to the user
-        raise ValueError(f"{path}: corrupt or unreadable trainer checkpoint ({type(e).__name__}: {e})") from e
-
-
-def check_weights(d: Path) -> None:
-    """Every *.safetensors of a checkpoint directory has a readable header and the bytes it announces (a cheap
-    check: the header only); a bad one is named."""
-    from safetensors import safe_open
-    files = sorted(d.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"{d}: checkpoint without any *.safetensors weights file")
-    for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as h:
-                h.keys()
-        except Exception as e:
-            raise ValueError(f"{f}: corrupt weights file ({type(e).__name__}: {e})") from e
-
-
-def load_state(run_dir: Path) -> dict:
-    """state.json of a run directory: the commit point of the run (phases done, RL step committed).
-
-    A fresh directory gets one at once; a directory with checkpoints or metrics but no state.json is refused
-    (its data would be trained over); a state.json that does not parse is named in the error."""
-    path = run_dir / "state.json"
-    if not path.exists():
-        leftovers = [p.name for p in (run_dir / "ckpt", run_dir / "metrics.jsonl", run_dir / "samples") if p.exists()
-                     and (p.is_file() or any(p.iterdir()))]
-        if leftovers:
-            raise ValueError(f"--run-dir {run_dir}: holds {', '.join(leftovers)} but no state.json, so which phase and "
-                             "step they belong to is unknown; refusing to start over them (pick a new --run-dir, or "
-                             "remove that directory)")
-        return {"phase_times": {}, "step": 0}
-    try:
-        state = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: corrupt ({e}); the run cannot be resumed from it") from e
-    if (not isinstance(state, dict) or not isinstance(state.get("step"), int) or isinstance(state["step"], bool)
-            or state["step"] < 0 or not isinstance(state.get("phase_times"), dict)):
-        raise ValueError(f"{path}: corrupt: expected an object with an integer 'step' >= 0 and 'phase_times', got "
-                         f"{json.dumps(state)[:200]}")
-    return state
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """path holds text whole or keeps what it held: a temp file beside it, renamed over it (a kill mid-write leaves
-    no torn file)."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
-def read_jsonl(path: Path) -> tuple[list[dict], str]:
-    """Rows of a JSONL file a kill may have cut: a torn last line is dropped (the note says so); a bad line
-    before it is corruption, named with its line number."""
-    lines = path.read_text().splitlines() if path.exists() else []
-    rows, note = [], ""
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            if i < len(lines) - 1:
-                raise ValueError(f"{path}: line {i + 1} is not JSON ({e}); only the last line may be torn") from e
-            note = f"{path.name}: dropped a torn last line ({len(line)} chars: a kill mid-write)"
-            continue
-        if not isinstance(row, dict):
-            raise ValueError(f"{path}: line {i + 1} is not a JSON object: {line[:80]}")
-        rows.append(row)
-    return rows, note
-
-
-def rewrite_jsonl(path: Path, keep) -> list[str]:
-    """Keep the rows of path for which keep(row) holds (atomic: tmp + os.replace); notes on what was dropped."""
-    if not path.exists():
-        return []
-    rows, note = read_jsonl(path)
-    kept = [r for r in rows if keep(r)]
-    if note or len(kept) < len(rows) or not path.read_text().endswith("\n"):  # unended: joins the next row
-        write_atomic(path, "".join(json.dumps(r) + "\n" for r in kept))
-    return ([note] if note else []) + ([f"{path.name}: dropped {len(rows) - len(kept)} row(s) of uncommitted work"]
-                                       if len(kept) < len(rows) else [])
-
-
-def _refuse_rolled_back(run_dir: Path, want: int, ckpt_steps: dict) -> None:
-    """ValueError when the run directory holds work of a step later than want + 1. A crash leaves at most one step
-    uncommitted (the loop saves step k's checkpoint, metrics row and samples, then commits k in state.json), so
-    anything further ahead means state.json was rolled back or replaced: resuming would delete committed work."""
-    ahead = [f"ckpt/{n} (step {st})" for n, st in ckpt_steps.items() if st is not None and st > want + 1]
-    ahead += [f"samples/{f.name}" for f in sorted((run_dir / "samples").glob("step_*.jsonl"))
-              if f.stem[5:].isdigit() and int(f.stem[5:]) > want + 1]
-    rows, _ = read_jsonl(run_dir / "metrics.jsonl")
-    late = sorted({r["step"] for r in rows if r.get("phase") in ("rl", "eval") and isinstance(r.get("step"), int)
-                   and not isinstance(r["step"], bool) and r["step"] > want + 1})
-    ahead += [f"metrics.jsonl (RL rows of step {', '.join(map(str, late))})"] if late else []
-    if ahead:
-        raise ValueError(f"{run_dir / 'state.json'}: commits RL step {want}, but the run directory holds work of later "
-                         f"steps: {'; '.join(ahead)}. A crash leaves at most one step (step {want + 1}) uncommitted, "
-                         "so this state.json was rolled back or replaced; refusing to resume over (and delete) that "
-                         "work: restore the run's own state.json, or start a new --run-dir")
-
-
-def resume_run(run_dir: Path, state: dict, sft_done: bool) -> list[str]:
-    """Bring a run directory back to what state.json committed; returns notes for the log.
-
-    The commit point of each phase is one atomic write: base phase + SFT -> ckpt/sft renamed into place; critic
-    warm-up -> state.json with "critic_warmup"; RL step k -> state.json with step k (after ckpt/latest of step k, its
-    metrics row and samples). Work after the last commit point is discarded and redone, never adopted: a
-    checkpoint newer than state.json (a kill between the trainer's save and the commit) is deleted and
-    ckpt/previous, the committed step's checkpoint, is put back; rows of metrics.jsonl / dropped.jsonl /
-    failed_trials.jsonl of uncommitted work are dropped (so the redo writes them once). Work more than one step
-    ahead of state.json cannot come from a crash and is refused, never deleted (_refuse_rolled_back)."""
-    ckpt, want, notes = run_dir / "ckpt", state["step"], []
-    dirs = {n: ckpt / n for n in ("latest", "previous", "latest.tmp", "latest.old") if (ckpt / n).is_dir()}
-    steps = {n: checkpoint_step(d) for n, d in dirs.items()}
-    if "latest" in dirs and steps["latest"] is None:  # a checkpoint saved before step.json existed (complete)
-        f = next(iter(sorted(dirs["latest"].glob("trainer*.pt"))), None)
-        steps["latest"] = None if f is None else int(load_trainer_file(f)["step"])
-    _refuse_rolled_back(run_dir, want, steps)
-    for n, st in steps.items():
-        if st is not None and st > want:
-            notes.append(f"ckpt/{n}: discarded the checkpoint of step {st}, never committed in state.json "
-                         f"(step {want}): that step is redone")
-    keep = next((n for n, st in steps.items() if want > 0 and st == want), None)
-    if want > 0 and keep is None:
-        raise ValueError(f"{run_dir / 'state.json'}: committed RL step {want}, but no checkpoint of that step in "
-                         f"{ckpt} (holds: {steps or 'none'}); the run cannot be resumed consistently")
-    for n, d in dirs.items():
-        if n != keep:
-            shutil.rmtree(d)
-    if keep is not None and keep != "latest":
-        dirs[keep].rename(ckpt / "latest")
-        notes.append(f"ckpt/latest: the checkpoint of committed step {want} put back from ckpt/{keep}")
-    if keep is not None:
-        check_weights(ckpt / "latest")
-    for f in sorted((run_dir / "samples").glob("step_*.jsonl")):  # an uncommitted step's samples: redone
-        if f.stem[5:].isdigit() and int(f.stem[5:]) > want:
-            f.unlink()
-            notes.append(f"samples/{f.name}: removed, step {f.stem[5:].lstrip('0')} was never committed")
-    warm = "critic_warmup" in state
-    if not warm:
-        for f in ckpt.glob("critic_warm*.pt"):  # would be loaded and warmed up a second time
-            f.unlink()
-            notes.append(f"ckpt/{f.name}: removed, the critic warm-up was never committed")
-    if not sft_done:  # the base phase belongs to the warm start: redone with it
-        for n in ("sft.tmp", "base.tmp", "base"):
-            shutil.rmtree(ckpt / n, ignore_errors=True)
-
-    def committed(tag, step, name) -> bool:  # tag: a phase of metrics.jsonl or a tag of failed_trials ("step3")
-        tag = str(tag)
-        if tag.startswith("step") and tag[4:].isdigit():
-            return int(tag[4:]) <= want
-        if tag in ("rl", "eval"):  # an "eval" row belongs to the RL step it scored (0: the SFT checkpoint)
-            if not isinstance(step, int) or isinstance(step, bool):
-                raise ValueError(f"{run_dir / name}: an RL row without an integer step ({step!r})")
-            return step <= want
-        return {"base": sft_done, "sft": sft_done, "critic_warmup": warm, "warmup": warm}.get(tag, True)
-
-    notes += rewrite_jsonl(run_dir / "metrics.jsonl",
-                           lambda r: committed(r.get("phase"), r.get("step"), "metrics.jsonl"))
-    notes += rewrite_jsonl(run_dir / "dropped.jsonl", lambda r: committed("rl", r.get("step"), "dropped.jsonl"))
-    notes += rewrite_jsonl(run_dir / "failed_trials.jsonl", lambda r: committed(r.get("tag"), None, ""))
-    return notes
-
-
-# --- rank sharing of rows ------------------------------------------------------------------------------
-
-def rank_world(group) -> tuple[int, int]:
-    """(rank, world size) of this trainer rank; (0, 1) without a group."""
-    return (0, 1) if group is None else (group.rank(), group.size())
-
-
-def share(mb: list[int], group, even: bool = False) -> list[int]:
-    """This rank's rows of minibatch mb: sample i lives on rank i % N, at row i // N of its local batch.
-    even (Megatron ranks: every forward is a collective over the expert-parallel ranks, with equal token counts):
-    padded to the largest rank's share with the local batch's last row, a dummy whose loss mask is 0."""
-    rank, world = rank_world(group)
-    rows = [i // world for i in mb if i % world == rank]
-    most = max(sum(1 for i in mb if i % world == r) for r in range(world))
-    return rows + [-1] * (most - len(rows)) if even else rows
-
-
-def even(args, group) -> bool:
-    """Megatron ranks (a forward is a collective over the expert-parallel ranks) take equal shares, padded."""
-    return args.backend == "megatron" and group is not None
-
-
-def local_rows(batch: dict, group, even: bool = False) -> dict:
-    """The rows of this rank's samples (i = rank mod N); the whole batch on one rank. even: every rank gets
-    ceil(B / N) + 1 rows, the extra ones dummies (copies of row 0 with every mask 0: they train nothing)."""
-    rank, world = rank_world(group)
-    out = {k: (v[rank::world] if torch.is_tensor(v) else v) for k, v in batch.items()}
-    if even and world > 1:
-        n_pad = -(-len(batch["mask"]) // world) + 1 - len(out["mask"])
-        dummy = {k: v[:1].expand(n_pad, *v.shape[1:]) for k, v in batch.items() if torch.is_tensor(v)}
-        dummy["mask"] = torch.zeros_like(dummy["mask"])  # m = 0: no loss, no statistic, no advantage
-        out.update({k: torch.cat([out[k], dummy[k]]) for k in dummy})
-    return out
-
-
 # --- the trainer actor -------------------------------------------------------------------------------
 
 def actor_threads(args) -> int:
@@ -390,12 +108,7 @@ class Trainer:
     Rank r of a TrainerGroup of `world` ranks: with the hf backend full replicas (pure data parallel; rank 0
     saves and publishes); with the megatron backend Megatron's parallel layout of --plan (parallel_state: TP,
     EP and DP over the ranks; DDP + the distributed optimizer; every rank takes part in the gather that saves
-    and publishes, rank 0 writes). A multi-rank trainer builds its models once the group is joined.
-    It runs the step functions of `steps` (a subclass sets them: ppo.Trainer), so that this file imports
-    neither ppo nor the loop: critic_warmup(critic, opt, samples, args, group) and train_step(actor, behaviour, critic,
-    actor_opt, critic_opt, samples, args, rng, run_dir, step, group, ref)."""
-
-    steps = None  # SimpleNamespace(critic_warmup=..., train_step=...): ppo's step functions
+    and publishes, rank 0 writes). A multi-rank trainer builds its models once the group is joined."""
 
     def __init__(self, args, sft_dir: str, step: int, rank: int = 0, world: int = 1):
         if args.pin_cores:  # the trainer's half of the cores, the rollout side has the other (infra.core_split)
@@ -587,7 +300,7 @@ class Trainer:
             self.group = None
 
     def warmup(self, samples: list[dict]) -> list[dict]:
-        recs = self.steps.critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
+        recs = ppo.critic_warmup(self.critic, self.critic_opt, samples, self.args, self.group) if samples else []
         if self.rank == 0 or self.sharded:  # replicas: one file; shards: one per rank
             out = self.run_dir / "ckpt" / self.ckpt_name.replace("trainer", "critic_warm")
             out.parent.mkdir(parents=True, exist_ok=True)  # a --model-path run has no ckpt/sft to have made it
@@ -603,8 +316,8 @@ class Trainer:
         versions = sorted({int(s["weight_version"]) for s in samples if s["weight_version"] is not None})
         if versions:
             self.behaviour.load_state_dict(self.published[versions[0]])  # the policy that sampled this batch
-        stats = (self.steps.train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt,
-                                       samples, self.args, self.rng, self.run_dir, step, self.group, self.ref)
+        stats = (ppo.train_step(self.actor, self.behaviour, self.critic, self.actor_opt, self.critic_opt,
+                                samples, self.args, self.rng, self.run_dir, step, self.group, self.ref)
                  if samples else {})
         if self.rank == 0 or self.sharded:  # replicas are identical: one checkpoint; shards: every rank
             save_trainer(self.latest, self.save_actor, self._state(step), self.ckpt_name, self.rank, self._barrier)
@@ -615,14 +328,11 @@ class TrainerGroup:
     """The trainer ranks behind the one handle the loop talks to: `group.method.remote(*a)` runs the method
     on every rank (in the same order on each) and returns rank 0's ObjectRef. The ranks move in lockstep
     through their collectives; an error of another rank surfaces at the next call (or hangs rank 0 in a
-    collective until the group's timeout, 30 min, if that rank stays alive). `trainer`: the class of a rank
-    (a subclass sets it: ppo.TrainerGroup runs ppo.Trainer, with ppo's step functions)."""
-
-    trainer = Trainer
+    collective until the group's timeout, 30 min, if that rank stays alive)."""
 
     def __init__(self, ray, args, sft_dir: str, step: int, options: list[dict]):
         self.ray, world = ray, len(options)
-        self.ranks = [ray.remote(self.trainer).options(**o).remote(args, sft_dir, step, r, world)
+        self.ranks = [ray.remote(Trainer).options(**o).remote(args, sft_dir, step, r, world)
                       for r, o in enumerate(options)]
         self.others = []  # the other ranks' refs of the last call
         if world > 1:

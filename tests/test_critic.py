@@ -116,7 +116,7 @@ def test_critic_has_actor_architecture_and_aligned_values():
 
 def test_critic_head_init_zero_predicts_zero_and_default_does_not():
     """--critic-head-init: zero (the default) predicts exactly 0 before training; default (nn.Linear's init, the
-    miscalibrated cold critic of issue 14's second cold arm) does not; the backbone is the actor's either way."""
+    miscalibrated cold critic of the second cold-start arm) does not; the backbone is the actor's either way."""
     import model as M
     actor = M.build_actor(M.tiny_config(300), seed=0)
     ids = torch.randint(3, 300, (2, 9))

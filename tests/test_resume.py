@@ -1,4 +1,4 @@
-"""Resume never duplicates or loses (trainer.resume_run, the commit point state.json).
+"""Resume never duplicates or loses (rundir.resume_run, the commit point state.json).
 
 Fast tests on the save / load helpers and on an in-process Trainer: a checkpoint newer than state.json (a kill
 between the trainer's save and the commit) is discarded and its step redone exactly once; a kill between the
@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import ppo
+import rundir
 import train_t1 as T
 import trainer as TR
 
@@ -45,7 +45,7 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
 
     def trainer(run, step):
         (run / "ckpt").mkdir(parents=True, exist_ok=True)
-        t = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, step)
+        t = TR.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, step)
         t.mark_published(step)  # the engines serve the weights of the last committed step
         return t
 
@@ -61,15 +61,15 @@ def test_checkpoint_newer_than_state_is_discarded_and_the_step_redone_once(tmp_p
     rl_step(killed, 1)
     state = {"phase_times": {}, "step": 1, "critic_warmup": {}}
     (run / "state.json").write_text(json.dumps(state))  # step 1 committed
-    TR.prune_previous(run)
+    rundir.prune_previous(run)
     rl_step(killed, 2)  # step 2 checkpointed, then the kill: state.json still says step 1
     latest, previous = run / "ckpt" / "latest", run / "ckpt" / "previous"
-    assert TR.checkpoint_step(latest) == 2 and TR.checkpoint_step(previous) == 1
+    assert rundir.checkpoint_step(latest) == 2 and rundir.checkpoint_step(previous) == 1
     with pytest.raises(ValueError, match="holds RL step 2, state.json committed step 1"):
-        ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, 1)  # loading it would apply step 2 twice
-    notes = TR.resume_run(run, TR.load_state(run), sft_done=True)
+        TR.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), sft, 1)  # loading it would apply step 2 twice
+    notes = rundir.resume_run(run, rundir.load_state(run), sft_done=True)
     assert any("discarded the checkpoint of step 2" in n for n in notes), notes
-    assert TR.checkpoint_step(latest) == 1 and not previous.exists()
+    assert rundir.checkpoint_step(latest) == 1 and not previous.exists()
     resumed = trainer(run, 1)
     rl_step(resumed, 2)
     want, got = ref.state_dicts(), resumed.state_dicts()
@@ -83,14 +83,14 @@ def test_a_resume_runs_at_the_flags_learning_rates_not_the_checkpoints(tmp_path,
     kept the old one without a word. The flags win, and the change is in log.txt."""
     run = tmp_path / "run"
     (run / "ckpt").mkdir(parents=True)
-    t = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 0)
+    t = TR.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 0)
     t.mark_published(0)
     t.train_step([dict(s, weight_version=0) for s in tiny_sft.samples], 1)
     (run / "state.json").write_text(json.dumps({"phase_times": {}, "step": 1, "critic_warmup": {}}))
-    same = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 1)
+    same = TR.Trainer(dataclasses.replace(ARGS, run_dir=str(run)), str(tiny_sft.sft), 1)
     assert (TR.optimizer_lr(same.actor_opt), TR.optimizer_lr(same.critic_opt)) == (1e-3, 1e-3)
     assert "from here it runs at" not in (run / "log.txt").read_text()
-    new = ppo.Trainer(dataclasses.replace(ARGS, run_dir=str(run), actor_lr=3e-4, critic_lr=2e-3), str(tiny_sft.sft), 1)
+    new = TR.Trainer(dataclasses.replace(ARGS, run_dir=str(run), actor_lr=3e-4, critic_lr=2e-3), str(tiny_sft.sft), 1)
     assert new.actor_opt.param_groups[0]["lr"] == 3e-4 and new.critic_opt.param_groups[0]["lr"] == 2e-3
     assert new.actor_opt.state_dict()["state"]  # the moments were loaded: only the lr changed
     log = (run / "log.txt").read_text()
@@ -102,32 +102,32 @@ def test_kill_between_checkpoint_renames_puts_the_committed_one_back(tmp_path):
     ck = tmp_path / "ckpt"
     fake_ckpt(ck / "previous", 1)  # latest renamed to previous, the new one not yet renamed to latest
     fake_ckpt(ck / "latest.tmp", 2)
-    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
-    assert TR.checkpoint_step(ck / "latest") == 1 and sorted(p.name for p in ck.iterdir()) == ["latest"]
+    notes = rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    assert rundir.checkpoint_step(ck / "latest") == 1 and sorted(p.name for p in ck.iterdir()) == ["latest"]
     assert any("put back from ckpt/previous" in n for n in notes)
     fake_ckpt(ck / "latest.tmp", None)  # killed while writing: no step.json
-    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert sorted(p.name for p in ck.iterdir()) == ["latest"]
 
 
 def test_first_step_checkpoint_without_commit_is_discarded(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 1)
-    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
+    notes = rundir.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
     assert not (tmp_path / "ckpt" / "latest").exists() and "step 1" in notes[0]
 
 
 def test_committed_step_keeps_latest_and_prunes_previous(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 2)
     fake_ckpt(tmp_path / "ckpt" / "previous", 1)  # killed after the commit, before prune_previous
-    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 2, "critic_warmup": {}}, sft_done=True)
-    assert notes == [] and TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 2
+    notes = rundir.resume_run(tmp_path, {"phase_times": {}, "step": 2, "critic_warmup": {}}, sft_done=True)
+    assert notes == [] and rundir.checkpoint_step(tmp_path / "ckpt" / "latest") == 2
     assert not (tmp_path / "ckpt" / "previous").exists()
 
 
 def test_committed_step_without_its_checkpoint_is_refused(tmp_path):
     fake_ckpt(tmp_path / "ckpt" / "latest", 2)
     with pytest.raises(ValueError, match=r"state\.json: committed RL step 3, but no checkpoint of that step"):
-        TR.resume_run(tmp_path, {"phase_times": {}, "step": 3, "critic_warmup": {}}, sft_done=True)
+        rundir.resume_run(tmp_path, {"phase_times": {}, "step": 3, "critic_warmup": {}}, sft_done=True)
 
 
 def test_run_dir_with_checkpoints_but_no_state_is_refused(tmp_path):
@@ -139,53 +139,53 @@ def test_run_dir_with_checkpoints_but_no_state_is_refused(tmp_path):
         T.train(dataclasses.replace(T.QUICK, run_dir=str(run)))
     assert not (run / "state.json").exists() and not (run / "args.json").exists()  # nothing started over it
     assert rows(run / "metrics.jsonl") == [{"phase": "sft", "step": 1, "sft_loss": 3.0}]
-    assert TR.load_state(tmp_path / "fresh") == {"phase_times": {}, "step": 0}
+    assert rundir.load_state(tmp_path / "fresh") == {"phase_times": {}, "step": 0}
 
 
 def test_torn_last_metrics_line_is_dropped_with_a_note(tmp_path):
     good = [{"phase": "sft", "step": 1, "sft_loss": 2.0}, {"phase": "rl", "step": 1, "reward_mean": 0.1}]
     write_jsonl(tmp_path / "metrics.jsonl", good, tail='{"phase": "rl", "step": 2, "rew')
     fake_ckpt(tmp_path / "ckpt" / "latest", 1)
-    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    notes = rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == good and notes == ["metrics.jsonl: dropped a torn last line "
                                                                   "(31 chars: a kill mid-write)"]
     write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail=json.dumps(good[1]))  # killed before its newline
-    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert (tmp_path / "metrics.jsonl").read_text().endswith("}\n") and rows(tmp_path / "metrics.jsonl") == good
     write_jsonl(tmp_path / "metrics.jsonl", good[:1], tail="{not json\n" + json.dumps(good[1]) + "\n")
     with pytest.raises(ValueError, match="metrics.jsonl: line 2 is not JSON"):
-        TR.rewrite_jsonl(tmp_path / "metrics.jsonl", lambda r: True)
+        rundir.rewrite_jsonl(tmp_path / "metrics.jsonl", lambda r: True)
     write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": "2"}])
     with pytest.raises(ValueError, match=r"metrics.jsonl: an RL row without an integer step \('2'\)"):
-        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
 
 
 def test_corrupt_state_and_checkpoint_files_are_named(tmp_path):
     (tmp_path / "state.json").write_text('{"step": 3, "phase_ti')
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "state.json")) + ": corrupt"):
-        TR.load_state(tmp_path)
+        rundir.load_state(tmp_path)
     (tmp_path / "state.json").write_text('{"step": "3", "phase_times": {}}')
     with pytest.raises(ValueError, match="state.json: corrupt: expected an object with an integer 'step'"):
-        TR.load_state(tmp_path)
+        rundir.load_state(tmp_path)
     (tmp_path / "trainer.pt").write_bytes(b"PK\x03\x04 truncated")
     with pytest.raises(ValueError, match=re.escape(str(tmp_path / "trainer.pt")) + ": corrupt or unreadable"):
-        TR.load_trainer_file(tmp_path / "trainer.pt")
+        rundir.load_trainer_file(tmp_path / "trainer.pt")
     latest = fake_ckpt(tmp_path / "ckpt" / "latest", 1)
     (latest / "step.json").write_text("{")
     with pytest.raises(ValueError, match="latest/step.json: corrupt checkpoint marker"):
-        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     (latest / "step.json").write_text('{"step": 1}')
     data = (latest / "model.safetensors").read_bytes()
     (latest / "model.safetensors").write_bytes(data[: len(data) // 2])  # killed mid-copy / disk full
     with pytest.raises(ValueError, match="latest/model.safetensors: corrupt weights file"):
-        TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+        rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
 
 
 def test_unfinished_sft_and_warmup_leave_no_rows_to_duplicate(tmp_path):
     sft_rows = [{"phase": "sft", "step": i, "sft_loss": 1.0 / i} for i in (1, 2, 3)]
     write_jsonl(tmp_path / "metrics.jsonl", sft_rows)
     (tmp_path / "ckpt" / "sft.tmp").mkdir(parents=True)  # killed while saving the SFT checkpoint
-    TR.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=False)  # SFT is redone from its start
+    rundir.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=False)  # SFT is redone from its start
     assert rows(tmp_path / "metrics.jsonl") == [] and not (tmp_path / "ckpt" / "sft.tmp").exists()
     # SFT done, warm-up killed after its critic file and rows, before state.json recorded it
     warm = [{"phase": "critic_warmup", "step": i, "explained_variance": 0.1} for i in (1, 2)]
@@ -193,7 +193,7 @@ def test_unfinished_sft_and_warmup_leave_no_rows_to_duplicate(tmp_path):
     write_jsonl(tmp_path / "failed_trials.jsonl", [{"tag": "sft", "task": "a", "reason": "x"},
                                                    {"tag": "warmup", "task": "b", "reason": "y"}])
     torch.save({"critic": {}}, tmp_path / "ckpt" / "critic_warm.pt")
-    notes = TR.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=True)
+    notes = rundir.resume_run(tmp_path, {"phase_times": {}, "step": 0}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == sft_rows and not (tmp_path / "ckpt" / "critic_warm.pt").exists()
     assert [r["tag"] for r in rows(tmp_path / "failed_trials.jsonl")] == ["sft"]
     assert any("critic warm-up was never committed" in n for n in notes)
@@ -210,12 +210,12 @@ def test_uncommitted_rl_step_rows_and_samples_are_dropped(tmp_path):
     (tmp_path / "samples").mkdir()
     for k in (1, 2):
         (tmp_path / "samples" / f"step_{k:06d}.jsonl").write_text("")
-    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
     assert rows(tmp_path / "metrics.jsonl") == rl[:1]
     assert rows(tmp_path / "dropped.jsonl") == [{"step": 1, "task": "a"}]
     assert [r["tag"] for r in rows(tmp_path / "failed_trials.jsonl")] == ["step1"]
     assert [p.name for p in (tmp_path / "samples").iterdir()] == ["step_000001.jsonl"]
-    assert TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 1
+    assert rundir.checkpoint_step(tmp_path / "ckpt" / "latest") == 1
 
 
 @pytest.mark.parametrize("evidence", ["ckpt", "metrics", "samples"])
@@ -234,7 +234,7 @@ def test_rolled_back_state_is_refused_and_nothing_is_deleted(tmp_path, evidence)
     metrics = (tmp_path / "metrics.jsonl").read_text() if evidence == "metrics" else None
     with pytest.raises(ValueError, match=r"commits RL step 0, but the run directory holds work of later steps: .*"
                                          r"rolled back or replaced"):
-        TR.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
+        rundir.resume_run(tmp_path, {"phase_times": {}, "step": 0, "critic_warmup": {}}, sft_done=True)
     assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
     if metrics is not None:
         assert (tmp_path / "metrics.jsonl").read_text() == metrics
@@ -248,6 +248,6 @@ def test_work_one_step_ahead_is_a_crash_and_is_redone(tmp_path):
     write_jsonl(tmp_path / "metrics.jsonl", [{"phase": "rl", "step": k} for k in (1, 2)])
     (tmp_path / "samples").mkdir()
     (tmp_path / "samples" / "step_000002.jsonl").write_text("")
-    TR.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
-    assert TR.checkpoint_step(tmp_path / "ckpt" / "latest") == 1 and rows(tmp_path / "metrics.jsonl") == [
+    rundir.resume_run(tmp_path, {"phase_times": {}, "step": 1, "critic_warmup": {}}, sft_done=True)
+    assert rundir.checkpoint_step(tmp_path / "ckpt" / "latest") == 1 and rows(tmp_path / "metrics.jsonl") == [
         {"phase": "rl", "step": 1}]

@@ -1,4 +1,4 @@
-"""ppo.TrainerGroup: critic warm-up + one train_step over 2 data-parallel Ray ranks (gloo) equal the
+"""trainer.TrainerGroup: critic warm-up + one train_step over 2 data-parallel Ray ranks (gloo) equal the
 1-rank ones (weights within 1e-5 at lr 1e-4; the replicas bitwise identical), then a step on one sample
 (rank 1 holds none and still joins every gradient sum); the same under Megatron model-parallel plans. The
 tiny actor's checkpoint and its fake samples: conftest.tiny_sft."""
@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import infra
-import ppo
 import train_t1 as T
 import trainer as TR
 
@@ -21,7 +20,7 @@ def test_two_rank_step_equals_one_rank_step(tmp_path, tiny_sft):
                                torch_threads=1)
 
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = ppo.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(sft), 0)
+    one = TR.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(sft), 0)
     before = {k: v.clone() for k, v in one.actor.state_dict().items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
@@ -33,7 +32,7 @@ def test_two_rank_step_equals_one_rank_step(tmp_path, tiny_sft):
     try:
         (tmp_path / "two" / "ckpt").mkdir(parents=True)
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), trainer_ranks=2)
-        group = ppo.TrainerGroup(ray, two_args, str(sft), 0, [{"num_cpus": 1}] * 2)
+        group = TR.TrainerGroup(ray, two_args, str(sft), 0, [{"num_cpus": 1}] * 2)
         warm2 = ray.get(group.warmup.remote(samples))  # the loop's calls: fan out, rank 0's answer
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -69,7 +68,7 @@ def megatron_one_rank(tmp_path_factory, tiny_sft):
     base = dataclasses.replace(T.EMBEDDED, backend="megatron", minibatch_size=3, ppo_epochs=2, actor_lr=1e-4,
                                critic_lr=1e-4, torch_threads=1)
     (tmp_path / "one" / "ckpt").mkdir(parents=True)
-    one = ppo.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tiny_sft.sft), 0)
+    one = TR.Trainer(dataclasses.replace(base, run_dir=str(tmp_path / "one")), str(tiny_sft.sft), 0)
     before = {k: v.clone() for k, v in one.state_dicts()["actor"].items()}
     warm1 = one.warmup(samples)
     one.mark_published(0)
@@ -98,7 +97,7 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
         two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
         T.check_args(two_args)
         assert TR.parallel_plan(two_args)["world"] == world
-        group = ppo.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * world)
+        group = TR.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * world)
         warm2 = ray.get(group.warmup.remote(samples))
         ray.get(group.mark_published.remote(0))
         stats2 = ray.get(group.train_step.remote(samples, 1))
@@ -170,7 +169,7 @@ def test_megatron_bf16_trainer_over_two_ranks_resumes_exactly(tmp_path, megatron
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
     ray = infra.ray_start(2, "", 1)
     try:
-        group = ppo.TrainerGroup(ray, args, str(o.sft), 0, [{"num_cpus": 1}] * 2)
+        group = TR.TrainerGroup(ray, args, str(o.sft), 0, [{"num_cpus": 1}] * 2)
         ray.get(group.warmup.remote(o.samples))
         ray.get(group.mark_published.remote(0))
         ray.get(group.train_step.remote(o.samples, 1))
@@ -183,7 +182,7 @@ def test_megatron_bf16_trainer_over_two_ranks_resumes_exactly(tmp_path, megatron
         ray.get(group.close.remote())
         for r in group.ranks:  # their CPUs for the resumed group's ranks
             ray.kill(r)
-        resumed = ppo.TrainerGroup(ray, dataclasses.replace(args, run_dir=str(tmp_path / "resumed")), str(o.sft), 2,
+        resumed = TR.TrainerGroup(ray, dataclasses.replace(args, run_dir=str(tmp_path / "resumed")), str(o.sft), 2,
                                    [{"num_cpus": 1}] * 2)  # from ckpt/latest = step 2
         back2 = ray.get([r.state_dicts.remote() for r in resumed.ranks])[0]
         ray.get(resumed.mark_published.remote(0))
@@ -206,7 +205,7 @@ def test_megatron_bf16_trainer_over_two_ranks_resumes_exactly(tmp_path, megatron
     resumed_latest = tmp_path / "resumed" / "ckpt" / "latest"  # as one rank's file, for a one-rank fp32 trainer:
     shutil.copy(resumed_latest / "trainer_rank0.pt", resumed_latest / "trainer.pt")  # refused by name
     with pytest.raises(ValueError, match="--param-dtype: .* was trained with bf16, this run asks for fp32"):
-        ppo.Trainer(dataclasses.replace(args, run_dir=str(tmp_path / "resumed"), param_dtype="fp32", plan=""),
+        TR.Trainer(dataclasses.replace(args, run_dir=str(tmp_path / "resumed"), param_dtype="fp32", plan=""),
                     str(o.sft), 3)  # the resumed group's step 3
     latest = tmp_path / "run" / "ckpt" / "latest"
     import json
