@@ -1,5 +1,5 @@
-"""Tests for engine/server.py: the embedded engine over real HTTP (wire format, batching, weight updates, the CLI, and
-requests refused before they join a batch)."""
+"""Tests for the embedded engine (engine/server.py, batcher.py, protocol.py, weights.py, kvcache.py) over real HTTP:
+wire format, batching, weight updates, the CLI, and requests refused before they join a batch."""
 import json
 import os
 import subprocess
@@ -14,9 +14,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import server as engine_lib  # noqa: E402
+from engine import batcher  # noqa: E402
 from engine import httpjson  # noqa: E402
 import infra  # noqa: E402
 from engine import kvcache  # noqa: E402
+from engine import protocol  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
 from test_model import prompt  # noqa: E402
@@ -445,7 +447,7 @@ def test_a_request_that_fails_inside_a_batch_fails_alone(engine, tok):
 
     def submit_bad():
         for rid, temperature, seed in (("row-fails", 1e-310, None), ("wave-fails", 1.0, 2**70)):
-            r = engine_lib.Request(rid, ids, temperature, 1.0, 6, {2}, seed)
+            r = protocol.Request(rid, ids, temperature, 1.0, 6, {2}, seed)
             bad.append(r)
             threads.append(threading.Thread(target=engine.submit, args=(r,)))
             threads[-1].start()
@@ -617,7 +619,7 @@ def test_batched_sampling_draws_each_rows_distribution():
         want[list(keep)] = probs[list(keep)] / probs[list(keep)].sum()
         counts = torch.zeros(6)
         for _ in range(rounds):
-            out = engine_lib.sample_rows(logits.expand(n, 6), [0.7] * n, [top_p] * n, [top_k] * n, [gen] * n)
+            out = batcher.sample_rows(logits.expand(n, 6), [0.7] * n, [top_p] * n, [top_k] * n, [gen] * n)
             for tok, lp in out:
                 counts[tok] += 1
                 assert lp == pytest.approx(float(torch.log_softmax(logits / 0.7, -1)[tok]), abs=1e-6)
@@ -636,14 +638,14 @@ def test_batched_sampling_rows_are_independent_of_their_batch():
 
     def gens():
         return [torch.Generator().manual_seed(s) for s in (11, 12, 13, 14, 15)]
-    together = engine_lib.sample_rows(logits, *params, gens())
-    alone = [engine_lib.sample_rows(logits[i:i + 1], *[[p[i]] for p in params], [gens()[i]])[0] for i in range(5)]
+    together = batcher.sample_rows(logits, *params, gens())
+    alone = [batcher.sample_rows(logits[i:i + 1], *[[p[i]] for p in params], [gens()[i]])[0] for i in range(5)]
     assert together == alone
     assert together[1] == (int(logits[1].argmax()), pytest.approx(float(torch.log_softmax(logits[1], -1).max())))
     assert together[4][0] == int(logits[4].argmax())  # top_k 1 at T = 1
     bad = logits.clone()
     bad[2, 7] = float("nan")
-    out = engine_lib.sample_rows(bad, *params, gens())
+    out = batcher.sample_rows(bad, *params, gens())
     assert isinstance(out[2], ValueError) and "non-finite" in str(out[2])
     assert [o for i, o in enumerate(out) if i != 2] == [o for i, o in enumerate(together) if i != 2]
 
@@ -889,7 +891,7 @@ def test_a_prefix_hit_joins_in_the_step_where_running_rows_finish(tok, tmp_path,
     try:
         ids = prompt(tok, "list the files in /app")
         first = generate(hot, ids, max_new_tokens=6, seed=1, **sp)
-        hit = engine_lib.Request("hit", ids + first["output_ids"] + prompt(tok, "a.txt b.txt"), 1.0, 1.0, 8, set(), 2)
+        hit = protocol.Request("hit", ids + first["output_ids"] + prompt(tok, "a.txt b.txt"), 1.0, 1.0, 8, set(), 2)
         step, seen = hot._step, {}
 
         def stepped(admit):  # on the scheduler thread, between steps

@@ -1,4 +1,4 @@
-"""Stress test for engine/server.py and engine/kvcache.py: concurrent multi-turn agents (the rollout's traffic: each
+"""Stress test for engine/batcher.py and engine/kvcache.py: concurrent multi-turn agents (the rollout's traffic: each
 turn re-sends the trajectory, its reply and a tool output of random length) whose rows join and leave the running batch
 at many batch sizes and prompt lengths, on both architectures, with more agents than the batch holds, a request aborted
 mid-decode and a client that hangs up. Every request must answer 200 with a reply that teacher-forced forwards of
@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import server as engine_lib  # noqa: E402
+from engine import batcher  # noqa: E402
 from engine import kvcache  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
@@ -66,11 +67,11 @@ def _hang_up(eng, body, rid):
 
 
 class Coverage:
-    """What the run did to the batch: instrumented kvcache calls (the engine's names for them)."""
+    """What the run did to the batch: instrumented kvcache calls (the batcher's names for them)."""
 
     def __init__(self, monkeypatch, eng):
         self.sizes, self.in_place, self.rebuilt, self.dropped, self.grew_with_spare = set(), 0, 0, 0, 0
-        append, drop, update, step = engine_lib.append_rows, engine_lib.drop_rows, kvcache.GrowingKV.update, eng._step
+        append, drop, update, step = batcher.append_rows, batcher.drop_rows, kvcache.GrowingKV.update, eng._step
         cov = self
 
         def append_rows(cache, mask, parts):
@@ -91,8 +92,8 @@ class Coverage:
         def stepped(admit):
             step(admit)
             cov.sizes.add(len(eng.rows))
-        monkeypatch.setattr(engine_lib, "append_rows", append_rows)
-        monkeypatch.setattr(engine_lib, "drop_rows", drop_rows)
+        monkeypatch.setattr(batcher, "append_rows", append_rows)
+        monkeypatch.setattr(batcher, "drop_rows", drop_rows)
         monkeypatch.setattr(kvcache.GrowingKV, "update", grow)
         monkeypatch.setattr(eng, "_step", stepped)
 
