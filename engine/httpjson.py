@@ -17,7 +17,7 @@ The phases of a connection and their bounds (paper silent; the constants below):
 Run: not by itself; tests/test_http_limits.py, tests/test_engine.py and tests/test_gateway.py send it malformed,
 slow and hostile requests.
 
-Departure: the standard library's server, not SGLang's FastAPI + uvicorn (engine/server.py departure 7).
+Departure: the standard library's server, not SGLang's FastAPI + uvicorn (engine/server.py says why).
 """
 import collections
 import contextlib

@@ -1,4 +1,4 @@
-"""The embedded engine's batch state (engine/server.py): machinery, no paper section. Per-layer state of running rows
+"""The embedded engine's batch state (engine/batcher.py): machinery, no paper section. Per-layer state of running rows
 (the attention layers' KV, the Gated DeltaNet layers' conv + recurrent state), a KV layer that grows in place
 (spare columns, and spare rows that joining rows are written into), stacking rows of different lengths (left
 padding) with one copy of each, rows leaving in place, and the prefix cache across an agent's turns (SGLang's
