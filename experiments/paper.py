@@ -93,7 +93,7 @@ import numpy as np  # noqa: E402
 
 from report import mcnemar_p, paired, wilson  # noqa: E402
 from sandbox import task_io  # noqa: E402
-from trainer import write_atomic  # noqa: E402
+from rundir import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, ...
 

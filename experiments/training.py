@@ -30,8 +30,9 @@ import model
 import ppo
 import r3
 import tito
+import trainer
 from cluster import launch
-from trainer import Metrics
+from rundir import Metrics
 
 
 # --- the copy gate: greedy copy accuracy of the embedded model over base-phase steps -----------------------------
@@ -109,7 +110,7 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     """The trainer's Megatron path on this node, in one process (world size 1): an HF Qwen3.5-MoE checkpoint of
     `shape` with random weights (rounded to bf16, so both sides hold the same values), written and read back the
     way --model-path is (mcore.trainer_models: on CUDA the cluster model, TE and DeepEP where they import, Megatron's
-    distributed optimizer; on the CPU local modules and ShardedAdam), then `steps` real ppo.Trainer.train_step calls
+    distributed optimizer; on the CPU local modules and ShardedAdam), then `steps` real trainer.Trainer.train_step calls
     (critic update, old logprobs with R3 replay, PPO epochs, checkpoint) on n_samples trajectories of `tokens` tokens
     sampled nowhere but recorded by the HF model in fp32 (its routing replayed, its logprobs the rollout's: dlogp is
     the HF-vs-Megatron mismatch of the same weights). -> the node's facts, seconds and trajectory tokens/s per step,
@@ -153,7 +154,7 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
                             trainer_ranks=1, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, reward_scale=20.0)
     (work / "run" / "ckpt").mkdir(parents=True)
     t0 = time.time()
-    tr = ppo.Trainer(a, str(work / "sft"), 0)
+    tr = trainer.Trainer(a, str(work / "sft"), 0)
     built = time.time() - t0
     phase("trainer built")
     if cuda:
