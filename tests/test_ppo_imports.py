@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("engine", "sandbox", "cluster", "tasks", "experiments")  # the machinery, by what it is
 NOT_BELOW_PPO = ("trainer", "rollout", "train_t1")  # the process that calls ppo, the harness, the loop
-MOST_MODULES = 8  # ppo, critic, r3, tito, chat_tokens, rundir, dp: a handful, not twenty
+MOST_MODULES = 8  # ppo, critic, r3, tito, chat_tokens, rundir, dp: seven, and one to spare
 
 PROBE = """
 import json, sys
