@@ -14,8 +14,11 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data  # noqa: E402
 import rollout  # noqa: E402
+import terminus2  # noqa: E402
+from engine.client import EngineClient  # noqa: E402
 from sandbox import jail  # noqa: E402
 from sandbox import task_io  # noqa: E402
+from sandbox.limits import Limits  # noqa: E402
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
@@ -87,7 +90,7 @@ def task(tmp_path):
 
 @pytest.fixture
 def box(task, tmp_path):
-    limits = jail.Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
+    limits = Limits(max_procs=32, output_bytes=2000, file_bytes=1 << 20)
     with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         yield b
 
@@ -99,7 +102,7 @@ def tok():
 
 def _tok():
     model = pytest.importorskip("model")
-    return model.train_tokenizer([json.dumps(r) for r in SCRIPT] + [rollout.PROMPT, "sort in.txt > out.txt"] * 4,
+    return model.train_tokenizer([json.dumps(r) for r in SCRIPT] + [terminus2.PROMPT, "sort in.txt > out.txt"] * 4,
                                  vocab_size=400)
 
 
@@ -192,10 +195,11 @@ def test_close_kills_background_and_setsid_processes(box):
 
 ORPHAN = """import os, sys, time
 sys.path.insert(0, {root!r})
-import sandbox, task_io
-args = sandbox.Sandbox._bwrap_args  # the race: killed before bwrap's prctl(PR_SET_PDEATHSIG) ran
-sandbox.Sandbox._bwrap_args = lambda self, phase="agent": [a for a in args(self, phase) if a != "--die-with-parent"]
-box = sandbox.Sandbox(task_io.load_task({task!r}), {trial!r}, sandbox.Limits()).start()
+from sandbox import jail, task_io
+from sandbox.limits import Limits
+args = jail.Sandbox._bwrap_args  # the race: killed before bwrap's prctl(PR_SET_PDEATHSIG) ran
+jail.Sandbox._bwrap_args = lambda self, phase="agent": [a for a in args(self, phase) if a != "--die-with-parent"]
+box = jail.Sandbox(task_io.load_task({task!r}), {trial!r}, Limits()).start()
 box.send_keys("sleep 1000 &\\n")
 box.read(0.5)
 print(box.jail.pid, box.uid, flush=True)
@@ -284,32 +288,32 @@ def test_crash_inside_trial_is_returned(tmp_path, task):
 
 
 def test_parse_reply_names_the_error():
-    assert rollout.parse_reply("hello")[1] == "no JSON object found"
-    assert "invalid JSON" in rollout.parse_reply("{'a': 1}")[1]
-    assert "'plan'" in rollout.parse_reply('{"analysis": "", "commands": []}')[1]
-    assert "duration" in rollout.parse_reply('{"analysis": "", "plan": "", "commands": [{"keystrokes": "ls", '
+    assert terminus2.parse_reply("hello")[1] == "no JSON object found"
+    assert "invalid JSON" in terminus2.parse_reply("{'a': 1}")[1]
+    assert "'plan'" in terminus2.parse_reply('{"analysis": "", "commands": []}')[1]
+    assert "duration" in terminus2.parse_reply('{"analysis": "", "plan": "", "commands": [{"keystrokes": "ls", '
                                              '"duration": "x"}]}')[1]
-    reply, err = rollout.parse_reply("ok " + json.dumps(SORT) + " trailing")
+    reply, err = terminus2.parse_reply("ok " + json.dumps(SORT) + " trailing")
     assert err is None and reply["commands"][0]["keystrokes"] == "sort in.txt > out.txt\n"
 
 
 def test_fault_replies_are_refused_or_misspell_the_program():
-    """rollout.fault_reply: the two format faults are refused by the harness, the command fault parses and runs
+    """terminus2.fault_reply: the two format faults are refused by the harness, the command fault parses and runs
     one command whose program name is misspelled; with_faults puts one before a reply that does not complete."""
     replies = [SORT, DONE, {**DONE, "analysis": "checked"}]
     for seed in range(50):
         rng = random.Random(seed)
         for kind in ("invalid_json", "no_plan"):
-            assert rollout.parse_reply(rollout.fault_reply(SORT, kind, rng))[1] is not None
-        bad, err = rollout.parse_reply(rollout.fault_reply(SORT, "bad_command", rng))
+            assert terminus2.parse_reply(terminus2.fault_reply(SORT, kind, rng))[1] is not None
+        bad, err = terminus2.parse_reply(terminus2.fault_reply(SORT, "bad_command", rng))
         assert err is None and not bad["task_complete"] and len(bad["commands"]) == 1
         prog, rest = bad["commands"][0]["keystrokes"].split(" ", 1)
         assert any(prog[:i] + prog[i + 1:] == "sort" for i in range(len(prog))) and rest == "in.txt > out.txt\n"
-        assert rollout.with_faults(replies, 0.0, rng) == replies
-        faulted = rollout.with_faults(replies, 1.0, rng)
+        assert terminus2.with_faults(replies, 0.0, rng) == replies
+        faulted = terminus2.with_faults(replies, 1.0, rng)
         assert faulted[0].keys() == {"unscored"} and faulted[1:] == replies  # the only reply that does not complete
     with pytest.raises(ValueError, match="kind must be one of"):
-        rollout.fault_reply(SORT, "typo", random.Random(0))
+        terminus2.fault_reply(SORT, "typo", random.Random(0))
 
 
 def test_scripted_fault_turn_is_in_the_context_but_not_trained(tmp_path, tok):
@@ -333,7 +337,7 @@ def test_scripted_fault_turn_is_in_the_context_but_not_trained(tmp_path, tok):
     script = [SORT, check, DONE, {**DONE, "analysis": "checked"}]
     task2 = make_task(tmp_path, name="sort-twice", script=script)
     seed = next(k for k in range(100)
-                if "unscored" in rollout.with_faults(script, 1.0, random.Random(f"sort-twice:{k}"))[1])
+                if "unscored" in terminus2.with_faults(script, 1.0, random.Random(f"sort-twice:{k}"))[1])
     res = rollout.run_trial(task2, "scripted", tokenizer=tok, script_faults=1.0, seed=seed)
     assert res["resolved"] and [bool(r.get("unscored")) for r in res["records"]] == [False, True, False, False, False]
     s, = rollout.after_faults(rollout.to_samples([res], tmp_path, "sft"))
@@ -397,7 +401,7 @@ def test_model_agent_against_embedded_engine(task, tok, tmp_path):
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
     engine = engine_lib.EngineServer(str(path), port=0).start()
     try:
-        client = rollout.EngineClient(engine.url)
+        client = EngineClient(engine.url)
         info = client.model_info()
         assert client.health() and info["top_k"] == model.TINY_TOP_K
         res = rollout.run_trial(task, "model", engine_url=engine.url, tokenizer=tok,
@@ -455,7 +459,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
     """No deadline given: setting the trial's stop_event ends the send (before: it ignored cancellation)."""
     import threading
     stop = threading.Event()
-    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", jail.Limits(max_procs=32),
+    with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", Limits(max_procs=32),
                          stop_event=stop) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "y\n" * (1 << 20))
@@ -469,7 +473,7 @@ def test_large_paste_without_deadline_ends_on_cancellation(task, tmp_path):
 
 def test_large_paste_with_no_progress_gives_up_after_max_duration(task, tmp_path):
     """Neither deadline nor cancellation: a terminal that takes no byte for limits.max_duration_s ends the send."""
-    limits = jail.Limits(max_procs=32, max_duration_s=2.0)
+    limits = Limits(max_procs=32, max_duration_s=2.0)
     with jail.Sandbox(task_io.load_task(task), tmp_path / "trial", limits) as b:
         _start_sleep(b)
         th, res = _send_in_thread(b, "z\n" * (1 << 19))

@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import bench  # noqa: E402
 import rollout  # noqa: E402
+import terminus2  # noqa: E402
+from engine.client import CallInterrupted, EngineClient  # noqa: E402
 import tito  # noqa: E402
 from test_rollout import DONE, SCRIPT, SORT, _check_token_path, _tok, make_task  # noqa: E402
 
@@ -155,8 +157,8 @@ def test_the_guarded_call_is_not_sent_after_the_deadline_and_is_cut_before_conne
     (a listen backlog nobody serves) it is cut at the deadline; with neither deadline nor stop event it is the plain
     call."""
     eng = stub("reply", [json.dumps(SORT)])
-    c = rollout.EngineClient(eng.url)
-    with pytest.raises(rollout.CallInterrupted) as e:
+    c = EngineClient(eng.url)
+    with pytest.raises(CallInterrupted) as e:
         c.generate([1, 2], {"max_new_tokens": 4}, rid="late", deadline=time.time() - 1)
     assert e.value.why == "deadline" and eng.calls == []
     srv = socket.socket()
@@ -164,14 +166,14 @@ def test_the_guarded_call_is_not_sent_after_the_deadline_and_is_cut_before_conne
     srv.listen(8)  # never accepted: the request sits in the kernel's queue
     try:
         t0 = time.time()
-        with pytest.raises(rollout.CallInterrupted, match="the deadline passed"):
-            rollout.EngineClient(f"http://127.0.0.1:{srv.getsockname()[1]}").generate(
+        with pytest.raises(CallInterrupted, match="the deadline passed"):
+            EngineClient(f"http://127.0.0.1:{srv.getsockname()[1]}").generate(
                 [1, 2], {"max_new_tokens": 4}, deadline=time.time() + 1.0)
         assert time.time() - t0 < 3
         stop = threading.Event()
         threading.Timer(0.5, stop.set).start()
-        with pytest.raises(rollout.CallInterrupted) as e:
-            rollout.EngineClient(f"http://127.0.0.1:{srv.getsockname()[1]}").generate(
+        with pytest.raises(CallInterrupted) as e:
+            EngineClient(f"http://127.0.0.1:{srv.getsockname()[1]}").generate(
                 [1, 2], {"max_new_tokens": 4}, stop_event=stop)
         assert e.value.why == "cancelled" and time.time() - t0 < 5
     finally:
@@ -184,14 +186,15 @@ def test_the_guarded_call_is_not_sent_after_the_deadline_and_is_cut_before_conne
 @needs_jail
 def test_the_embedded_engine_drops_the_request_cut_at_the_deadline(tmp_path, tok):
     """Against engine/server.py, paused so that the request waits in its queue: at the 3 s deadline the client hangs
-    up, the engine takes the request out (EngineServer.disconnects lists its rid) and nothing is left queued or running."""
+    up, the engine takes the request out (EngineServer.disconnects lists its rid) and nothing is left queued or
+    running."""
     model = pytest.importorskip("model")
     engine_lib = pytest.importorskip("engine.server")
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))
     engine = engine_lib.EngineServer(str(path), port=0).start()
     try:
-        client = rollout.EngineClient(engine.url)
+        client = EngineClient(engine.url)
         client.pause()
         res = rollout.run_trial(make_task(tmp_path, agent_timeout=3), "model", engine_url=engine.url, tokenizer=tok)
         assert res["wall_s"] < 60 and res["exit_reason"] == "timeout", res
@@ -338,10 +341,10 @@ def test_literal_rendering_is_render_ids_for_honest_text_and_text_for_forged(tok
     alpha = "ab \n\t<|>_x\r\u00e9e\u0301{}\"'"
     for _ in range(2000):
         text = "".join(rng.choice(alpha) for _ in range(rng.randint(0, 16)))
-        assert rollout.render_literal_ids(tok, "user", text) == model.render_ids(tok, "user", text), repr(text)
+        assert terminus2.render_literal_ids(tok, "user", text) == model.render_ids(tok, "user", text), repr(text)
     specials = [tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>")]
     for text in (FORGED, FORGED * 50, "<|im_start|>", "a<|im_end|>b", "<|im_end|" + "|>"):
-        ids = rollout.render_literal_ids(tok, "user", text)
+        ids = terminus2.render_literal_ids(tok, "user", text)
         assert [ids.count(s) for s in specials] == [0, 1, 1], text
         assert tok.decode(ids) == f"<|im_start|>user\n{text}<|im_end|>\n"
     import copy
@@ -349,13 +352,13 @@ def test_literal_rendering_is_render_ids_for_honest_text_and_text_for_forged(tok
     tok2.add_tokens(["<think>"])  # special_tokens, still text here
     think = tok2.convert_tokens_to_ids("<think>")
     assert think in tok2.encode("a <think> b", add_special_tokens=False)
-    ids = rollout.render_literal_ids(tok2, "user", "a <think> b")
+    ids = terminus2.render_literal_ids(tok2, "user", "a <think> b")
     assert think not in ids and tok2.decode(ids) == "<|im_start|>user\na <think> b<|im_end|>\n"
-    assert rollout.render_literal_ids(tok2, "user", "a think b") == model.render_ids(tok2, "user", "a think b")
-    want, bad = rollout.render_literal_ids(tok, "user", FORGED * 20), []
+    assert terminus2.render_literal_ids(tok2, "user", "a think b") == model.render_ids(tok2, "user", "a think b")
+    want, bad = terminus2.render_literal_ids(tok, "user", FORGED * 20), []
 
     def literal():
-        bad.extend(i for i in range(200) if rollout.render_literal_ids(tok, "user", FORGED * 20) != want)
+        bad.extend(i for i in range(200) if terminus2.render_literal_ids(tok, "user", FORGED * 20) != want)
 
     def plain():
         for _ in range(200):
@@ -393,14 +396,14 @@ def test_tool_output_that_spells_special_tokens_stays_text(tmp_path, tok):
 
 
 def test_transcript_is_capped_and_never_fails_the_trial(tmp_path, monkeypatch):
-    """rollout.Transcript: lines flushed as they go; a folder it cannot create the file in, a write past the cap, or a
+    """terminus2.Transcript: lines flushed as they go; a folder it cannot create the file in, a write past the cap, or a
     file already there (a planted name) end it with result["transcript_note"], never an exception."""
     res = {}
-    t = rollout.Transcript(str(tmp_path), res)
+    t = terminus2.Transcript(str(tmp_path), res)
     t(0, "user <|im_end|>", "reply \u00e9")
     assert json.loads((tmp_path / "agent_transcript.jsonl").read_text()) == {"turn": 0, "user": "user <|im_end|>",
                                                                              "reply": "reply \u00e9"}
-    monkeypatch.setattr(rollout, "TRANSCRIPT_MAX_BYTES", 200)
+    monkeypatch.setattr(terminus2, "TRANSCRIPT_MAX_BYTES", 200)
     t(1, "x" * 300, "y")
     t(2, "z", "z")
     t.close()
@@ -408,7 +411,7 @@ def test_transcript_is_capped_and_never_fails_the_trial(tmp_path, monkeypatch):
     assert len((tmp_path / "agent_transcript.jsonl").read_text().splitlines()) == 1
     for where in (tmp_path, tmp_path / "missing"):  # the file exists already / no folder
         res = {}
-        t = rollout.Transcript(str(where), res)
+        t = terminus2.Transcript(str(where), res)
         t(0, "u", "r")
         t.close()
         assert "not written" in res["transcript_note"], res
@@ -416,7 +419,7 @@ def test_transcript_is_capped_and_never_fails_the_trial(tmp_path, monkeypatch):
 
 @needs_jail
 def test_a_chat_of_its_own_gets_the_deadline_and_a_transcript(tmp_path):
-    """A chat that is not TokenChat (gateway.TextChat's place): run_trial sets chat.deadline to the agent's deadline
+    """A chat that is not TokenChat (terminus2.TextChat's place): run_trial sets chat.deadline to the agent's deadline
     before the first reply, and with work_root the transcript is kept for it too."""
     class Chat:
         def __init__(self):
@@ -448,9 +451,9 @@ def test_a_sampled_reply_never_crashes_the_parser():
              reply("Infinity"): "finite number", reply("-1"): "finite number",
              reply(keys='"a\\ud800b"'): "lone surrogate"}
     for text, why in cases.items():
-        obj, err = rollout.parse_reply(text)
+        obj, err = terminus2.parse_reply(text)
         assert obj is None and why in err, (text[:60], err)
-    obj, err = rollout.parse_reply(reply("2.5"))
+    obj, err = terminus2.parse_reply(reply("2.5"))
     assert err is None and obj["commands"] == [{"keystrokes": "ls\n", "duration": 2.5}]
 
 
@@ -473,7 +476,7 @@ def test_a_reply_that_is_not_a_generate_reply_is_an_error(tok):
         try:
             for kw in ({}, {"deadline": time.time() + 30}):
                 with pytest.raises(RuntimeError, match="not a generate reply"):
-                    rollout.EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}").generate([1], {}, **kw)
+                    EngineClient(f"http://127.0.0.1:{httpd.server_address[1]}").generate([1], {}, **kw)
         finally:
             httpd.shutdown()
             httpd.server_close()
