@@ -14,7 +14,7 @@ folding": the expert layers re-fold the same TP*CP*DP ranks of a stage as EP x E
                                                          optimizer table: "bf16 param, fp32 grads")
     optimizer  = 12 * P_dense_stage / TP / (DP*CP)       fp32 master + Adam m, v; sharded over DP x CP
     expert_opt = 12 * P_exp / (PP*EP*ETP) / EDP  =  12 * P_exp / W                  (Proposition 7.1)
-    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (ppo.Trainer.behaviour:
+    behaviour  = 2  * (params count)     actor only: the behaviour policy's bf16 copy (trainer.Trainer.behaviour:
                                          the weights that sampled the batch, version t-1, for the old logprobs)
     host       = 2 * 2 * (params count)  actor only, host memory, not in b: the two published versions (t-1, t)
                                          Trainer.mark_published keeps, as slime's TensorBackuper keeps its snapshots
@@ -46,14 +46,14 @@ Departures (numbered, with why):
     actor's parameters as slime does with its host snapshots; host memory is reported, not checked against a budget.
 """
 import argparse
+import importlib.util
 import itertools
 import json
 import os
 import socket
+import sys
 from dataclasses import asdict, dataclass
-
-import torch
-import torch.distributed as dist
+from pathlib import Path
 
 GiB = 1024**3
 
@@ -188,7 +188,7 @@ def layer_activation_bytes(c: ModelConfig, p: Plan) -> dict:
     return dict(gdn=boundary + gdn + moe, attn=boundary + attn + moe, boundary_in=2 * h / sp)
 
 
-PUBLISHED_VERSIONS = 2  # ppo.Trainer.mark_published keeps the last two published versions (t-1, t)
+PUBLISHED_VERSIONS = 2  # trainer.Trainer.mark_published keeps the last two published versions (t-1, t)
 
 
 def device_memory(c: ModelConfig, p: Plan, tokens: int, network: str = "actor", stage: int = 0,
@@ -319,6 +319,33 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
     return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------------- CLI
+def build_parser() -> argparse.ArgumentParser:
+    """`python infra.py plan ...` (stdlib only: --help answers before torch loads)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=fmt)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    pl = sub.add_parser("plan", help="enumerate valid plans, mark feasible ones", formatter_class=fmt)
+    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(MODEL_SHAPES), help="the model's shape")
+    pl.add_argument("--gpus", type=int, required=True, default=argparse.SUPPRESS,
+                    help="W: devices of the trainer (required)")
+    pl.add_argument("--tokens", type=int, default=16384, help="T: tokens per device per micro-batch")
+    pl.add_argument("--seq-len", type=int, default=0, help="longest trajectory; requires CP*T >= seq_len")
+    pl.add_argument("--mem-gib", type=float, default=95.0, help="M: per-device budget for each network")
+    pl.add_argument("--top", type=int, default=25, help="rows to print (0 = all)")
+    pl.add_argument("--all", action="store_true", help="print infeasible plans too, with the reason")
+    pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
+    pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
+    return ap
+
+
+if __name__ == "__main__":
+    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
 # ----------------------------------------------------------------------------- free_port, gloo ranks (tests, bench)
 def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800):
     """A process group outside the default one (trainer rank 0 + every engine rank), as SGLang builds it
@@ -393,12 +420,66 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
     return [out for _, out, _ in res]
 
 
+# ----------------------------------------------------------------------------- does a trainer layout run here
+def check_plan(p: dict, backend: str, trainer_ranks: int, plan: str) -> None:
+    """A trainer layout p (trainer.parallel_plan: tp, pp, cp, ep, etp, dp, world) that the chosen backend runs:
+    the hf backend runs full replicas only; Megatron's expert layout needs ep * etp to divide tp * cp * dp; context
+    parallel is not written for pipeline stages. Refused by flag name."""
+    if plan and trainer_ranks not in (1, p["world"]):
+        raise ValueError(f"--trainer-ranks: {trainer_ranks}, but --plan lays out {p['world']} ranks "
+                         "(tp * pp * cp * dp)")
+    if backend == "hf" and max(p["tp"], p["pp"], p["cp"], p["ep"]) > 1:
+        raise ValueError(f"--plan: {plan} asks for model parallel; the hf backend only runs full replicas "
+                         "(dp); use --backend megatron")
+    if backend == "megatron" and p["world"] > 1:
+        if p["cp"] > 1 and p["pp"] > 1:  # mcore's CP chunks are not passed between pipeline stages
+            raise NotImplementedError(f"--plan: cp = {p['cp']} with pp = {p['pp']}: context parallel with pipeline "
+                                      "parallel is not written (cluster/mcore_parallel.py departure 2); "
+                                      "use cp with tp / ep / dp")
+        if p["ep"] > 1 and (p["tp"] * p["cp"] * p["dp"]) % (p["ep"] * p["etp"]):  # Megatron's expert layout
+            raise ValueError(f"--plan: ep * etp = {p['ep'] * p['etp']} must divide tp * cp * dp = "
+                             f"{p['tp'] * p['cp'] * p['dp']}")
+
+
+# host bytes per parameter of a CPU trainer rank's state, before sharding: actor + behaviour copy + critic in the
+# parameter dtype, Adam's two fp32 moments of actor and critic, and with bf16 the fp32 masters of actor and critic
+TRAINER_BYTES_PER_PARAM = {"fp32": 3 * 4 + 4 * 4, "bf16": 3 * 2 + 4 * 4 + 2 * 4}
+
+
+def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
+    """--model-path with --backend megatron: the trainer builds its Megatron models from that HF checkpoint
+    (mcore.trainer_models, each rank reading its shards): on a CUDA node the cluster model (bf16 with --param-dtype
+    bf16, Megatron's distributed optimizer, TE layers and DeepEP where they import; the planner above sizes the
+    device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path runs. Refused by
+    name: a layout the converter does not know; on the CPU a checkpoint whose trainer state
+    (TRAINER_BYTES_PER_PARAM) exceeds this machine's memory. A GPU node without flash-linear-attention runs
+    Megatron's torch gated delta rule (mcore.init_cpu), slower: said in the log, not refused."""
+    cfg = json.loads((Path(path) / "config.json").read_text())
+    kind = cfg.get("model_type", "")
+    if kind not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):
+        raise ValueError(f"--model-path: {path} holds a {kind!r} model; the Megatron backend converts the Qwen3-MoE "
+                         "and Qwen3.5-MoE layouts")
+    if torch.cuda.is_available():
+        if kind != "qwen3_moe" and importlib.util.find_spec("fla") is None:
+            print(f"[train_t1] --model-path {path}: no flash-linear-attention (`fla`) on this GPU node: Megatron's "
+                  "GatedDeltaNet runs its torch reference kernel (slower, same numbers)", file=sys.stderr)
+        return
+    weights = sum(f.stat().st_size for f in Path(path).glob("*.safetensors"))
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(cfg.get("torch_dtype", cfg.get("dtype"))), 2)
+    need = weights / dtype_bytes * TRAINER_BYTES_PER_PARAM[dtype]
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ValueError(f"--model-path: {path} has {weights / 2**30:.1f} GiB of weights; a CPU trainer holds "
+                         f"{TRAINER_BYTES_PER_PARAM[dtype]} bytes a parameter ({need / 2**30:.0f} GiB before "
+                         f"sharding) and this machine has {have / 2**30:.0f} GiB; train it on GPU nodes")
+
+
 # ----------------------------------------------------------------------------- Ray layout
-# One-step async at the embedded scale runs as Ray actors on this machine: the trainer (actor + critic
-# co-resident, ppo.Trainer), the engine(s) (engine.EngineActor: SGLang's HTTP protocol) and the rollout
-# workers (rollout.RolloutWorker: trials in sandboxes); the publish barrier is Trainer.publish (rollout.DiskPublisher
-# here). One placement group holds them all: one bundle per trainer
-# rank, then one per engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
+# One-step async at the embedded scale runs as Ray actors on this machine (cluster/actors.py starts them): the trainer
+# (actor + critic co-resident, trainer.Trainer), the engine(s) (engine.server.EngineActor: SGLang's HTTP protocol) and
+# the rollout workers (rollout.RolloutWorker: trials in sandboxes); the publish barrier is Trainer.publish
+# (engine.client.DiskPublisher here). One placement group holds them all: one bundle per trainer rank, then one per
+# engine, then one per rollout worker; PACK on one machine, SPREAD across nodes (the cluster's
 # SGLang servers get their own GPU placement groups in cluster/launch.py). Bundle CPUs are logical: on a 2-core
 # machine the actors share the cores (infra departure 8).
 
@@ -488,23 +569,8 @@ def ray_stop(pgs: list) -> None:
         ray.shutdown()
 
 
-
-
-# ----------------------------------------------------------------------------- CLI
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    pl = sub.add_parser("plan", help="enumerate valid plans, mark feasible ones")
-    pl.add_argument("--preset", default="qwen35-122b-a10b", choices=sorted(MODEL_SHAPES))
-    pl.add_argument("--gpus", type=int, required=True)
-    pl.add_argument("--tokens", type=int, default=16384, help="T: tokens per device per micro-batch")
-    pl.add_argument("--seq-len", type=int, default=0, help="longest trajectory; requires CP*T >= seq_len")
-    pl.add_argument("--mem-gib", type=float, default=95.0, help="M: per-device budget for each network")
-    pl.add_argument("--top", type=int, default=25, help="rows to print (0 = all)")
-    pl.add_argument("--all", action="store_true", help="print infeasible plans too, with the reason")
-    pl.add_argument("--json", action="store_true", help="one JSON line with every valid plan")
-    pl.add_argument("--full", action="store_true", help="every EP x ETP, not only the preferred one per row")
-    args = ap.parse_args()
+def main(args) -> None:
+    """`plan`: the valid plans of a model on W devices, the feasible ones first."""
     c = MODEL_SHAPES[args.preset]
     rows = plan_table(c, args.gpus, args.tokens, args.mem_gib, args.seq_len)
     if args.json:
@@ -521,4 +587,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(ARGV))

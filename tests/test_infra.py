@@ -16,6 +16,7 @@ import infra
 from infra import GiB, MODEL_SHAPES, Plan
 
 C122 = MODEL_SHAPES["qwen35-122b-a10b"]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ----------------------------------------------------------------------------- memory model and planner
@@ -112,13 +113,13 @@ def test_memory_model_counts_the_behaviour_copy_and_keeps_published_versions_on_
 def test_trainer_keeps_published_versions_as_host_copies(tmp_path):
     import dataclasses
     import model as M
-    import ppo
     import train_t1 as T
+    import trainer
     tok = M.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
     M.save_checkpoint(M.build_actor(M.tiny_config(len(tok)), seed=0), tok, tmp_path / "sft")
     (tmp_path / "run" / "ckpt").mkdir(parents=True)
-    tr = ppo.Trainer(dataclasses.replace(T.EMBEDDED, run_dir=str(tmp_path / "run"), torch_threads=1),
-                   str(tmp_path / "sft"), 0)
+    tr = trainer.Trainer(dataclasses.replace(T.EMBEDDED, run_dir=str(tmp_path / "run"), torch_threads=1),
+                         str(tmp_path / "sft"), 0)
     for v in (0, 1, 2):
         tr.mark_published(v)
     assert sorted(tr.published) == [1, 2]  # the last two versions, as PUBLISHED_VERSIONS says
@@ -138,6 +139,18 @@ def test_plan_cli_json_interface():
 
 
 # ----------------------------------------------------------------------------- context-parallel GDN
+def test_help_answers_before_torch_loads():
+    """`python infra.py --help` and `plan --help` answer from a standard-library parser, before torch loads; every
+    flag's help line shows its default (--gpus: required)."""
+    for argv in (["infra.py", "--help"], ["infra.py", "plan", "--help"]):
+        code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_path('infra.py', run_name='__main__')\n"
+                "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "TORCH False" in out.stdout, out.stderr[-2000:]
+    text = " ".join(out.stdout.split())
+    assert "(default: 16384)" in text and "(required)" in text and "(default: qwen35-122b-a10b)" in text
+
+
 def test_cp_split_on_chunk_boundaries():
     assert cp_gdn.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
     for s, e in cp_gdn.cp_split(1000, 8)[:-1]:
