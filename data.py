@@ -40,15 +40,44 @@ import os
 import random
 import re
 import shutil
+import sys
 import tempfile
 import time
 
-from tasks import families
-import model
-import reward
-import rollout
-from tasks import rst
-from sandbox import task_io
+
+def build_parser() -> argparse.ArgumentParser:
+    """`python data.py generate | audit` (stdlib only: --help answers before torch loads)."""
+    fmt = argparse.ArgumentDefaultsHelpFormatter
+    p = argparse.ArgumentParser(description="T1 task synthesis + audit (Harbor format)", formatter_class=fmt)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="write and audit the train and held-out pools", formatter_class=fmt)
+    g.add_argument("--out", required=True, default=argparse.SUPPRESS, help="the pools' folder (required)")
+    g.add_argument("--n-train", type=int, default=120, help="training tasks")
+    g.add_argument("--n-heldout", type=int, default=30, help="held-out tasks")
+    g.add_argument("--seed", type=int, default=0, help="seed of the task draws")
+    g.add_argument("--no-validate", action="store_true", help="skip the sandbox audit")
+    g.add_argument("--no-scripted", action="store_true", help="skip the scripted-trajectory check")
+    g.add_argument("--workers", type=int, default=2, help="tasks audited at once")
+    g.add_argument("--rst-rounds", type=int, default=0, help="RST steps added to each seed task (families.rst_extend)")
+    au = sub.add_parser("audit", help="audit task dirs in fresh sandboxes; --judge URL adds the LLM's semantic audit",
+                        formatter_class=fmt)
+    au.add_argument("dirs", nargs="+", help="task dirs, or folders of task dirs")
+    au.add_argument("--judge", default=None, help="OpenAI-compatible endpoint (the project's gateway too)")
+    au.add_argument("--judge-rounds", type=int, default=15, help="replies per task (paper: 15; rst.JUDGE_ROUNDS)")
+    au.add_argument("--model", default="t1", help="the model name the endpoint expects")
+    au.add_argument("--workers", type=int, default=2, help="tasks audited at once")
+    return p
+
+
+if __name__ == "__main__":
+    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
+
+from tasks import families  # noqa: E402
+import model  # noqa: E402
+import reward  # noqa: E402
+import rollout  # noqa: E402
+from tasks import rst  # noqa: E402
+from sandbox import task_io  # noqa: E402
 
 SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
 
@@ -303,6 +332,32 @@ def _set_quality(task_dir, q, verdict):
         f.write(toml)
 
 
+def instructions(task_dirs) -> set:
+    """The instructions of task dirs (two pools never share one)."""
+    return {task_io.load_task(d).instruction for d in task_dirs}
+
+
+def sft_pool(out_dir, n, seed, avoid, **kw) -> list:
+    """The SFT pool of --n-sft-tasks: n fresh tasks under out_dir (not sandbox-audited: the verifier audits their
+    scripted trajectories), less any that shares an instruction with a task of `avoid` (the RL, held-out and
+    validation pools), so that RL trains on tasks SFT never saw. kw: generate_tasks' rst_rounds, expert_text,
+    rst_share."""
+    extra, _ = generate_tasks(out_dir, n, 0, seed, validate_tasks=False, **kw)
+    taken = instructions(avoid)
+    return [d for d in extra if task_io.load_task(d).instruction not in taken]
+
+
+def validation_pool(out_dir, n, seed, pools, sft_dir=None, **kw) -> list:
+    """n validation tasks under out_dir (drawn like the held-out ones, split "val"), none sharing an instruction with
+    a task of `pools` or of an SFT pool already drawn under sft_dir/train (a validation set added on resume).
+    kw: generate_tasks' rst_rounds, expert_text, workers."""
+    sft = os.path.join(sft_dir, "train") if sft_dir is not None else None
+    drawn = task_dirs_under([sft]) if sft is not None and os.path.isdir(sft) and os.listdir(sft) else []
+    taken = [task_io.load_task(d).instruction for d in list(pools) + drawn]
+    _, val = generate_tasks(out_dir, 0, n, seed, heldout_split="val", avoid=taken, **kw)
+    return val
+
+
 def pool_scale(task_dirs, q: float = 0.9) -> int:
     """S of r = P / S by the paper's rule on this pool: the q-quantile (nearest rank) of its tasks' assertion counts
     (paper: S = 20, about the 90th percentile of T1-15k's, median 4, max ~35). Every task must carry its count."""
@@ -397,8 +452,8 @@ def overlap(train_dirs, heldout_dirs) -> dict:
 
 
 COPY_ITEMS = (3, 8)  # items per copy sample (this project's)
-# longest piece copied (this project's): nested paths such as a_data/b/c.txt are longer and left out; run u1 with
-# 64 (paths in) read held-out .44 after SFT against r2's .607, within the SFT seed spread (RESULTS.md, 2026-12-01)
+# longest piece copied (this project's): nested paths such as a_data/b/c.txt are longer and left out; a base phase
+# with 64 (paths in) read held-out .44 after SFT against .607, within the SFT seed spread (results/LOG.md, 2026-12-01)
 COPY_ITEM_CHARS = 24
 
 
@@ -413,7 +468,7 @@ def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
     in the trainer's sample format: a user message "list: x1 .. xk" and the assistant's reply "copy: x1 .. xk" (k in
     COPY_ITEMS, x drawn from `items`), loss on the reply; copy_from = the first token of the copied items.
     The skill a held-out task needs (its names and numbers copied from the instruction into commands), taught
-    on its own: issue 13 measured the embedded model copying at chance without it."""
+    on its own: without it the embedded model copied at chance (results/LOG.md)."""
     if not items or n < 1:
         raise ValueError(f"copy_samples: need items and n >= 1, got {len(items)} items, n {n}")
     rng = random.Random(f"copy/{seed}")
@@ -478,31 +533,14 @@ def task_dirs_under(paths) -> list:
     return out
 
 
-if __name__ == "__main__":
-    p = argparse.ArgumentParser(description="T1 task synthesis + audit (Harbor format)")
-    sub = p.add_subparsers(dest="cmd", required=True)
-    g = sub.add_parser("generate")
-    g.add_argument("--out", required=True)
-    g.add_argument("--n-train", type=int, default=120)
-    g.add_argument("--n-heldout", type=int, default=30)
-    g.add_argument("--seed", type=int, default=0)
-    g.add_argument("--no-validate", action="store_true", help="skip the sandbox audit")
-    g.add_argument("--no-scripted", action="store_true", help="skip the scripted-trajectory check")
-    g.add_argument("--workers", type=int, default=2)
-    g.add_argument("--rst-rounds", type=int, default=0, help="RST steps added to each seed task (families.rst_extend)")
-    au = sub.add_parser("audit", help="audit task dirs in fresh sandboxes; --judge URL adds the LLM's semantic audit")
-    au.add_argument("dirs", nargs="+", help="task dirs, or folders of task dirs")
-    au.add_argument("--judge", default=None, help="OpenAI-compatible endpoint (the project's gateway too)")
-    au.add_argument("--judge-rounds", type=int, default=rst.JUDGE_ROUNDS, help="replies per task (paper: 15)")
-    au.add_argument("--model", default="t1", help="the model name the endpoint expects")
-    au.add_argument("--workers", type=int, default=2)
-    a = p.parse_args()
+def main(a) -> int:
+    """generate: the pools and their audit statistics, then one JSON line; audit: one JSON line per task dir."""
     if a.cmd == "audit":
         rows, stats = audit_dirs(task_dirs_under(a.dirs), a.judge, a.judge_rounds, a.model, a.workers)
         for r in rows:
             print(json.dumps({k: r.get(k) for k in ("task", "verdict", "reason", "quality")}))
         print("\n".join(rst.format_stats(stats)))
-        raise SystemExit(0)
+        return 0
     generate_tasks(a.out, a.n_train, a.n_heldout, a.seed, validate_tasks=not a.no_validate,
                    scripted=not a.no_scripted, workers=a.workers, rst_rounds=a.rst_rounds)
     with open(os.path.join(a.out, "summary.json")) as f:
@@ -510,3 +548,8 @@ if __name__ == "__main__":
     if summary["validated"]:  # like the paper's: accepted 5,902 / borderline 3,251 / rejected 5,847, 6,875 repaired
         print("\n".join(rst.format_stats(summary["audit"])))
     print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(ARGV))

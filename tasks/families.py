@@ -13,7 +13,7 @@ Departures from the paper (data.py numbers them 1 and 4):
 2. Instructions and expert replies are short and formulaic: the embedded policy is a ~2.5M parameter model trained
    from scratch on CPU (--expert-text terse makes the replies' free text the same fixed words on every task).
 3. The find family's expert hands the path it finds to mv / cp by command substitution, in one command: the
-   miniature never learned to copy a path off the terminal into its next command (RESULTS.md, run u2).
+   miniature never learned to copy a path off the terminal into its next command (results/LOG.md).
 4. Likewise the CSV expert's awk finds the column by the name the instruction gives (`-v c=score`, the header
    read in the same program), where it read the header first and copied the column number into a second command.
 
@@ -418,10 +418,10 @@ def expert_replies(spec, text="full"):
     text "full": each turn's analysis / plan restate the task's names and values (a teacher's prose); "terse": the
     same fixed words on every task (TERSE), so that the commands are the only task-specific tokens an SFT model
     learns to write (this project's choice, paper silent: its SFT transcripts are a teacher model's; measured:
-    at T = 1 the tiny model's free text carries 92% of the policy gradient's variance and no signal, RESULTS.md);
+    at T = 1 the tiny model's free text carries 92% of the policy gradient's variance and no signal, results/LOG.md);
     "restate": "full" with the first analysis opening on the instruction word for word ("The task: ..."), so that
     each name, value and verb a command needs was last written a few tokens back by the agent itself (the copy a
-    tiny model can do; held-out failures were verbs and fields the "full" text never restates, RESULTS.md)."""
+    tiny model can do; held-out failures were verbs and fields the "full" text never restates, results/LOG.md)."""
     if text not in EXPERT_TEXTS:
         raise ValueError(f"expert_replies: text must be one of {EXPERT_TEXTS}, got {text!r}")
     terse = text == "terse"

@@ -52,8 +52,8 @@ import tarfile
 import tempfile
 import time
 
-from engine import gateway
 import rollout
+from engine.client import chat_completion
 from sandbox import task_io
 
 REASONS = ("hidden_requirement", "test_leakage", "solution_shortcut", "weak_verifier")
@@ -375,7 +375,7 @@ def judge(task_dir, url: str, rounds: int = JUDGE_ROUNDS, model: str = "t1", tim
     msgs, got, failures = judge_prompt(task_dir), [], []
     for _ in range(rounds):
         try:
-            reply = gateway.chat_completion(url, msgs, timeout=timeout, model=model, temperature=0.7)
+            reply = chat_completion(url, msgs, timeout=timeout, model=model, temperature=0.7)
             j, why = parse_judgement(reply["choices"][0]["message"]["content"] or "")
         except (RuntimeError, OSError, KeyError, IndexError, TypeError) as e:
             j, why = None, f"request failed: {e}"

@@ -439,7 +439,7 @@ def test_audit_rejects_broken_oracle_and_weak_verifier(pool, tmp_path):
     assert data.validate(str(weak), work_root=str(tmp_path)) == "weak verifier: nop scores full"
 
 
-# --- task.toml numbers (issue 11: every timeout is finite) and n_assertions (rewards are bounded) --------
+# --- task.toml numbers (every timeout is finite) and n_assertions (rewards are bounded) --------
 def _with_toml(root, text):
     d = _tb2_task(root)
     (d / "task.toml").write_text(text)
@@ -529,7 +529,7 @@ def test_audit_checks_and_records_the_oracle_assertion_count(pool, tmp_path):
     assert task_io.load_task(str(unrecorded)).n_assertions == n
 
 
-# --- issue 13: the mechanical RST audit (tasks/rst.py): each hard reject on a task built to violate it -------------
+# --- the mechanical RST audit (tasks/rst.py): each hard reject on a task built to violate it -------------
 def _hostile_tasks(root):
     """A good text task and four copies, each breaking one rule of the audit (built from the family specs)."""
     import random
@@ -777,3 +777,17 @@ def test_audit_cli_with_judge_prints_the_papers_statistics(pool, tmp_path):
         j.server.shutdown()
     assert rows[0]["verdict"] == "rejected" and stats["rejected_by_reason"] == {"test_leakage": 1}
     assert "rejected 1 (test_leakage 1)" in rst.format_stats(stats)[0]
+
+
+def test_help_answers_before_torch_loads():
+    """`python data.py --help` (and each command's) answers from a standard-library parser, before torch loads;
+    every option's help line shows its default; the audit's judge rounds default is rst.JUDGE_ROUNDS."""
+    for argv in (["data.py", "--help"], ["data.py", "generate", "--help"], ["data.py", "audit", "--help"]):
+        code = (f"import runpy, sys\nsys.argv = {argv!r}\ntry:\n    runpy.run_path('data.py', run_name='__main__')\n"
+                "except SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)")
+        out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "TORCH False" in out.stdout, out.stderr[-2000:]
+    audit = data.build_parser().parse_args(["audit", "x"])
+    assert audit.judge_rounds == rst.JUDGE_ROUNDS and audit.workers == 2
+    assert "(default: 15)" in " ".join(out.stdout.split())
+
