@@ -1,5 +1,5 @@
-"""Token gateway: an OpenAI-compatible /v1/chat/completions in front of any /generate engine, and the
-Harbor path (Harbor's stock Terminus-2 agent driving a local bubblewrap environment through the gateway).
+"""Token gateway: an OpenAI-compatible /v1/chat/completions in front of any /generate engine; its command line also
+runs Harbor's stock Terminus-2 through it (one trial, or a dataset with the paper's protocol: sandbox/harbor_run.py).
 
 Paper section "TITO" (T1, arXiv 2609.11042): text harnesses (Terminus-2 over an OpenAI client) re-send
 the whole conversation as text every turn; re-encoding it changes token ids the sampler produced. The
@@ -16,17 +16,13 @@ Sessions: keyed by the client's session id (header X-Session-ID, body `session_i
 new. One idle past SESSION_IDLE_S or the least recently used past MAX_SESSIONS is evicted with a line on stderr;
 trial() / pop() of an evicted session raise SessionEvicted (never an empty trial).
 
-Request policy (APIError, OpenAI's {"error": {message, type, param, code}}; the HTTP layer is httpjson.JSONHandler):
-400 naming any invalid field (parse_chat: OpenAI's types and ranges; messages of {role: system|user|assistant,
-content: str | null | text parts}); 400 "not supported" (code unsupported_parameter) for the non-neutral values of
-UNSUPPORTED (n > 1, stream, tools, response_format other than text, penalties, ...), image parts, tool messages;
-404 model_not_found for a model other than MODEL_ID; body framing errors as the engine's (411 / 400 / 413 / 408);
-400 naming the field for text that is not Unicode (a lone surrogate), a body that is not UTF-8, nesting over
+Request policy (OpenAI's error shape, engine/openai_api.py's APIError; the HTTP layer is httpjson.JSONHandler):
+the refusals of openai_api.parse_chat (400 naming the field, 400 unsupported_parameter, 404 model_not_found);
+body framing errors as the engine's (411 / 400 / 413 / 408); 400 for a body that is not UTF-8, nesting over
 httpjson.MAX_JSON_DEPTH; 503 server_busy over httpjson.MAX_CONNECTIONS open connections (httpjson's deadlines);
 503 when the engine cannot be reached or aborted the request, 502 when it answered with an error; every 5xx is
-logged on stderr with its traceback (httpjson.JSONHandler.log_5xx). Unknown fields
-are ignored (LiteLLM adds vendor extras). GET /health is 200 only when the engine's /health is; a client that hangs
-up has its engine request aborted (Gateway.disconnects) and nothing is recorded for it.
+logged on stderr with its traceback (httpjson.JSONHandler.log_5xx). GET /health is 200 only when the engine's
+/health is; a client that hangs up has its engine request aborted (Gateway.disconnects) and nothing is recorded for it.
 `stop`: the reply ends before the first stop string, finish_reason "stop"; the record keeps the sampled ids through
 the token that completes it (Gateway._cut_at_stop).
 
@@ -35,37 +31,25 @@ Response: OpenAI chat.completion; with `logprobs: true` also `choices[0].logprob
 `choices[0].token_ids` (LiteLLM exposes it as provider_specific_fields["token_ids"]) and top-level
 `prompt_token_ids` (the vLLM fields Harbor reads).
 
-Harbor path (Harbor >= 0.25, Python >= 3.12, its own venv `.venv-harbor`):
-    harbor trial start -c CONFIG.json  # what run_harbor_trial writes (harbor_trial_config) and runs; the trial dir
-    # holds verifier/ctrf.json + verifier/reward.txt (read with reward.compute), agent/ (Terminus-2), result.json
-
 Run:
     python -m engine.gateway serve --engine-url URL --model-path DIR [--mode tito|naive] [--port 8000]
     python -m engine.gateway harbor-trial --task DIR --engine-url URL --model-path DIR   # one Harbor trial
     python -m engine.gateway eval --dataset DIR --engine-url URL --model-path DIR [--attempts 3]
-        # the paper's protocol (EVAL); prints solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts
-        # (a failed trial counts 0), errors; exit 2 with the reason when the dir holds no task, 1 when a trial had no
-        # verdict (a task the jail cannot run is refused up front: rollout.check_runs_here; Harbor failed), 128 + N
-        # on signal N (SIGTERM / SIGINT end the Harbor process groups it started)
+        # the paper's protocol (rollout.EVAL): solve_rate, reward_mean (r = P/S) over n_trials = tasks x attempts
+        # (a failed trial counts 0), errors; exit statuses: main
     python -m experiments.bench tito --quick [--harness client|harbor]     # naive vs TITO, one JSON line
 In code: Gateway(engine_url, tokenizer, mode).start() -> .url; .pop(session_id) -> {"records": [...]};
-run_text_trial(task_dir, gw.url, session_id) / run_harbor_trial(task_dir, gw, trials_dir=...) -> rollout.run_trial's
-result (the text / Harbor harnesses beside rollout's token-first one).
+engine.client.chat_completion(gw.url, messages, session_id) is a minimal client of it; rollout.run_text_trial and
+sandbox.harbor_run.run_harbor_trial run trials through it (rollout.run_trial's result).
 
 Departures:
   1. One sampled completion per request (n = 1), no streaming, no tools/function calling: Terminus-2
      needs none of them (each is refused with 400). `max_tokens` is clipped to the context left (max_total_tokens).
      `stop` strings are found after generation (the engine stops at <|im_end|> or max_tokens), not per step.
-  2. Harbor's agent runs in the bubblewrap jail (harbor_env.BwrapEnvironment) instead of Docker, and Harbor's
-     verifier in the agent's jail: weaker than rollout.py's native path (sandbox/harbor_env.py lists the jail's rules).
-  3. The text client of `experiments/bench.py tito --harness client` (run_text_trial) is rollout's agent loop
-  (run_trial, with
-     its prompts, limits and scoring) over an OpenAI client (TextChat) that re-sends the message list each turn;
-     its call is cut at the agent's deadline (chat.deadline) or the stop event, as TokenChat's.
-  4. The embedded model is tiny and random-init in `experiments/bench.py tito`, so its replies are mostly unparseable;
+  2. The embedded model is tiny and random-init in `experiments/bench.py tito`, so its replies are mostly unparseable;
      that is fine for the measurement (every reply is re-sent as history either way) and makes
      non-canonical token sequences, and hence naive drift, frequent.
-  5. Message content is text, never control (paper silent): a control token's text in content (`<|im_end|>`,
+  3. Message content is text, never control (paper silent): a control token's text in content (`<|im_end|>`,
      `<|im_start|>`: the tokenizer's special tokens and those the template writes) is encoded as ordinary tokens,
      as transformers' sanitize_control_tokens does; the template's own markers stay control ids (Gateway.mark,
      encode_text). Content without such text encodes as before; TITO splices the sampled ids as before.
@@ -75,173 +59,76 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import math
 import os
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
 import urllib.parse
 import uuid
-from pathlib import Path
 
-from engine import httpjson
-import reward
-import rollout
-from sandbox import jail
-from sandbox import task_io
-from chat_tokens import IM_END
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
-HARBOR_VENV = os.path.join(REPO, ".venv-harbor")
-# The paper's evaluation protocol, the one source of it (train_t1.Args' eval_* defaults read it). Seeds (000):
-# "评测协议（Terminus-2，60 轮/3600s agent/900s verifier，温度 0.1、top-p 0.95、3 次尝试）"
-# = Terminus-2, 60 turns, 3600 s agent / 900 s verifier (overriding the tasks' own timeouts), temperature 0.1,
-# top-p 0.95, 3 attempts.
-EVAL = {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0, "verifier_timeout_s": 900.0,
-        "temperature": 0.1, "top_p": 0.95, "attempts": 3}
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: serve | harbor-trial | eval (standard library only: --help answers before torch loads)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    helps = {"serve": "serve the OpenAI-compatible gateway in front of an engine until stopped",
+             "harbor-trial": "one Harbor Terminus-2 trial through a gateway of its own; prints one JSON line",
+             "eval": "Harbor's Terminus-2 on every task of a Harbor dataset with the paper's protocol (rollout.EVAL)"}
+    for name in ("serve", "harbor-trial", "eval"):
+        s = sub.add_parser(name, help=helps[name], description=helps[name])
+        s.add_argument("--engine-url", required=True, help="the SGLang-protocol engine, e.g. engine/server.py's")
+        s.add_argument("--model-path", required=True, help="directory with the tokenizer")
+        s.add_argument("--max-total-tokens", type=int, default=8192,
+                       help="prompt + output tokens of one conversation (default: %(default)s)")
+        if name == "serve":
+            s.add_argument("--mode", choices=["tito", "naive"], default="tito",
+                           help="tito: splice the recorded ids back in; naive: re-encode the whole history "
+                                "(default: %(default)s)")
+            s.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+            s.add_argument("--port", type=int, default=8000, help="port to listen on (default: %(default)s)")
+        if name == "harbor-trial":
+            s.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
+            s.add_argument("--trials-dir", default="runs/harbor-trials",
+                           help="where Harbor writes the trial directory (default: %(default)s)")
+            s.add_argument("--max-turns", type=int, default=50, help="Terminus-2's turn limit (default: %(default)s)")
+        if name in ("harbor-trial", "eval"):
+            s.add_argument("--harbor-venv", default=None,
+                           help="Harbor's venv (Python >= 3.12, harbor) (default: .venv-harbor in the repository)")
+        if name == "eval":
+            s.add_argument("--dataset", required=True, help="a Harbor dataset dir (one task dir per entry)")
+            s.add_argument("--trials-dir", default="runs/harbor-eval",
+                           help="where Harbor writes the trial directories (default: %(default)s)")
+            s.add_argument("--attempts", type=int, default=None,
+                           help="attempts per task (default: the paper's protocol, rollout.EVAL: 3)")
+    return p
+
+
+if __name__ == "__main__":
+    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
+
+import rollout  # noqa: E402
+from chat_tokens import IM_END  # noqa: E402
+from engine import httpjson  # noqa: E402
+from engine.openai_api import MODEL_ID, APIError, ContextLengthExceeded, content_text, parse_chat  # noqa: E402
+from engine.client import EngineClient  # noqa: E402
+from sandbox import harbor_run  # noqa: E402
 
 
 # --- the gateway -------------------------------------------------------------------------------------
-MODEL_ID = "t1"  # the one model served (Harbor's config names it openai/t1; LiteLLM sends "t1")
 MAX_SESSIONS = 2048  # recorded trials kept at once: > the paper's 560 trials per step x 2 steps in flight (one-step
 # async) + an evaluation's; past it the least recently used session is evicted
 SESSION_IDLE_S = 7200.0  # a session idle this long is evicted: > the paper's 3600 s agent + 900 s verifier timeouts,
 # so only sessions nobody popped (a crashed harness, a plain OpenAI client) are dropped
-MAX_STOP = 4  # OpenAI's limit on `stop` strings
 # Around a control token's text inside message content (render / encode_text): lone surrogates, which no request can
-# hold (httpjson.check_json refuses them, _content too), so a client cannot forge a mark either.
+# hold (httpjson.check_json refuses them, openai_api.content_text too), so a client cannot forge a mark either.
 MARK_OPEN, MARK_CLOSE = "\ud800", "\ud801"
 _MARKED = re.compile(f"{MARK_OPEN}(.*?){MARK_CLOSE}", re.S)
-ROLES = ("system", "user", "assistant")
-# OpenAI fields this gateway does not implement -> the values that mean "unused"; any other value is a 400
-UNSUPPORTED = {"n": (1,), "stream": (False,), "tools": ([],), "functions": ([],), "tool_choice": ("none",),
-               "function_call": ("none",), "response_format": ({"type": "text"},), "logit_bias": ({},),
-               "presence_penalty": (0,), "frequency_penalty": (0,), "top_logprobs": (0,), "audio": (),
-               "prediction": (), "modalities": (["text"],), "web_search_options": ()}
-
-
-class APIError(ValueError):
-    """A request error answered in OpenAI's shape {"error": {message, type, param, code}} with `status`."""
-
-    def __init__(self, status, message, param=None, code=None):
-        super().__init__(message)
-        self.status, self.param, self.code = status, param, code
-
-
-class ContextLengthExceeded(APIError):
-    def __init__(self, message):
-        super().__init__(400, message, "messages", "context_length_exceeded")
 
 
 class SessionEvicted(LookupError):
     """trial() / pop() of a session the gateway evicted (its records are gone): never an empty trial."""
-
-
-def _invalid(param, message, code=None):
-    return APIError(400, f"{param}: {message}", param, code)
-
-
-def _get(body, name, types, where=""):
-    v = body.get(name)
-    if v is not None and (isinstance(v, bool) and bool not in types or not isinstance(v, types)):
-        raise _invalid(where + name, f"expected {'/'.join(t.__name__ for t in types)}, got {type(v).__name__}")
-    return v
-
-
-def _number(body, name, lo, hi, default, lo_open=False):
-    v = _get(body, name, (int, float))
-    if v is None:
-        return default
-    try:
-        f = float(v)
-    except OverflowError:
-        f = math.inf
-    if not (math.isfinite(f) and lo <= f <= hi) or lo_open and f == lo:
-        raise _invalid(name, f"must be a number in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {str(v)[:40]}")
-    return f
-
-
-def _content(content, where) -> str:
-    """OpenAI message content (None, a str, or a list of text parts) -> text; other parts are refused, and so is
-    text that is not Unicode (a lone surrogate: what httpjson refuses in a body, checked here for callers in code)."""
-    if content is None or isinstance(content, str):
-        text = content or ""
-    elif not isinstance(content, list):
-        raise _invalid(where, f"expected a string or a list of text parts, got {type(content).__name__}")
-    else:
-        parts = []
-        for i, p in enumerate(content):
-            if not isinstance(p, dict) or p.get("type") != "text" or not isinstance(p.get("text"), str):
-                raise APIError(400, f"{where}[{i}]: not supported (only {{type: text, text: str}} parts)",
-                               f"{where}[{i}]", "unsupported_parameter")
-            parts.append(p["text"])
-        text = "".join(parts)
-    m = httpjson.SURROGATE.search(text)
-    if m:
-        raise _invalid(where, f"not valid Unicode text (a lone surrogate U+{ord(m.group()):04X} at character "
-                              f"{m.start()})")
-    return text
-
-
-def parse_chat(body, headers) -> dict:
-    """Validate a /v1/chat/completions body before anything else happens -> the fields the gateway uses.
-    APIError (OpenAI's shape) names the field: 400 for an invalid or unsupported one, 404 for an unknown model."""
-    if not isinstance(body, dict):
-        raise _invalid("body", f"expected a JSON object, got {'nothing' if body is None else type(body).__name__}")
-    model_id = _get(body, "model", (str,))
-    if model_id is None:
-        raise _invalid("model", "required")
-    if model_id != MODEL_ID:
-        raise APIError(404, f"model: the model {model_id[:100]!r} does not exist (served: {MODEL_ID!r})", "model",
-                       "model_not_found")
-    for name, unused in UNSUPPORTED.items():
-        v = body.get(name)
-        if v is not None and not any(v == u and isinstance(v, bool) == isinstance(u, bool) for u in unused):
-            raise APIError(400, f"{name}: not supported by this gateway (got {json.dumps(v)[:80]})", name,
-                           "unsupported_parameter")
-    msgs = body.get("messages")
-    if not isinstance(msgs, list) or not msgs:
-        raise _invalid("messages", "expected a non-empty list of {role, content}")
-    messages = []
-    for i, m in enumerate(msgs):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise _invalid(where, f"expected an object {{role, content}}, got {type(m).__name__}")
-        if m.get("role") not in ROLES:
-            raise _invalid(where + ".role", f"expected one of {'|'.join(ROLES)}, got {str(m.get('role'))[:40]!r}")
-        for k in ("tool_calls", "function_call", "tool_call_id"):
-            if m.get(k):
-                raise APIError(400, f"{where}.{k}: not supported by this gateway", f"{where}.{k}",
-                               "unsupported_parameter")
-        messages.append({"role": m["role"], "content": _content(m.get("content"), where + ".content")})
-    out = {"messages": messages, "model": model_id,
-           "temperature": _number(body, "temperature", 0.0, 2.0, 1.0),  # OpenAI's range
-           "top_p": _number(body, "top_p", 0.0, 1.0, 1.0, lo_open=True), "max_tokens": None}
-    for name in ("max_tokens", "max_completion_tokens"):
-        v = _get(body, name, (int,))
-        if v is not None and v < 1:
-            raise _invalid(name, f"must be >= 1, got {v}")
-        out["max_tokens"] = v if v is not None else out["max_tokens"]
-    out["seed"] = _get(body, "seed", (int,))
-    if out["seed"] is not None and not 0 <= out["seed"] < 2**64:
-        raise _invalid("seed", f"must be in [0, 2**64 - 1], got {out['seed']}")
-    stop = _get(body, "stop", (str, list))
-    stop = [stop] if isinstance(stop, str) else stop or []
-    if len(stop) > MAX_STOP or not all(isinstance(s, str) and s for s in stop):
-        raise _invalid("stop", f"expected a non-empty string or a list of at most {MAX_STOP} of them")
-    out["stop"] = stop
-    for name in ("logprobs", "return_token_ids"):
-        out[name] = bool(_get(body, name, (bool,)))
-    meta = _get(body, "metadata", (dict,)) or {}
-    sid = headers.get("X-Session-ID")
-    for src, name, d in (("session_id", "session_id", body), ("user", "user", body), ("metadata", "session_id", meta)):
-        v = _get(d, name, (str,), where="metadata." if src == "metadata" else "")
-        sid = sid if sid is not None else v
-    out["session_id"] = sid
-    return out
 
 
 class Gateway:
@@ -254,7 +141,7 @@ class Gateway:
         if max_sessions < 1 or not session_idle_s > 0:
             raise ValueError(f"max_sessions / session_idle_s: must be >= 1 / > 0, got {max_sessions} / "
                              f"{session_idle_s}")
-        self.client, self.tok, self.mode = rollout.EngineClient(engine_url), tokenizer, mode
+        self.client, self.tok, self.mode = EngineClient(engine_url), tokenizer, mode
         self.max_total_tokens, self.max_new_tokens = max_total_tokens, max_new_tokens
         self.max_sessions, self.session_idle_s = max_sessions, session_idle_s
         self.im_end = tokenizer.convert_tokens_to_ids(IM_END)
@@ -299,7 +186,7 @@ class Gateway:
     def render(self, messages) -> str:
         """Messages -> prompt text with the pinned chat template (+ the assistant header), the control tokens in
         message content marked (mark): without any, the template's text itself."""
-        msgs = [{"role": m["role"], "content": self.mark(_content(m.get("content"), "content"))} for m in messages]
+        msgs = [{"role": m["role"], "content": self.mark(content_text(m.get("content"), "content"))} for m in messages]
         return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
 
     def _plain_ids(self, text):
@@ -505,371 +392,26 @@ def _make_handler(gw: Gateway):
                 self.send_error_json(e)
             except OSError as e:  # the engine cannot be reached
                 self.send_error_json(APIError(503, f"engine: unreachable ({e})", None, "engine_unavailable"))
-            except RuntimeError as e:  # the engine answered with an error (rollout.EngineClient)
+            except RuntimeError as e:  # the engine answered with an error (EngineClient)
                 self.send_error_json(APIError(502, str(e)[:500], None, "engine_error"))
             except Exception as e:  # a fault of the gateway itself: named and logged, never a dropped connection
                 self.send_error_json(APIError(500, f"gateway: {type(e).__name__}: {e}", None, None))
     return Handler
 
 
-def chat_completion(url, messages, session_id=None, timeout=600, deadline=None, stop_event=None, **params) -> dict:
-    """A minimal OpenAI client: POST /v1/chat/completions -> response dict (RuntimeError on HTTP errors).
-    deadline (a time.time() value) / stop_event: the call ends there, its connection shut (rollout.post_guarded: the
-    gateway sees the hang-up, aborts the engine request and records nothing) -> rollout.CallInterrupted."""
-    body = json.dumps({"model": "t1", "messages": messages, **params}).encode()
-    headers = {"Content-Type": "application/json", **({"X-Session-ID": session_id} if session_id else {})}
-    status, raw = rollout.post_guarded(url.rstrip("/") + "/v1/chat/completions", body, headers, timeout=timeout,
-                                       deadline=deadline, stop_event=stop_event, what="gateway")
-    if status >= 400:
-        raise RuntimeError(f"gateway: HTTP {status}: {raw[:300].decode(errors='replace')}")
-    return json.loads(raw)
-
-
-# --- a text harness: rollout's Terminus-2 loop over an OpenAI client (history re-sent as text) ---------------
-class TextChat:
-    """The agent's side of rollout's agent loop as an OpenAI client: the whole message list is re-sent as text each
-    turn, the replies verbatim (as Harbor's Chat keeps them); the gateway records the token ids under session_id."""
-
-    def __init__(self, gateway_url, session_id, sampling=None, deadline=None):
-        self.url, self.session_id, self.messages, self.deadline = gateway_url, session_id, [], deadline
-        self.sp = {**rollout.SAMPLING, **(sampling or {})}
-
-    def add_user(self, text):
-        self.messages.append({"role": "user", "content": text})
-
-    def reply(self, stop_event):
-        """-> (reply text, None), or (None, exit_reason): "max_tokens" when the gateway finds the context full,
-        "timeout" / "cancelled" when self.deadline (run_trial sets it: the agent's deadline) passes or stop_event is
-        set during the call (the call is cut there, as TokenChat's)."""
-        try:
-            resp = chat_completion(self.url, self.messages, self.session_id, temperature=self.sp["temperature"],
-                                   top_p=self.sp["top_p"], max_tokens=self.sp["max_new_tokens"],
-                                   deadline=self.deadline, stop_event=stop_event)
-        except rollout.CallInterrupted as e:
-            return None, "timeout" if e.why == "deadline" else "cancelled"
-        except RuntimeError as e:
-            if "context length" in str(e):  # the gateway counts the tokens (ContextLengthExceeded)
-                return None, "max_tokens"
-            raise
-        content = resp["choices"][0]["message"]["content"]
-        self.messages.append({"role": "assistant", "content": content})
-        return content, None
-
-
-def run_text_trial(task_dir, gateway_url, session_id, *, sampling=None, limits=None, work_root=None,
-                   stop_event=None, reward_scale=None) -> dict:
-    """rollout.run_trial with the agent talking text to the gateway (TextChat); its records stay in the gateway
-    under session_id (Gateway.pop). reward_scale: S of r = P/S (None -> reward.SCALE)."""
-    res = rollout.run_trial(task_dir, "model", limits=limits, work_root=work_root, stop_event=stop_event,
-                            reward_scale=reward_scale, chat=TextChat(gateway_url, session_id, sampling))
-    return {**res, "session_id": session_id}
-
-
-# --- Harbor: the runner (main venv side) --------------------------------------------------------------
-def harbor_python(venv=None):
-    return os.path.join(venv or HARBOR_VENV, "bin", "python")
-
-
-def harbor_available(venv=None) -> str | None:
-    """None when Harbor's venv is usable, else the reason it is not."""
-    if not os.path.exists(harbor_python(venv)):
-        return (f"Harbor's venv is absent ({venv or HARBOR_VENV}; run.sh creates it with Python 3.12 and "
-                f"`pip install harbor`)")
-    return None
-
-
-HARBOR_STOP_GRACE_S = 10.0  # a stopped Harbor trial's group gets SIGTERM, then SIGKILL after this (paper silent)
-_harbor_groups: set[int] = set()  # process groups of the Harbor trials running now (stop_harbor_groups)
-_harbor_lock = threading.RLock()  # re-entrant: the signal handler may run while the main thread holds it
-
-
-def _end_group(pgid, grace_s):
-    """SIGTERM the process group, SIGKILL what is left of it after grace_s (0: at once)."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 0.0)):
-        try:
-            os.killpg(pgid, sig)
-        except ProcessLookupError:
-            return
-        t_end = time.monotonic() + wait
-        while time.monotonic() < t_end:
-            try:
-                os.killpg(pgid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.05)
-
-
-def stop_harbor_groups(grace_s=0.0) -> int:
-    """End the process group of every Harbor trial this process started and is running (a signal handler calls it:
-    Harbor runs in its own session, so nothing else would stop it). -> how many."""
-    with _harbor_lock:
-        groups = list(_harbor_groups)
-    for pgid in groups:
-        _end_group(pgid, grace_s)
-    return len(groups)
-
-
-def harbor_outcome(trial_dir) -> str | None:
-    """None when Harbor's verifier ran (result.json has a verifier_result), else why the trial has no verdict: Harbor's
-    own exception (its environment failed to start, the verifier timed out, ...) or its missing result.json."""
-    path = os.path.join(trial_dir, "result.json")
-    if not os.path.isfile(path):
-        return f"harbor wrote no {path}"
-    try:
-        res = json.load(open(path))
-    except ValueError as e:
-        return f"{path}: not JSON ({e})"
-    if isinstance(res, dict) and res.get("verifier_result") is not None:
-        return None
-    exc = (res.get("exception_info") if isinstance(res, dict) else None) or {}
-    if exc:
-        return f"harbor: {exc.get('exception_type')}: {str(exc.get('exception_message'))[:500]} (no verifier result)"
-    return f"harbor: {path} has no verifier result"
-
-
-def harbor_trial_config(task_dir, trials_dir, trial_name, api_base, *, temperature, top_p, max_new_tokens,
-                        max_total_tokens, agent_timeout_s=None, verifier_timeout_s=None, max_turns=None) -> dict:
-    """Harbor TrialConfig: stock Terminus-2 against the gateway, summarisation off, bubblewrap environment."""
-    kwargs = {"api_base": api_base, "temperature": temperature, "collect_rollout_details": True,
-              "session_id": trial_name, "enable_summarize": False, "proactive_summarization_threshold": 0,
-              "record_terminal_session": False, "suppress_max_turns_warning": True,
-              "model_info": {"max_input_tokens": max_total_tokens, "max_output_tokens": max_new_tokens,
-                             "input_cost_per_token": 0.0, "output_cost_per_token": 0.0},
-              "llm_call_kwargs": {"top_p": top_p, "max_tokens": max_new_tokens}}
-    if max_turns is not None:
-        kwargs["max_turns"] = max_turns
-    return {"task": {"path": os.path.abspath(task_dir)}, "trial_name": trial_name,
-            "trials_dir": os.path.abspath(trials_dir),
-            "agent": {"name": "terminus-2", "model_name": "openai/t1", "kwargs": kwargs,
-                      **({"override_timeout_sec": agent_timeout_s} if agent_timeout_s else {})},
-            "environment": {"import_path": "sandbox.harbor_env:BwrapEnvironment", "delete": True,
-                            "kwargs": {"tools_prefix": sys.prefix}},
-            "verifier": {**({"override_timeout_sec": verifier_timeout_s} if verifier_timeout_s else {})}}
-
-
-def run_harbor_trial(task_dir, gateway: Gateway, *, trials_dir, sampling=None, limits=None, stop_event=None,
-                     agent_timeout_s=None, verifier_timeout_s=None, trial_name=None, reward_scale=None,
-                     harbor_venv=None) -> dict:
-    """One Harbor Terminus-2 trial through the gateway -> rollout.run_trial's result (records from the gateway).
-    reward_scale: S of r = P/S (None -> reward.SCALE). A task the local jail cannot run (rollout.check_runs_here) is
-    refused before Harbor starts; a trial whose verifier never ran (Harbor's environment failed, ...) is an error,
-    never a reward of 0; stop_event ends Harbor's process group (SIGTERM, SIGKILL after HARBOR_STOP_GRACE_S)."""
-    t0, stop_event, limits = time.time(), stop_event or threading.Event(), jail.make_limits(limits)
-    sp = {**rollout.SAMPLING, **(sampling or {})}
-    name = trial_name or f"{os.path.basename(os.path.abspath(str(task_dir)))}__{uuid.uuid4().hex[:8]}"
-    result = {"task": os.path.basename(os.path.abspath(str(task_dir))), "reward": 0.0, "resolved": False, "passed": 0,
-              "total": 0, "reward_source": "none", "turns": 0, "exit_reason": "error", "error": None, "wall_s": 0.0,
-              "weight_versions": [], "records": [], "session_id": name, "trial_dir": os.path.join(trials_dir, name)}
-    try:
-        why = harbor_available(harbor_venv)
-        if why:
-            raise RuntimeError(why)
-        task = task_io.load_task(task_dir)
-        rollout.check_runs_here(task)  # BwrapEnvironment is the local jail: the same refusal as rollout.py's
-        os.makedirs(trials_dir, exist_ok=True)
-        cfg = harbor_trial_config(task_dir, trials_dir, name, gateway.url + "/v1", temperature=sp["temperature"],
-                                  top_p=sp["top_p"], max_new_tokens=sp["max_new_tokens"],
-                                  max_total_tokens=limits.max_total_tokens, max_turns=limits.max_turns,
-                                  agent_timeout_s=agent_timeout_s or limits.trial_timeout_s,
-                                  verifier_timeout_s=verifier_timeout_s)
-        cfg_path = os.path.join(trials_dir, f"{name}.config.json")
-        with open(cfg_path, "w") as f:
-            json.dump(cfg, f, indent=1)
-        env = {**os.environ, "PYTHONPATH": REPO, "OPENAI_API_KEY": "sk-local", "PYTHONUNBUFFERED": "1"}
-        with open(os.path.join(trials_dir, f"{name}.harbor.log"), "w") as log, _harbor_lock:
-            if stop_event.is_set():
-                result["exit_reason"] = "cancelled"
-                return result
-            p = subprocess.Popen([os.path.join(harbor_venv or HARBOR_VENV, "bin", "harbor"), "trial", "start", "-c",
-                                  cfg_path], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                 start_new_session=True)  # its own process group: stopped as one (_end_group)
-            _harbor_groups.add(p.pid)
-        try:
-            while p.poll() is None and not stop_event.wait(0.2):
-                pass
-            if stop_event.is_set():
-                _end_group(p.pid, HARBOR_STOP_GRACE_S)
-                p.wait()
-                result["exit_reason"] = "cancelled"
-                return result
-        finally:
-            _end_group(p.pid, 0.0)  # what Harbor left running in its group
-            p.wait()
-            with _harbor_lock:
-                _harbor_groups.discard(p.pid)
-        tdir = result["trial_dir"]
-        if not os.path.isdir(tdir):
-            raise RuntimeError(f"harbor wrote no trial dir {tdir} (rc {p.returncode}; see {log.name})")
-        why = harbor_outcome(tdir)
-        if why:
-            raise RuntimeError(f"{why} (rc {p.returncode}; see {log.name})")
-        res = json.load(open(os.path.join(tdir, "result.json")))
-        scale = reward.SCALE if reward_scale is None else reward_scale
-        # the report files there are copies our BwrapEnvironment.download_dir made (host-owned, no links)
-        v = reward.compute(os.path.join(tdir, "verifier"), scale, owner_uid=os.geteuid(),
-                           n_assertions=task.n_assertions)
-        result.update(reward=v["reward"], passed=v["passed"], total=v["total"], reward_source=v["source"],
-                      resolved=reward.is_resolved(v), exit_reason="harbor", reward_scale=scale,
-                      error=(res.get("exception_info") or {}).get("exception_message")
-                      if res.get("exception_info") else None)
-    except Exception as e:
-        result.update(exit_reason="error", error=f"{type(e).__name__}: {e}")
-    finally:
-        trial = gateway.pop(name)
-        result["records"], result["turns"] = trial["records"], len(trial["records"])
-        result["wall_s"] = time.time() - t0
-    return result
-
-
-# --- evaluation with the paper's protocol (EVAL): shared by train_t1 and `engine/gateway.py eval` ----------------
-def trial_failed(t: dict) -> bool:
-    """A trial that never reached a verdict: it crashed, was cancelled, or never started."""
-    return t.get("exit_reason") in ("error", "cancelled", None)
-
-
-def evaluate_trials(task_dirs, run_attempt, attempts: int) -> dict:
-    """Every (task, attempt) is one trial in the denominator, n_trials = tasks x attempts: a trial that errored,
-    was cancelled or never came back counts as reward 0, unresolved, and is listed in `errors` with its reason.
-
-    run_attempt(task_dirs, k) -> the trial results of attempt k (dicts with task, reward, resolved, turns,
-    exit_reason, error, as rollout.run_trial returns them), at most one per task dir, in any order; a task is
-    matched by its directory's name. Returns solve_rate (resolved: passed == total > 0), reward_mean (r = P/S),
-    turns_mean over all n_trials, n_errors, errors [{task, attempt, error}] and trials (one line each)."""
-    if attempts < 1:
-        raise ValueError(f"evaluation attempts: must be >= 1, got {attempts}")
-    names = [os.path.basename(os.path.abspath(str(td))) for td in task_dirs]
-    if len(set(names)) != len(names):
-        dup = sorted({n for n in names if names.count(n) > 1})
-        raise ValueError(f"evaluation tasks: two task dirs share a name ({dup})")
-    trials = []
-    for k in range(attempts):
-        got = {}
-        for t in run_attempt(list(task_dirs), k):
-            if t.get("task") not in names or t["task"] in got:
-                raise ValueError(f"evaluation attempt {k}: result for task {t.get('task')!r} is "
-                                 f"{'a duplicate' if t.get('task') in got else 'not one of the tasks'}")
-            got[t["task"]] = t
-        for name in names:
-            t = got.get(name, {"task": name, "exit_reason": None, "error": "no result came back"})
-            failed = trial_failed(t)
-            if not failed and not math.isfinite(float(t["reward"])):
-                raise ValueError(f"evaluation attempt {k}: task {name!r} has a non-finite reward {t['reward']!r}")
-            trials.append({"task": name, "attempt": k, "reward": 0.0 if failed else float(t["reward"]),
-                           "resolved": False if failed else bool(t["resolved"]),
-                           "turns": int(t.get("turns", 0)), "exit_reason": t.get("exit_reason"),
-                           "error": (t.get("error") or t.get("exit_reason")) if failed else t.get("error")})
-    n = len(trials)
-    assert n == len(names) * attempts, f"evaluation: {n} trials for {len(names)} tasks x {attempts} attempts"
-    errors = [{"task": t["task"], "attempt": t["attempt"], "error": t["error"]} for t in trials
-              if trial_failed(t)]
-    return {"n_tasks": len(names), "attempts": attempts, "n_trials": n, "n_errors": len(errors),
-            "solve_rate": sum(t["resolved"] for t in trials) / n if n else 0.0,
-            "reward_mean": sum(t["reward"] for t in trials) / n if n else 0.0,
-            "turns_mean": sum(t["turns"] for t in trials) / n if n else 0.0, "errors": errors, "trials": trials}
-
-
-def dataset_tasks(dataset_dir) -> tuple[list[str], dict[str, str]]:
-    """A Harbor dataset dir -> (its task dirs (entries with a task.toml), {task dir: why the local jail cannot run it}),
-    the refusals from task_io.load_task and rollout.check_runs_here, made before anything runs.
-    ValueError naming the dir when it is not a directory or holds no task dir (an evaluation of nothing)."""
-    if not os.path.isdir(dataset_dir):
-        raise ValueError(f"dataset: {dataset_dir} is not a directory")
-    tasks = sorted(str(p) for p in Path(dataset_dir).iterdir() if (p / "task.toml").is_file())
-    if not tasks:
-        raise ValueError(f"dataset: {dataset_dir} holds no task dir (an entry with a task.toml): nothing to evaluate")
-    refused = {}
-    for td in tasks:
-        try:
-            rollout.check_runs_here(task_io.load_task(td))
-        except Exception as e:  # a task that cannot be read is refused too, with its reason
-            refused[td] = f"refused before running: {e}"
-    return tasks, refused
-
-
-def evaluate(dataset_dir, engine_url, tokenizer, trials_dir, attempts=EVAL["attempts"], max_total_tokens=8192,
-             max_new_tokens=2048, reward_scale=None, stop_event=None, harbor_venv=None) -> dict:
-    """Terminus-2 via Harbor with the paper's protocol (EVAL) on every task dir of a Harbor dataset dir, `attempts`
-    per task, through evaluate_trials (every trial counts). A task the local jail cannot run (dataset_tasks) is not
-    started: each of its trials is an error ("refused before running: ..."), listed in `refused`. stop_event: the
-    running trial's Harbor is stopped and no further trial starts (those count as errors). ValueError for a dataset
-    with no task dir."""
-    tasks, refused = dataset_tasks(dataset_dir)
-    stop_event = stop_event or threading.Event()
-    gw = Gateway(engine_url, tokenizer, "tito", max_total_tokens=max_total_tokens).start()
-
-    def run_attempt(task_dirs, k):
-        out = []
-        for td in task_dirs:
-            name = os.path.basename(td)
-            if td in refused:
-                out.append({"task": name, "exit_reason": "error", "error": refused[td]})
-            elif stop_event.is_set():
-                out.append({"task": name, "exit_reason": "cancelled", "error": "the evaluation was stopped"})
-            else:
-                out.append(run_harbor_trial(
-                    td, gw, trials_dir=trials_dir, trial_name=f"{name}__a{k}", stop_event=stop_event,
-                    sampling={"temperature": EVAL["temperature"], "top_p": EVAL["top_p"],
-                              "max_new_tokens": max_new_tokens},
-                    limits={"max_total_tokens": max_total_tokens, "max_turns": EVAL["max_turns"],
-                            "trial_timeout_s": EVAL["agent_timeout_s"]},
-                    agent_timeout_s=EVAL["agent_timeout_s"], verifier_timeout_s=EVAL["verifier_timeout_s"],
-                    reward_scale=reward_scale, harbor_venv=harbor_venv))
-        return out
-    try:
-        rep = evaluate_trials(tasks, run_attempt, attempts)
-        return {**rep, "refused": {os.path.basename(td): why for td, why in refused.items()},
-                "protocol": {**EVAL, "attempts": attempts}}
-    finally:
-        gw.stop()
-
-
-def _on_signal(stop_event):
-    """SIGTERM / SIGINT: stop every Harbor process group this process started (they run in their own sessions, so
-    they would outlive it) and let the running command end with the signal's status."""
-    got = []
-
-    def handler(signum, frame):
-        got.append(signum)
-        stop_event.set()
-        n = stop_harbor_groups(grace_s=0.0)
-        print(f"gateway: {signal.Signals(signum).name}: stopping ({n} Harbor process group(s) ended)", file=sys.stderr,
-              flush=True)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, handler)
-    return got
-
-
+# --- the command line ------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     """-> exit status. eval: 0 when every trial ran to a verdict, 1 when some trial errored (refused up front, Harbor
     failed, ...: the JSON's `errors` and stderr say which and why), 2 for nothing to evaluate or bad flags,
     128 + the signal number when stopped by SIGTERM / SIGINT. harbor-trial: 0 / 1 (exit_reason "error") likewise."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="cmd", required=True)
-    for name in ("serve", "harbor-trial", "eval"):
-        s = sub.add_parser(name)
-        s.add_argument("--engine-url", required=True)
-        s.add_argument("--model-path", required=True, help="directory with the tokenizer")
-        s.add_argument("--max-total-tokens", type=int, default=8192)
-        if name == "serve":
-            s.add_argument("--mode", choices=["tito", "naive"], default="tito")
-            s.add_argument("--host", default="127.0.0.1")
-            s.add_argument("--port", type=int, default=8000)
-        if name == "harbor-trial":
-            s.add_argument("--task", required=True)
-            s.add_argument("--trials-dir", default="runs/harbor-trials")
-            s.add_argument("--max-turns", type=int, default=50)
-        if name in ("harbor-trial", "eval"):
-            s.add_argument("--harbor-venv", default=HARBOR_VENV, help="Harbor's venv (Python >= 3.12, harbor)")
-        if name == "eval":
-            s.add_argument("--dataset", required=True, help="a Harbor dataset dir (one task dir per entry)")
-            s.add_argument("--trials-dir", default="runs/harbor-eval")
-            s.add_argument("--attempts", type=int, default=EVAL["attempts"])
-    a = p.parse_args(argv)
+    p = build_parser()
+    a = argv if isinstance(argv, argparse.Namespace) else p.parse_args(argv)
     if a.cmd == "eval":
+        a.attempts = rollout.EVAL["attempts"] if a.attempts is None else a.attempts
         if a.attempts < 1:
             p.error(f"--attempts: must be >= 1, got {a.attempts}")
         try:
-            dataset_tasks(a.dataset)  # nothing to evaluate: said before the tokenizer loads
+            harbor_run.dataset_tasks(a.dataset)  # nothing to evaluate: said before the tokenizer loads
         except ValueError as e:
             print(f"gateway eval: {e}", file=sys.stderr)
             return 2
@@ -890,21 +432,27 @@ def main(argv=None) -> int:
         gw.thread.join()
         return 0
     stop_event = threading.Event()
-    got = _on_signal(stop_event)
+    got = harbor_run.on_signal(stop_event)
     if a.cmd == "harbor-trial":
         gw = Gateway(a.engine_url, tok, "tito", max_total_tokens=a.max_total_tokens).start()
-        r = run_harbor_trial(a.task, gw, trials_dir=a.trials_dir, stop_event=stop_event, harbor_venv=a.harbor_venv,
-                             limits={"max_turns": a.max_turns, "max_total_tokens": a.max_total_tokens})
+        r = harbor_run.run_harbor_trial(a.task, gw, trials_dir=a.trials_dir, stop_event=stop_event,
+                                        harbor_venv=a.harbor_venv,
+                                        limits={"max_turns": a.max_turns, "max_total_tokens": a.max_total_tokens})
         print(json.dumps({k: r[k] for k in ("task", "reward", "resolved", "passed", "total", "turns", "exit_reason",
                                             "error", "wall_s", "trial_dir")}), flush=True)
         if got:
             return 128 + got[0]
-        if trial_failed(r):
+        if rollout.trial_failed(r):
             print(f"gateway harbor-trial: {r['exit_reason']}: {r['error']}", file=sys.stderr)
             return 1
         return 0
-    rep = evaluate(a.dataset, a.engine_url, tok, a.trials_dir, attempts=a.attempts,
-                   max_total_tokens=a.max_total_tokens, stop_event=stop_event, harbor_venv=a.harbor_venv)
+    gw = Gateway(a.engine_url, tok, "tito", max_total_tokens=a.max_total_tokens).start()
+    try:
+        rep = harbor_run.evaluate(a.dataset, gw, a.trials_dir, attempts=a.attempts,
+                                  max_total_tokens=a.max_total_tokens, stop_event=stop_event,
+                                  harbor_venv=a.harbor_venv)
+    finally:
+        gw.stop()
     print(json.dumps({k: v for k, v in rep.items() if k != "trials"}), flush=True)
     if got:
         print(f"gateway eval: stopped by {signal.Signals(got[0]).name}", file=sys.stderr)
@@ -922,4 +470,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGV))

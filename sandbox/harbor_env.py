@@ -1,20 +1,21 @@
 """Harbor's environment over the local bubblewrap jail: BwrapEnvironment (Harbor imports it from its own venv,
-import_path "sandbox.harbor_env:BwrapEnvironment", PYTHONPATH=repo) and ToolsSandbox, the sandbox.Sandbox it drives.
+import_path "sandbox.harbor_env:BwrapEnvironment", PYTHONPATH=repo) and ToolsSandbox, the sandbox.jail.Sandbox it
+drives.
 
-Machinery of engine/gateway.py's Harbor path (paper section "TITO"; the jail's rules: below and sandbox/jail.py).
-Run: `python -m engine.gateway harbor-trial ...` writes the Harbor config that names this class.
-Imports only the standard library and sandbox/jail.py (which imports reward.py, standard library only):
-Harbor's venv has no torch.
+Machinery of the Harbor path (sandbox/harbor_run.py runs Harbor through engine/gateway.py; paper section "TITO";
+the jail's rules: below and sandbox/jail.py). Run: `python -m engine.gateway harbor-trial ...` writes the Harbor
+config that names this class. Imports only the standard library and sandbox/jail.py, sandbox/host_fs.py,
+sandbox/limits.py (and what they import: reward.py, standard library only): Harbor's venv has no torch.
 
-Departures (engine/gateway.py departure 2: Harbor's agent in the bubblewrap jail of sandbox/jail.py instead of Docker):
+Departures (sandbox/harbor_run.py departure 1: Harbor's agent in the bubblewrap jail of sandbox/jail.py, not Docker):
 1. The task's Dockerfile is ignored, environment/app/ is copied to /app, the host's /usr provides the tools (tmux
    included), and the main venv is mounted read-only and put on PATH for `pytest --ctrf`.
 2. Commands run as the trial's unprivileged uid, `user="root"` as the jail's root with chown / dac_override /
    fowner only; all under sandbox/jail.py's seccomp filter and rlimits.
 3. The first root exec (Harbor's reward-file cleanup) or tests upload after agent commands ends the agent phase:
    every process of the agent's uid is SIGKILLed (checked gone) and /logs/verifier is replaced by a fresh dir.
-4. Task dirs Harbor uploads go through sandbox.copy_task_tree; files the jail wrote are read and written by the
-   host without following links (sandbox.read_beneath / write_beneath).
+4. Task dirs Harbor uploads go through host_fs.copy_task_tree; files the jail wrote are read and written by the
+   host without following links (host_fs.read_beneath / write_beneath).
 5. Weaker than rollout.py's native path, because Harbor drives the verifier through the same environment: the
    verifier runs in the agent's jail (same /tmp, which the agent may have filled; same mount namespace), as
    Harbor's default user (the agent's uid, so its files in /logs/verifier are the agent uid's) or, for
@@ -35,7 +36,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from sandbox import host_fs
 from sandbox import jail
+from sandbox.limits import Limits
 
 # --- Harbor: environment class (imported by Harbor from its own venv) ---------------------------------
 try:  # only inside Harbor's venv (Python >= 3.12); the main venv never imports harbor
@@ -49,7 +52,7 @@ if BaseEnvironment is not None:
     import base64
 
     class BwrapEnvironment(BaseEnvironment):
-        """Harbor environment = sandbox.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
+        """Harbor environment = sandbox.jail.Sandbox (bubblewrap jail, no network). kwargs: tools_prefix (a venv
         mounted read-only and first on PATH, e.g. the main .venv for `pytest --ctrf`), max_procs."""
 
         def __init__(self, *args, tools_prefix=None, max_procs=256, **kwargs):
@@ -75,7 +78,7 @@ if BaseEnvironment is not None:
             task = types.SimpleNamespace(env_dir=str(self.environment_dir), solution_dir=None, config={},
                                          tests_dir=None, name=self.environment_name)
             self.root = tempfile.mkdtemp(prefix=f"harbor-{self.environment_name}-")
-            limits = jail.Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
+            limits = Limits(output_bytes=4 << 20, max_procs=self.max_procs, cmd_timeout_s=3600)
             self.box = _ToolsSandbox(task, self.root, limits, tools_prefix=self.tools_prefix).start()
             os.makedirs(f"{self.root}/logs/artifacts", exist_ok=True)
 
@@ -83,7 +86,7 @@ if BaseEnvironment is not None:
             if self.box is not None:
                 self.box.close()
             if delete and self.root:
-                err = jail.remove_tree(self.root)
+                err = host_fs.remove_tree(self.root)
                 if err:
                     print(f"[BwrapEnvironment] {err}", file=sys.stderr)
 
@@ -126,7 +129,7 @@ if BaseEnvironment is not None:
                     await asyncio.to_thread(self.box.end_agent_phase)
                 with open(source_path, "rb") as f:  # a host file Harbor chose (upload_dir passes a checked copy)
                     data = f.read()
-                jail.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
+                host_fs.write_beneath(base, rel, data, 0o755 if os.access(source_path, os.X_OK) else 0o644,
                                       uid=self.box.uid if top == "app" else None)
                 return
             data = base64.b64encode(Path(source_path).read_bytes()).decode()  # elsewhere: through the shell
@@ -137,7 +140,7 @@ if BaseEnvironment is not None:
         async def upload_dir(self, source_dir, target_dir):
             stage = tempfile.mkdtemp(prefix="upload-", dir=self.root)
             try:  # the source is a task's dir (untrusted): checked and copied without following links first
-                jail.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                host_fs.copy_task_tree(source_dir, os.path.join(stage, "t"), self.box.limits.task_bytes,
                                        self.box.limits.task_files, links=False)
                 for d, _, files in os.walk(os.path.join(stage, "t")):
                     for f in files:
@@ -151,7 +154,7 @@ if BaseEnvironment is not None:
             hr = self._host_rel(source_path)
             Path(target_path).parent.mkdir(parents=True, exist_ok=True)
             if hr is not None:  # written by the jail: read without following links, capped
-                Path(target_path).write_bytes(jail.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
+                Path(target_path).write_bytes(host_fs.read_beneath(hr[0], hr[1], self.box.limits.task_bytes))
                 return
             res = await self._internal_exec(f"base64 -w0 '{source_path}'")
             if res.return_code != 0:
@@ -165,7 +168,7 @@ if BaseEnvironment is not None:
             if os.path.lexists(host):  # written by the jail: no link kept or followed, capped (copy_task_tree)
                 stage = tempfile.mkdtemp(prefix="download-", dir=self.root)
                 try:
-                    jail.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
+                    host_fs.copy_task_tree(host, os.path.join(stage, "t"), self.box.limits.task_bytes,
                                            self.box.limits.task_files, links=False)
                     shutil.copytree(os.path.join(stage, "t"), target_dir, dirs_exist_ok=True)  # our own copy
                 finally:
@@ -174,7 +177,7 @@ if BaseEnvironment is not None:
 
 def _tools_sandbox_class():
     class ToolsSandbox(jail.Sandbox):
-        """sandbox.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
+        """sandbox.jail.Sandbox with /tests writable by the jail's root (Harbor empties and fills it) and a tools
         venv (the main .venv: pytest, pytest-ctrf) mounted read-only and first on PATH."""
 
         def __init__(self, *args, tools_prefix=None, **kw):
@@ -206,7 +209,7 @@ def _tools_sandbox_class():
                 try:
                     st = os.lstat("verifier", dir_fd=fd)
                     if stat.S_ISDIR(st.st_mode):  # rm -rf: fts, never follows a link inside, any depth
-                        err = jail.remove_tree(os.path.join(logs, "verifier"))
+                        err = host_fs.remove_tree(os.path.join(logs, "verifier"))
                         if err:
                             raise RuntimeError(f"sandbox: {err}")
                     else:
@@ -250,5 +253,5 @@ def _tools_sandbox_class():
     return ToolsSandbox
 
 
-def _ToolsSandbox(*args, **kw):  # noqa: N802  (a factory: built lazily while Sandbox lived in rollout.py)
+def _ToolsSandbox(*args, **kw):  # noqa: N802  (a factory: BwrapEnvironment.start and the tests build the box here)
     return _tools_sandbox_class()(*args, **kw)

@@ -7,9 +7,13 @@ import time
 import pytest
 
 from engine import gateway
+from engine import openai_api
 import model
 import rollout
+import terminus2
 import tito
+from engine.client import EngineClient, chat_completion
+from sandbox import harbor_run
 from engine.server import EngineServer
 
 TEXTS = ['{"analysis": "hello world", "plan": "sort the lines", "commands": [], "task_complete": false}',
@@ -37,15 +41,15 @@ def gw(engine, tok, request):
 
 def test_round_trip_text_out_ids_recorded_same_as_generate(gw, engine, tok):
     msgs = [{"role": "user", "content": "sort the lines"}]
-    r = gateway.chat_completion(gw.url, msgs, "s", temperature=0.0, max_tokens=12, logprobs=True, return_token_ids=True)
+    r = chat_completion(gw.url, msgs, "s", temperature=0.0, max_tokens=12, logprobs=True, return_token_ids=True)
     rec = gw.trial("s")["records"][0]
     ch = r["choices"][0]
     assert ch["token_ids"] == rec["output_ids"] and r["prompt_token_ids"] == rec["prompt_ids"]
     assert rec["prompt_ids"] == tok.encode(gw.render(msgs), add_special_tokens=False)
     assert [c["logprob"] for c in ch["logprobs"]["content"]] == rec["output_logprobs"]
     assert rec["routed_experts"].shape[0] == len(rec["prompt_ids"]) + len(rec["output_ids"]) - 1
-    direct = rollout.EngineClient(engine.url).generate(rec["prompt_ids"], {"temperature": 0.0, "max_new_tokens": 12,
-                                                                         "stop_token_ids": [2]})
+    direct = EngineClient(engine.url).generate(rec["prompt_ids"], {"temperature": 0.0, "max_new_tokens": 12,
+                                                                  "stop_token_ids": [2]})
     assert direct["output_ids"] == rec["output_ids"]  # greedy: the same ids /generate returns
     assert ch["message"]["content"] == tok.decode([t for t in rec["output_ids"] if t != 2], skip_special_tokens=True)
 
@@ -53,7 +57,7 @@ def test_round_trip_text_out_ids_recorded_same_as_generate(gw, engine, tok):
 def test_tito_splices_the_sampled_ids_so_every_boundary_is_strict(gw, tok):
     msgs = [{"role": "user", "content": "sort the lines"}]
     for i in range(3):
-        r = gateway.chat_completion(gw.url, msgs, "t", max_tokens=16)
+        r = chat_completion(gw.url, msgs, "t", max_tokens=16)
         msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
                  {"role": "user", "content": f"New terminal output:\n$ ls {i}\n"}]
     trial = gw.pop("t")
@@ -66,7 +70,7 @@ def test_tito_splices_the_sampled_ids_so_every_boundary_is_strict(gw, tok):
 def test_naive_mode_reencodes_and_prefix_match_finds_the_session(gw, tok):
     msgs = [{"role": "user", "content": "sort the lines"}]
     for i in range(3):  # no session id: the gateway finds the trial by prefix
-        r = gateway.chat_completion(gw.url, msgs, None, max_tokens=16)
+        r = chat_completion(gw.url, msgs, None, max_tokens=16)
         msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
                  {"role": "user", "content": f"out {i}"}]
     (sid, turns), = gw.sessions.items()
@@ -85,24 +89,24 @@ needs_sandbox = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"
 def test_text_trial_is_rollouts_loop_with_records_from_the_gateway(gw, tok, tmp_path):
     """run_text_trial: rollout.run_trial's loop over an OpenAI client (TextChat); the gateway records the ids."""
     from test_rollout import make_task
-    res = gateway.run_text_trial(make_task(tmp_path), gw.url, "text", sampling={"max_new_tokens": 16},
+    res = rollout.run_text_trial(make_task(tmp_path), gw.url, "text", sampling={"max_new_tokens": 16},
                                  limits={"max_turns": 2})
     assert res["exit_reason"] in ("max_turns", "task_complete") and res["session_id"] == "text", res
     assert res["reward_source"] == "ctrf" and res["total"] == 3  # scored by rollout.score in the jail
     trial = gw.pop("text")
     assert [r["prompt_source"] for r in trial["records"]] == ["fresh", "spliced"]  # max_turns = 2
-    assert tok.decode(trial["records"][0]["prompt_ids"]).startswith("<|im_start|>user\n" + rollout.PROMPT[:40])
+    assert tok.decode(trial["records"][0]["prompt_ids"]).startswith("<|im_start|>user\n" + terminus2.PROMPT[:40])
     assert tito.case_counts(trial, tok)["strict"] == 1
     assert tito.audit([tito.assemble(trial, tok)])["loss_region_drift_pct"] == 0.0
 
 
 @needs_sandbox
-@pytest.mark.skipif(gateway.harbor_available() is not None, reason=str(gateway.harbor_available()))
+@pytest.mark.skipif(harbor_run.harbor_available() is not None, reason=str(harbor_run.harbor_available()))
 def test_harbor_terminus2_trial_through_the_gateway(gw, tok, tmp_path):
     from test_rollout import make_task
     task = make_task(tmp_path)
-    res = gateway.run_harbor_trial(task, gw, trials_dir=str(tmp_path / "trials"), sampling={"max_new_tokens": 64},
-                                   limits={"max_turns": 1, "trial_timeout_s": 300})
+    res = harbor_run.run_harbor_trial(task, gw, trials_dir=str(tmp_path / "trials"), sampling={"max_new_tokens": 64},
+                                      limits={"max_turns": 1, "trial_timeout_s": 300})
     assert res["exit_reason"] == "harbor", res
     assert res["records"] and res["turns"] == len(res["records"])
     # Harbor's own rollout details (collect_rollout_details) carry the ids the gateway recorded
@@ -214,15 +218,15 @@ def test_stop_string_cuts_the_reply_and_the_records_keep_the_sampled_ids(gw, tok
     first = None
     for text in ("sort the lines", "hello world", "ls -la", "plan"):  # a greedy reply long enough to cut
         msgs = [{"role": "user", "content": text}]
-        r = gateway.chat_completion(gw.url, msgs, f"full-{text}", temperature=0.0, max_tokens=24)
+        r = chat_completion(gw.url, msgs, f"full-{text}", temperature=0.0, max_tokens=24)
         reply = r["choices"][0]["message"]["content"]
         if len(reply) >= 8:
             first = gw.trial(f"full-{text}")["records"][0]
             break
     assert first is not None, "the tiny model gave no reply long enough to cut"
     stop = reply[len(reply) // 2:len(reply) // 2 + 2]
-    r = gateway.chat_completion(gw.url, msgs, "cut", temperature=0.0, max_tokens=24, stop=[stop, "\x00never"],
-                                logprobs=True, return_token_ids=True)
+    r = chat_completion(gw.url, msgs, "cut", temperature=0.0, max_tokens=24, stop=[stop, "\x00never"],
+                        logprobs=True, return_token_ids=True)
     ch = r["choices"][0]
     assert ch["message"]["content"] == reply[:reply.find(stop)] and ch["finish_reason"] == "stop"
     rec = gw.trial("cut")["records"][0]
@@ -233,7 +237,7 @@ def test_stop_string_cuts_the_reply_and_the_records_keep_the_sampled_ids(gw, tok
     assert rec["routed_experts"].shape[0] == len(rec["prompt_ids"]) + n - 1 and ch["token_ids"] == rec["output_ids"]
     # the client re-sends the cut reply: TITO splices the kept ids, the audit holds
     msgs2 = msgs + [{"role": "assistant", "content": ch["message"]["content"]}, {"role": "user", "content": "next"}]
-    gateway.chat_completion(gw.url, msgs2, "cut", temperature=0.0, max_tokens=4)
+    chat_completion(gw.url, msgs2, "cut", temperature=0.0, max_tokens=4)
     trial = gw.pop("cut")
     second = trial["records"][1]
     assert second["prompt_source"] == "spliced" and second["prompt_ids"][:len(rec["prompt_ids"]) + n] == \
@@ -246,13 +250,13 @@ def test_sessions_are_evicted_after_an_idle_time_and_past_a_count(engine, tok):
     g = gateway.Gateway(engine.url, tok, max_new_tokens=2, max_sessions=2, session_idle_s=600.0).start()
     try:
         for sid in ("a", "b", "c"):
-            gateway.chat_completion(g.url, MSGS, sid, max_tokens=2)
+            chat_completion(g.url, MSGS, sid, max_tokens=2)
         assert list(g.sessions) == ["b", "c"]
         with pytest.raises(gateway.SessionEvicted, match="max_sessions"):
             g.pop("a")
         g.session_idle_s = 1.0
         time.sleep(1.2)
-        gateway.chat_completion(g.url, MSGS, "d", max_tokens=2)
+        chat_completion(g.url, MSGS, "d", max_tokens=2)
         assert list(g.sessions) == ["d"]
         with pytest.raises(gateway.SessionEvicted, match="idle"):
             g.trial("b")
@@ -281,7 +285,7 @@ def test_a_client_that_hangs_up_has_its_engine_request_aborted_and_nothing_recor
     body = json.dumps({"model": "t1", "messages": MSGS, "max_tokens": 8}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"X-Session-ID: gone\r\nContent-Length: {len(body)}\r\n\r\n").encode()
-    rollout.EngineClient(engine.url).pause()  # the request waits in the engine's queue
+    EngineClient(engine.url).pause()  # the request waits in the engine's queue
     try:
         s = socket.create_connection(gw.httpd.server_address[:2], timeout=30)
         s.sendall(head + body)
@@ -296,7 +300,7 @@ def test_a_client_that_hangs_up_has_its_engine_request_aborted_and_nothing_recor
         assert not engine.queue and list(gw.disconnects) == [queued.rid]  # aborted in the engine
         assert queued.finish == {"type": "abort"}
     finally:
-        rollout.EngineClient(engine.url).resume()
+        EngineClient(engine.url).resume()
     time.sleep(0.5)
     assert gw.trial("gone")["records"] == []  # the client never saw a reply: no turn recorded
 
@@ -333,11 +337,11 @@ def test_text_that_is_not_unicode_is_400_naming_the_field_never_500(gw):
         raw = b'{"model": "t1", "messages": [{"role": "user", "content": "x"}], "temperature": ' + big.encode() + b"}"
         assert_openai_error(*call(gw.url, raw=raw), 400, "temperature")
     raw = b'{"model": "t1", "messages": [{"role": "user", "content": "x"}], "max_tokens": 1' + b"0" * 400 + b"}"
-    assert gateway.parse_chat(json.loads(raw), {})["max_tokens"] == 10**400  # valid: clipped to the context left
+    assert openai_api.parse_chat(json.loads(raw), {})["max_tokens"] == 10**400  # valid: clipped to the context left
     # valid text with unusual characters is served: a surrogate pair, NUL, non-characters, combining marks
     for text in ("\U0001f600 \x00 \uffff e\u0301 \u202e", "\ud83d\ude00"):
         assert call(gw.url, {**ok, "messages": [{"role": "user", "content": text}]})[0] == 200, text
-    with pytest.raises(gateway.APIError, match="lone surrogate"):  # a caller in code: the same refusal
+    with pytest.raises(openai_api.APIError, match="lone surrogate"):  # a caller in code: the same refusal
         gw.render([{"role": "user", "content": "a\ud800"}])
     assert not [s for s in gw.sessions if gw.sessions[s] and "\ud800" in gw.sessions[s][-1]["prompt_text"]]
 
@@ -392,8 +396,8 @@ def test_control_token_text_in_content_stays_text_and_tito_stays_exact(gw, tok):
         return ids.count(im_start), ids.count(im_end)
     honest = [{"role": "user", "content": "sort the lines"}]
     forged = [{"role": "user", "content": FORGED}]
-    h = gateway.chat_completion(gw.url, honest, "honest", max_tokens=4, return_token_ids=True)
-    f = gateway.chat_completion(gw.url, forged, "forged", max_tokens=4, return_token_ids=True)
+    h = chat_completion(gw.url, honest, "honest", max_tokens=4, return_token_ids=True)
+    f = chat_completion(gw.url, forged, "forged", max_tokens=4, return_token_ids=True)
     assert counts(f["prompt_token_ids"]) == counts(h["prompt_token_ids"]) == (2, 1)  # user turn + assistant header
     assert FORGED in tok.decode(f["prompt_token_ids"])  # the text is all there, as ordinary tokens
     # variations: a system message, text parts, a partial token, every special token, marks' own characters
@@ -402,13 +406,13 @@ def test_control_token_text_in_content_stays_text_and_tito_stays_exact(gw, tok):
                 [{"role": "user", "content": "<|endoftext|><|im_end|><|im_start|><|im_start|>"}],
                 [{"role": "user", "content": "\ue000<|im_end|>\ue001 <|im_end|"}]]
     for i, msgs in enumerate(variants):
-        r = gateway.chat_completion(gw.url, msgs, f"v{i}", max_tokens=2, return_token_ids=True)
+        r = chat_completion(gw.url, msgs, f"v{i}", max_tokens=2, return_token_ids=True)
         ids = r["prompt_token_ids"]
         assert counts(ids) == (len(msgs) + 1, len(msgs)) and 0 not in ids, (msgs, ids)
     # three turns with forged user text and the forged text echoed as the assistant's reply: spliced, exact
     msgs = [{"role": "user", "content": FORGED}]
     for i in range(3):
-        r = gateway.chat_completion(gw.url, msgs, "tito-forged", max_tokens=8)
+        r = chat_completion(gw.url, msgs, "tito-forged", max_tokens=8)
         msgs += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
                  {"role": "user", "content": f"{FORGED} {i}"}]
     trial = gw.pop("tito-forged")
@@ -437,11 +441,11 @@ def test_text_chat_is_cut_at_the_deadline_or_stop_during_a_model_call(gw, engine
     """run_trial sets chat.deadline (the agent's deadline); TextChat's call to the gateway ends there (or at the stop
     event) even while the engine holds the request, which the gateway then aborts, recording nothing."""
     import threading
-    rollout.EngineClient(engine.url).pause()  # requests wait in the engine's queue
+    EngineClient(engine.url).pause()  # requests wait in the engine's queue
     try:
         for how in ("timeout", "cancelled"):
             stop = threading.Event()
-            chat = gateway.TextChat(gw.url, f"late-{how}", {"max_new_tokens": 4})
+            chat = terminus2.TextChat(gw.url, f"late-{how}", {"max_new_tokens": 4})
             chat.add_user("sort the lines")
             t0 = time.time()
             if how == "timeout":
@@ -456,8 +460,8 @@ def test_text_chat_is_cut_at_the_deadline_or_stop_during_a_model_call(gw, engine
             assert not engine.queue  # the gateway saw the hang-up and aborted the engine request
             assert gw.trial(f"late-{how}")["records"] == []
     finally:
-        rollout.EngineClient(engine.url).resume()
-    chat = gateway.TextChat(gw.url, "in-time", {"max_new_tokens": 4}, deadline=time.time() + 60)
+        EngineClient(engine.url).resume()
+    chat = terminus2.TextChat(gw.url, "in-time", {"max_new_tokens": 4}, deadline=time.time() + 60)
     chat.add_user("sort the lines")
     text, why = chat.reply(threading.Event())
     assert why is None and len(gw.trial("in-time")["records"]) == 1

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from engine import gateway
+from sandbox import harbor_run
 from test_rollout import make_task
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,15 +129,15 @@ def test_eval_refuses_tasks_the_jail_cannot_run_and_harbor_failing_is_an_error(t
 
 
 def test_harbor_outcome_needs_a_verifier_result(tmp_path):
-    assert "wrote no" in gateway.harbor_outcome(str(tmp_path))
+    assert "wrote no" in harbor_run.harbor_outcome(str(tmp_path))
     (tmp_path / "result.json").write_text("{not json")
-    assert "not JSON" in gateway.harbor_outcome(str(tmp_path))
+    assert "not JSON" in harbor_run.harbor_outcome(str(tmp_path))
     (tmp_path / "result.json").write_text(json.dumps({"exception_info": {"exception_type": "VerifierTimeoutError",
                                                                          "exception_message": "900 s"}}))
-    assert "VerifierTimeoutError: 900 s" in gateway.harbor_outcome(str(tmp_path))
+    assert "VerifierTimeoutError: 900 s" in harbor_run.harbor_outcome(str(tmp_path))
     (tmp_path / "result.json").write_text(json.dumps({"verifier_result": {"rewards": {"reward": 0.0}},
                                                       "exception_info": {"exception_type": "AgentTimeoutError"}}))
-    assert gateway.harbor_outcome(str(tmp_path)) is None  # the agent timed out, the verifier ran: a verdict
+    assert harbor_run.harbor_outcome(str(tmp_path)) is None  # the agent timed out, the verifier ran: a verdict
 
 
 def gone(pid):
@@ -149,17 +150,17 @@ def gone(pid):
 
 def test_sigint_ends_the_harbor_groups_started_here(signals_restored):
     """The handler main() installs for SIGINT (as for SIGTERM): the stop event is set, every Harbor group ends."""
-    stop = gateway.threading.Event()
-    got = gateway._on_signal(stop)
+    stop = harbor_run.threading.Event()
+    got = harbor_run.on_signal(stop)
     p = subprocess.Popen(["sleep", "600"], start_new_session=True)
-    with gateway._harbor_lock:
-        gateway._harbor_groups.add(p.pid)
+    with harbor_run._harbor_lock:
+        harbor_run._harbor_groups.add(p.pid)
     try:
         os.kill(os.getpid(), signal.SIGINT)
         assert p.wait(timeout=10) == -signal.SIGTERM and stop.is_set() and got == [signal.SIGINT]
     finally:
-        with gateway._harbor_lock:
-            gateway._harbor_groups.discard(p.pid)
+        with harbor_run._harbor_lock:
+            harbor_run._harbor_groups.discard(p.pid)
         if p.poll() is None:
             p.kill()
 
