@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import infra
 import train_t1 as T
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -92,13 +93,13 @@ def test_model_path_with_megatron_is_checked_not_refused(tmp_path):
         with open(d / "model.safetensors", "wb") as f:
             f.truncate(size)
         return str(d)
-    T.check_megatron_model_path(ckpt("small", "qwen3_5_moe_text", "float32", 10 * 2**20))  # passes
+    infra.check_megatron_model_path(ckpt("small", "qwen3_5_moe_text", "float32", 10 * 2**20))  # passes
     with pytest.raises(ValueError, match="--model-path: .* 'llama' model"):
-        T.check_megatron_model_path(ckpt("llama", "llama", "bfloat16", 2**20))
+        infra.check_megatron_model_path(ckpt("llama", "llama", "bfloat16", 2**20))
     with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*28 bytes a parameter"):
-        T.check_megatron_model_path(ckpt("huge", "qwen3_5_moe", "bfloat16", 10 * 2**40))
+        infra.check_megatron_model_path(ckpt("huge", "qwen3_5_moe", "bfloat16", 10 * 2**40))
     with pytest.raises(ValueError, match=r"--model-path: .*GiB of weights.*30 bytes a parameter"):
-        T.check_megatron_model_path(str(tmp_path / "huge"), "bf16")
+        infra.check_megatron_model_path(str(tmp_path / "huge"), "bf16")
     args = T.parse_args(["--backend", "megatron", "--model-path", str(tmp_path / "huge"), "--run-dir",
                          str(tmp_path / "run")])
     with pytest.raises(ValueError, match="bytes a parameter"):

@@ -1,5 +1,5 @@
 """train_t1.py's algorithm pieces: the PPO loss and its optional terms, loss aggregation, the epoch's task draw,
-one reward, and the evaluation that counts every trial (gateway.evaluate_trials)."""
+one reward, and the evaluation that counts every trial (rollout.evaluate_trials)."""
 import dataclasses
 from types import SimpleNamespace
 import json
@@ -7,20 +7,29 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from experiments import bench
 import critic as C
 import data
-from engine import gateway
 import model as M
 import ppo
+import report
+import reward
 import rollout
+import runstate
 import train_t1 as T
+from cluster import actors
+from experiments import bench, training
+from rundir import Metrics
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # --- ppo_loss and its aggregation ------------------------------------------------------------------------
@@ -292,7 +301,7 @@ def test_train_step_logs_the_reward_it_trains_on(tmp_path, tiny):
     assert math.isfinite(stats["explained_variance_traj"])  # three trajectories, rewards 0 / 0.3 / 0.7
 
 
-# --- the comparison arms (issue 14): binary reward, GRPO ---------------------------------------------------------
+# --- the comparison arms of the paper: binary reward, GRPO -------------------------------------------------------
 
 def test_binary_reward_is_one_only_when_every_test_passed():
     samples = [_sample(P, 10.0) for P in (0, 3, 10)]  # total 10
@@ -410,7 +419,7 @@ def test_evaluate_trials_counts_failed_and_missing_trials_as_zero():
     def run_attempt(dirs, k):
         out = [_result("a", 1.0, True), _result("b", 0.9, True, "error", "RuntimeError: sandbox died")]
         return out if k == 0 else out[:1]  # attempt 1: b and c never came back
-    rep = gateway.evaluate_trials(tasks, run_attempt, 2)
+    rep = rollout.evaluate_trials(tasks, run_attempt, 2)
     assert rep["n_trials"] == 6 and rep["n_tasks"] == 3 and rep["attempts"] == 2
     assert rep["solve_rate"] == pytest.approx(2 / 6) and rep["reward_mean"] == pytest.approx(2.0 / 6)
     assert rep["n_errors"] == 4
@@ -420,15 +429,15 @@ def test_evaluate_trials_counts_failed_and_missing_trials_as_zero():
 
 def test_evaluate_trials_refuses_foreign_or_duplicate_results():
     with pytest.raises(ValueError, match="not one of the tasks"):
-        gateway.evaluate_trials(["/x/a"], lambda d, k: [_result("zzz")], 1)
+        rollout.evaluate_trials(["/x/a"], lambda d, k: [_result("zzz")], 1)
     with pytest.raises(ValueError, match="duplicate"):
-        gateway.evaluate_trials(["/x/a"], lambda d, k: [_result("a"), _result("a")], 1)
+        rollout.evaluate_trials(["/x/a"], lambda d, k: [_result("a"), _result("a")], 1)
     with pytest.raises(ValueError, match="attempts"):
-        gateway.evaluate_trials(["/x/a"], lambda d, k: [], 0)
+        rollout.evaluate_trials(["/x/a"], lambda d, k: [], 0)
 
 
 def test_train_t1_evaluate_counts_dropped_trials(monkeypatch, tmp_path):
-    """train_t1.evaluate: a trial that errored (run_rollouts' dropped) is a 0 in the denominator, with the
+    """runstate.evaluate: a trial that errored (run_rollouts' dropped) is a 0 in the denominator, with the
     protocol's sampling and limits."""
     seen = []
 
@@ -436,9 +445,9 @@ def test_train_t1_evaluate_counts_dropped_trials(monkeypatch, tmp_path):
         seen.append(kw)
         kept = [_result("a", 0.6, True)]
         return kept, [{"task": "b", "seconds": 1.0, "reason": "OSError: no space left"}], 1.0
-    monkeypatch.setattr(T, "run_rollouts", fake_run_rollouts)
+    monkeypatch.setattr(actors, "run_rollouts", fake_run_rollouts)
     args = dataclasses.replace(T.Args(), eval_attempts=3)
-    rep = T.evaluate(["/x/a", "/x/b"], args, tmp_path, None, None, None, "test")
+    rep = runstate.evaluate(["/x/a", "/x/b"], args, tmp_path, None, None, None, "test")
     assert rep["n_trials"] == 6 and rep["n_errors"] == 3
     assert rep["solve_rate"] == pytest.approx(0.5) and rep["reward_mean"] == pytest.approx(0.3)
     assert seen[0]["temperature"] == 0.1 and seen[0]["top_p"] == 0.95
@@ -449,10 +458,33 @@ def test_train_t1_evaluate_counts_dropped_trials(monkeypatch, tmp_path):
 def test_one_source_for_the_evaluation_protocol():
     a = T.Args()
     assert (a.eval_temperature, a.eval_top_p, a.eval_attempts, a.eval_max_turns, a.eval_agent_timeout_s,
-            a.eval_verifier_timeout_s) == tuple(gateway.EVAL[k] for k in (
+            a.eval_verifier_timeout_s) == tuple(rollout.EVAL[k] for k in (
                 "temperature", "top_p", "attempts", "max_turns", "agent_timeout_s", "verifier_timeout_s"))
-    assert gateway.EVAL == {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0,
+    assert rollout.EVAL == {"harness": "terminus-2", "max_turns": 60, "agent_timeout_s": 3600.0,
                             "verifier_timeout_s": 900.0, "temperature": 0.1, "top_p": 0.95, "attempts": 3}
+
+
+def test_args_literal_defaults_equal_their_sources():
+    """Args writes the paper's values literally (its module loads before torch, so --help answers at once); each
+    equals the one source it stands for."""
+    a = T.Args()
+    assert a.trial_timeout_s == rollout.EVAL["agent_timeout_s"] and a.reward_scale == float(reward.SCALE)
+    assert (a.base_lr, a.base_batch_size) == (ppo.BASE_LR, ppo.BASE_BATCH)
+
+
+def test_help_answers_before_torch_loads_with_a_line_and_default_for_every_flag():
+    """`python train_t1.py --help` parses before the heavy imports: torch is not loaded when it answers; every Args
+    field is a flag whose help line is its comment in Args plus the embedded preset's value."""
+    code = ("import runpy, sys\nsys.argv = ['train_t1.py', '--help']\ntry:\n    runpy.run_path('train_t1.py', "
+            "run_name='__main__')\nexcept SystemExit:\n    pass\nprint('TORCH', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "TORCH False" in out.stdout, out.stderr[-2000:]
+    helps = T.field_help()
+    assert set(helps) == {f.name for f in dataclasses.fields(T.Args)} and all(helps.values())
+    text = " ".join(out.stdout.split())
+    for f in dataclasses.fields(T.Args):
+        assert f"--{f.name.replace('_', '-')}" in text and f"(default: {getattr(T.EMBEDDED, f.name)!r})" in text
+    assert "(paper: 0.1) (default: 0.1)" in text and "(paper: 1.0e-6, constant) (default: 0.0001)" in text
 
 
 def test_model_vocab_is_padded_to_the_tensor_parallel_size_under_megatron():
@@ -468,9 +500,9 @@ def test_sft_batches_its_samples_in_task_order_not_finishing_order(tmp_path, mon
     seed on the same data reach held-out 0.593 and 0.773)."""
     train, held = data.generate_tasks(tmp_path / "tasks", 6, 1, seed=3, validate_tasks=False)
     args = dataclasses.replace(T.QUICK, run_dir=str(tmp_path / "run"), n_sft_tasks=0, base_steps=0, sft_faults=0.0)
-    run = T.Run(args)
+    run = runstate.Run(args)
     got = []
-    monkeypatch.setattr(T, "run_rollouts", lambda pool, *a, **k: ([{"task": os.path.basename(str(d)),
+    monkeypatch.setattr(actors, "run_rollouts", lambda pool, *a, **k: ([{"task": os.path.basename(str(d)),
                                                                      "resolved": True} for d in reversed(pool)],
                                                                    [], 0.0))
     monkeypatch.setattr(rollout, "to_samples", lambda trials, *a: got.append([t["task"] for t in trials]) or [])
@@ -490,11 +522,12 @@ def test_s_is_the_pools_90th_percentile_and_fixed_for_the_run(tmp_path):
     assert s == counts[math.ceil(0.9 * len(counts)) - 1] and counts[0] <= s <= counts[-1]
     assert data.pool_scale(train, q=1.0) == counts[-1]
     state = {}
-    assert T.run_scale(dataclasses.replace(T.QUICK), state, train) == s == state["reward_scale"]
-    assert T.run_scale(dataclasses.replace(T.QUICK), state, train) == s  # a resume: the same S
+    assert runstate.run_scale(dataclasses.replace(T.QUICK), state, train) == s == state["reward_scale"]
+    assert runstate.run_scale(dataclasses.replace(T.QUICK), state, train) == s  # a resume: the same S
     with pytest.raises(ValueError, match="S is fixed for the whole run"):
-        T.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False, reward_scale=20.0), state, train)
-    assert T.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False), {}, train) == 20.0  # paper's S
+        runstate.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False, reward_scale=20.0), state, train)
+    paper_s = runstate.run_scale(dataclasses.replace(T.QUICK, reward_scale_from_pool=False), {}, train)
+    assert paper_s == 20.0  # the paper's S
     assert T.parse_args(["--reward-scale", "7"]).reward_scale_from_pool is False  # an S given by hand wins
     assert T.parse_args([]).reward_scale_from_pool is True  # the embedded preset: the pool's rule
     toml = os.path.join(train[0], "task.toml")
@@ -511,7 +544,7 @@ def test_copy_samples_mask_the_reply_and_mark_the_copied_items():
     tok = M.train_tokenizer(texts * 5, vocab_size=300)
     items = data.copy_items(texts)
     assert "maple42_dir/" in items and "<" in items
-    longer = data.copy_items(["juniper45_data/willow15/dune19.txt " + "x" * 64], max_chars=64)  # run u1's inventory
+    longer = data.copy_items(["juniper45_data/willow15/dune19.txt " + "x" * 64], max_chars=64)  # a longer cap
     assert "juniper45_data/willow15/dune19.txt" in longer and "x" * 64 not in longer
     assert data.copy_items(["juniper45_data/willow15/dune19.txt"]) == []  # the default leaves nested paths out
     samples = data.copy_samples(tok, items, 20, seed=3)
@@ -529,7 +562,7 @@ def test_copy_samples_mask_the_reply_and_mark_the_copied_items():
 
 def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
     """100 base steps on copy samples lift greedy copy accuracy on unseen samples from chance (< .05) to above .2
-    (measured: 0.39 at step 100 and .99 at step 1000 with qwen3_moe, RESULTS.md); the gate counts only copied
+    (measured: 0.39 at step 100 and .99 at step 1000 with qwen3_moe, results/LOG.md); the gate counts only copied
     tokens (a model that always says the cue scores 0 there)."""
     texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove", "cedar", "lumen")) for i in range(10, 60)]
     tok = M.train_tokenizer(texts, vocab_size=400)
@@ -538,7 +571,7 @@ def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
     probe = data.copy_samples(tok, items, 32, seed=-1)
     before = ppo.copy_accuracy(actor, probe)
     args = dataclasses.replace(T.QUICK, seed=0)
-    ppo.sft(actor, data.copy_samples(tok, items, 100 * ppo.BASE_BATCH, seed=0), args, T.Metrics(tmp_path),
+    ppo.sft(actor, data.copy_samples(tok, items, 100 * ppo.BASE_BATCH, seed=0), args, Metrics(tmp_path),
             phase="base", epochs=1, lr=ppo.BASE_LR, batch_size=ppo.BASE_BATCH)
     after = ppo.copy_accuracy(actor, probe)
     assert before < 0.05 and after > 0.2, (before, after)
@@ -557,7 +590,7 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
         reads = iter(readings)
         monkeypatch.setattr(ppo, "copy_accuracy", lambda a, s: next(reads))
         run = SimpleNamespace(args=dataclasses.replace(T.QUICK, seed=0, base_steps=8, base_max_steps=max_steps),
-                              metrics=T.Metrics(tmp_path), dir=tmp_path)
+                              metrics=Metrics(tmp_path), dir=tmp_path)
         before = [p.detach().clone() for p in actor.parameters()]
         gate = T.base_phase(run, actor, tok, texts)
         moved = max((p - b).abs().max().item() for p, b in zip(actor.parameters(), before))
@@ -572,7 +605,7 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     assert gate["steps"] == 10 and "WARNING" not in line and "the probe that decided read 0.910" in line
 
 
-# --- the end-of-run table's statistics (experiments/bench.py)
+# --- the end-of-run table's statistics (report.py)
 # ----------------------------------------------------------
 
 def _ev(resolved, rewards):
@@ -581,24 +614,24 @@ def _ev(resolved, rewards):
 
 
 def test_wilson_and_mean_intervals_by_hand():
-    lo, hi = bench.wilson(30, 150)  # p = .2, n = 150: Wilson [.144, .271]
+    lo, hi = report.wilson(30, 150)  # p = .2, n = 150: Wilson [.144, .271]
     assert abs(lo - 0.1440) < 1e-3 and abs(hi - 0.2707) < 1e-3
-    assert bench.wilson(0, 150)[0] == 0.0 and bench.wilson(0, 150)[1] > 0.02  # no solve still has an upper bound
-    lo, hi = bench.mean_interval([0.0, 1.0] * 50)  # mean .5, sd .5025, se .0503
+    assert report.wilson(0, 150)[0] == 0.0 and report.wilson(0, 150)[1] > 0.02  # no solve still has an upper bound
+    lo, hi = report.mean_interval([0.0, 1.0] * 50)  # mean .5, sd .5025, se .0503
     assert abs(lo - (0.5 - 1.96 * 0.050252)) < 1e-4 and abs(hi - (0.5 + 1.96 * 0.050252)) < 1e-4
 
 
 def test_paired_mcnemar_and_bootstrap_by_hand():
     a = _ev([False] * 20 + [True] * 5, [0.0] * 20 + [1.0] * 5)
     b = _ev([True] * 12 + [False] * 8 + [True] * 4 + [False], [1.0] * 12 + [0.0] * 8 + [1.0] * 4 + [0.0])
-    t = bench.paired(a, b)
+    t = report.paired(a, b)
     assert (t["solved_gained"], t["solved_lost"], t["n"]) == (12, 1, 25)
     assert abs(t["mcnemar_p"] - 2 * 14 / 2 ** 13) < 1e-12  # exact: 2 P(X <= 1), X ~ Bin(13, 1/2)
     assert abs(t["reward_diff"] - 11 / 25) < 1e-12 and t["reward_diff_ci"][0] > 0 and t["reward_p_le"] < 0.01
-    same = bench.paired(a, a)
+    same = report.paired(a, a)
     assert same["mcnemar_p"] == 1.0 and same["reward_diff"] == 0.0
     with pytest.raises(ValueError, match="different trials"):
-        bench.paired(a, _ev([True], [1.0]))
+        report.paired(a, _ev([True], [1.0]))
 
 
 def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
@@ -614,8 +647,8 @@ def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
     for t in rl["trials"][:12]:
         t.update(resolved=True, reward=1.0)
     rl["trials"][21].update(resolved=False, reward=0.0)
-    T.eval_row(run, sft, 0)
-    T.eval_row(run, rl, 16)
+    runstate.eval_row(run, sft, 0)
+    runstate.eval_row(run, rl, 16)
     assert rows == [0, 16] and sorted(os.listdir(tmp_path / "evals")) == ["step_000000.json", "step_000016.json"]
     assert json.loads((tmp_path / "evals" / "step_000016.json").read_text())["after_step"] == 16
     c = bench.compare(str(tmp_path / "evals" / "step_000000.json"), str(tmp_path / "evals" / "step_000016.json"))
@@ -630,16 +663,15 @@ def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
 def test_an_evaluation_redone_after_a_kill_has_one_row(tmp_path):
     """A kill after eval_row's metrics row but before the state's commit: the resume redoes the evaluation (the step
     is committed, so resume_run keeps the first row); the redo replaces that row, other rows untouched."""
-    from trainer import Metrics
     run = SimpleNamespace(dir=tmp_path, metrics=Metrics(tmp_path))
 
     def ev(k, n=4):
         return {**_ev([True] * k + [False] * (n - k), [1.0] * k + [0.0] * (n - k)), "solve_rate": k / n,
                 "reward_mean": k / n, "n_trials": n}
     run.metrics.write({"reward_mean": 0.5}, 16, "rl")
-    T.eval_row(run, ev(1), 0)
-    T.eval_row(run, ev(2), 16)
-    T.eval_row(run, ev(3), 16)  # the redo of step 16's evaluation
+    runstate.eval_row(run, ev(1), 0)
+    runstate.eval_row(run, ev(2), 16)
+    runstate.eval_row(run, ev(3), 16)  # the redo of step 16's evaluation
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [(r["phase"], r["step"], r.get("heldout_solve_rate")) for r in rows] == [
         ("rl", 16, None), ("eval", 0, 0.25), ("eval", 16, 0.75)]
@@ -649,7 +681,7 @@ def test_an_evaluation_redone_after_a_kill_has_one_row(tmp_path):
 
 def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, capsys):
     """--n-val-tasks: eval_row writes evals/val_step_N.json beside step_N.json, and one metrics row with both;
-    bench.best_val picks the RL step by validation solve rate, then mean reward, then the earlier step (never step
+    report.best_val picks the RL step by validation solve rate, then mean reward, then the earlier step (never step
     0, never a step without a held-out file), whatever the held-out figures; print_table adds RL@val and its
     paired test against SFT."""
     rows = []
@@ -659,37 +691,37 @@ def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, c
         e = _ev([True] * k + [False] * (n - k), [1.0] * k + [0.0] * (n - k))
         return {**e, "solve_rate": k / n, "reward_mean": reward if reward is not None else k / n, "n_trials": n,
                 "turns_mean": 3.0}
-    assert bench.best_val(tmp_path) is None  # no evals at all
-    T.eval_row(run, ev(2), 0, ev(9))  # the SFT step: not a candidate
-    T.eval_row(run, ev(3), 16, ev(5, reward=0.4))
-    T.eval_row(run, ev(9), 32, ev(4))  # the best held-out: not read
-    T.eval_row(run, ev(6), 48, ev(5, reward=0.6))  # ties 16 on solve rate, better mean reward
-    T.eval_row(run, ev(1), 64, ev(5, reward=0.6))  # a full tie with 48: the earlier step
+    assert report.best_val(tmp_path) is None  # no evals at all
+    runstate.eval_row(run, ev(2), 0, ev(9))  # the SFT step: not a candidate
+    runstate.eval_row(run, ev(3), 16, ev(5, reward=0.4))
+    runstate.eval_row(run, ev(9), 32, ev(4))  # the best held-out: not read
+    runstate.eval_row(run, ev(6), 48, ev(5, reward=0.6))  # ties 16 on solve rate, better mean reward
+    runstate.eval_row(run, ev(1), 64, ev(5, reward=0.6))  # a full tie with 48: the earlier step
     (tmp_path / "evals" / "val_step_000080.json").write_text(json.dumps(ev(10)))  # no held-out file: skipped
     assert [set(r) >= {"val_solve_rate", "val_n_trials", "heldout_solve_rate"} for r in rows] == [True] * 5
-    best = bench.best_val(tmp_path)
+    best = report.best_val(tmp_path)
     assert (best["step"], best["solve_rate"], best["val_solve_rate"], best["val_reward_mean"], best["val_n"]) == (
         48, 0.6, 0.5, 0.6, 10)
-    bench.print_table({"eval_sft": ev(2), "eval_rl": {**ev(1), "after_step": 64}, "eval_rl_best_val": best,
+    report.print_table({"eval_sft": ev(2), "eval_rl": {**ev(1), "after_step": 64}, "eval_rl_best_val": best,
                        "phase_times": {}})
     out = capsys.readouterr().out
     assert "| held-out | RL@val (step 48, val 0.500) | 0.600 [" in out
     assert "held-out RL@val (step 48) vs SFT (paired, n 10): solved +4 -0" in out
     (tmp_path / "evals" / "val_step_000016.json").write_text('{"solve_rate": 0.5')  # torn: named, not guessed
     with pytest.raises(ValueError, match="val_step_000016.json is not a validation evaluation"):
-        bench.best_val(tmp_path)
+        report.best_val(tmp_path)
 
 
 def test_snr_stats_by_hand():
     G = torch.tensor([[1.0, 0.0], [3.0, 0.0], [1.0, 2.0], [3.0, -2.0]])  # mean (2, 0)
-    st = bench.snr_stats(G)
+    st = training.snr_stats(G)
     tr = (1 + 1 + (1 + 4) + (1 + 4)) / 3  # sum |g_i - gbar|^2 / (n - 1) = 4
     assert abs(st["rho"] - (4 - tr / 4) / tr) < 1e-12 and st["n"] == 4
     assert abs(st["trajectories_for_snr_1"] - 1 / st["rho"]) < 1e-9
     assert abs(st["split_half_cos"] - 1.0) < 1e-12  # both halves' means are (2, 0)
-    assert bench.snr_stats(torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]))["trajectories_for_snr_1"] == float("inf")
+    assert training.snr_stats(torch.tensor([[1.0], [-1.0], [1.0], [-1.0]]))["trajectories_for_snr_1"] == float("inf")
     with pytest.raises(ValueError, match=">= 4"):
-        bench.snr_stats(G[:3])
+        training.snr_stats(G[:3])
 
 
 def test_pg_snr_on_a_run_directory(tmp_path, tiny_sft):
@@ -699,16 +731,16 @@ def test_pg_snr_on_a_run_directory(tmp_path, tiny_sft):
     (tmp_path / "args.json").write_text(json.dumps({"reward_scale": 20.0}))  # fake_samples: r = P / 20
     tito.save_samples(tmp_path / "samples" / "step_000001.jsonl", [dict(s, task=f"t{i}-text", spans=[])
                                                                    for i, s in enumerate(tiny_sft.samples)])
-    out = bench.pg_snr(tmp_path, steps=(1,), n=6)
+    out = training.pg_snr(tmp_path, steps=(1,), n=6)
     assert out["n"] == 6 and math.isfinite(out["rho"]) and -1 <= out["split_half_cos"] <= 1
 
 
 def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
     full, emb = T.parse_args(["--full"]), T.parse_args([])
     assert (full.n_heldout_tasks, full.eval_every, full.arch) == (150, 16, "qwen3_moe") and full.rl_steps > emb.rl_steps
-    assert (full.n_train_tasks, full.validate_train, full.rl_steps) == (1152, False, 48)  # runs r6 and r12
-    assert (full.rst_rounds, emb.rst_rounds) == (1, 0)  # RST tasks in --full (run rst1, fourteenth session)
-    assert (full.temperature, full.kl_coef, emb.temperature, emb.kl_coef) == (0.7, 0.05, 1.0, 0.0)  # run k7
+    assert (full.n_train_tasks, full.validate_train, full.rl_steps) == (1152, False, 48)  # --full's pool and steps
+    assert (full.rst_rounds, emb.rst_rounds) == (1, 0)  # RST tasks in --full
+    assert (full.temperature, full.kl_coef, emb.temperature, emb.kl_coef) == (0.7, 0.05, 1.0, 0.0)  # --full's T and KL
     T.check_args(full)  # the KL is the hf backend's, as --full's
     assert emb.validate_train and emb.expert_text == full.expert_text == "full"
     assert T.parse_args(["--full", "--rl-steps", "3"]).rl_steps == 3  # a flag still wins over the preset
@@ -722,10 +754,11 @@ def test_invalid_reply_frac_counts_refused_replies_over_all_turns():
     """The format-collapse metric: refused replies / all replies of the kept trials that counted them (a trial
     without the count, e.g. an agent behind the gateway, is left out, and none counted is NaN, not 0)."""
     trials = [dict(turns=4, invalid_replies=1), dict(turns=8, invalid_replies=8), dict(turns=5)]
-    assert T.invalid_reply_frac(trials) == pytest.approx(9 / 12)
-    assert math.isnan(T.invalid_reply_frac([])) and math.isnan(T.invalid_reply_frac([dict(turns=3)]))
-    assert T.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
-    assert T.invalid_reply_frac(trials) >= T.INVALID_ALARM > T.invalid_reply_frac([dict(turns=10, invalid_replies=1)])
+    assert runstate.invalid_reply_frac(trials) == pytest.approx(9 / 12)
+    assert math.isnan(runstate.invalid_reply_frac([])) and math.isnan(runstate.invalid_reply_frac([dict(turns=3)]))
+    assert runstate.invalid_reply_frac([dict(turns=0, invalid_replies=0)]) == 0.0
+    low = runstate.invalid_reply_frac([dict(turns=10, invalid_replies=1)])
+    assert runstate.invalid_reply_frac(trials) >= runstate.INVALID_ALARM > low
 
 
 def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monkeypatch):
@@ -742,7 +775,7 @@ def test_a_validation_set_added_on_resume_avoids_the_sft_pool_too(tmp_path, monk
             seen["avoid"] = set(k["avoid"])
         return real(out_dir, *a, **dict(k, validate_tasks=False))
     monkeypatch.setattr(data, "generate_tasks", spy)
-    run = T.Run(args)
+    run = runstate.Run(args)
     T.make_tasks(run)
     sft, _ = real(tmp_path / "run" / "tasks" / "sft", 4, 0, args.seed + 1, validate_tasks=False)
     run.args = dataclasses.replace(run.args, n_val_tasks=2)
@@ -758,10 +791,10 @@ def test_step_record_logs_the_dense_reward_whatever_the_arm_trains_on():
     trials = [{"resolved": True, "turns": 2}, {"resolved": False, "turns": 1}]
     samples = [{"reward": 1.0, "turns": 2, "tokens": [1, 2, 3]}, {"reward": 0.3, "turns": 1, "tokens": [1]}]
     ro = {"trials": trials, "n_launched": 2, "dropped": [], "tok_s": 10.0, "t_rollout": 1.0}
-    rec = T.step_record(ro, samples, {"reward_mean": 0.5}, {})
+    rec = runstate.step_record(ro, samples, {"reward_mean": 0.5}, {})
     assert rec["reward_mean"] == 0.5 and rec["reward_dense_mean"] == pytest.approx(0.65)
     assert rec["solve_rate"] == 0.5 and rec["tokens_mean"] == 2.0
-    assert T.step_record({**ro, "trials": []}, [], {}, {})["reward_dense_mean"] == 0.0
+    assert runstate.step_record({**ro, "trials": []}, [], {}, {})["reward_dense_mean"] == 0.0
 
 
 def test_engine_errors_500_sums_the_engines_counts_and_is_none_where_one_does_not_count():
@@ -789,9 +822,9 @@ def test_engine_errors_500_sums_the_engines_counts_and_is_none_where_one_does_no
     servers = [serve({"errors_500": 2}), serve({"errors_500": 3}), serve({"version": "sglang"})]
     try:
         urls = [u for _, u in servers]
-        assert T.engine_errors_500(urls[:2]) == 5
-        assert T.engine_errors_500(urls) is None
-        assert T.engine_errors_500(urls[:1] + ["http://127.0.0.1:1"]) is None
+        assert actors.engine_errors_500(urls[:2]) == 5
+        assert actors.engine_errors_500(urls) is None
+        assert actors.engine_errors_500(urls[:1] + ["http://127.0.0.1:1"]) is None
     finally:
         for srv, _ in servers:
             srv.shutdown()
