@@ -77,8 +77,8 @@ import time  # noqa: E402
 
 from cluster import gpu_check  # noqa: E402
 from engine import server  # noqa: E402
+from engine.client import EngineClient  # noqa: E402
 import infra  # noqa: E402
-import rollout  # noqa: E402
 
 
 # --- up-front checks -------------------------------------------------------------------------------
@@ -278,7 +278,7 @@ class SGLangServer:
         with open(self.log_path, "a") as log:
             self.proc = subprocess.Popen(self.cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         url, deadline = self.url(), time.time() + timeout_s
-        client = rollout.EngineClient(url)
+        client = EngineClient(url)
         while not client.health():
             if self.proc.poll() is not None:
                 raise RuntimeError(f"sglang exited with code {self.proc.returncode}; see {self.log_path}")
@@ -308,7 +308,7 @@ class SGLangServer:
 
 def start_engines(ray, preset, place, model_path, log_dir):
     """SGLang servers as Ray actors, one per engine bundle (place: infra.ray_placement's) -> (actors, urls); the CPU
-    preset: embedded engines (engine.EngineActor, the same HTTP contract, the publish over a gloo group)."""
+    preset: embedded engines (engine/server.py's EngineActor, the same HTTP contract, the publish over a gloo group)."""
     if preset.device == "cpu":
         actors = [ray.remote(server.EngineActor).options(**place["engines"][i]).remote(model_path, "bf16", 1)
                   for i in range(preset.n_engines)]

@@ -19,12 +19,12 @@ Departures from the paper:
 """
 import concurrent.futures as cf
 
+from engine.client import EngineClient
 import infra
-import rollout
 
 
-class SGLangClient(rollout.EngineClient):
-    """rollout.EngineClient plus the endpoints only SGLang serves (distributed weight update, memory)."""
+class SGLangClient(EngineClient):
+    """engine/client.py's EngineClient plus the endpoints only SGLang serves (distributed weight update, memory)."""
 
     def pause(self, mode="retract"):
         """Publish barrier, first half (departure 1: retract, not abort)."""
@@ -131,7 +131,7 @@ def hf_expert_name(layer, expert, kind):
 class WeightPublisher:
     """Trainer rank 0's side of the publish: one NCCL group with every engine rank, then per publish
     pause -> buckets (HTTP metadata to every engine, broadcast of each tensor) -> resume. The trainer's publish
-    interface, with rollout.DiskPublisher (the embedded engines load the checkpoint from disk)."""
+    interface, with engine/client.py's DiskPublisher (the embedded engines load the checkpoint from disk)."""
     wants_weights = True  # publish broadcasts the tensors it is given
 
     def __init__(self, clients, engine_world_sizes, master_address, master_port=None,
