@@ -305,9 +305,9 @@ def test_a_client_that_hangs_up_has_its_engine_request_aborted_and_nothing_recor
     assert gw.trial("gone")["records"] == []  # the client never saw a reply: no turn recorded
 
 
-# --- hardening, second round: bad text is a 400, faults are logged, busy is a 503, content is never control -----
+# --- hardening: bad text is a 400, faults are logged, busy is a 503, content is never control -----------------
 def test_text_that_is_not_unicode_is_400_naming_the_field_never_500(gw):
-    """A lone surrogate was a 500 (the tokenizer cannot encode it): now a 400 naming the field, wherever it is."""
+    """A lone surrogate (the tokenizer cannot encode it) is a 400 naming the field, wherever it is, never a 500."""
     ok = {"model": "t1", "messages": MSGS, "max_tokens": 2}
     cases = [
         ({**ok, "messages": [{"role": "user", "content": "a\ud800b"}]}, "messages[0].content"),

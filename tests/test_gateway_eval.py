@@ -166,8 +166,8 @@ def test_sigint_ends_the_harbor_groups_started_here(signals_restored):
 
 
 def test_sigterm_stops_evals_harbor_process_group(tmp_path, tok_dir):
-    """Killing `engine/gateway.py eval` orphaned Harbor's process group (its own session); now the group ends with it
-    and the eval exits 128 + the signal."""
+    """Killing `python -m engine.gateway eval` ends Harbor's process group (its own session, which would outlive
+    it) with it, and the eval exits 128 + the signal."""
     sig = signal.SIGTERM
     data = tmp_path / "dataset"
     data.mkdir()

@@ -419,7 +419,7 @@ def test_model_agent_against_embedded_engine(task, tok, tmp_path):
         assert len(r["output_logprobs"]) == len(r["output_ids"]) and r["finish_reason"] in ("stop", "length")
 
 
-# --- keystrokes never block (issue 11) ------------------------------------------------------------
+# --- keystrokes never block -------------------------------------------------------------------------
 
 def _send_in_thread(box, keys, **kw):
     """send_keys in a daemon thread -> (thread, result dict): a send that hangs fails the test instead of hanging it."""
@@ -494,7 +494,7 @@ def test_large_paste_into_reading_command_is_delivered_whole(box):
     assert out.strip() == str(1 << 20), out
 
 
-# --- tasks that need their image; the CLI (issue 11) ----------------------------------------------
+# --- tasks that need their image; the CLI ----------------------------------------------------------
 TB2_TEST_SH = """#!/bin/bash
 set -e
 apt-get update

@@ -440,7 +440,7 @@ def test_a_chat_of_its_own_gets_the_deadline_and_a_transcript(tmp_path):
 
 
 def test_a_sampled_reply_never_crashes_the_parser():
-    """Replies a policy can sample that used to raise out of parse_reply (the trial then errored and was dropped from
+    """Replies a policy can sample that must not raise out of parse_reply (the trial would error and be dropped from
     the step instead of being scored): thousands of brackets (RecursionError), an integer of 5000 digits (ValueError),
     a duration of 400 digits (OverflowError in float), NaN / Infinity durations, a lone surrogate in keystrokes
     (UnicodeEncodeError when typed). Each is a refused reply with its reason; a good reply still parses."""
