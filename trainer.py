@@ -43,8 +43,8 @@ import critic as C
 import infra
 import model as M
 import ppo
-import rollout
-from cluster import launch, mcore, mcore_parallel, mcore_weights
+from cluster import mcore, mcore_parallel, mcore_weights, publish
+from engine.client import DiskPublisher
 from rundir import load_trainer_file, log, save_trainer
 # train_t1 still imports these run-directory names from here; they live in rundir.py
 from rundir import Metrics, load_state, prune_previous, resume_run, rewrite_jsonl, write_atomic  # noqa: F401
@@ -218,7 +218,7 @@ class Trainer:
         Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if not self.sharded:
-            self.group = launch.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
+            self.group = infra.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
             return
         import datetime
         import torch.distributed as dist
@@ -259,19 +259,19 @@ class Trainer:
 
     def connect_engines(self, urls: list, world_sizes: list, master_address: str = "") -> None:
         """The publisher of this run (every rank learns which; rank 0 alone speaks to the engines): with
-        world_sizes (cluster) rank 0 of one group with every engine rank (cluster.WeightPublisher, NCCL; gloo on
-        CPU), else the embedded engines load ckpt/latest from disk (rollout.DiskPublisher)."""
+        world_sizes (cluster) rank 0 of one group with every engine rank (cluster.publish.WeightPublisher, NCCL; gloo on
+        CPU), else the embedded engines load ckpt/latest from disk (engine.client.DiskPublisher)."""
         self.push_weights = bool(world_sizes)
         if self.rank > 0:
             return
         if not world_sizes:
-            self.publisher = rollout.DiskPublisher(urls, self.latest)
+            self.publisher = DiskPublisher(urls, self.latest)
             return
         if not master_address:
             import ray
             master_address = ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
-        self.publisher = launch.WeightPublisher(
-            [launch.SGLangClient(u) for u in urls], world_sizes, master_address,
+        self.publisher = publish.WeightPublisher(
+            [publish.SGLangClient(u) for u in urls], world_sizes, master_address,
             backend="nccl" if torch.cuda.is_available() else "gloo").connect()
 
     def publish(self, version: int) -> int:
