@@ -49,7 +49,7 @@ import reward  # standard library only: the --reward-scale default
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line of one trial (standard library only: --help answers before torch loads)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--task", required=True, help="a Harbor / Terminal-Bench 2 task directory")
     p.add_argument("--agent", required=True, choices=["oracle", "nop", "model", "scripted"],
@@ -67,8 +67,23 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed and checked (standard library only): bad flags exit 2 before torch loads."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
+        p.error(f"--keep: {a.keep} exists and is not a directory")
+    if a.agent in ("model", "scripted") and not a.model_path:
+        p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
+    if a.agent == "model" and not a.engine_url:
+        p.error("--agent model needs --engine-url")
+    if not (math.isfinite(a.reward_scale) and a.reward_scale > 0):
+        p.error(f"--reward-scale: must be a positive finite number, got {a.reward_scale}")
+    return a
+
+
 if __name__ == "__main__":
-    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
+    ARGV = parse_args()  # --help and bad flags answer here, before torch loads
 
 import infra  # noqa: E402
 import r3  # noqa: E402
@@ -531,16 +546,7 @@ def main(argv=None) -> int:
     whatever its reward), 1 (nothing was scored: exit_reason "error" or "cancelled", the JSON's "error" says why,
     also on stderr; a --model-path that gives no tokenizer, an oracle run of a task without a solution), 2 (bad
     flags)."""
-    p = build_parser()
-    a = argv if isinstance(argv, argparse.Namespace) else p.parse_args(argv)
-    if a.keep and os.path.exists(a.keep) and not os.path.isdir(a.keep):
-        p.error(f"--keep: {a.keep} exists and is not a directory")
-    if a.agent in ("model", "scripted") and not a.model_path:
-        p.error(f"--agent {a.agent} needs --model-path (the tokenizer)")
-    if a.agent == "model" and not a.engine_url:
-        p.error("--agent model needs --engine-url")
-    if not (math.isfinite(a.reward_scale) and a.reward_scale > 0):
-        p.error(f"--reward-scale: must be a positive finite number, got {a.reward_scale}")
+    a = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     tok, why = _load_tokenizer(a.model_path) if a.model_path else (None, None)
     if why:
         res = {"task": os.path.basename(os.path.abspath(a.task)), "reward": 0.0, "reward_scale": a.reward_scale,

@@ -71,7 +71,7 @@ import uuid
 
 def build_parser() -> argparse.ArgumentParser:
     """The command line: serve | harbor-trial | eval (standard library only: --help answers before torch loads)."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.gateway", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
     helps = {"serve": "serve the OpenAI-compatible gateway in front of an engine until stopped",
              "harbor-trial": "one Harbor Terminus-2 trial through a gateway of its own; prints one JSON line",
@@ -105,8 +105,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def parse_args(argv=None) -> argparse.Namespace:
+    """The command line, parsed and checked (standard library only): bad flags exit 2 before torch loads."""
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.cmd == "eval" and a.attempts is not None and a.attempts < 1:
+        p.error(f"--attempts: must be >= 1, got {a.attempts}")
+    return a
+
+
 if __name__ == "__main__":
-    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
+    ARGV = parse_args()  # --help and bad flags answer here, before torch loads
 
 import rollout  # noqa: E402
 from chat_tokens import IM_END  # noqa: E402
@@ -404,12 +413,9 @@ def main(argv=None) -> int:
     """-> exit status. eval: 0 when every trial ran to a verdict, 1 when some trial errored (refused up front, Harbor
     failed, ...: the JSON's `errors` and stderr say which and why), 2 for nothing to evaluate or bad flags,
     128 + the signal number when stopped by SIGTERM / SIGINT. harbor-trial: 0 / 1 (exit_reason "error") likewise."""
-    p = build_parser()
-    a = argv if isinstance(argv, argparse.Namespace) else p.parse_args(argv)
+    a = argv if isinstance(argv, argparse.Namespace) else parse_args(argv)
     if a.cmd == "eval":
         a.attempts = rollout.EVAL["attempts"] if a.attempts is None else a.attempts
-        if a.attempts < 1:
-            p.error(f"--attempts: must be >= 1, got {a.attempts}")
         try:
             harbor_run.dataset_tasks(a.dataset)  # nothing to evaluate: said before the tokenizer loads
         except ValueError as e:
