@@ -46,8 +46,6 @@ import ppo
 from cluster import mcore, mcore_parallel, mcore_weights, publish
 from engine.client import DiskPublisher
 from rundir import load_trainer_file, log, save_trainer
-# train_t1 still imports these run-directory names from here; they live in rundir.py
-from rundir import Metrics, load_state, prune_previous, resume_run, rewrite_jsonl, write_atomic  # noqa: F401
 
 
 def optimizer_lr(opt) -> float:
