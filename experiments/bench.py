@@ -85,7 +85,8 @@ def build_parser() -> argparse.ArgumentParser:
     tb = sub.add_parser("trainer", help="the trainer's Megatron path on this node (one JSON line); flags it does "
                         "not know go to train_t1.py's parser (--preset, --param-dtype, ...)", formatter_class=fmt)
     tb.add_argument("--shape", choices=SHAPES, default="t1-tiny",
-                    help="the model: infra's t1-tiny, cluster.launch.probe_config(), or 4 layers of the 122B's widths")
+                    help="the model: infra's t1-tiny, cluster.gpu_check.probe_config(), or 4 layers of the 122B's "
+                    "widths")
     tb.add_argument("--tokens", type=int, default=256, help="tokens per trajectory")
     tb.add_argument("--samples", type=int, default=4, help="trajectories per step")
     tb.add_argument("--steps", type=int, default=2, help="train steps timed")
@@ -120,8 +121,8 @@ import torch  # noqa: E402
 
 import model  # noqa: E402
 import report  # noqa: E402
+import rollout  # noqa: E402
 import train_t1  # noqa: E402  (its parser gives `trainer` its Args; the experiments may import the entry point)
-from engine import gateway  # noqa: E402
 from experiments import engine_speed, mechanisms, training  # noqa: E402
 
 
@@ -130,7 +131,7 @@ def compare(path_a: str, path_b: str) -> dict:
     (evals/step_NNNNNN.json, train_t1.eval_row) over the same tasks: each one's solve rate with its 95% interval
     and tasks solved per family (the task name's last part), then the paired tests of B against A (report.paired).
     ValueError naming the file when one is not an evaluation, or evaluated nothing (no trials, or every trial
-    errored / was cancelled: gateway.trial_failed)."""
+    errored / was cancelled: rollout.trial_failed)."""
     evs, rows = [], {}
     for key, path in (("a", path_a), ("b", path_b)):
         try:
@@ -142,7 +143,7 @@ def compare(path_a: str, path_b: str) -> dict:
             raise ValueError(f"compare: {path} is not an evaluation with per-trial rows (evals/step_*.json): "
                              f"{type(e).__name__}: {e}") from None
         k, n = sum(sum(v) for v in fams.values()), len(ev["trials"])
-        failed = sum(gateway.trial_failed(t) for t in ev["trials"] if "exit_reason" in t)
+        failed = sum(rollout.trial_failed(t) for t in ev["trials"] if "exit_reason" in t)
         if n == 0 or failed == n:  # nothing was evaluated: a solve rate of 0 here would be a silent zero
             raise ValueError(f"compare: {path} evaluated nothing: " + (
                 "it has no trials" if n == 0 else

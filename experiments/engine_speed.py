@@ -25,9 +25,10 @@ import chat_tokens
 import infra
 import model
 import r3
-import rollout
+from engine.batcher import sample_rows
+from engine.client import EngineClient
 from engine.kvcache import _build_cache, _cache_state
-from engine.server import EngineServer, sample_rows
+from engine.server import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, ...
 
@@ -242,7 +243,7 @@ def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt
                                 "multi_turn_tok_s": round(multi / med["engine_dp_multi"], 1),
                                 "multi_turn_vs_hf": round(med["hf_multi"] / med["engine_dp_multi"], 2)}
     fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
-    fig["prefix_cache"] = rollout.EngineClient(on).server_info()["prefix_cache"]
+    fig["prefix_cache"] = EngineClient(on).server_info()["prefix_cache"]
     fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}
     return fig
 

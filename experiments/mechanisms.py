@@ -26,6 +26,7 @@ from cluster import cp_gdn
 from engine import gateway
 from engine.server import EngineServer
 from experiments.engine_speed import post_json
+from sandbox.harbor_run import run_harbor_trial
 
 
 # --- R3: abs(delta log p) engine vs trainer with R3 off / on, capture overhead -------------------------------
@@ -138,11 +139,11 @@ def tito_measure(quick=True, harness="client", work_dir=None, seed=0, ckpt=None)
             trials = []
             for td in train:
                 if harness == "harbor":
-                    res = gateway.run_harbor_trial(td, gw, trials_dir=os.path.join(work, f"harbor-{mode}"),
+                    res = run_harbor_trial(td, gw, trials_dir=os.path.join(work, f"harbor-{mode}"),
                                                    sampling=sampling, limits=limits)
                 else:
                     sid = uuid.uuid4().hex
-                    res = gateway.run_text_trial(td, gw.url, sid, sampling=sampling, limits=limits, work_root=work)
+                    res = rollout.run_text_trial(td, gw.url, sid, sampling=sampling, limits=limits, work_root=work)
                     res["records"] = gw.pop(sid)["records"]
                 if res["records"]:
                     trials.append(res)

@@ -31,7 +31,7 @@ import ppo
 import r3
 import tito
 import trainer
-from cluster import launch
+from cluster import gpu_check
 from rundir import Metrics
 
 
@@ -116,9 +116,10 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     the HF-vs-Megatron mismatch of the same weights). -> the node's facts, seconds and trajectory tokens/s per step,
     dlogp with R3 on and off, and on CUDA the peak allocated bytes against infra.device_memory's prediction for the
     co-located actor (+ behaviour copy) and critic. `args`: train_t1's Args (its preset's lrs, clips, --param-dtype).
-    Shapes: infra.MODEL_SHAPES' t1-tiny, cluster.probe_config(), and "122b-slice": 4 layers (3 GDN + 1 attention) of
-    the 122B's widths with 16 of its 256 experts (the whole model's trainer state does not fit one GPU)."""
-    shapes = {"t1-tiny": infra.MODEL_SHAPES["t1-tiny"], "probe": launch.probe_config(),
+    Shapes: infra.MODEL_SHAPES' t1-tiny, cluster.gpu_check.probe_config(), and "122b-slice": 4 layers (3 GDN + 1
+    attention) of the 122B's widths with 16 of its 256 experts (the whole model's trainer state does not fit one
+    GPU)."""
+    shapes = {"t1-tiny": infra.MODEL_SHAPES["t1-tiny"], "probe": gpu_check.probe_config(),
               "122b-slice": dataclasses.replace(infra.MODEL_SHAPES["qwen35-122b-a10b"], name="122b-slice",
                                                 n_layers=4, n_gdn=3, n_attn=1, n_experts=16)}
     if shape not in shapes:
@@ -130,7 +131,7 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     def phase(what):  # progress on stderr: a run cut off by a time limit still says where its time went
         print(f"[trainer-bench {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
     torch.manual_seed(seed)
-    hf = transformers.Qwen3_5MoeForCausalLM(launch.hf_config(c)).to(torch.bfloat16)
+    hf = transformers.Qwen3_5MoeForCausalLM(gpu_check.hf_config(c)).to(torch.bfloat16)
     phase(f"HF model built ({sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters)")
     tok = model.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
     model.save_checkpoint(hf, tok, work / "sft")  # bf16 on disk, as the cluster's checkpoints
