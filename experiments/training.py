@@ -129,7 +129,7 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     t_start = time.time()
 
     def phase(what):  # progress on stderr: a run cut off by a time limit still says where its time went
-        print(f"[trainer-bench {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
+        print(f"[bench trainer {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
     torch.manual_seed(seed)
     hf = transformers.Qwen3_5MoeForCausalLM(gpu_check.hf_config(c)).to(torch.bfloat16)
     phase(f"HF model built ({sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters)")

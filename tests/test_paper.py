@@ -120,10 +120,10 @@ def test_report_from_run_directories(tmp_path):
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
 def test_quick_form_end_to_end(tmp_path):
-    """`experiments/paper.py run --quick` with two arms (grpo: G samples per task, the shared warmed critic; binary:
-    its own critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the shared SFT
-    run, each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the finished arms are
-    kept (nothing re-run) and the report rewritten."""
+    """`python -m experiments.paper run --quick` with two arms (grpo: G samples per task, the shared warmed critic;
+    binary: its own critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the
+    shared SFT run, each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the
+    finished arms are kept (nothing re-run) and the report rewritten."""
     out = tmp_path / "paper"
     cmd = [sys.executable, "-m", "experiments.paper", "run", "--quick", "--arms", "grpo", "binary", "--out",
            str(out), "--rl-steps", "1"]
