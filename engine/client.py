@@ -5,7 +5,7 @@ DiskPublisher).
 
 Machinery of the paper's rollout and infrastructure sections: rollout.py and terminus2.py talk to the engine through
 EngineClient (one client for both scales: engine/server.py and SGLang speak the same protocol); the trainer
-publishes each step's weights with DiskPublisher at embedded scale (cluster.launch.WeightPublisher at cluster scale:
+publishes each step's weights with DiskPublisher at embedded scale (cluster.publish.WeightPublisher at cluster scale:
 weights over a process group). Run: not by itself; tests/test_rollout_hardening.py cuts slow and hung servers with it.
 """
 import http.client
@@ -189,7 +189,7 @@ def publish_from_disk(urls, model_path, version: int) -> None:
     """Publish barrier over every engine: pause all, load the weights of `version` from disk, resume all.
 
     SGLang's /pause_generation, /update_weights_from_disk, /continue_generation (the embedded engine
-    speaks the same); the cluster's NCCL path is cluster.launch.WeightPublisher.
+    speaks the same); the cluster's NCCL path is cluster.publish.WeightPublisher.
     """
     clients = [EngineClient(u) for u in urls]
     for c in clients:
@@ -204,7 +204,7 @@ def publish_from_disk(urls, model_path, version: int) -> None:
 
 class DiskPublisher:
     """The embedded publish: under the barrier every engine loads the checkpoint directory the trainer saved
-    (publish_from_disk). The trainer's one publish interface, with cluster.launch.WeightPublisher (weights over a
+    (publish_from_disk). The trainer's one publish interface, with cluster.publish.WeightPublisher (weights over a
     process group): publish(named_tensors, version), close(); wants_weights says whether publish needs the tensors."""
     wants_weights = False  # the step's checkpoint already holds them
 
