@@ -13,7 +13,7 @@
 #   bash run.sh qwen35-35b-a3b   [--model-path DIR]   #   memory-model plan, starts/joins Ray, launches the run
 #   bash run.sh gpu-check            # one prepared command: Megatron backend + memory model on one GPU
 #   bash run.sh paper [--quick]      # the paper's comparisons (dense vs binary, PPO vs GRPO, warm vs cold critic,
-#                                    #   R3 on / off) from one shared SFT run; the report appended to RESULTS.md
+#                                    #   R3 on / off) from one shared SFT run; the report appended to results/LOG.md
 #   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: `python -m cluster.launch launch`,
 #                                    #   the planner's plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
 #

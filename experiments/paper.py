@@ -43,7 +43,8 @@ Choices where the paper is silent: arms run sequentially, seed by seed (every ar
 opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two
 trained models fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the
 paper's claims tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its
-report is written to OUT/report.md only (the real run also appends it to --results, RESULTS.md by default).
+report is written to OUT/report.md only (the real run also appends it to --results,
+results/LOG.md by default: the dated log; RESULTS.md holds only the headline tables).
 """
 import argparse
 import datetime
@@ -79,7 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (default: %(default)s, the preset's)")
     r.add_argument("--seed", type=int, default=None, help="the shared run's seed (tasks, base, SFT); arm seed s runs "
                    "with it + s (default: %(default)s, the preset's)")
-    r.add_argument("--results", default="RESULTS.md", help="the report is appended here (not with --quick)")
+    r.add_argument("--results", default="results/LOG.md",
+                   help="the dated log the report is appended to (not with --quick)")
     r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
     rp = sub.add_parser("report", help="the report from the run directories under OUT", formatter_class=fmt)
     rp.add_argument("out", help="the directory `run` wrote (its shared/ and <arm>-s<seed>/ runs)")
@@ -465,6 +467,18 @@ def plots(out: Path, arms: dict) -> None:
         plt.close(fig)
 
 
+def add_log_entry(path: Path, title: str, text: str) -> None:
+    """A dated entry in the log (results/LOG.md is newest first: it goes above the first entry, or at the end of a
+    file that has none), written whole (write_atomic)."""
+    old = path.read_text() if path.exists() else ""
+    at = old.find("\n## ")
+    entry = f"{title}\n\n{text.strip()}\n"
+    if at < 0:
+        write_atomic(path, old.rstrip() + "\n\n" + entry if old.strip() else entry)
+    else:
+        write_atomic(path, old[:at + 1] + entry + "\n" + old[at + 1:])
+
+
 def main(argv=None) -> None:
     """Run one command: argv is a list of flags, or the parsed namespace."""
     p = build_parser()
@@ -490,8 +504,7 @@ def main(argv=None) -> None:
     text = report(out)
     print(text)
     if not a.quick and a.results:
-        with open(a.results, "a") as f:
-            f.write("\n" + text)
+        add_log_entry(Path(a.results), f"## {datetime.date.today()}: the paper's comparisons in miniature ({out})", text)
     failed = [k for k, c in codes.items() if c]
     if failed:
         sys.exit(f"[paper] arms that failed: {failed} (their stdout.log); the report holds the others")

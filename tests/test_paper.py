@@ -244,3 +244,16 @@ def test_seed_goes_to_the_shared_run_and_a_resume_with_another_is_refused(tmp_pa
     assert [c[c.index("--seed") + 1] for c in cmds[1:]] == ["7", "8"]
     with pytest.raises(ValueError, match="--seed 5: the shared run .* has seed 7"):
         paper.run(tmp_path, ["--quick"], ["ppo"], 2, 1, [], seed=5)
+
+
+def test_the_report_goes_into_the_dated_log_as_its_newest_entry(tmp_path):
+    """results/LOG.md is newest first: paper's report becomes the entry above the first dated one (appended at the end
+    it would sit under the oldest), and a new file gets the entry alone."""
+    log = tmp_path / "LOG.md"
+    log.write_text("# The dated log\n\nhow to read it\n\n## 2026-12-05: older\n\nold body\n")
+    paper.add_log_entry(log, "## 2026-12-06: newer", "### table\n| a |")
+    text = log.read_text()
+    assert text.index("how to read it") < text.index("## 2026-12-06: newer") < text.index("## 2026-12-05: older")
+    assert "| a |\n\n## 2026-12-05" in text and text.endswith("old body\n")
+    paper.add_log_entry(tmp_path / "new.md", "## 2026-12-06: first", "body")
+    assert (tmp_path / "new.md").read_text() == "## 2026-12-06: first\n\nbody\n"
