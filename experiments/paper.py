@@ -504,7 +504,8 @@ def main(argv=None) -> None:
     text = report(out)
     print(text)
     if not a.quick and a.results:
-        add_log_entry(Path(a.results), f"## {datetime.date.today()}: the paper's comparisons in miniature ({out})", text)
+        title = f"## {datetime.date.today()}: the paper's comparisons in miniature ({out})"
+        add_log_entry(Path(a.results), title, text)
     failed = [k for k, c in codes.items() if c]
     if failed:
         sys.exit(f"[paper] arms that failed: {failed} (their stdout.log); the report holds the others")
