@@ -32,9 +32,8 @@ Departures from the paper:
    only while the context is open, never a global or an environment variable.
 5. Megatron replay wraps each RouterReplay's `get_replay_topk`: all -1 rows fall back to live top-k as in the HF path,
    and a slice whose row count differs from the router's tokens raises (the native gather would route the first rows).
-6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (engine/server.py departure 2)
-on a
-   random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
+6. The embedded mismatch comes from bf16-rounded engine weights vs fp32 trainer weights (engine/weights.py departure 1)
+   on a random-init tiny model: the figures are this setup's, not comparable with the paper's 0.021 -> 0.013.
 """
 
 import base64
@@ -243,7 +242,7 @@ def check_capture(experts, loss_mask) -> int:
 
     What aborts, with replay on (train_t1 --r3-mode replay): a turn's capture missing (an SGLang server started
     without --enable-return-routed-experts returns no routed_experts; the embedded engine captures whenever the
-    request sets return_routed_experts, as rollout.EngineClient does) -> tito.CaptureError naming the trial, the turn
+    request sets return_routed_experts, as engine.client.EngineClient does) -> tito.CaptureError naming the trial, the turn
     and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
     the trainer -> ValueError (ppo.pad_batch / batch_routing). None is dropped or trained with live routing.
     With replay off, routing is optional (only the expert_set_mismatch figure uses it).

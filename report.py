@@ -47,7 +47,7 @@ def mcnemar_p(gain: int, loss: int) -> float:
 def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips
     (over trials: exact with one attempt per task), and the paired bootstrap over tasks of the mean-reward
-    difference: its 95% interval and one-sided p of b <= a. a, b: evaluations (gateway.evaluate_trials)."""
+    difference: its 95% interval and one-sided p of b <= a. a, b: evaluations (rollout.evaluate_trials)."""
     ka = {(t["task"], t["attempt"]): t for t in a["trials"]}
     kb = {(t["task"], t["attempt"]): t for t in b["trials"]}
     if set(ka) != set(kb):

@@ -14,7 +14,7 @@ audit); owner_uid the verifier's host uid. What is refused is listed above `_rea
 score_statuses(statuses, scale, *, n_assertions) -> the same dict from per-test CTRF statuses that did not come as
 a file: the local jail's verifier reports through a socket (sandbox/verifier_report.py) and its ctrf.json does not pay
 there (the agent's code, run by the verifier, can write that file). Source "ctrf" means per-assertion outcomes,
-whichever way they came; Daytona, Harbor and engine/gateway.py's Harbor runs still read the CTRF file.
+whichever way they came; Daytona, Harbor and sandbox/harbor_run.py's Harbor runs still read the CTRF file.
 Standard library only at import (torch inside place_on_last_token): sandbox/jail.py imports this module, and so
 does Harbor's venv (sandbox/harbor_env.py), which has no torch.
 

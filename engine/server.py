@@ -5,7 +5,7 @@ T1 samples from SGLang servers started with routed-expert capture. The embedded 
 Qwen3.5-MoE with this engine: the same `/generate` protocol (input_ids in; output_ids, logprobs, routed experts out)
 and the same weight, memory and pause endpoints (/update_weights_from_disk; /init_weights_update_group +
 /update_weights_from_distributed + /destroy_weights_update_group, the cluster publish over a gloo group), so
-rollout.py has one client for both scales and cluster.WeightPublisher can publish into it.
+rollout.py has one client for both scales and cluster.publish.WeightPublisher can publish into it.
 
     python -m engine.server serve --model-path DIR --port 30000 [--max-batch 64] [--weight-dtype bf16|fp32]
                                   [--prefix-cache-mb 512] [--no-routed-experts]

@@ -3,7 +3,7 @@ section (the trainer -> rollout publish of the paper's RL loop lands here).
 
 Three ways in and one out, SGLang's endpoints: a checkpoint directory loaded in place (/update_weights_from_disk);
 a publish received over a process group from the trainer (/init_weights_update_group, then buckets over
-/update_weights_from_distributed, /destroy_weights_update_group; cluster.WeightPublisher sends them); and the
+/update_weights_from_distributed, /destroy_weights_update_group; cluster.publish.WeightPublisher sends them); and the
 parameters' storage given up and taken back for a colocated trainer (/release_memory_occupation,
 /resume_memory_occupation). engine/server.py runs every change on the scheduler thread while no request runs
 (Batcher.run_when_idle), so one request sees one weight version.

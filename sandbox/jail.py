@@ -69,7 +69,7 @@ The jails (the security contract):
   tests read that the verifier's uid can write (/app, /tmp) the agent's code may change while they run. (5)
   pytest-xdist workers (a test.sh with `-p xdist -n N`) run the tests and pass their reports to the reporter; they
   are not made non-dumpable, so agent code a test starts could rewrite a worker's memory (/proc/PID/mem). Daytona
-  (sandbox/daytona.py), Harbor's environments (sandbox/harbor_env.py) and engine/gateway.py's Harbor runs still read
+  (sandbox/daytona.py), Harbor's environments (sandbox/harbor_env.py) and sandbox/harbor_run.py's Harbor runs still read
   ctrf.json and reward.txt from the verifier's folder (reward.compute): the forgeries this channel stops still pay
   there.
 - Task dirs are untrusted (sandbox/host_fs.py's copy_task_tree for environment/app, tests, solution): a root that is

@@ -12,6 +12,7 @@ import infra
 import model
 import rollout
 from engine.server import EngineActor
+from engine import client as client_lib
 from test_rollout import SCRIPT, make_task
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
@@ -54,9 +55,9 @@ def test_engine_actor_publish_barrier_sets_weight_version(tmp_path, layout):
     engine = ray.remote(EngineActor).options(**place["engines"][0]).remote(str(path), "fp32")
     info = ray.get(engine.info.remote())
     assert info["pid"] != os.getpid()
-    client = rollout.EngineClient(info["url"])
+    client = client_lib.EngineClient(info["url"])
     before = client.generate(tok.encode("hello", add_special_tokens=False), {"max_new_tokens": 4, "temperature": 0})
-    rollout.publish_from_disk([info["url"]], path, 7)
+    client_lib.publish_from_disk([info["url"]], path, 7)
     assert client.model_info()["weight_version"] == "7"
     after = client.generate(tok.encode("hello", add_special_tokens=False), {"max_new_tokens": 4, "temperature": 0})
     assert after["weight_version"] == "7" and before["weight_version"] == "0"
