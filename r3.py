@@ -242,8 +242,8 @@ def check_capture(experts, loss_mask) -> int:
 
     What aborts, with replay on (train_t1 --r3-mode replay): a turn's capture missing (an SGLang server started
     without --enable-return-routed-experts returns no routed_experts; the embedded engine captures whenever the
-    request sets return_routed_experts, as engine.client.EngineClient does) -> tito.CaptureError naming the trial, the turn
-    and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
+    request sets return_routed_experts, as engine.client.EngineClient does) -> tito.CaptureError naming the trial, the
+    turn and the flag; a placeholder row where m[j+1] = 1 -> ValueError here; a sample or batch without routing reaching
     the trainer -> ValueError (ppo.pad_batch / batch_routing). None is dropped or trained with live routing.
     With replay off, routing is optional (only the expert_set_mismatch figure uses it).
     """

@@ -190,8 +190,9 @@ class CaptureError(ValueError):
 
 
 ENGINE_CAPTURE_HINT = ("the engine returned no routed experts: start SGLang with --enable-return-routed-experts "
-                       "(cluster.launch.sglang_command passes it); the embedded engine (engine.server.EngineServer) captures "
-                       "when the request sets return_routed_experts, as engine.client.EngineClient always does")
+                       "(cluster.launch.sglang_command passes it); the embedded engine (engine.server.EngineServer) "
+                       "captures when the request sets return_routed_experts, as engine.client.EngineClient always "
+                       "does")
 
 
 def _routing(seg: _Segment, records, name, replay: bool) -> np.ndarray | None:
