@@ -314,6 +314,7 @@ from engine.client import EngineClient  # noqa: E402
 from rundir import log, prune_previous, write_atomic  # noqa: E402
 from runstate import (Run, brief, check_flags, eval_row, evaluate, evaluate_checkpoint, log_step,  # noqa: E402
                       run_scale, save_dir, step_record)
+from trainer import parallel_plan  # noqa: E402
 
 
 def check_args(args: Args) -> None:

@@ -48,7 +48,7 @@ def run(run_dir, flags, kill_at=None, timeout=600):
 
 def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     """The whole pipeline in its own process, killed with SIGKILL inside step 3's PPO update (step 4 sampled
-    beside it); then a resume of the same run directory that loses and repeats nothing (train_t1.resume_run,
+    beside it); then a resume of the same run directory that loses and repeats nothing (rundir.resume_run,
     the commit point state.json): every step's metrics and samples exist exactly once."""
     run_dir = tmp_path / "run"
     val = ["--n-val-tasks", "2"]  # a validation set, scored beside the held-out one
