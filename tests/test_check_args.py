@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 NUMERIC_FIELDS = [f for f in dataclasses.fields(T.Args)
                   if type(f.default) in (int, float)]
 
-# (field, bad value): the cases named in the issue, then the rest of the table below walks every field
+# (field, bad value): hand-picked cases first, then the rest of the table below walks every field
 NAMED = [("rl_steps", -1), ("minibatch_size", 0), ("temperature", -0.5), ("temperature", 0.0),
          ("temperature", math.nan), ("top_p", 0.0), ("top_p", 1.01), ("reward_scale", 0.0), ("reward_scale", -20.0),
          ("rollout_actors", 0), ("n_engines", -1), ("rollout_workers", 0), ("actor_lr", -1e-6),
