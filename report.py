@@ -87,7 +87,7 @@ def best_val(run_dir) -> dict | None:
             v = json.loads(f.read_text())
             key = (float(v["solve_rate"]), float(v["reward_mean"]), -step)
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"best_val: {f} is not a validation evaluation (train_t1.eval_row): "
+            raise ValueError(f"best_val: {f} is not a validation evaluation (runstate.eval_row): "
                              f"{type(e).__name__}: {e}") from None
         if best is None or key > best[0]:
             best = (key, step, v)

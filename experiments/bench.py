@@ -128,7 +128,7 @@ from experiments import engine_speed, mechanisms, training  # noqa: E402
 
 def compare(path_a: str, path_b: str) -> dict:
     """`python -m experiments.bench compare A B`: two held-out evaluations of one run or two
-    (evals/step_NNNNNN.json, train_t1.eval_row) over the same tasks: each one's solve rate with its 95% interval
+    (evals/step_NNNNNN.json, runstate.eval_row) over the same tasks: each one's solve rate with its 95% interval
     and tasks solved per family (the task name's last part), then the paired tests of B against A (report.paired).
     ValueError naming the file when one is not an evaluation, or evaluated nothing (no trials, or every trial
     errored / was cancelled: rollout.trial_failed)."""

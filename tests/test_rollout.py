@@ -378,7 +378,7 @@ def test_scripted_replay_is_token_strict_with_parse_error_and_confirmation(task,
     assert all(r["output_ids"][-1] == im_end and r["output_logprobs"] is None for r in res["records"])
     text = tok.decode(full)
     assert text.count("ERROR: your reply was not valid: no JSON object found") == 1
-    assert res["invalid_replies"] == 1  # the one refused reply, counted (train_t1.invalid_reply_frac)
+    assert res["invalid_replies"] == 1  # the one refused reply, counted (runstate.invalid_reply_frac)
     assert text.count("Are you sure the task is complete?") == 1
     assert text.startswith("<|im_start|>user\n") and text.count("<|im_start|>assistant\n") == 4
     assert tok.encode(text, add_special_tokens=False) == full  # same ids as rendering the chat as text
