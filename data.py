@@ -74,6 +74,7 @@ if __name__ == "__main__":
 
 from tasks import families  # noqa: E402
 import model  # noqa: E402
+from chat_tokens import ASSISTANT_PREFIX, IM_END  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
 from tasks import rst  # noqa: E402
@@ -472,9 +473,9 @@ def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
     if not items or n < 1:
         raise ValueError(f"copy_samples: need items and n >= 1, got {len(items)} items, n {n}")
     rng = random.Random(f"copy/{seed}")
-    gen = tok.encode(model.ASSISTANT_PREFIX, add_special_tokens=False)
+    gen = tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     cue = tok.encode("copy:", add_special_tokens=False)
-    im_end = tok.convert_tokens_to_ids(model.IM_END)
+    im_end = tok.convert_tokens_to_ids(IM_END)
     out = []
     for i in range(n):
         xs = " ".join(rng.choice(items) for _ in range(rng.randint(*COPY_ITEMS)))

@@ -28,7 +28,7 @@ from transformers.models.qwen3_5.tokenization_qwen3_5 import PRETOKENIZE_REGEX a
 from transformers.models.qwen3_5.tokenization_qwen3_5 import Qwen3_5Tokenizer
 
 import r3
-from chat_tokens import ASSISTANT_PREFIX, IM_END, IM_START, PAD  # noqa: F401 (the chat format's names, re-exported)
+from chat_tokens import IM_END, IM_START, PAD
 
 # --- chat format (Qwen ChatML) -----------------------------------------------------------------
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]  # ids 0, 1, 2

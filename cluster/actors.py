@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import infra
-import model as M
+from chat_tokens import IM_END
 import rollout
 from engine import server
 from rundir import log
@@ -88,7 +88,7 @@ def run_rollouts(task_dirs, agent, args, run_dir: Path, tokenizer, workers=None,
     sampling = {"temperature": args.temperature if temperature is None else temperature,
                 "top_p": args.top_p if top_p is None else top_p,
                 "max_new_tokens": args.max_new_tokens,
-                "stop_token_ids": [tokenizer.convert_tokens_to_ids(M.IM_END)]}
+                "stop_token_ids": [tokenizer.convert_tokens_to_ids(IM_END)]}
     limits = {"max_turns": args.max_turns, "max_total_tokens": args.max_total_tokens,
               "trial_timeout_s": args.trial_timeout_s, "trial_mem_bytes": args.trial_mem_bytes,
               "disk_bytes": args.trial_disk_bytes, "disk_inodes": args.trial_disk_inodes,

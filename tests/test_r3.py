@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import mechanisms  # noqa: E402
 import model as model_lib  # noqa: E402
 import r3  # noqa: E402
+from chat_tokens import ASSISTANT_PREFIX  # noqa: E402
 from engine.server import EngineServer  # noqa: E402
 
 torch.set_num_threads(2)
@@ -296,7 +297,7 @@ def fp32_engine(tmp_path_factory):
 
 def test_replay_with_fp32_engine_weights_matches_rollout_logprobs(fp32_engine):
     engine, tok, path = fp32_engine
-    prompts = [model_lib.render_ids(tok, "user", "echo line 3") + tok.encode(model_lib.ASSISTANT_PREFIX),
+    prompts = [model_lib.render_ids(tok, "user", "echo line 3") + tok.encode(ASSISTANT_PREFIX),
                model_lib.render_ids(tok, "user", "wc -l f12.txt && echo line 7 > f7.txt")]
     bodies = [{"input_ids": p, "return_logprob": True, "return_routed_experts": True,
                "sampling_params": {"temperature": 1.0, "max_new_tokens": 10, "ignore_eos": True, "seed": i}}
