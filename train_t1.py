@@ -31,9 +31,10 @@ Departures from the paper (numbered; what and why; the update's own are in ppo.p
   3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
      --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools; --sft-faults adds recoveries
      (tasks replayed with one untrained wrong turn, trained after it) the scripted expert never makes on its own.
-  4. --backend megatron trains Megatron-Core models (mcore.trainer_models): on the CPU local modules (mcore's shims)
-     in fp32 or bf16 with mcore_parallel.ShardedAdam; on CUDA the cluster model (TE layers and DeepEP where they
-     import, Megatron's own distributed optimizer), written against megatron-core 0.16.1 but not yet run on a GPU.
+  4. --backend megatron trains Megatron-Core models (cluster.mcore.trainer_models): on the CPU local modules
+     (cluster/mcore_cpu.py's shims) in fp32 or bf16 with cluster.mcore_parallel.ShardedAdam; on CUDA the cluster
+     model (TE layers and DeepEP where they import, Megatron's own distributed optimizer), megatron-core 0.16.1,
+     run once on one H200 (results/LOG.md, 2026-12-04: the GPU check).
   5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (data.launch_tasks).
   6. Evaluation: the paper's protocol (rollout.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`python -m engine.gateway eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
