@@ -453,7 +453,7 @@ def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
     device memory), on the CPU local modules, which is what the CPU rehearsal of the cluster path runs. Refused by
     name: a layout the converter does not know; on the CPU a checkpoint whose trainer state
     (TRAINER_BYTES_PER_PARAM) exceeds this machine's memory. A GPU node without flash-linear-attention runs
-    Megatron's torch gated delta rule (mcore.init_cpu), slower: said in the log, not refused."""
+    Megatron's torch gated delta rule (cluster.mcore_cpu.init_cpu), slower: said in the log, not refused."""
     cfg = json.loads((Path(path) / "config.json").read_text())
     kind = cfg.get("model_type", "")
     if kind not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):

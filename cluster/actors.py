@@ -19,6 +19,7 @@ import infra
 from chat_tokens import IM_END
 import rollout
 from engine import server
+from engine.client import EngineClient
 from rundir import log
 from trainer import TrainerGroup, actor_threads
 
@@ -63,7 +64,7 @@ class Actors:
         """--colocate: every engine releases ("release") or takes back ("resume") its device memory, SGLang's tags
         ("weights", "kv_cache"; None: both)."""
         for u in self.urls:
-            client = rollout.EngineClient(u)
+            client = EngineClient(u)
             out = client.release_memory(tags) if action == "release" else client.resume_memory(tags)
             if not out.get("success"):
                 raise RuntimeError(f"engine {u}: {action} memory {tags or 'all'}: {out}")
@@ -117,7 +118,7 @@ def engine_errors_500(urls) -> int | None:
     total = 0
     for url in urls or ():
         try:
-            n = rollout.EngineClient(url).server_info().get("errors_500")
+            n = EngineClient(url).server_info().get("errors_500")
         except (OSError, RuntimeError, ValueError):
             return None
         if not isinstance(n, int):

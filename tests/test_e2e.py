@@ -17,6 +17,7 @@ import rollout
 from sandbox import task_io
 import tito
 import train_t1
+from engine.client import EngineClient
 from engine.server import EngineServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,7 +98,7 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     try:
         summary = train_t1.train(train_t1.parse_args(TINY + val + ["--run-dir", str(run_dir), "--rl-steps", "3",
                                                              "--engine-urls", engine.url]))
-        assert rollout.EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
+        assert EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
     finally:
         engine.stop()
     for phase in ("eval_sft", "eval_rl"):

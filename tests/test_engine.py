@@ -605,7 +605,7 @@ def test_health_is_503_when_the_scheduler_is_not_running(ckpt):
         eng.stop()
 
 
-# --- batched sampling (engine.sample_rows) ----------------------------------------------------------------
+# --- batched sampling (engine.batcher.sample_rows) --------------------------------------------------------
 def test_batched_sampling_draws_each_rows_distribution():
     """One call samples many rows: frequencies of 12,000 draws at T = 0.7 within 4.5 sigma of softmax(logits / T);
     top-k 2 and top-p 0.8 / 0.6 never draw outside their kept set and keep its proportions; every logprob is

@@ -94,7 +94,7 @@ def test_recompute_and_tp_shrink_activations():
 def test_memory_model_counts_the_behaviour_copy_and_keeps_published_versions_on_host():
     p = Plan(2, 1, 1, 64, 1, 32, recompute=True)
     a = infra.memory(C122, p, 16384)
-    assert a["behaviour"] == a["params"] > 8 * GiB  # ppo.Trainer.behaviour: one bf16 copy of the shard
+    assert a["behaviour"] == a["params"] > 8 * GiB  # trainer.Trainer.behaviour: one bf16 copy of the shard
     assert a["host"] == infra.PUBLISHED_VERSIONS * a["params"]  # Trainer.mark_published: versions t-1, t on host
     assert a["total"] == sum(v for k, v in a.items() if k not in ("total", "host"))
     assert infra.memory(C122, p, 16384, "critic")["behaviour"] == 0
