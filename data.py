@@ -10,9 +10,8 @@ Run:
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
         # (accepted / borderline / rejected per reason and family), then one JSON line
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
-    task_io.load_task(dir), task_io.image_needs(task)  # reading a task dir and what the jail cannot run:
-    sandbox/task_io.py copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy
-    data
+    task_io.load_task(dir), task_io.image_needs(task)  # a task dir, and what the jail cannot run: sandbox/task_io.py
+    copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy data
 
 A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, audit (the verdict), n_assertions;
 [verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),

@@ -128,9 +128,8 @@ def run_logged(cmd: list, run_dir: Path, total_steps: int, desc: str) -> int:
 
 
 def preset_steps(preset: list, passthrough: list) -> int:
-    """The RL steps of the preset an arm runs (train_t1.parse_args of the same flags, in a subprocess:
-    experiments/paper.py sits
-    below train_t1.py)."""
+    """The RL steps of the preset an arm runs (train_t1.parse_args of the same flags, in a subprocess, as the arms
+    themselves run)."""
     code = "import sys, train_t1; print(train_t1.parse_args(sys.argv[1:]).rl_steps)"
     proc = subprocess.run([sys.executable, "-c", code, *preset, *passthrough], capture_output=True, text=True,
                           cwd=ROOT)

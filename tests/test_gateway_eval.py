@@ -1,7 +1,6 @@
 """engine/gateway.py eval / harbor-trial never give a silent zero: nothing to evaluate, tasks the jail cannot run,
-Harbor's own failures and a stop by signal each end non-zero with a named reason. Harbor is a stand-in script here (its
-venv is
---harbor-venv); no engine is contacted."""
+Harbor's own failures and a stop by signal each end non-zero with a named reason. Harbor is a stand-in script here
+(its venv is --harbor-venv); no engine is contacted."""
 import json
 import os
 import signal

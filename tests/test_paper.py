@@ -177,8 +177,7 @@ def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
                                         (["--", "--seed=3", "--lr", "1"], "--seed")])
 def test_run_refuses_flags_that_would_break_the_comparison(argv, what, capsys):
     """--seeds 0 / --rl-steps 0 were read as the defaults; a train_t1 flag after -- that experiments/paper.py sets per
-    arm
-    (R3, reward, advantage, warm-up, seed, run dir) would win over the arm's own and make every arm the same."""
+    arm (R3, reward, advantage, warm-up, seed, run dir) would win over the arm's own and make every arm the same."""
     with pytest.raises(SystemExit) as e:
         paper.main(["run", "--quick", *argv])
     assert e.value.code == 2 and what in capsys.readouterr().err

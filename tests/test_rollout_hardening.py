@@ -305,8 +305,7 @@ def test_keep_has_the_model_agents_transcript(tmp_path, tok, stub, capsys):
 
 def test_bench_compare_refuses_an_evaluation_that_evaluated_nothing(tmp_path):
     """experiments/bench.py compare: an evaluation with no trials, or whose every trial errored: exit 1 naming the file
-    and why
-    (before: solve_rate 0.0 and exit 0, or numpy's "need at least one array" traceback)."""
+    and why (before: solve_rate 0.0 and exit 0, or numpy's "need at least one array" traceback)."""
     good = {"trials": [{"task": "a-files", "attempt": 0, "resolved": True, "reward": 0.2,
                         "exit_reason": "task_complete", "error": None},
                        {"task": "b-files", "attempt": 0, "resolved": False, "reward": 0.0,
