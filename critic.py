@@ -2,8 +2,9 @@
 
 Paper section "critic" (T1, arXiv 2609.11042): a full-size critic with the actor's architecture and a scalar head,
 the only baseline (no GRPO group baseline); one epoch of Critic Warm-Up before RL; every step the critic is updated
-*before* the actor at 30x its lr; GAE with gamma = lambda = 1 from V_old (the values before the critic update);
-value clip eps_v = 0.2 around V_old; reward on the last token; EV = 1 - Var(R - V) / Var(R) logged.
+*before* the actor, at lr 1.5e-5 against the actor's 1.0e-6 (the seeds also call it "30x", which those values
+are not: 15x; Args keeps the absolute values); GAE with gamma = lambda = 1 from V_old (the values before the critic
+update); value clip eps_v = 0.2 around V_old; reward on the last token; EV = 1 - Var(R - V) / Var(R) logged.
 
 Conventions (the mask convention of tito.py): tensors are (B, T) by token position j; m[j] = 1 iff token j was
 sampled; values[:, j] = V(tokens[:j]), as logprobs[:, j] = log pi(tokens[j] | tokens[:j]); GAE skips m = 0 tokens
