@@ -50,15 +50,19 @@ def _bench_prompts(tok, n, length, seed):
             + tail for _ in range(n)]
 
 
-def _hf_generate(hf, histories, new_tokens):
-    """HF generate over a left-padded batch (sampling at T = 1, fixed length) -> each row's new ids."""
+def _hf_generate(hf, histories, new_tokens, cache=None, keep_cache=False, sample=True):
+    """HF generate over a left-padded batch (sampling at T = 1, or greedy; fixed length) -> each row's new ids (and,
+    with keep_cache, the KV cache it leaves: passed back as `cache` with the same rows grown, generate prefills only
+    the tokens the cache lacks)."""
     T = max(len(h) for h in histories)
     ids = torch.tensor([[0] * (T - len(h)) + h for h in histories])
     mask = torch.tensor([[0] * (T - len(h)) + [1] * len(h) for h in histories])
     with torch.inference_mode():
-        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
-    return out[:, T:].tolist()
+        out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=sample, temperature=1.0, top_p=1.0, top_k=0,
+                          max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+                          return_dict_in_generate=True, **({"cache": cache} if cache is not None else {}))
+    new = out.sequences[:, T:].tolist()
+    return (new, getattr(out, "cache", None) or out.past_key_values) if keep_cache else new
 
 
 def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
@@ -81,12 +85,19 @@ def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
         t.join()
 
 
-def _hf_agents(hf, histories, turns, new_tokens, tool):
-    """The same workload through HF generate: every turn, all agents as one batch, re-prefilled from scratch."""
-    hs = list(histories)
+def _hf_agents(hf, histories, turns, new_tokens, tool, keep_cache=False, sample=True):
+    """The same workload through HF generate, all agents as one batch each turn: re-prefilled from scratch, or with
+    keep_cache HF's own KV cache carried from turn to turn (only the reply's last token and the tool output are
+    prefilled; greedy tokens equal the re-prefilled ones, tests/test_engine.py). The histories must share a length
+    (they do: _bench_prompts), so that the rows stay aligned as they grow."""
+    hs, cache = list(histories), None
     for t in range(turns):
-        outs = _hf_generate(hf, hs, new_tokens)
+        if keep_cache:
+            outs, cache = _hf_generate(hf, hs, new_tokens, cache, keep_cache=True, sample=sample)
+        else:
+            outs = _hf_generate(hf, hs, new_tokens, sample=sample)
         hs = [h + o + tool for h, o in zip(hs, outs)]
+    return hs
 
 
 @torch.inference_mode()
@@ -163,7 +174,8 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
     returned) vs HF `generate` in this process on the same fp32 checkpoint at 8 and 32 concurrent single-turn
     requests (~prompt_len-token prompts, new_tokens each), and the engine's own forward vs its transformers
     one (--forward hf); a multi-turn workload (n_agents agents x `turns` turns,
-    turn_tokens new + 40 tool tokens per turn, the history growing) through HF, the engine with its prefix cache
+    turn_tokens new + 40 tool tokens per turn, the history growing) through HF re-prefilling every turn, HF carrying
+    its own KV cache between turns (HF at its best here: engine_cache_vs_hf_cache), the engine with its prefix cache
     off, and on; the capture overhead (_capture_overhead, in this process). Medians; ratios > 1 favour the engine /
     the cache. dp > 1 adds the same cores as dp engines of threads / dp torch threads each (prefix cache on; the
     requests dealt round robin: `train_t1.py --n-engines dp --torch-threads threads/dp`, SGLang's data parallelism)
@@ -218,6 +230,7 @@ def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt
         if dp:
             timed("engine_dp_32", lambda: _engine_agents(dp, single[32], 1, new_tokens, tool))
         timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
+        timed("hf_multi_cache", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool, keep_cache=True))
         timed("engine_multi_nocache", lambda: _engine_agents(off, agents, turns, turn_tokens, tool))
         timed("engine_multi_cache", lambda: _engine_agents(on, agents, turns, turn_tokens, tool))
         if dp:
@@ -235,13 +248,16 @@ def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt
                          "engine_nocache_tok_s": round(multi / med["engine_multi_nocache"], 1),
                          "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
                          "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
+                         "hf_cache_tok_s": round(multi / med["hf_multi_cache"], 1),
+                         "engine_cache_vs_hf_cache": round(med["hf_multi_cache"] / med["engine_multi_cache"], 2),
                          "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
     if dp:
         fig["data_parallel"] = {"engines": len(dp), "threads_each": torch.get_num_threads() // len(dp),
                                 "engine_tok_s_32": round(32 * new_tokens / med["engine_dp_32"], 1),
                                 "engine_vs_hf_32": round(med["hf_32"] / med["engine_dp_32"], 2),
                                 "multi_turn_tok_s": round(multi / med["engine_dp_multi"], 1),
-                                "multi_turn_vs_hf": round(med["hf_multi"] / med["engine_dp_multi"], 2)}
+                                "multi_turn_vs_hf": round(med["hf_multi"] / med["engine_dp_multi"], 2),
+                                "multi_turn_vs_hf_cache": round(med["hf_multi_cache"] / med["engine_dp_multi"], 2)}
     fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
     fig["prefix_cache"] = EngineClient(on).server_info()["prefix_cache"]
     fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}

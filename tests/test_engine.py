@@ -1135,10 +1135,29 @@ def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
         assert fig[k] > 0, k
     assert fig["multi_turn"]["cache_on_vs_off"] > 0 and fig["prefix_cache"]["hits"] >= 2
     assert fig["data_parallel"]["engines"] == 2 and fig["data_parallel"]["multi_turn_vs_hf"] > 0
+    assert fig["multi_turn"]["engine_cache_vs_hf_cache"] > 0 and fig["data_parallel"]["multi_turn_vs_hf_cache"] > 0
     assert {"overhead_pct", "overhead_pct_95ci", "capture_ops_pct_of_step"} <= set(fig["capture"])
     for bad in ("1", "3"):  # one engine is the single-engine figure; 3 engines cannot share 2 threads
         with pytest.raises(ValueError, match="dp: expected 0"):
             bench.main(["engine", "--quick", "--threads", "2", "--dp", bad])
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
+def test_the_benchmarks_hf_with_its_cache_carried_between_turns_gives_the_re_prefilled_tokens(arch):
+    """The engine benchmark's HF baseline at its best keeps its KV cache across an agent's turns: the same greedy
+    tokens, turn after turn, as HF re-prefilling the whole history each turn (so the two time the same work)."""
+    from experiments import engine_speed
+    tok = model_lib.train_tokenizer([f"echo line {i} > file{i}.txt" for i in range(30)], 300)
+    hf = model_lib.build_actor(model_lib.tiny_config(len(tok), arch), seed=0).eval()
+    agents, tool = engine_speed._bench_prompts(tok, 3, 80, seed=1), engine_speed._bench_prompts(tok, 1, 40, seed=2)[0]
+    seen = []  # positions the model embeds, per forward: the work each way does
+    hf.get_input_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
+    fresh = engine_speed._hf_agents(hf, agents, 3, 8, tool, sample=False)
+    n_fresh, seen[:] = sum(seen), []
+    cached = engine_speed._hf_agents(hf, agents, 3, 8, tool, keep_cache=True, sample=False)
+    assert cached == fresh and len(cached[0]) == 80 + 3 * (8 + 40)
+    # re-prefilling embeds 80, 128, 176 prompt positions + 7 decode steps a turn; the cache only what it lacks
+    assert n_fresh == 80 + 128 + 176 + 3 * 7 and sum(seen) == 80 + 2 * (1 + 40) + 3 * 7, (n_fresh, sum(seen))
 
 
 def test_a_fault_outside_a_forward_fails_the_running_requests_and_the_engine_goes_on(ckpt, tok, monkeypatch):
