@@ -50,10 +50,10 @@ def _bench_prompts(tok, n, length, seed):
             + tail for _ in range(n)]
 
 
-def _hf_generate(hf, histories, new_tokens, cache=None, keep_cache=False, sample=True):
-    """HF generate over a left-padded batch (sampling at T = 1, or greedy; fixed length) -> each row's new ids (and,
-    with keep_cache, the KV cache it leaves: passed back as `cache` with the same rows grown, generate prefills only
-    the tokens the cache lacks)."""
+def _hf_generate(hf, histories, new_tokens, cache=None, sample=True):
+    """HF generate over a left-padded batch (sampling at T = 1, or greedy; fixed length) -> (each row's new ids, the
+    KV cache it leaves). Passed back as `cache` with the same rows grown, generate prefills only what the cache
+    lacks."""
     T = max(len(h) for h in histories)
     ids = torch.tensor([[0] * (T - len(h)) + h for h in histories])
     mask = torch.tensor([[0] * (T - len(h)) + [1] * len(h) for h in histories])
@@ -61,8 +61,7 @@ def _hf_generate(hf, histories, new_tokens, cache=None, keep_cache=False, sample
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=sample, temperature=1.0, top_p=1.0, top_k=0,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
                           return_dict_in_generate=True, **({"cache": cache} if cache is not None else {}))
-    new = out.sequences[:, T:].tolist()
-    return (new, getattr(out, "cache", None) or out.past_key_values) if keep_cache else new
+    return out.sequences[:, T:].tolist(), getattr(out, "cache", None) or out.past_key_values
 
 
 def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
@@ -90,12 +89,13 @@ def _hf_agents(hf, histories, turns, new_tokens, tool, keep_cache=False, sample=
     keep_cache HF's own KV cache carried from turn to turn (only the reply's last token and the tool output are
     prefilled; greedy tokens equal the re-prefilled ones, tests/test_engine.py). The histories must share a length
     (they do: _bench_prompts), so that the rows stay aligned as they grow."""
+    if keep_cache and len({len(h) for h in histories}) > 1:
+        raise ValueError(f"_hf_agents(keep_cache=True): histories of lengths {sorted({len(h) for h in histories})}; "
+                         "a carried cache needs one length (left padding would shift between turns)")
     hs, cache = list(histories), None
     for t in range(turns):
-        if keep_cache:
-            outs, cache = _hf_generate(hf, hs, new_tokens, cache, keep_cache=True, sample=sample)
-        else:
-            outs = _hf_generate(hf, hs, new_tokens, sample=sample)
+        outs, kv = _hf_generate(hf, hs, new_tokens, cache, sample=sample)
+        cache = kv if keep_cache else None
         hs = [h + o + tool for h, o in zip(hs, outs)]
     return hs
 
