@@ -123,6 +123,7 @@ class Args:
     clip_eps_v: float = 0.2  # value clip around V_old (paper: eps_v = 0.2)
     # --- PPO (paper: clip 0.2, gamma = lambda = 1, KL off, load balancing off, no schedule / entropy / shaping)
     rl_steps: int = 58  # RL steps (paper: 58 logged steps in the production run)
+    stop_after: str = ""  # sft: end once the SFT checkpoint is written (an SFT-only run, --model-path input) (ours)
     actor_lr: float = 1.0e-6  # actor learning rate (paper: 1.0e-6, constant)
     clip_eps: float = 0.2  # PPO ratio clip (paper: 0.2)
     gamma: float = 1.0  # discount (paper: 1)
@@ -143,6 +144,7 @@ class Args:
     sync_steps: int = 0  # the first sync_steps RL steps run sequentially (async vs sequential, one run; paper silent)
     pin_cores: bool = False  # trainer and rollout side on disjoint halves of the cores (paper: disjoint devices)
     r3_mode: str = "replay"  # routing in the trainer: replay (R3) | off (paper: replay)
+    r3_off_every: int = 1  # the R3-off diagnostic forward (dlogp_r3_off, mismatch) every K RL steps; 0: never (ours)
     # --- engines, sandboxes, Ray
     engine_weight_dtype: str = "bf16"  # engine weights: bf16 (rounded: production-like mismatch) | fp32 (paper silent)
     n_engines: int = 1  # embedded engines started as Ray actors, ignored with engine_urls (paper silent)
@@ -224,7 +226,8 @@ NUMERIC = {
     "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0",
     "clip_eps_v": "> 0", "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0",
     "gamma": "in [0, 1]", "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0",
-    "ppo_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0", "n_engines": ">= 0",
+    "ppo_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0",
+    "r3_off_every": ">= 0", "n_engines": ">= 0",
     "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1",
     "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 
