@@ -16,6 +16,7 @@
 #                                    #   R3 on / off) from one shared SFT run; the report appended to results/LOG.md
 #   bash run.sh cluster-rehearsal [--quick]   # the cluster path on this CPU: `python -m cluster.launch launch`,
 #                                    #   the planner's plan over 4 gloo Megatron ranks, an embedded engine, bubblewrap
+#                                    #   (--sft-only: its Qwen3.5 SFT checkpoint alone, train_t1.py --stop-after sft)
 #
 # On a fresh machine this installs what the code needs: Debian packages (bubblewrap for the sandbox,
 # tmux for the terminal, jq for the generated tasks), a virtual environment at .venv/ and requirements.txt (torch pinned to the
@@ -92,14 +93,17 @@ case "${1:-}" in
     # `python -m cluster.launch launch --preset cpu-rehearsal` runs it as a cluster would: checks, the planner's plan
     # over 4 gloo trainer ranks (Megatron), an embedded engine as a Ray actor taking each publish over a gloo group,
     # bubblewrap jails; the same --run-dir resumes. --quick: tiny settings; other flags go to train_t1.py
+    # (T1_REHEARSAL_SFT: a checkpoint's run directory already written is reused; --sft-only: stop once it is written)
     shift
-    quick=(); rest=()
-    for a in "$@"; do if [ "$a" = "--quick" ]; then quick=(--quick); else rest+=("$a"); fi; done
+    quick=(); rest=(); sft_only=0
+    for a in "$@"; do
+      case "$a" in --quick) quick=(--quick) ;; --sft-only) sft_only=1 ;; *) rest+=("$a") ;; esac
+    done
     sft=${T1_REHEARSAL_SFT:-runs/rehearsal-sft}
-    if [ ! -f "$sft/ckpt/sft/config.json" ]; then
-      .venv/bin/python train_t1.py "${quick[@]}" "${rest[@]}" --arch qwen3_5_moe --run-dir "$sft" --rl-steps 0 \
-        --eval-attempts 0 --critic-warmup-trials 1   # the same flags, then what makes it an SFT-only run
+    if [ ! -f "$sft/ckpt/sft/config.json" ]; then  # the same flags, then what makes it an SFT-only run
+      .venv/bin/python train_t1.py "${quick[@]}" "${rest[@]}" --arch qwen3_5_moe --run-dir "$sft" --stop-after sft
     fi
+    if [ "$sft_only" = 1 ]; then exit 0; fi
     exec .venv/bin/python -m cluster.launch launch --preset cpu-rehearsal --model-path "$sft/ckpt/sft" \
       --run-dir "${T1_REHEARSAL_RUN:-runs/rehearsal}" -- "${quick[@]}" "${rest[@]}"
     ;;

@@ -321,10 +321,18 @@ from runstate import (Run, brief, check_flags, eval_row, evaluate, evaluate_chec
 from trainer import parallel_plan  # noqa: E402
 
 
+STOP_AFTER = ("", "sft")  # --stop-after: "" the whole run | sft (an SFT-only run: the checkpoint, nothing after it)
+
+
 def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong: the numbers (check_numbers), then the
     choices and combinations (runstate.check_flags: for the cluster, what is missing)."""
     check_numbers(args)
+    if args.stop_after not in STOP_AFTER:
+        raise ValueError(f"--stop-after: expected {' or '.join(repr(s) for s in STOP_AFTER)}, "
+                         f"got {args.stop_after!r}")
+    if args.stop_after == "sft" and args.model_path:
+        raise ValueError("--stop-after sft: a --model-path run has no SFT of its own to stop after")
     check_flags(args)
 
 
@@ -550,7 +558,8 @@ def rl_loop(run: Run, ax: actors.Actors, tokenizer, train_pool: list, heldout: l
 
 
 def train(args: Args) -> dict:
-    """The whole run: tasks -> SFT -> actors -> eval SFT -> critic warm-up -> RL -> eval RL; resumable."""
+    """The whole run: tasks -> SFT -> actors -> eval SFT -> critic warm-up -> RL -> eval RL; resumable. --stop-after
+    sft ends it at the SFT checkpoint -> {sft_dir, phase_times} (no summary.json)."""
     check_args(args)
     run = Run(args)
     args, state = run.args, run.state
@@ -558,6 +567,10 @@ def train(args: Args) -> dict:
     args = run.args  # with the run's S
     if not (run.sft_dir / "config.json").exists():
         run.timed("sft", lambda: warm_start(run, train_pool, heldout))
+    if args.stop_after == "sft":  # an SFT-only run (another run's --model-path): no Ray, engine, evaluation or RL
+        log(run.dir, f"stop after sft: the SFT checkpoint is {run.sft_dir}; no engine, evaluation, warm-up or RL")
+        run.metrics.tb.close()
+        return {"sft_dir": str(run.sft_dir), "phase_times": state["phase_times"]}
     tokenizer = AutoTokenizer.from_pretrained(str(run.sft_dir))
     ax = actors.Actors(args, run.dir)  # Ray and the placement groups; the actors start below
     try:
