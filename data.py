@@ -9,6 +9,9 @@ Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0 [--rst-rounds 2]
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
         # (accepted / borderline / rejected per reason and family), then one JSON line
+    T1_TASK_CACHE=DIR python data.py generate ...  # any caller of generate_tasks (train_t1's pools too): a pool
+        # already generated with the same arguments by the same code is copied from DIR ("[data] tasks from the
+        # cache ..."), else generated and stored there (tasks/pool_cache.py: the key, the lock); unset: no cache
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # a task dir, and what the jail cannot run: sandbox/task_io.py
     copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy data
@@ -76,6 +79,7 @@ import model  # noqa: E402
 from chat_tokens import ASSISTANT_PREFIX, IM_END  # noqa: E402
 import reward  # noqa: E402
 import rollout  # noqa: E402
+from tasks import pool_cache  # noqa: E402
 from tasks import rst  # noqa: E402
 from sandbox import task_io  # noqa: E402
 
@@ -252,7 +256,18 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     avoid: instructions no new task may have (the pools of an earlier call).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
-    (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs)."""
+    (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs).
+    With T1_TASK_CACHE=DIR set, a pool generated earlier with the same arguments (workers aside) by the same code is
+    copied from DIR instead (tasks/pool_cache.py)."""
+    args = dict(n_train=n_train, n_heldout=n_heldout, seed=seed, validate_tasks=validate_tasks, scripted=scripted,
+                rst_rounds=rst_rounds, validate_train=validate_train, expert_text=expert_text,
+                heldout_split=heldout_split, avoid=sorted(avoid), rst_share=rst_share)
+    return pool_cache.cached(out_dir, args, lambda: _generate_tasks(out_dir, workers=workers, **args))
+
+
+def _generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks, scripted, workers, rst_rounds, validate_train,
+                    expert_text, heldout_split, avoid, rst_share):
+    """generate_tasks without the cache."""
     t0 = time.time()
     seen = set(avoid)  # instructions of both splits (and avoid): train and held-out never share one
     specs = {}

@@ -1,6 +1,6 @@
-"""What the test files share: the repo on sys.path, two torch threads, and the tiny trainer fixture (an SFT
-checkpoint of the tiny actor and fake TITO samples it recorded) of tests/test_trainer_group.py and
-tests/test_resume.py, built once per session."""
+"""What the test files share: the repo on sys.path, two torch threads, one task cache per run of the suite
+(T1_TASK_CACHE), and the tiny trainer fixture (an SFT checkpoint of the tiny actor and fake TITO samples it
+recorded) of tests/test_trainer_group.py and tests/test_resume.py, built once per session."""
 import os
 import sys
 from pathlib import Path
@@ -43,6 +43,18 @@ def fake_samples(actor, vocab: int) -> list[dict]:
                         "routed_experts": rec.experts[0, : n - 1].numpy(), "reward": (i % 4) / 20, "passed": i % 4,
                         "total": 4, "reward_source": "ctrf", "weight_version": 0, "turns": 2})
     return samples
+
+
+@pytest.fixture(scope="session", autouse=True)
+def task_cache(tmp_path_factory):
+    """T1_TASK_CACHE for the whole run, in a folder every xdist worker of this run shares (the workers' base temp
+    folders sit in the run's): a pool generated with the same arguments by one test (train_t1 in process or in a
+    subprocess: they inherit the variable) is copied by the next (data.generate_tasks, tasks/pool_cache.py). A value
+    set before pytest is kept. tests/test_data.py unsets it: the generator's own tests generate."""
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    os.environ.setdefault("T1_TASK_CACHE", str(root / "task_cache"))
+    return os.environ["T1_TASK_CACHE"]
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,15 @@ from sandbox import task_io  # noqa: E402
 S = data.SCALE
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_task_cache():
+    """The generator's own tests generate (the suite's T1_TASK_CACHE would copy a pool of the same arguments, and the
+    determinism tests would compare a pool with its copy); the cache's tests: tests/test_pool_cache.py."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("T1_TASK_CACHE", raising=False)
+        yield
+
+
 @pytest.fixture(scope="module")
 def pool(tmp_path_factory):
     """12 train + 6 held-out tasks (two of each family in train), not sandbox-validated."""
