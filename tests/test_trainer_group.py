@@ -4,6 +4,7 @@
 tiny actor's checkpoint and its fake samples: conftest.tiny_sft."""
 import dataclasses
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from types import SimpleNamespace
 
 import pytest
@@ -80,35 +81,63 @@ def megatron_one_rank(tmp_path_factory, tiny_sft):
 
 # {"tp": 2} alone is covered by the TP x PP x EP plan here and end to end in tests/test_e2e.py; cp with pp is
 # refused (test_bad_plans_are_refused_naming_the_flag): two 4-rank plans cover every axis
-@pytest.mark.parametrize("plan", ['{"tp": 2, "pp": 2, "etp": 1, "ep": 2}', '{"cp": 2, "dp": 2, "ep": 2}'])
-def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_rank, plan):
+PLANS = ['{"tp": 2, "pp": 2, "etp": 1, "ep": 2}', '{"cp": 2, "dp": 2, "ep": 2}']
+WORLD = 4
+
+
+@pytest.fixture(scope="module")
+def megatron_plans(tmp_path_factory, megatron_one_rank):
+    """Both plans' 4-rank groups in one Ray session, side by side: each group gets all of its calls at once (Ray
+    runs one caller's calls to an actor in order), so that one group's waits overlap the other's work -> {plan:
+    what test_megatron_model_parallel_step_equals_one_rank checks}."""
+    o = megatron_one_rank
+    ray = infra.ray_start(WORLD * len(PLANS), "", 1)
+    try:
+        runs = {}
+        for i, plan in enumerate(PLANS):
+            run_dir = tmp_path_factory.mktemp(f"plan{i}") / "two"
+            (run_dir / "ckpt").mkdir(parents=True)
+            args = dataclasses.replace(o.base, run_dir=str(run_dir), plan=plan)
+            T.check_args(args)
+            runs[plan] = dict(run_dir=run_dir, world=TR.parallel_plan(args)["world"], args=args)
+        with ThreadPoolExecutor(len(PLANS)) as pool:  # the groups' ranks start together (each group waits on its own)
+            groups = pool.map(lambda r: TR.TrainerGroup(ray, r["args"], str(o.sft), 0, [{"num_cpus": 1}] * WORLD),
+                              runs.values())
+            for r, group in zip(runs.values(), groups):
+                r["group"] = group
+        for r in runs.values():
+            g = r["group"]
+            r["warm2"] = g.warmup.remote(o.samples)
+            g.mark_published.remote(0)
+            r["stats2"] = g.train_step.remote(o.samples, 1)
+            g.train_step.remote(o.samples[:1], 2)
+            r["reps"] = [x.state_dicts.remote() for x in g.ranks]  # gathered: a collective on every rank
+            r["to0"] = [x.state_dicts.remote(to_rank0=True) for x in g.ranks]  # as save and publish gather
+            r["numel"] = [x.optimizer_state_numel.remote() for x in g.ranks]
+            r["close"] = g.close.remote()
+        out = {}
+        for plan, r in runs.items():
+            out[plan] = SimpleNamespace(run_dir=r["run_dir"], world=r["world"], warm2=ray.get(r["warm2"]),
+                                        stats2=ray.get(r["stats2"]), reps=ray.get(r["reps"]), to0=ray.get(r["to0"]),
+                                        numel=ray.get(r["numel"]))
+            ray.get(r["close"])
+    finally:
+        ray.shutdown()
+    return out
+
+
+@pytest.mark.parametrize("plan", PLANS)
+def test_megatron_model_parallel_step_equals_one_rank(megatron_one_rank, megatron_plans, plan):
     """--backend megatron --plan over 4 Ray ranks (parallel_state per plan: TP = 2 with sequence parallel x 2
     pipeline stages, EP = 2 over the TP ranks with expert TP 1; 2 context-parallel x 2 data-parallel ranks with
     EP = 2 over them; Megatron DDP + mcore_parallel.ShardedAdam, the distributed optimizer): critic warm-up and two
     train_steps (the second on one sample: another DP rank trains a dummy row) give the weights of the one-rank
     Megatron trainer (torch Adam), gathered back to TP = EP = PP = 1 (on every rank, and to rank 0 alone as save and
     publish do); rank 0 writes the HF checkpoint and every rank its shard file."""
-    o = megatron_one_rank
-    samples, base, ref, before, warm1, stats1 = o.samples, o.base, o.ref, o.before, o.warm1, o.stats1
-    world = 4
-    ray = infra.ray_start(world, "", 1)
-    try:
-        (tmp_path / "two" / "ckpt").mkdir(parents=True)
-        two_args = dataclasses.replace(base, run_dir=str(tmp_path / "two"), plan=plan)
-        T.check_args(two_args)
-        assert TR.parallel_plan(two_args)["world"] == world
-        group = TR.TrainerGroup(ray, two_args, str(o.sft), 0, [{"num_cpus": 1}] * world)
-        warm2 = ray.get(group.warmup.remote(samples))
-        ray.get(group.mark_published.remote(0))
-        stats2 = ray.get(group.train_step.remote(samples, 1))
-        ray.get(group.train_step.remote(samples[:1], 2))
-        reps = ray.get([r.state_dicts.remote() for r in group.ranks])  # gathered: a collective on both ranks
-        to0 = ray.get([r.state_dicts.remote(to_rank0=True) for r in group.ranks])  # as save and publish gather
-        numel = ray.get([r.optimizer_state_numel.remote() for r in group.ranks])
-        ray.get(group.close.remote())
-    finally:
-        ray.shutdown()
-
+    o, p = megatron_one_rank, megatron_plans[plan]
+    ref, before, warm1, stats1 = o.ref, o.before, o.warm1, o.stats1
+    world, reps, to0, warm2, stats2 = p.world, p.reps, p.to0, p.warm2, p.stats2
+    assert world == WORLD
     for part in ("actor", "critic"):
         assert [r[part] is None for r in to0] == [False] + [True] * (world - 1)
         assert to0[0][part].keys() == ref[part].keys()
@@ -128,13 +157,13 @@ def test_megatron_model_parallel_step_equals_one_rank(tmp_path, megatron_one_ran
     for r1, r2 in zip(warm1, warm2):
         assert r2 == pytest.approx(r1, rel=1e-4, abs=1e-6, nan_ok=True)
     p_expert = sum(v.numel() for k, v in ref["actor"].items() if ".local_experts." in k)
-    for n in numel:  # Proposition 7.1 on the real optimizer: expert Adam state P_expert / W on each of W = 4 ranks
+    for n in p.numel:  # Proposition 7.1 on the real optimizer: expert Adam state P_expert / W on each of W = 4 ranks
         print(f"{plan} Adam state per moment: experts {n['expert']} (P_expert / {world} = {p_expert // world}), "
               f"dense {n['dense']}")
         assert n["expert"] == p_expert // world
-    latest = tmp_path / "two" / "ckpt" / "latest"
+    latest = p.run_dir / "ckpt" / "latest"
     assert (latest / "config.json").exists()  # rank 0 wrote the gathered HF actor
-    assert {p.name for p in latest.glob("trainer_rank*.pt")} == {f"trainer_rank{r}.pt" for r in range(world)}
+    assert {f.name for f in latest.glob("trainer_rank*.pt")} == {f"trainer_rank{r}.pt" for r in range(world)}
 
 
 @pytest.mark.parametrize("flags, error, match", [
