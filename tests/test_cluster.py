@@ -20,6 +20,7 @@ import model as model_lib
 import rollout
 from sandbox import daytona
 from sandbox import task_io
+from shared_runs import qwen35_sft  # noqa: F401
 
 def test_sglang_server_command_has_routed_experts_and_token_io():
     cmd = launch.sglang_command("/m", 31000, tp=8)
@@ -247,7 +248,9 @@ def test_launch_command_parses_in_train_t1_and_fails_up_front_naming_what_is_mis
 @pytest.mark.parametrize("flags, match", [(["--sandbox", "docker"], "--sandbox"), (["--backend", "jax"], "--backend"),
                                           (["--n-keep", "9", "--n-launch", "5"], "--n-keep"),
                                           (["--model-path", "/nonexistent"], "--model-path"),
-                                          (["--n-engines", "0"], "--engine-urls")])
+                                          (["--n-engines", "0"], "--engine-urls"),
+                                          (["--stop-after", "rl"], "--stop-after"),
+                                          (["--stop-after", "sft", "--model-path", "."], "--stop-after")])
 def test_bad_flags_are_refused_naming_the_flag(flags, match):
     import train_t1
     with pytest.raises(ValueError, match=match):
@@ -263,19 +266,49 @@ def test_run_trial_selects_the_daytona_sandbox(tmp_path, monkeypatch):
     assert res["exit_reason"] == "error" and "sandbox: expected bwrap|daytona" in res["error"]
 
 
-def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
-    """`bash run.sh cluster-rehearsal --quick`: the embedded SFT writes a Qwen3.5 checkpoint, then `python -m
+def test_sft_only_run_stops_at_its_checkpoint(qwen35_sft):
+    """`bash run.sh cluster-rehearsal --sft-only` (train_t1.py --stop-after sft, the rehearsal's SFT command): the
+    embedded SFT writes a Qwen3.5 HF checkpoint, logs that it stops there, and starts no Ray actor, engine,
+    evaluation, critic warm-up or RL step."""
+    run_dir = qwen35_sft.run_dir
+    assert json.loads((qwen35_sft.ckpt / "config.json").read_text())["model_type"] == "qwen3_5_moe_text"
+    assert (qwen35_sft.ckpt / "model.safetensors").exists()
+    log = (run_dir / "log.txt").read_text()
+    assert f"stop after sft: the SFT checkpoint is {qwen35_sft.ckpt}" in log.rstrip().splitlines()[-1]  # the end
+    assert "ray actors:" not in log and "critic warm-up" not in log
+    state = json.loads((run_dir / "state.json").read_text())
+    assert state["step"] == 0 and "sft" in state["phase_times"] and "critic_warmup" not in state
+    phases = {json.loads(x)["phase"] for x in open(run_dir / "metrics.jsonl")}
+    assert phases == {"sft"}  # --base-steps 0: SFT's rows only
+    assert not (run_dir / "summary.json").exists() and not (run_dir / "ckpt" / "latest").exists()
+
+
+def test_sft_only_command_is_the_rehearsals_sft_command(qwen35_sft):
+    """The shared checkpoint is built by run.sh's own rehearsal SFT step (its flags + --sft-only), which runs
+    train_t1.py with --stop-after sft; run.sh skips that step when T1_REHEARSAL_SFT holds a checkpoint."""
+    assert qwen35_sft.cmd[:4] == ["bash", "run.sh", "cluster-rehearsal", "--sft-only"]
+    text = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__))), "run.sh")).read()
+    assert '--arch qwen3_5_moe --run-dir "$sft" --stop-after sft' in text
+    assert 'if [ ! -f "$sft/ckpt/sft/config.json" ]' in text
+
+
+def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path, qwen35_sft):
+    """`bash run.sh cluster-rehearsal --quick`: the embedded SFT's Qwen3.5 checkpoint (shared_runs.qwen35_sft,
+    written by this command's own SFT step; given in T1_REHEARSAL_SFT, so not written again), then `python -m
     cluster.launch launch` (checks, the planner's plan for 4 devices, Ray, an embedded engine started by the
     launcher) runs train_t1 with --model-path and --backend megatron over the plan's 4 gloo ranks, publishing over
     one process group; it prints the end-of-run table; a second launch on the same run directory resumes and adds
     exactly one step."""
     import subprocess
     root = os.path.dirname(os.path.dirname(os.path.abspath(launch.__file__)))  # the repository root
-    env = dict(os.environ, T1_REHEARSAL_SFT=str(tmp_path / "sft"), T1_REHEARSAL_RUN=str(tmp_path / "run"))
+    sft_log = (qwen35_sft.run_dir / "log.txt").read_text()
+    env = dict(os.environ, T1_REHEARSAL_SFT=str(qwen35_sft.run_dir), T1_REHEARSAL_RUN=str(tmp_path / "run"))
     env.pop("RAY_ADDRESS", None)
+    # the pools of tests/test_e2e.py's TINY (one generation for both with the suite's task cache); the evaluation
+    # on held-out tasks only (the table's held-out rows), a warm-up pool of one minibatch
     flags = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
-             "--critic-warmup-trials", "4", "--max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "5",
-             "--minibatch-size", "2", "--eval-train-tasks", "2", "--eval-max-turns", "3"]
+             "--critic-warmup-trials", "2", "--max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "5",
+             "--minibatch-size", "2", "--eval-train-tasks", "0", "--eval-max-turns", "3"]
 
     def rehearse(steps):
         out = subprocess.run(["bash", "run.sh", "cluster-rehearsal", "--quick", *flags, "--rl-steps", str(steps)],
@@ -283,8 +316,7 @@ def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path):
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
         return out.stdout
     text = rehearse(1)
-    assert json.loads((tmp_path / "sft" / "ckpt" / "sft" / "config.json").read_text())["model_type"] == \
-        "qwen3_5_moe_text"
+    assert (qwen35_sft.run_dir / "log.txt").read_text() == sft_log  # the SFT step was skipped
     assert "[cluster] chosen plan: tp=1 pp=1 cp=1 ep=4 etp=1 dp=4" in text and "| held-out | RL |" in text
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "publish: over one process group to engine ranks [1]" in log

@@ -19,12 +19,13 @@ import tito
 import train_t1
 from engine.client import EngineClient
 from engine.server import EngineServer
+from shared_runs import qwen35_sft  # noqa: F401
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
         "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2", "--n-sft-tasks", "6",
-        "--base-steps", "10", "--sft-faults", "0.5"]
+        "--base-steps", "2", "--sft-faults", "0.5"]  # base: its phase and rows, not a model that copies
 
 
 def read_metrics(run_dir):
@@ -142,15 +143,18 @@ def test_boolean_flags_parse_false():
     assert train_t1.parse_args(["--async-rollout", "true"]).async_rollout is True
 
 
-def test_megatron_backend_trains_the_same_loop(tmp_path):
+def test_megatron_backend_trains_the_same_loop(tmp_path, qwen35_sft):
     """--backend megatron (Qwen3.5 in Megatron-Core on this CPU: GatedDeltaNet, gated attention, gated shared
     expert) with Megatron's model parallel over 2 trainer ranks (--plan tp = 2: sequence parallel, vocab-parallel
     logprobs, DDP + distributed optimizer): same loop, R3 through RouterReplay, a gathered HF checkpoint for the
     engine, the trainer's old logprobs match the sampler's like the HF backend's; then a resume that reloads
-    every rank's shards and adds exactly step 3."""
+    every rank's shards and adds exactly step 3. The SFT model is the embedded SFT's Qwen3.5 checkpoint, its
+    vocabulary padded for tp = 2 (shared_runs.qwen35_sft: an SFT-only run with --backend megatron --plan tp 2),
+    handed over as the cluster hands over its SFT model: --model-path."""
     run_dir = tmp_path / "run"
     flags = TINY + ["--run-dir", str(run_dir), "--backend", "megatron", "--eval-attempts", "0",  # eval: the hf e2e
-                    "--plan", '{"tp": 2}', "--arch", "qwen3_5_moe"]  # the cluster's architecture
+                    "--plan", '{"tp": 2}', "--arch", "qwen3_5_moe",  # the cluster's architecture
+                    "--model-path", str(qwen35_sft.ckpt)]
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "2"]))
     rl = [r for r in read_metrics(run_dir) if r["phase"] == "rl"]
     assert [r["step"] for r in rl] == [1, 2] and [r["staleness"] for r in rl] == [0, 1]
@@ -163,14 +167,14 @@ def test_megatron_backend_trains_the_same_loop(tmp_path):
     assert "other trainer ranks pids [" in (run_dir / "log.txt").read_text()
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "3"]))
     assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [1, 2, 3]
-    # the cluster path's input: --model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its
-    # own, every rank reading its shards of it, here in another layout (data x expert parallel over 2 ranks) and in
+    # --model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its own, every rank reading its
+    # shards of it, here in another layout (data x expert parallel over 2 ranks) and in
     # the cluster presets' precision (bf16 parameters, fp32 master shards), the engines releasing their memory while
     # the trainer works (--colocate, the one-node 35B preset: critic warm-up and update)
     run2 = tmp_path / "from_model_path"
     train_t1.train(train_t1.parse_args(TINY + [
         "--run-dir", str(run2), "--backend", "megatron", "--eval-attempts", "0", "--plan", '{"dp": 2, "ep": 2}',
-        "--arch", "qwen3_5_moe", "--model-path", str(run_dir / "ckpt" / "sft"), "--rl-steps", "1",
+        "--arch", "qwen3_5_moe", "--model-path", str(qwen35_sft.ckpt), "--rl-steps", "1",
         "--param-dtype", "bf16", "--colocate", "true", "--async-rollout", "false"]))  # and the 35B preset's colocation
     memory = [line.split("engines ", 1)[1] for line in (run2 / "log.txt").read_text().splitlines()
               if "] engines re" in line and "memory: " in line]
