@@ -41,12 +41,14 @@ class Actors:
         workers; then the weight-publish link (the cluster: one process group to the engine ranks; else from disk)."""
         args, ray, place, sft_dir = self.args, self.ray, self.place, str(sft_dir)
         cores = infra.core_split()[1] if args.pin_cores else None  # the rollout side's half (--pin-cores)
+        # every actor's process starts before anything waits (the trainer group waits for its ranks' rendezvous):
+        # the engines' and rollout workers' imports and loads run beside the trainer ranks'
         self.engines = [ray.remote(server.EngineActor).options(**place["engines"][i]).remote(
             sft_dir, args.engine_weight_dtype, actor_threads(args), cores=cores) for i in range(self.n_eng)]
-        self.trainer = TrainerGroup(ray, args, sft_dir, step, place["trainers"])
         self.workers = rollout.ray_rollout_workers(args.rollout_actors,
                                                    math.ceil(args.rollout_workers / args.rollout_actors), sft_dir,
                                                    place["workers"], cores)
+        self.trainer = TrainerGroup(ray, args, sft_dir, step, place["trainers"])
         infos = ray.get([e.info.remote() for e in self.engines])
         self.urls = self.ext_urls or [i["url"] for i in infos]
         ranks = ray.get([t.pid.remote() for t in self.trainer.ranks])
