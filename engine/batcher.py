@@ -49,6 +49,8 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
     search for the batch, one sort of the truncating rows, one draw call when all rows share a generator (else one per
     row), one host sync."""
     n, V = logits.shape
+    if _plain(temperature, top_p, top_k, gens):
+        return _sample_plain(logits, temperature[0], gens[0])
     greedy = torch.tensor([x == 0 for x in temperature])  # (n,)
     t = torch.tensor(temperature, dtype=torch.float32)  # a denormal T is 0 here: its row's logits / T is not finite
     logp = F.log_softmax(logits.float() / torch.where(greedy, 1.0, t)[:, None], dim=-1)  # (n, V)
@@ -80,6 +82,29 @@ def sample_rows(logits, temperature, top_p, top_k, gens):
                    ValueError(f"sampling: non-finite probabilities at temperature {temperature[i]}"))
     return out
 
+
+def _plain(temperature, top_p, top_k, gens):
+    """Whether a step's rows share one temperature > 0 and one generator and keep the whole vocabulary (a rollout's
+    unseeded rows): sample_rows' common case, which _sample_plain draws in fewer operations."""
+    t, g = temperature[0], gens[0]
+    return (t > 0 and all(x == t for x in temperature) and all(p >= 1.0 for p in top_p)
+            and all(kk <= 0 for kk in top_k) and all(x is g for x in gens))
+
+
+def _sample_plain(logits, temperature, gen):
+    """sample_rows for rows that share `temperature` (> 0) and `gen` and truncate nothing: the same operations on the
+    same values (logits / T, log-softmax, one uniform per row from gen scaled by the row's total, the first cdf
+    entry past it) without the per-row temperature, greedy and truncation tensors. A row is finite when its total
+    is: the probabilities are >= 0, so a NaN or infinite one makes the sum NaN or infinite."""
+    n, V = logits.shape
+    logp = F.log_softmax(logits.float() / torch.full((n, 1), temperature), dim=-1)  # (n, V); a tensor: a scalar
+    cdf = logp.exp().cumsum(-1)  # divisor would be a multiplication by its reciprocal (another rounding)
+    total = cdf[:, -1]
+    u = torch.rand(n, generator=gen) * total  # (n,) one draw per row
+    tok = torch.searchsorted(cdf, u[:, None], right=True).clamp_(max=V - 1)  # (n, 1) first cdf > u
+    lp = logp.gather(1, tok).squeeze(1)  # (n,)
+    return [(ti, li) if ok else ValueError(f"sampling: non-finite probabilities at temperature {temperature}")
+            for ok, ti, li in zip(torch.isfinite(total).tolist(), tok.squeeze(1).tolist(), lp.tolist())]
 
 
 # --- the running batch --------------------------------------------------------------------------------

@@ -50,17 +50,21 @@ def _bench_prompts(tok, n, length, seed):
             + tail for _ in range(n)]
 
 
-def _hf_generate(hf, histories, new_tokens, cache=None, sample=True):
+def _hf_generate(hf, histories, new_tokens, cache=None, sample=True, compile_config=None):
     """HF generate over a left-padded batch (sampling at T = 1, or greedy; fixed length) -> (each row's new ids, the
     KV cache it leaves). Passed back as `cache` with the same rows grown, generate prefills only what the cache
-    lacks."""
+    lacks; a transformers.StaticCache passed in is written in place (generate's static-cache path); compile_config:
+    generate's torch.compile of the decode forward (which needs a static cache)."""
     T = max(len(h) for h in histories)
     ids = torch.tensor([[0] * (T - len(h)) + h for h in histories])
     mask = torch.tensor([[0] * (T - len(h)) + [1] * len(h) for h in histories])
+    kw = {"cache": cache} if cache is not None else {}
+    if compile_config is not None:
+        kw["compile_config"] = compile_config
     with torch.inference_mode():
         out = hf.generate(input_ids=ids, attention_mask=mask, do_sample=sample, temperature=1.0, top_p=1.0, top_k=0,
                           max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
-                          return_dict_in_generate=True, **({"cache": cache} if cache is not None else {}))
+                          return_dict_in_generate=True, **kw)
     return out.sequences[:, T:].tolist(), getattr(out, "cache", None) or out.past_key_values
 
 
@@ -84,18 +88,37 @@ def _engine_agents(url, histories, turns, new_tokens, tool, routing=True):
         t.join()
 
 
-def _hf_agents(hf, histories, turns, new_tokens, tool, keep_cache=False, sample=True):
-    """The same workload through HF generate, all agents as one batch each turn: re-prefilled from scratch, or with
-    keep_cache HF's own KV cache carried from turn to turn (only the reply's last token and the tool output are
-    prefilled; greedy tokens equal the re-prefilled ones, tests/test_engine.py). The histories must share a length
-    (they do: _bench_prompts), so that the rows stay aligned as they grow."""
-    if keep_cache and len({len(h) for h in histories}) > 1:
-        raise ValueError(f"_hf_agents(keep_cache=True): histories of lengths {sorted({len(h) for h in histories})}; "
+HF_CACHES = ("none", "dynamic", "static", "compiled")  # _hf_agents' ways of carrying HF's state between turns
+
+
+def _compile_config():
+    """generate's torch.compile settings for the "compiled" HF (static shapes; transformers compiles on CUDA-like
+    devices only unless told to compile on all)."""
+    cc = transformers.CompileConfig(dynamic=False, fullgraph=False)
+    cc._compile_all_devices = True
+    return cc
+
+
+def _hf_agents(hf, histories, turns, new_tokens, tool, cache="none", sample=True):
+    """The same workload through HF generate, all agents as one batch each turn. cache: "none" re-prefills every
+    history from scratch each turn; "dynamic" carries HF's own KV cache (a DynamicCache) from turn to turn, so only
+    the reply's last token and the tool output are prefilled (greedy tokens equal the re-prefilled ones,
+    tests/test_engine.py); "static" carries a transformers.StaticCache sized for the whole trajectory (written in
+    place, no concatenation per step); "compiled" the static cache with generate's torch.compile of the decode
+    forward (compiled on first use: warm it up at the timed shapes). A carried cache needs histories of one length
+    (they are: _bench_prompts), so that the rows stay aligned as they grow."""
+    if cache not in HF_CACHES:
+        raise ValueError(f"cache: expected one of {'|'.join(HF_CACHES)}, got {cache!r}")
+    if cache != "none" and len({len(h) for h in histories}) > 1:
+        raise ValueError(f"_hf_agents(cache={cache!r}): histories of lengths {sorted({len(h) for h in histories})}; "
                          "a carried cache needs one length (left padding would shift between turns)")
-    hs, cache = list(histories), None
+    hs, kv = list(histories), None
+    if cache in ("static", "compiled"):
+        kv = transformers.StaticCache(config=hf.config, max_cache_len=len(hs[0]) + turns * (new_tokens + len(tool)))
+    cc = _compile_config() if cache == "compiled" else None
     for t in range(turns):
-        outs, kv = _hf_generate(hf, hs, new_tokens, cache, sample=sample)
-        cache = kv if keep_cache else None
+        outs, out_kv = _hf_generate(hf, hs, new_tokens, kv, sample=sample, compile_config=cc)
+        kv = None if cache == "none" else out_kv
         hs = [h + o + tool for h, o in zip(hs, outs)]
     return hs
 
@@ -168,18 +191,21 @@ def _serve(path, threads, *flags):
 
 
 def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, turns=8, turn_tokens=48,
-                 n_agents=8, capture_steps=400, dp=2, work_dir=None) -> dict:
+                 n_agents=8, capture_steps=400, dp=2, work_dir=None, hf_compile=False) -> dict:
     """The engine's figures in one run, repeats interleaved (the machine drifts): generated tokens/s of the engine
     (`engine/server.py serve` processes with this process's torch threads; HTTP clients, logprobs + routed experts
     returned) vs HF `generate` in this process on the same fp32 checkpoint at 8 and 32 concurrent single-turn
     requests (~prompt_len-token prompts, new_tokens each), and the engine's own forward vs its transformers
     one (--forward hf); a multi-turn workload (n_agents agents x `turns` turns,
     turn_tokens new + 40 tool tokens per turn, the history growing) through HF re-prefilling every turn, HF carrying
-    its own KV cache between turns (HF at its best here: engine_cache_vs_hf_cache), the engine with its prefix cache
-    off, and on; the capture overhead (_capture_overhead, in this process). Medians; ratios > 1 favour the engine /
-    the cache. dp > 1 adds the same cores as dp engines of threads / dp torch threads each (prefix cache on; the
-    requests dealt round robin: `train_t1.py --n-engines dp --torch-threads threads/dp`, SGLang's data parallelism)
-    on the 32-request and multi-turn workloads, against the same HF generate (one process, all threads)."""
+    its own KV cache between turns, the engine with its prefix cache off, and on; the capture overhead
+    (_capture_overhead, in this process). HF at its best: each HF workload runs with a DynamicCache and with a
+    StaticCache (and hf_compile: the static cache with generate's torch.compile), and each ratio is against the
+    fastest, named in the figures (hf_baseline_8, hf_baseline_32, multi_turn.hf_baseline). Every engine and HF
+    configuration gets the same warm-up before timing. Medians; ratios > 1 favour the engine / the cache. dp > 1
+    adds the same cores as dp engines of threads / dp torch threads each (prefix cache on; the requests dealt round
+    robin: `train_t1.py --n-engines dp --torch-threads threads/dp`, SGLang's data parallelism) on the 32-request
+    and multi-turn workloads, against the same HF generate (one process, all threads)."""
     threads = torch.get_num_threads()
     if dp < 0 or dp == 1 or dp > threads:
         raise ValueError(f"dp: expected 0 (not measured) or 2..{threads} engines sharing the {threads} threads, "
@@ -198,7 +224,7 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
             procs.append(_serve(work, threads // dp))
         return _engine_figures(hf, tok, *(url for _, url in procs[:3]), [url for _, url in procs[3:]],
                                EngineServer(work, weight_dtype="fp32"), arch, repeats, prompt_len, new_tokens, turns,
-                               turn_tokens, n_agents, capture_steps)
+                               turn_tokens, n_agents, capture_steps, hf_compile)
     finally:
         for proc, _ in procs:
             proc.terminate()
@@ -206,7 +232,7 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
 
 
 def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens,
-                    n_agents, capture_steps):
+                    n_agents, capture_steps, hf_compile=False):
     """engine_bench's measurements: `on` / `off` the engines' URLs (prefix cache on / off), `off_hf` off's twin
     forwarding through the transformers forward (--forward hf), `dp` the data-parallel engines' URLs (or []);
     `buffers` an unstarted EngineServer whose capture buffers _capture_overhead writes."""
@@ -219,45 +245,74 @@ def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt
         t0 = time.perf_counter()
         fn()
         t.setdefault(key, []).append(time.perf_counter() - t0)
-    for url in [on] + dp:
-        _engine_agents(url, single[8][:2], 1, 8, tool)  # warm-up both sides
-    _hf_generate(hf, single[8][:2], 8)
+    hf_kw = {"dynamic": {}, "static": {"cache": True}, "compiled": {"cache": True, "compile_config": _compile_config()}}
+    singles = ("dynamic", "static") + (("compiled",) if hf_compile else ())  # HF generate at 8 / 32: its caches
+    multis = ("dynamic", "static") + (("compiled",) if hf_compile else ())  # HF multi-turn: carried caches
+
+    def hf_single(name, n):
+        kw = dict(hf_kw[name])
+        if kw.pop("cache", False):
+            kw["cache"] = transformers.StaticCache(config=hf.config, max_cache_len=prompt_len + new_tokens)
+        return _hf_generate(hf, single[n], new_tokens, **kw)
+    # warm-up: the same calls and tokens on every side (2 agents x 2 turns x 8 tokens: a cold prefill, then a turn
+    # on the carried cache / prefix cache), each engine and each HF configuration
+    for url in [on, off, off_hf] + dp:
+        _engine_agents(url, agents[:2], 2, 8, tool)
+    for c in ("none",) + multis:
+        _hf_agents(hf, agents[:2], 2, 8, tool, cache=c)
+    if hf_compile:  # torch.compile compiles per shape: one untimed pass at each timed shape
+        for n in (8, 32):
+            hf_single("compiled", n)
+        _hf_agents(hf, agents, turns, turn_tokens, tool, cache="compiled")
     for _ in range(repeats):
         for n in (8, 32):
-            timed(f"hf_{n}", lambda: _hf_generate(hf, single[n], new_tokens))
+            for name in singles:
+                timed(f"hf_{name}_{n}", lambda: hf_single(name, n))
             timed(f"engine_{n}", lambda: _engine_agents(off, single[n], 1, new_tokens, tool))
             timed(f"engine_hf_forward_{n}", lambda: _engine_agents(off_hf, single[n], 1, new_tokens, tool))
         if dp:
             timed("engine_dp_32", lambda: _engine_agents(dp, single[32], 1, new_tokens, tool))
-        timed("hf_multi", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool))
-        timed("hf_multi_cache", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool, keep_cache=True))
+        for c in ("none",) + multis:
+            timed(f"hf_multi_{c}", lambda: _hf_agents(hf, agents, turns, turn_tokens, tool, cache=c))
         timed("engine_multi_nocache", lambda: _engine_agents(off, agents, turns, turn_tokens, tool))
         timed("engine_multi_cache", lambda: _engine_agents(on, agents, turns, turn_tokens, tool))
         if dp:
             timed("engine_dp_multi", lambda: _engine_agents(dp, agents, turns, turn_tokens, tool))
     med = {k: float(np.median(v)) for k, v in t.items()}
-    fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens}
+    fig = {"arch": arch, "repeats": repeats, "prompt_tokens": prompt_len, "new_tokens": new_tokens,
+           "warmup": "each engine and HF configuration: 2 agents x 2 turns x 8 new tokens"
+           + ("; compiled HF: also one pass at each timed shape" if hf_compile else "")}
     for n in (8, 32):
+        best = min(singles, key=lambda c: med[f"hf_{c}_{n}"])  # HF at its best: the fastest configuration
+        med[f"hf_{n}"] = med[f"hf_{best}_{n}"]
+        fig[f"hf_baseline_{n}"] = f"generate, {best} cache"
+        fig[f"hf_tok_s_{n}_by_cache"] = {c: round(n * new_tokens / med[f"hf_{c}_{n}"], 1) for c in singles}
         fig[f"hf_tok_s_{n}"] = round(n * new_tokens / med[f"hf_{n}"], 1)
         fig[f"engine_tok_s_{n}"] = round(n * new_tokens / med[f"engine_{n}"], 1)
         fig[f"engine_vs_hf_{n}"] = round(med[f"hf_{n}"] / med[f"engine_{n}"], 2)
         fig[f"own_vs_hf_forward_{n}"] = round(med[f"engine_hf_forward_{n}"] / med[f"engine_{n}"], 2)
     multi = n_agents * turns * turn_tokens
+    best = min(multis, key=lambda c: med[f"hf_multi_{c}"])
+    med["hf_multi_best"] = med[f"hf_multi_{best}"]
     fig["multi_turn"] = {"agents": n_agents, "turns": turns, "new_tokens_per_turn": turn_tokens,
-                         "hf_tok_s": round(multi / med["hf_multi"], 1),
+                         "hf_tok_s": round(multi / med["hf_multi_none"], 1),
                          "engine_nocache_tok_s": round(multi / med["engine_multi_nocache"], 1),
                          "engine_cache_tok_s": round(multi / med["engine_multi_cache"], 1),
-                         "engine_cache_vs_hf": round(med["hf_multi"] / med["engine_multi_cache"], 2),
-                         "hf_cache_tok_s": round(multi / med["hf_multi_cache"], 1),
-                         "engine_cache_vs_hf_cache": round(med["hf_multi_cache"] / med["engine_multi_cache"], 2),
+                         "engine_cache_vs_hf": round(med["hf_multi_none"] / med["engine_multi_cache"], 2),
+                         "hf_cache_tok_s": round(multi / med["hf_multi_dynamic"], 1),
+                         "hf_tok_s_by_cache": {c: round(multi / med[f"hf_multi_{c}"], 1) for c in multis},
+                         "hf_baseline": f"generate, {best} cache carried across turns",
+                         "engine_cache_vs_hf_cache": round(med["hf_multi_dynamic"] / med["engine_multi_cache"], 2),
+                         "engine_cache_vs_hf_best": round(med["hf_multi_best"] / med["engine_multi_cache"], 2),
                          "cache_on_vs_off": round(med["engine_multi_nocache"] / med["engine_multi_cache"], 2)}
     if dp:
         fig["data_parallel"] = {"engines": len(dp), "threads_each": torch.get_num_threads() // len(dp),
                                 "engine_tok_s_32": round(32 * new_tokens / med["engine_dp_32"], 1),
                                 "engine_vs_hf_32": round(med["hf_32"] / med["engine_dp_32"], 2),
                                 "multi_turn_tok_s": round(multi / med["engine_dp_multi"], 1),
-                                "multi_turn_vs_hf": round(med["hf_multi"] / med["engine_dp_multi"], 2),
-                                "multi_turn_vs_hf_cache": round(med["hf_multi_cache"] / med["engine_dp_multi"], 2)}
+                                "multi_turn_vs_hf": round(med["hf_multi_none"] / med["engine_dp_multi"], 2),
+                                "multi_turn_vs_hf_cache": round(med["hf_multi_dynamic"] / med["engine_dp_multi"], 2),
+                                "multi_turn_vs_hf_best": round(med["hf_multi_best"] / med["engine_dp_multi"], 2)}
     fig["capture"] = _capture_overhead(hf, buffers, n_rows=32, prompt_len=prompt_len, steps=capture_steps)
     fig["prefix_cache"] = EngineClient(on).server_info()["prefix_cache"]
     fig["seconds"] = {k: [round(x, 2) for x in v] for k, v in t.items()}

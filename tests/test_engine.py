@@ -650,6 +650,30 @@ def test_batched_sampling_rows_are_independent_of_their_batch():
     assert [o for i, o in enumerate(out) if i != 2] == [o for i, o in enumerate(together) if i != 2]
 
 
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 1.3])
+def test_plain_sampling_equals_the_general_path(monkeypatch, temperature):
+    """Rows sharing a temperature and a generator, keeping the whole vocabulary (the rollouts' case) take
+    _sample_plain: the same tokens and bit-equal logprobs as the general path from the same generator state; a row
+    with a NaN or infinite logit fails alone; a greedy, top-p, top-k or differently tempered row leaves the fast
+    path."""
+    logits = torch.randn(9, 283, generator=torch.Generator().manual_seed(3)) * 4
+    logits[4, 10], logits[6, 0] = float("nan"), float("inf")
+    n = logits.shape[0]
+    args = ([temperature] * n, [1.0] * n, [-1] * n)
+    fast = batcher.sample_rows(logits, *args, [torch.Generator().manual_seed(5)] * n)
+    monkeypatch.setattr(batcher, "_plain", lambda *a: False)
+    general = batcher.sample_rows(logits, *args, [torch.Generator().manual_seed(5)] * n)
+    assert [o for i, o in enumerate(fast) if i not in (4, 6)] == [o for i, o in enumerate(general) if i not in (4, 6)]
+    assert all(isinstance(fast[i], ValueError) and isinstance(general[i], ValueError) for i in (4, 6))
+    monkeypatch.undo()
+    g = torch.Generator()
+    assert batcher._plain(*args, [g] * n)
+    for t, p, k in (([0.0] + args[0][1:], args[1], args[2]), ([2.0] + args[0][1:], args[1], args[2]),
+                    (args[0], [0.9] + args[1][1:], args[2]), (args[0], args[1], [5] + args[2][1:])):
+        assert not batcher._plain(t, p, k, [g] * n)
+    assert not batcher._plain(*args, [torch.Generator()] + [g] * (n - 1))
+
+
 # --- prefix cache, continuous batching, capture buffer --------------------------------------------------
 def _turns(eng, tok, n_turns, seed=0, new=12):
     """An agent's trajectory: each turn re-sends the whole history plus a tool reply -> [(input_ids, response)]."""
@@ -1136,6 +1160,12 @@ def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
     assert fig["multi_turn"]["cache_on_vs_off"] > 0 and fig["prefix_cache"]["hits"] >= 2
     assert fig["data_parallel"]["engines"] == 2 and fig["data_parallel"]["multi_turn_vs_hf"] > 0
     assert fig["multi_turn"]["engine_cache_vs_hf_cache"] > 0 and fig["data_parallel"]["multi_turn_vs_hf_cache"] > 0
+    mt = fig["multi_turn"]  # HF at its best: the fastest of its caches, named
+    assert set(mt["hf_tok_s_by_cache"]) == {"dynamic", "static"} and mt["engine_cache_vs_hf_best"] > 0
+    assert mt["hf_tok_s_by_cache"][mt["hf_baseline"].split(", ")[1].split()[0]] == max(mt["hf_tok_s_by_cache"].values())
+    for n in (8, 32):
+        by_cache, best = fig[f"hf_tok_s_{n}_by_cache"], fig[f"hf_baseline_{n}"].split(", ")[1].split()[0]
+        assert by_cache[best] == fig[f"hf_tok_s_{n}"] == max(by_cache.values())
     assert {"overhead_pct", "overhead_pct_95ci", "capture_ops_pct_of_step"} <= set(fig["capture"])
     for bad in ("1", "3"):  # one engine is the single-engine figure; 3 engines cannot share 2 threads
         with pytest.raises(ValueError, match="dp: expected 0"):
@@ -1144,8 +1174,9 @@ def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen3_5_moe"])
 def test_the_benchmarks_hf_with_its_cache_carried_between_turns_gives_the_re_prefilled_tokens(arch):
-    """The engine benchmark's HF baseline at its best keeps its KV cache across an agent's turns: the same greedy
-    tokens, turn after turn, as HF re-prefilling the whole history each turn (so the two time the same work)."""
+    """The engine benchmark's HF baseline at its best keeps its KV cache across an agent's turns, a DynamicCache or a
+    StaticCache: the same greedy tokens, turn after turn, as HF re-prefilling the whole history each turn (so they
+    time the same work)."""
     from experiments import engine_speed
     tok = model_lib.train_tokenizer([f"echo line {i} > file{i}.txt" for i in range(30)], 300)
     hf = model_lib.build_actor(model_lib.tiny_config(len(tok), arch), seed=0).eval()
@@ -1154,10 +1185,12 @@ def test_the_benchmarks_hf_with_its_cache_carried_between_turns_gives_the_re_pre
     hf.get_input_embeddings().register_forward_hook(lambda mod, inp, out: seen.append(inp[0].shape[1]))
     fresh = engine_speed._hf_agents(hf, agents, 3, 8, tool, sample=False)
     n_fresh, seen[:] = sum(seen), []
-    cached = engine_speed._hf_agents(hf, agents, 3, 8, tool, keep_cache=True, sample=False)
-    assert cached == fresh and len(cached[0]) == 80 + 3 * (8 + 40)
-    # re-prefilling embeds 80, 128, 176 prompt positions + 7 decode steps a turn; the cache only what it lacks
-    assert n_fresh == 80 + 128 + 176 + 3 * 7 and sum(seen) == 80 + 2 * (1 + 40) + 3 * 7, (n_fresh, sum(seen))
+    for cache in ("dynamic", "static"):
+        seen[:] = []
+        cached = engine_speed._hf_agents(hf, agents, 3, 8, tool, cache=cache, sample=False)
+        assert cached == fresh and len(cached[0]) == 80 + 3 * (8 + 40), cache
+        # re-prefilling embeds 80, 128, 176 prompt positions + 7 decode steps a turn; a cache only what it lacks
+        assert n_fresh == 80 + 128 + 176 + 3 * 7 and sum(seen) == 80 + 2 * (1 + 40) + 3 * 7, (cache, n_fresh, seen)
 
 
 def test_a_fault_outside_a_forward_fails_the_running_requests_and_the_engine_goes_on(ckpt, tok, monkeypatch):
