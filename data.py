@@ -261,7 +261,7 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     copied from DIR instead (tasks/pool_cache.py)."""
     args = dict(n_train=n_train, n_heldout=n_heldout, seed=seed, validate_tasks=validate_tasks, scripted=scripted,
                 rst_rounds=rst_rounds, validate_train=validate_train, expert_text=expert_text,
-                heldout_split=heldout_split, avoid=sorted(avoid), rst_share=rst_share)
+                heldout_split=heldout_split, avoid=sorted(set(avoid)), rst_share=rst_share)
     return pool_cache.cached(out_dir, args, lambda: _generate_tasks(out_dir, workers=workers, **args))
 
 

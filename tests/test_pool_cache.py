@@ -83,7 +83,7 @@ def test_the_key_follows_every_argument_but_workers_and_the_code(tmp_path, monke
     keys = {pool_cache.pool_key(a) for a in changed}
     assert len(keys) == len(changed) and key not in keys
     assert pool_cache.pool_key(_args(monkeypatch, 6, 3, 5, avoid={"b", "a"})) == pool_cache.pool_key(
-        _args(monkeypatch, 6, 3, 5, avoid=["a", "b"]))
+        _args(monkeypatch, 6, 3, 5, avoid=["a", "b", "a"]))  # a set of instructions: order and repeats aside
     src = pool_cache.sources()  # what writes and audits a task: the families, the audit, the sandbox, the verifier
     assert {"data.py", "tasks/families.py", "tasks/rst.py", "tasks/pool_cache.py", "rollout.py", "reward.py",
             "model.py", "terminus2.py", "sandbox/jail.py", "sandbox/verifier_report_plugin.py"} <= set(src)
