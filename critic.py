@@ -58,12 +58,53 @@ def aggregate(x: torch.Tensor, mask: torch.Tensor, agg: str = "token", n: torch.
     return per_sample.sum() / ((mask.sum(-1) > 0).sum().to(x.dtype).clamp(min=1.0) if n is None else n)
 
 
-def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tensor | None:
-    """The denominator of `aggregate` over every rank (the minibatch's tokens or samples); None on one rank."""
-    if group is None:
-        return None
+def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tensor:
+    """The denominator of `aggregate` over every rank (the minibatch's tokens or samples; this rank's alone without a
+    group): what each piece of a minibatch (`pieces`) divides its loss by, so that the pieces sum to the whole."""
     local = mask.sum() if agg == "token" else (mask.sum(-1) > 0).sum()
     return dp.dp_sum(local.to(torch.float32), group).clamp(min=1.0)
+
+
+# --- pieces of a minibatch: no compute on padding -------------------------------------------------------------------
+
+# rows per forward + backward of an update (critic and actor minibatches, SFT; this project's choice): each row alone,
+# cut after its last token, so no position of padding is computed and, with no padding left, the attention mask is
+# dropped and attention runs causal only (SDPA skips the upper triangle). Each row's loss divides by the minibatch's
+# count (agg_count) and the gradients add up before the one optimizer step: the same step as one padded forward of
+# the minibatch, to float rounding. None: the minibatch's rows in one padded forward (Megatron, the aux loss, tests).
+UPDATE_ROWS = 1
+
+
+def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
+    """(the rows' sub-batch with the columns after their longest row cut, that length): every (B, T, ...) tensor of
+    batch. Padding is on the right, and a causal forward of a row never reads the columns after it, so a trimmed
+    forward gives the same values on the row's tokens; no rows, or cut False: the full width (Megatron ranks over a
+    group: every forward is a collective over the expert-parallel ranks, which needs the same shape on each)."""
+    am = batch["attention_mask"][rows]
+    n = int(am.sum(1).max()) if len(am) and cut else am.shape[1]
+    return {k: (v[rows][:, :n] if torch.is_tensor(v) and v.dim() >= 2 else v) for k, v in batch.items()}, n
+
+
+def pieces(batch: dict, size: int | None = UPDATE_ROWS):
+    """The sub-batches one forward + backward each of a minibatch's rows: `size` rows at a time, longest first, each
+    cut after its longest row (trim); size None: the batch itself, one piece (none when it has no rows)."""
+    B = batch["attention_mask"].shape[0]
+    if size is None:
+        return [batch] if B else []
+    order = torch.argsort(batch["attention_mask"].sum(1), descending=True, stable=True).tolist()
+    return [trim(batch, order[i:i + size])[0] for i in range(0, B, size)]
+
+
+def update_rows(model, padded: bool = False) -> int | None:
+    """UPDATE_ROWS for an HF model; None (one padded forward per minibatch) for a Megatron one (cluster/mcore*.py keep
+    their full-width forwards: over a group every forward is a collective that needs equal shapes) or padded."""
+    return None if padded or getattr(model, "backend", "hf") != "hf" else UPDATE_ROWS
+
+
+def causal_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The attention mask an HF forward gets: None where every position is a token (a row cut after its last token),
+    which the causal mask alone covers exactly and lets SDPA skip the causal upper triangle; else the mask."""
+    return None if attention_mask is None or bool(attention_mask.all()) else attention_mask
 
 
 def dp_masked_mean(x: torch.Tensor, mask: torch.Tensor, group=None) -> torch.Tensor:
@@ -106,7 +147,7 @@ class Critic(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """values (B, T): values[:, j] = V(tokens[:j]); values[:, 0] = 0 (no action at j = 0)."""
-        h = self.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state  # (B, T, H)
+        h = self.model(input_ids=input_ids, attention_mask=causal_mask(attention_mask)).last_hidden_state  # (B, T, H)
         v = self.value_head(h).squeeze(-1).float()  # (B, T): value of the prefix ending at position t
         return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)  # shift: V(s_j) from h_{j-1}
 
@@ -184,13 +225,16 @@ def compute_values(critic: Critic, input_ids: torch.Tensor, attention_mask: torc
 
 
 def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, clip_eps_v: float,
-                  epochs: int = 1, max_grad_norm: float = 1.0, group=None, agg: str = "token") -> dict:
+                  epochs: int = 1, max_grad_norm: float = 1.0, group=None, agg: str = "token",
+                  padded: bool = False) -> dict:
     """One critic update over minibatches of dicts with input_ids, attention_mask, mask, returns, old_values.
 
     With a group, each dict holds this rank's rows of the minibatch (possibly none) and every rank passes
     as many. Returns mean value loss, clip fraction and the explained variance of the *pre-update* values.
-    agg: the value loss's reduction over tokens ("token" | "sample", `aggregate`).
+    agg: the value loss's reduction over tokens ("token" | "sample", `aggregate`). Each minibatch runs row by row
+    (`pieces`, UPDATE_ROWS) with one optimizer step; padded: in one padded forward (the reference of the tests).
     """
+    size = update_rows(critic, padded)
     critic.train()
     losses, clipfracs = [], []
     for _ in range(epochs):
@@ -199,10 +243,11 @@ def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, cli
             n = n_tok if agg == "token" else agg_count(b["mask"], agg, group)  # the loss's denominator
             optimizer.zero_grad()
             loss = clipfrac = torch.zeros(())
-            if b["input_ids"].shape[0]:  # a rank without rows still joins the gradient sum
-                values = critic(b["input_ids"], b["attention_mask"])
-                loss, clipfrac = value_loss(values, b["old_values"], b["returns"], b["mask"], clip_eps_v, n, agg, n_tok)
-                loss.backward()
+            for p in pieces(b, size):  # none on a rank without rows, which still joins the gradient sum
+                values = critic(p["input_ids"], p["attention_mask"])
+                l, c = value_loss(values, p["old_values"], p["returns"], p["mask"], clip_eps_v, n, agg, n_tok)
+                l.backward()  # over the minibatch's count: the pieces' losses and gradients add up to the whole
+                loss, clipfrac = loss + l.detach(), clipfrac + c.detach()
             dp.optimizer_step(critic, optimizer, max_grad_norm, group)
             loss, clipfrac = dp.dp_sum(torch.stack([loss.detach(), clipfrac.detach()]), group)
             losses.append(loss.item())

@@ -5,8 +5,12 @@ update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy ->
 eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and the Critic Warm-Up
 (critic_warmup). The loop that drives them is train_t1.py; the critic's math is critic.py, the sums over the
 trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each
-chunk and each minibatch cut after its longest row (by_length, trim: the same values on every token; Megatron ranks
-over a group keep one full-width forward, a collective needs equal shapes).
+chunk cut after its longest row (by_length, critic.trim: the same values on every token); the critic's and the
+actor's minibatches (and SFT's) run forward + backward row by row, each row cut after its last token, with one
+optimizer step per minibatch (critic.pieces: no compute on padding; the same minibatches and steps to float
+rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward per chunk and minibatch (over a group
+full width: a collective needs equal shapes), as does the aux loss (a product of two means over the minibatch).
+The R3-off diagnostic forward runs every --r3-off-every steps (r3_off_step).
 
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
 
@@ -117,7 +121,7 @@ def token_logprobs(actor, batch: dict, temperature: float = 1.0, rows=slice(None
     ids, am = batch["input_ids"][rows], batch["attention_mask"][rows]
     if actor.backend == "megatron":  # mcore.MegatronActor: from the vocab-parallel logits, no (B, T, V) gather
         return F.pad(actor.token_logprobs(ids, am, temperature), (1, 0))
-    logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+    logits = actor(input_ids=ids, attention_mask=C.causal_mask(am)).logits.float() / temperature  # (B, T, V)
     lp = torch.log_softmax(logits[:, :-1], dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)  # (B, T-1)
     return F.pad(lp, (1, 0))
 
@@ -142,16 +146,6 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
 NOGRAD_ROWS = 8
 
 
-def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
-    """(the rows' sub-batch with the columns after their longest row cut, that length): every (B, T, ...) tensor of
-    batch. Padding is on the right, and a causal forward of a row never reads the columns after it, so a trimmed
-    forward gives the same values on the row's tokens; no rows, or cut False: the full width (Megatron ranks over a
-    group: every forward is a collective over the expert-parallel ranks, which needs the same shape on each)."""
-    am = batch["attention_mask"][rows]
-    n = int(am.sum(1).max()) if len(am) and cut else am.shape[1]
-    return {k: (v[rows][:, :n] if torch.is_tensor(v) and v.dim() >= 2 else v) for k, v in batch.items()}, n
-
-
 def by_length(fn, batch: dict, size: int | None = NOGRAD_ROWS) -> torch.Tensor:
     """fn(sub-batch) -> (b, n), run over the batch's rows longest first, `size` rows at a time, each chunk trimmed
     (trim) -> (B, T), zero after each row's tokens; size None: one call on the whole batch (Megatron over a group)."""
@@ -162,7 +156,7 @@ def by_length(fn, batch: dict, size: int | None = NOGRAD_ROWS) -> torch.Tensor:
     order = torch.argsort(lens, descending=True, stable=True).tolist()
     for i in range(0, len(order), size):
         rows = order[i:i + size]
-        sub, n = trim(batch, rows)
+        sub, n = C.trim(batch, rows)
         out[rows, :n] = fn(sub).float() * sub["attention_mask"]
     return out
 
@@ -186,16 +180,20 @@ def sft(actor, samples: list[dict], args, metrics, phase: str = "sft", epochs: i
     batch_size = args.sft_batch_size if batch_size is None else batch_size
     opt = torch.optim.AdamW(actor.parameters(), lr=lr, weight_decay=0.0)
     rng = random.Random(args.seed)
+    size = C.update_rows(actor)
     step = 0
     actor.train()
     for epoch in range(epochs):
         bar = tqdm(minibatches(len(samples), batch_size, rng), desc=f"{phase} epoch {epoch + 1}/{epochs}")
         for mb in bar:
             batch = pad_batch([samples[i] for i in mb], args.reward_scale)
-            lp = forward_logprobs(actor, batch, "off", 1.0, grad=True)
-            loss = -C.masked_mean(lp, batch["mask"])  # NLL of the reference actions
+            n = C.agg_count(batch["mask"])  # the minibatch's tokens: each piece's part of the mean
             opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss = torch.zeros(())
+            for p in C.pieces(batch, size):  # row by row: no compute on padding, the gradients summed
+                part = -C.masked_mean(forward_logprobs(actor, p, "off", 1.0, grad=True), p["mask"], n)  # NLL of the
+                part.backward()  # reference actions
+                loss = loss + part.detach()
             torch.nn.utils.clip_grad_norm_(actor.parameters(), args.max_grad_norm)
             opt.step()
             step += 1
@@ -228,8 +226,8 @@ def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:
         for mb in tqdm(minibatches(len(samples), args.minibatch_size, rng), desc="critic warm-up"):
             batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale, reward_mode=args.reward_mode),
                                group, even(args, group))  # the reward the RL phase trains on
-            old = (C.compute_values(critic, batch["input_ids"], batch["attention_mask"]) if len(batch["mask"])
-                   else torch.zeros_like(batch["mask"]))  # a rank with no row of this minibatch
+            old = by_length(lambda sub: C.compute_values(critic, sub["input_ids"], sub["attention_mask"]), batch,
+                            None if even(args, group) else NOGRAD_ROWS)  # zeros on a rank with no row of it
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
             batch.update(old_values=old, returns=returns)
             stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
@@ -295,7 +293,7 @@ def policy_forward(actor, batch: dict, temperature: float, rows, entropy: bool =
     seen = []
     hooks = [r.register_forward_hook(lambda mod, inp, out: seen.append((out[0], out[2]))) for r in r3.routers(actor)]
     try:
-        logits = actor(input_ids=ids, attention_mask=am).logits.float() / temperature  # (B, T, V)
+        logits = actor(input_ids=ids, attention_mask=C.causal_mask(am)).logits.float() / temperature  # (B, T, V)
     finally:
         for h in hooks:
             h.remove()
@@ -306,62 +304,82 @@ def policy_forward(actor, batch: dict, temperature: float, rows, entropy: bool =
     return lp, ent, lb
 
 
+def actor_piece(actor, p: dict, args, n, n_tok, aux_share=None) -> torch.Tensor:
+    """Forward + backward of one piece of a minibatch (critic.pieces: its rows, or all of them) under the piece's R3
+    replay; every term divided by the minibatch's count n (tokens or samples, critic.agg_count), so that the pieces'
+    gradients add up to the minibatch's. aux_share: the load-balancing loss's weight (the piece's share of the
+    minibatch's tokens over the ranks). -> the piece's (pg_loss, approx_kl, clipfrac, kl, entropy, aux), which add up
+    over the pieces (aux: one piece)."""
+    m, old, adv = p["mask"], p["old"], p["adv"]
+    with batch_routing(actor, p, args.r3_mode):  # ALGO LOGIC: the clipped surrogate, R3 replay
+        newlogprob, entropy, aux = policy_forward(actor, p, args.temperature, slice(None),
+                                                  args.entropy_coef > 0, args.aux_loss_coef > 0)
+        logratio = newlogprob - old
+        ratio = logratio.exp()
+        pg_loss = ppo_loss(newlogprob, old, adv, m, args.clip_eps, args.loss_agg, n)
+        loss, extra = pg_loss, torch.zeros(3)
+        if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
+            kl = C.aggregate(kl_k3(newlogprob, p["ref"]), m, args.loss_agg, n)
+            loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
+        if args.entropy_coef > 0:  # entropy bonus
+            ent = C.aggregate(entropy, m, args.loss_agg, n)
+            loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
+        if args.aux_loss_coef > 0:
+            aux = aux if aux_share is None else aux * aux_share
+            loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
+        loss.backward()  # inside the routing context: recompute replays the same experts
+    with torch.no_grad():
+        return torch.cat([torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n_tok),
+                                       C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]), extra])
+
+
 def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples: int, group=None,
-               ref_logprobs=None) -> dict:
+               ref_logprobs=None, padded: bool = False) -> dict:
     """PPO clipped surrogate on the m = 1 tokens (ppo_loss), with R3 replay in every forward (and its recompute),
     plus the optional terms, all off in the paper: kl_coef x k3 KL to the SFT reference (ref_logprobs),
     - entropy_coef x entropy, aux_loss_coef x the routers' load-balancing loss.
 
     batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
-    all n_samples with the same rng on every rank, each rank trains its share (dp.py: data parallel)."""
+    all n_samples with the same rng on every rank, each rank trains its share (dp.py: data parallel). Each
+    minibatch runs row by row (critic.pieces, UPDATE_ROWS: no compute on padding) with one optimizer step; in one
+    padded forward with padded, on a Megatron actor, or with the aux loss (a product of two means over the
+    minibatch's tokens: it does not split into rows)."""
     if args.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("--kl-coef > 0: ppo_update needs the SFT reference's logprobs (ref_logprobs)")
+    size = C.update_rows(actor, padded or args.aux_loss_coef > 0)
     actor.train()
     stats = {"pg_loss": [], "approx_kl": [], "clipfrac": [], "losses/kl": [], "losses/entropy": [], "losses/aux": []}
     for _ in range(args.ppo_epochs):
         for mb in tqdm(minibatches(n_samples, args.minibatch_size, rng), desc="ppo update", leave=False):
             mb = share(mb, group, even(args, group))
-            sub, _ = trim({**batch, "old": old_logprobs, "adv": advantages, "ref": ref_logprobs}, mb,
-                          cut=not even(args, group))  # this rank's rows, cut after the longest
+            sub, _ = C.trim({**batch, "old": old_logprobs, "adv": advantages, "ref": ref_logprobs}, mb,
+                            cut=not even(args, group))  # this rank's rows, cut after the longest
             m = sub["mask"]
-            n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch (None: one rank)
+            n_tok = C.agg_count(m, "token", group)  # tokens of the whole minibatch
             n = n_tok if args.loss_agg == "token" else C.agg_count(m, args.loss_agg, group)
             opt.zero_grad()
             st = torch.zeros(6)  # pg_loss, approx_kl, clipfrac, kl, entropy, aux (this rank's part)
-            if mb:  # a rank without rows still joins the gradient sum (plumbing: ranks, statistics)
-                old, adv = sub["old"], sub["adv"]
-                with batch_routing(actor, sub, args.r3_mode):  # ALGO LOGIC: the clipped surrogate, R3 replay
-                    newlogprob, entropy, aux = policy_forward(actor, sub, args.temperature, slice(None),
-                                                              args.entropy_coef > 0, args.aux_loss_coef > 0)
-                    logratio = newlogprob - old
-                    ratio = logratio.exp()
-                    pg_loss = ppo_loss(newlogprob, old, adv, m, args.clip_eps, args.loss_agg, n)
-                    loss, extra = pg_loss, torch.zeros(3)
-                    if args.kl_coef > 0:  # KL(pi_theta || pi_SFT), k3 on the sampled tokens
-                        kl = C.aggregate(kl_k3(newlogprob, sub["ref"]), m, args.loss_agg, n)
-                        loss, extra[0] = loss + args.kl_coef * kl, kl.detach()
-                    if args.entropy_coef > 0:  # entropy bonus
-                        ent = C.aggregate(entropy, m, args.loss_agg, n)
-                        loss, extra[1] = loss - args.entropy_coef * ent, ent.detach()
-                    if args.aux_loss_coef > 0:  # this rank's rows, weighted by their share of the minibatch's tokens
-                        am = sub["attention_mask"].sum().float()
-                        aux = aux if group is None else aux * am / dp_sum(am, group)
-                        loss, extra[2] = loss + args.aux_loss_coef * aux, aux.detach()
-                    loss.backward()  # inside the routing context: recompute replays the same experts
-                with torch.no_grad():
-                    st = torch.cat([torch.stack([pg_loss, C.masked_mean((ratio - 1) - logratio, m, n_tok),
-                                                 C.masked_mean(((ratio - 1).abs() > args.clip_eps).float(), m, n_tok)]),
-                                    extra])
-            elif args.aux_loss_coef > 0 and group is not None:  # the same collectives as the ranks with rows
-                dp_sum(torch.zeros(()), group)
+            share_aux = None
+            if args.aux_loss_coef > 0 and group is not None:  # this rank's rows, weighted by their share of the
+                am = sub["attention_mask"].sum().float()  # minibatch's tokens (a rank without rows joins the sum)
+                share_aux = am / dp_sum(am, group)
+            for p in C.pieces(sub, size):  # none on a rank without rows: it still joins the gradient sum
+                st = st + actor_piece(actor, p, args, n, n_tok, share_aux)
             optimizer_step(actor, opt, args.max_grad_norm, group)  # sum over ranks, clip: the one-rank step
             for k, v in zip(stats, dp_sum(st.detach(), group).tolist()):
                 stats[k].append(v)
     return {k: float(np.mean(v)) for k, v in stats.items()}
 
 
+def r3_off_step(args, step: int) -> bool:
+    """Whether RL step `step` (from 1) runs the R3-off diagnostic forward (dlogp_r3_off, expert_set_mismatch):
+    every --r3-off-every K steps from the first (steps 1, 1 + K, ...); K = 0 never."""
+    k = args.r3_off_every
+    return k > 0 and (step - 1) % k == 0
+
+
 def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, rng, run_dir: Path,
-               step: int, group=None, ref=None) -> dict:
+               step: int, group=None, ref=None, padded: bool = False) -> dict:
     """Steps 5-6 of the paper's step: V_old -> GAE -> critic update (first) -> old logprobs -> PPO (R3 replay).
 
     `behaviour` holds the weights the engine served when it sampled these trajectories (version t-1 under
@@ -369,7 +387,9 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     versions of the same policy and |dlogp| measures only the train-inference mismatch (paper, R3/TITO).
     With a group of N ranks this rank computes V_old, GAE and old logprobs of its samples (i = rank mod N)
     only, and trains its share of every minibatch. ref: the frozen SFT actor (kl_coef > 0 only).
-    Returns the update's statistics and reward_mean, the mean reward of the batch it trained on.
+    Returns the update's statistics and reward_mean, the mean reward of the batch it trained on; dlogp_r3_off and
+    expert_set_mismatch are NaN on a step without the R3-off diagnostic forward (r3_off_step).
+    padded: every minibatch in one padded forward (the update before pieces; the reference of the tests).
     """
     full = pad_batch(samples, args.reward_scale, args.r3_mode == "replay", args.reward_mode)  # every rank: (B, T)
     groups = task_groups(samples, required=args.advantage == "grpo")
@@ -378,9 +398,9 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
     chunk = None if even(args, group) else NOGRAD_ROWS  # no-grad forwards by length (by_length), unless Megatron ranks
+    nan = float("nan")
     if args.advantage == "grpo":  # the GRPO arm: no critic, no V_old, no critic update
         advantages = batch["grpo_adv"] * batch["mask"]
-        nan = float("nan")
         cstats = {"charts/explained_variance": nan, "charts/explained_variance_traj": nan, "losses/value_loss": nan,
                   "losses/value_clipfrac": nan}
     else:
@@ -389,12 +409,12 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
                       else by_length(lambda sub: C.compute_values(critic, sub["input_ids"], sub["attention_mask"]),
                                      batch, chunk))
         advantages, returns = C.gae(batch["rewards"], old_values, batch["mask"], args.gamma, args.lam)
-        mbs = [trim({**batch, "old_values": old_values, "returns": returns}, mb, cut=chunk is not None)[0]
+        mbs = [C.trim({**batch, "old_values": old_values, "returns": returns}, mb, cut=chunk is not None)[0]
                for mb in (share(mb, group, even(args, group))
                           for mb in minibatches(len(samples), args.minibatch_size, rng))]
         log(run_dir, f"step {step}: critic update")
         cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group,
-                                 args.loss_agg)
+                                 args.loss_agg, padded)
     # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     if args.kl_coef > 0 and ref is None:
@@ -408,17 +428,20 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
                 sets[:] = np.add(sets, r3.mismatch_counts(rec.experts, sub["experts"], sub["attention_mask"],
                                                           sub["mask"])).tolist()
         return lp
-    old_logprobs, lp_off = (no_rows, no_rows) if no_rows is not None else (
-        by_length(lambda sub: forward_logprobs(behaviour, sub, args.r3_mode, args.temperature), batch, chunk),
-        by_length(live, batch, chunk))  # pi^t_{t-1} with R3 replay; then R3 off
+    old_logprobs = no_rows if no_rows is not None else by_length(  # pi^t_{t-1} with R3 replay
+        lambda sub: forward_logprobs(behaviour, sub, args.r3_mode, args.temperature), batch, chunk)
+    diagnose = r3_off_step(args, step)  # R3 off: every --r3-off-every steps
+    if diagnose:
+        log(run_dir, f"step {step}: R3-off diagnostic")
+    lp_off = (no_rows if no_rows is not None else by_length(live, batch, chunk)) if diagnose else None
     ref_logprobs = (None if args.kl_coef == 0 else no_rows if no_rows is not None else by_length(  # pi_SFT, under
         lambda sub: forward_logprobs(ref, sub, args.r3_mode, args.temperature), batch, chunk))  # the same R3 replay
     mismatch = (sets[0] / sets[1] if sets[1] else 0.0) if batch["experts"] is not None and no_rows is None \
-        else float("nan")  # the share of expert sets live routing would change
+        and diagnose else nan  # the share of expert sets live routing would change
     log(run_dir, f"step {step}: actor update")
     t0 = time.time()
     astats = ppo_update(actor, actor_opt, batch, advantages, old_logprobs, args, rng, len(samples), group,
-                        ref_logprobs)
+                        ref_logprobs, padded)
     r = full["rewards"].sum(1)
     return {"reward_mean": float(r.mean()),  # the rewards trained on: one per sample
             # groups (tasks) in which every sample failed (reward 0): no GRPO signal there
@@ -428,6 +451,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
             "value_loss": cstats["losses/value_loss"],
             "value_clipfrac": cstats["losses/value_clipfrac"],
             "dlogp": C.dp_masked_mean((old_logprobs - batch["rollout_logprobs"]).abs(), m, group).item(),  # |dlogp|
-            "dlogp_r3_off": C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item(),
+            "dlogp_r3_off": (C.dp_masked_mean((lp_off - batch["rollout_logprobs"]).abs(), m, group).item()
+                             if diagnose else nan),
             "expert_set_mismatch": mismatch, **astats,  # mismatch: over rank 0's samples only
             "train_tokens_per_s": float(full["attention_mask"].sum()) * args.ppo_epochs / max(time.time() - t0, 1e-9)}

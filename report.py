@@ -184,8 +184,10 @@ def plot(run_dir, out=None) -> Path:
             if val:
                 ax.plot([r["step"] for r in val], [r[f"val_{k}"] for r in val], marker="^", label="validation")
             ax.legend()
-        if k == "dlogp":
-            ax.plot([r["step"] for r in rl], [r.get("dlogp_r3_off") for r in rl], marker="x", label="R3 off")
+        if k == "dlogp":  # the R3-off diagnostic runs every --r3-off-every steps: NaN (or absent) on the others
+            off = [r for r in rl if isinstance(r.get("dlogp_r3_off"), (int, float))
+                   and math.isfinite(r["dlogp_r3_off"])]
+            ax.plot([r["step"] for r in off], [r["dlogp_r3_off"] for r in off], marker="x", label="R3 off")
             ax.legend()
         ax.set_title(title)
         ax.set_xlabel("RL step")

@@ -16,16 +16,20 @@
     python -m experiments.bench trainer [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # the trainer's Megatron
                                                             # path on this node: step time, dlogp, peak memory vs
                                                             # the memory model
+    python -m experiments.bench update [--quick] [--repeats 3] [--threads 1]  # ppo.train_step vs the same
+                                                            # passes on unpadded rows (--full's update; ratio)
     python -m experiments.bench plot runs/x [--out PNG]     # a run's curves (runs/x/curves.png)
     python -m experiments.bench compare A B                 # two evaluations paired; exit 1 naming the file that
                                                             # evaluated nothing
 
 The code of each lives by what it measures: experiments/engine_speed.py (engine, sampling), experiments/mechanisms.py
-(r3, tito, cp), experiments/training.py (trainer, copy, pg-snr), report.py (plot and the paired tests of compare).
+(r3, tito, cp), experiments/training.py (trainer, update, copy, pg-snr), report.py (plot and the paired tests of
+compare).
 Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests; the figures
 measured so far are in RESULTS.md (the headline tables) and results/LOG.md (the dated log).
 """
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -90,6 +94,15 @@ def build_parser() -> argparse.ArgumentParser:
     tb.add_argument("--tokens", type=int, default=256, help="tokens per trajectory")
     tb.add_argument("--samples", type=int, default=4, help="trajectories per step")
     tb.add_argument("--steps", type=int, default=2, help="train steps timed")
+    up = sub.add_parser("update", help="ppo.train_step (and the padded update before it) vs the same passes on "
+                        "unpadded rows, the --full preset's sizes (one JSON line)", formatter_class=fmt)
+    up.add_argument("--quick", action="store_true", help="4 trajectories of ~60 tokens (the test's form; figures not "
+                    "meaningful)")
+    up.add_argument("--repeats", type=int, default=3, help="repeats of each of the three, interleaved")
+    up.add_argument("--samples", type=int, default=32, help="trajectories per step (--full: 32 kept)")
+    up.add_argument("--mean-len", type=int, default=776, help="mean tokens per trajectory (--full's RL steps)")
+    up.add_argument("--threads", type=int, default=1, help="torch threads (the trainer's beside the rollout on 2 "
+                    "cores: 1)")
     pl = sub.add_parser("plot", help="PNG curves of a run directory (reward, solve rate, EV, |dlogp|, ...)",
                         formatter_class=fmt)
     pl.add_argument("run_dir", help="a train_t1.py run directory (its metrics.jsonl)")
@@ -190,6 +203,13 @@ def main(argv=None) -> None:
     elif args.cmd == "trainer":
         print(json.dumps(training.trainer_bench(train_t1.parse_args(rest), args.shape, args.tokens, args.samples,
                                                 args.steps)))
+    elif args.cmd == "update":
+        torch.set_num_threads(args.threads)
+        kw = dict(n=4, mean_len=60, sd_len=15, repeats=1) if args.quick else dict(n=args.samples,
+                                                                                  mean_len=args.mean_len,
+                                                                                  repeats=args.repeats)
+        a = train_t1.FULL if not args.quick else dataclasses.replace(train_t1.FULL, minibatch_size=2)
+        print(json.dumps(training.update_bench(a, **kw)))
     elif args.cmd == "plot":
         print(report.plot(args.run_dir, args.out))
     else:

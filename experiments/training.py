@@ -9,11 +9,13 @@ trainer_bench takes train_t1's Args (its preset's learning rates, clips, --param
 parses them with train_t1's own parser, so this module does not import the entry point.
 """
 import argparse
+import copy
 import dataclasses
 import importlib.util
 import json
 import math
 import os
+import random
 import sys
 import tempfile
 import time
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
+import critic as C
 import data
 import infra
 import model
@@ -189,3 +192,103 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     tr.close()
     return out
 
+
+
+# --- the PPO update against the model's own speed on the same rows without padding ------------------------------
+def update_samples(n: int, mean_len: int, sd_len: int, arch: str, seed: int = 0):
+    """(an HF actor of the embedded size, n recorded trajectories): lengths drawn from N(mean_len, sd_len) (the --full
+    preset's RL steps: 32 kept trajectories of ~730-780 tokens, 20-23% of a minibatch of 8 padding), a prompt of a
+    quarter of the tokens, then replies (m = 1) and tool outputs (m = 0) in turns; tokens random, their routing and
+    logprobs recorded by the actor itself (R3 replay has something to replay)."""
+    actor = model.build_actor(model.tiny_config(2048, arch), seed=seed)
+    g, rs = torch.Generator().manual_seed(seed), np.random.default_rng(seed)
+    out = []
+    for i, T in enumerate(np.clip(rs.normal(mean_len, sd_len, n).round().astype(int), 16, 3072)):
+        ids = torch.randint(3, 2048, (int(T),), generator=g)
+        mask = np.zeros(T, dtype=np.int8)
+        for j in range(T // 4, T, 100):  # turns: 40 tokens of reply, 60 of tool output; the last token a reply's
+            mask[j:j + 40] = 1
+        mask[-1] = 1
+        with torch.no_grad(), r3.routing(actor, "record") as rec:
+            logits = actor(input_ids=ids[None]).logits.float()
+        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]
+        out.append({"tokens": ids.numpy(), "loss_mask": mask, "routed_experts": rec.experts[0, :T - 1].numpy(),
+                    "rollout_logprobs": np.concatenate([[0.0], lp.double().numpy()]) * mask, "task": f"t{i}",
+                    "reward": (i % 7) / 6, "passed": i % 7, "total": 6, "weight_version": 0})
+    return actor, out
+
+
+def unpadded_passes(actor, behaviour, critic, ref, samples, args, diagnose: bool = True) -> None:
+    """The passes of ppo.train_step, each row alone (B = 1, no padding, no attention mask): V_old, old logprobs
+    (R3 replay), the R3-off logprobs (diagnose), the KL reference's (kl_coef > 0), the critic's fwd + bwd, ppo_epochs
+    of the actor's fwd + bwd; no loss beyond a sum, no optimizer step (gradients dropped): the model's own speed."""
+    rows = [ppo.pad_batch([s], args.reward_scale, True) for s in samples]
+    for b in rows:
+        with torch.no_grad():
+            C.compute_values(critic, b["input_ids"], b["attention_mask"])
+            ppo.forward_logprobs(behaviour, b, "replay", args.temperature)
+            if diagnose:
+                with r3.routing(behaviour, "record"):
+                    ppo.token_logprobs(behaviour, b, args.temperature)
+            if args.kl_coef > 0:
+                ppo.forward_logprobs(ref, b, "replay", args.temperature)
+    critic.train()
+    for b in rows:
+        critic(b["input_ids"], b["attention_mask"]).sum().backward()
+    actor.train()
+    for _ in range(args.ppo_epochs):
+        for b in rows:
+            with ppo.batch_routing(actor, b, "replay"):
+                ppo.token_logprobs(actor, b, args.temperature).sum().backward()
+    actor.zero_grad(set_to_none=True)
+    critic.zero_grad(set_to_none=True)
+
+
+def update_bench(args, n: int = 32, mean_len: int = 776, sd_len: int = 150, repeats: int = 3, seed: int = 0) -> dict:
+    """ppo.train_step (row by row: critic.pieces) and the padded update before it (padded=True) against the same
+    passes on unpadded rows (unpadded_passes), interleaved in this process, on n trajectories of update_samples.
+    `args`: train_t1's Args (the --full preset: minibatches of 8, 2 PPO epochs, KL to SFT, R3 replay).
+    -> wall and CPU seconds (this process's, time.process_time: on a shared machine with one torch thread the work
+    done, not the waiting) of each per repeat, trajectory tokens per CPU second (median), ratio = unpadded /
+    train_step CPU time (1: the update at the model's own speed; ratio_wall the same on wall time), the padded
+    update's, and the minibatches' padding fraction."""
+    args = dataclasses.replace(args, r3_mode="replay", advantage="gae", backend="hf")
+    actor, samples = update_samples(n, mean_len, sd_len, args.arch, seed)
+    critic = C.Critic.from_actor(actor)
+    behaviour, ref = copy.deepcopy(actor), copy.deepcopy(actor).eval().requires_grad_(False)
+    a0, c0 = copy.deepcopy(actor.state_dict()), copy.deepcopy(critic.state_dict())
+    tokens = sum(len(s["tokens"]) for s in samples)
+    work = Path(tempfile.mkdtemp(prefix="t1-update-bench-"))
+
+    def step(padded):
+        actor.load_state_dict(a0)
+        critic.load_state_dict(c0)
+        aopt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
+        copt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
+        ppo.train_step(actor, behaviour, critic, aopt, copt, samples, args, random.Random(seed), work, 1, None,
+                       ref if args.kl_coef > 0 else None, padded=padded)
+    runs = {"train_step": lambda: step(False), "padded": lambda: step(True),
+            "unpadded": lambda: unpadded_passes(actor, behaviour, critic, ref, samples, args,
+                                                ppo.r3_off_step(args, 1))}
+    secs, cpu = {k: [] for k in runs}, {k: [] for k in runs}
+    for r in range(repeats):
+        for k in list(runs)[r % 3:] + list(runs)[:r % 3]:  # the order rotated: a drifting machine biases none
+            t0, p0 = time.perf_counter(), time.process_time()
+            runs[k]()
+            secs[k].append(round(time.perf_counter() - t0, 2))
+            cpu[k].append(round(time.process_time() - p0, 2))
+    med = {k: float(np.median(v)) for k, v in cpu.items()}
+    wall = {k: float(np.median(v)) for k, v in secs.items()}
+    lens = [len(s["tokens"]) for s in samples]
+    mbs = ppo.minibatches(n, args.minibatch_size, random.Random(seed))
+    pad = 1 - sum(lens) / sum(len(mb) * max(lens[i] for i in mb) for mb in mbs)
+    return {"samples": n, "tokens": tokens, "mean_len": round(float(np.mean(lens)), 1),
+            "minibatch_padding": round(pad, 3),
+            "threads": torch.get_num_threads(), "seconds": secs, "cpu_seconds": cpu,
+            "train_step_tokens_per_s": round(tokens / med["train_step"], 1),
+            "unpadded_tokens_per_s": round(tokens / med["unpadded"], 1),
+            "padded_tokens_per_s": round(tokens / med["padded"], 1),
+            "ratio": round(med["unpadded"] / med["train_step"], 3),
+            "ratio_wall": round(wall["unpadded"] / wall["train_step"], 3),
+            "padded_ratio": round(med["unpadded"] / med["padded"], 3),
+            "speedup_vs_padded": round(med["padded"] / med["train_step"], 3)}

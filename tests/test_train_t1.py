@@ -155,13 +155,13 @@ def tiny():
     return actor, batch, old, ref, adv
 
 
-def _update(tiny, **over):
+def _update(tiny, padded=False, **over):
     actor0, batch, old, ref, adv = tiny
     actor = M.build_actor(actor0.config, seed=0)
     actor.load_state_dict(actor0.state_dict())
     args = dataclasses.replace(T.Args(), minibatch_size=2, ppo_epochs=1, r3_mode="off", actor_lr=1e-3, **over)
     opt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
-    stats = ppo.ppo_update(actor, opt, batch, adv, old, args, random.Random(0), 4, None, ref)
+    stats = ppo.ppo_update(actor, opt, batch, adv, old, args, random.Random(0), 4, None, ref, padded)
     return actor.state_dict(), stats
 
 
@@ -185,7 +185,8 @@ def _reference_update(tiny):
 
 
 def test_zero_coefficients_leave_the_update_bit_identical(tiny):
-    got, stats = _update(tiny)
+    """The padded update (one forward per minibatch; the row-by-row default against it: tests/test_update.py)."""
+    got, stats = _update(tiny, padded=True)
     want = _reference_update(tiny)
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert stats["losses/kl"] == stats["losses/entropy"] == stats["losses/aux"] == 0.0
@@ -219,9 +220,9 @@ def test_step_forwards_by_length_match_the_padded_batch(tiny_sft):
     samples = tiny_sft.samples[::-1]  # the longest first: the chunks reorder the rows
     batch = ppo.pad_batch(samples, 20.0, replay=True)
     am = batch["attention_mask"].bool()
-    sub, n = ppo.trim(batch, [5, 6])  # rows of 23 and 20 tokens in a batch 38 wide
+    sub, n = C.trim(batch, [5, 6])  # rows of 23 and 20 tokens in a batch 38 wide
     assert n == 23 and sub["input_ids"].shape == (2, 23) and sub["experts"].shape[:2] == (2, 23)
-    assert ppo.trim(batch, [])[1] == batch["input_ids"].shape[1]  # a rank with no rows keeps the full width
+    assert C.trim(batch, [])[1] == batch["input_ids"].shape[1]  # a rank with no rows keeps the full width
     with torch.no_grad():
         pairs = [(ppo.forward_logprobs(actor, batch, mode, 1.0),
                   ppo.by_length(lambda b: ppo.forward_logprobs(actor, b, mode, 1.0), batch, size=3))
@@ -236,7 +237,7 @@ def test_step_forwards_by_length_match_the_padded_batch(tiny_sft):
     for experts in (batch["experts"], flipped):
         counts = [0, 0]
         for rows in ([0, 1, 2], [3, 4, 5, 6]):
-            s, _ = ppo.trim({**batch, "experts": experts}, rows)
+            s, _ = C.trim({**batch, "experts": experts}, rows)
             with r3.routing(actor, "record") as rec, torch.no_grad():
                 actor(input_ids=s["input_ids"], attention_mask=s["attention_mask"])
                 counts = np.add(counts, r3.mismatch_counts(rec.experts, s["experts"], s["attention_mask"], s["mask"]))
