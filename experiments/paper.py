@@ -206,26 +206,31 @@ def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, p
 
 def tito_step(out: Path, quick: bool) -> int:
     """TITO vs naive re-tokenisation (experiments/mechanisms.py tito_measure): the same tasks through the token
-    gateway in naive and TITO mode, the loss-region drift of what each would train on, twice: the shared SFT model
-    sampling (what the arms train) and a random-init tiny model (non-canonical token sequences, where naive mode
-    drifts) -> OUT/tito.json (kept: a finished measurement is not redone). A failure is reported; the table says
-    "not run"."""
+    gateway in naive and TITO mode, the loss-region drift of what each would train on, twice, at once (each its own
+    process and engine; their output in OUT/tito-work/<name>.stdout.log, .stderr.log): the shared SFT model sampling
+    (what the arms train) and a random-init tiny model (non-canonical token sequences, where naive mode drifts) ->
+    OUT/tito.json (kept: a finished measurement is not redone). A failure is reported; the table says "not run"."""
     if (out / "tito.json").exists():
         return 0
-    res, t0 = {}, time.time()
+    t0, work, procs = time.time(), out / "tito-work", {}
+    work.mkdir(parents=True, exist_ok=True)
     for name, ckpt in (("sft", ["--ckpt", str(out / "shared" / "ckpt" / "sft")]), ("random", [])):
         cmd = [sys.executable, "-m", "experiments.bench", "tito", *(["--quick"] if quick else []),
-               *ckpt, "--work-dir", str(out / "tito-work" / name)]
+               *ckpt, "--work-dir", str(work / name)]
         print(f"[paper] TITO vs naive re-tokenisation through the gateway (bench tito, {name} model)", flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        if proc.returncode or not lines:
-            (out / "tito-work").mkdir(parents=True, exist_ok=True)
-            (out / "tito-work" / f"{name}.stderr.log").write_text(proc.stderr)
-            print(f"[paper] bench tito failed (exit {proc.returncode}): {out / 'tito-work' / name}.stderr.log",
-                  flush=True)
-            return proc.returncode or 1
-        res[name] = json.loads(lines[-1])
+        with open(work / f"{name}.stdout.log", "w") as so, open(work / f"{name}.stderr.log", "w") as se:
+            procs[name] = subprocess.Popen(cmd, stdout=so, stderr=se, text=True, cwd=ROOT)
+    res, code = {}, 0
+    for name, proc in procs.items():
+        rc = proc.wait()
+        lines = [ln for ln in (work / f"{name}.stdout.log").read_text().splitlines() if ln.startswith("{")]
+        if rc or not lines:
+            print(f"[paper] bench tito failed (exit {rc}): {work / name}.stderr.log", flush=True)
+            code = code or rc or 1
+        else:
+            res[name] = json.loads(lines[-1])
+    if code:
+        return code
     write_atomic(out / "tito.json", json.dumps(dict(res, wall_s=time.time() - t0), indent=1))
     return 0
 

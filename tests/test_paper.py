@@ -118,23 +118,38 @@ def test_report_from_run_directories(tmp_path):
     assert "none of the 40 held-out tasks has >= 8 assertions (most: 7)" in paper.report(tmp_path)
 
 
+# every run of the quick form at the smallest settings that still exercise it (tests/test_e2e.py's TINY): 8 + 3
+# tasks (their pools and the SFT pool are TINY's, so the suite's task cache serves them), no base phase (the e2e
+# runs test it; a shared run without one has no BASE row), a one-task grpo group of 4 (--n-launch 4:
+# experiments/paper.py makes G 4), short trials, no evaluation on training tasks
+SMALL = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-sft-tasks", "6", "--n-launch", "4", "--n-keep", "4",
+         "--critic-warmup-trials", "4", "--base-steps", "0", "--sft-epochs", "1", "--max-turns", "3",
+         "--eval-max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "4", "--minibatch-size", "2",
+         "--eval-train-tasks", "0"]
+
+
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
-def test_quick_form_end_to_end(tmp_path):
+def test_quick_form_end_to_end(tmp_path, capsys):
     """`python -m experiments.paper run --quick` with two arms (grpo: G samples per task, the shared warmed critic;
-    binary: its own critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py): the
-    shared SFT run, each arm's RL from a copy of it (same tasks and SFT evaluation), the report; run again, the
-    finished arms are kept (nothing re-run) and the report rewritten."""
+    binary: its own critic warm-up on its own reward; the ppo arm is the plain pipeline of tests/test_e2e.py) and
+    train_t1 flags after -- (SMALL, which every run gets): the shared SFT run, each arm's RL from a copy of it (same
+    tasks and SFT evaluation), the report; run again (in this process), the finished arms are kept (nothing re-run)
+    and the report rewritten."""
     out = tmp_path / "paper"
-    cmd = [sys.executable, "-m", "experiments.paper", "run", "--quick", "--arms", "grpo", "binary", "--out",
-           str(out), "--rl-steps", "1"]
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1500)
+    argv = ["run", "--quick", "--arms", "grpo", "binary", "--out", str(out), "--rl-steps", "1", "--", *SMALL]
+    res = subprocess.run([sys.executable, "-m", "experiments.paper", *argv], cwd=ROOT, capture_output=True, text=True,
+                         timeout=1500)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     shared = json.loads((out / "shared" / "state.json").read_text())
+    assert len(shared["tasks"]["train"]) == 8 and len(shared["tasks"]["heldout"]) == 3  # the flags reached it
     for arm in ("grpo-s0", "binary-s0"):
         st = json.loads((out / arm / "state.json").read_text())
         assert st["step"] == 1 and st["tasks"] == shared["tasks"] and st["eval_sft"] == shared["eval_sft"]
+        args = json.loads((out / arm / "args.json").read_text())
+        assert (args["n_launch"], args["critic_warmup_trials"], args["max_turns"]) == (4, 4, 3)  # ... and each arm
     grpo = [json.loads(ln) for ln in open(out / "grpo-s0" / "metrics.jsonl") if '"phase": "rl"' in ln]
     assert grpo and "all_fail_group_frac" in grpo[0]
+    assert json.loads((out / "grpo-s0" / "args.json").read_text())["samples_per_task"] == 4
     assert "critic_warmup" in json.loads((out / "binary-s0" / "state.json").read_text())  # warmed in the arm
     assert (out / "binary-s0" / "ckpt" / "critic_warm.pt").exists()
     report = (out / "report.md").read_text()
@@ -144,9 +159,11 @@ def test_quick_form_end_to_end(tmp_path):
     assert tito["sft"]["tito"]["loss_region_drift_pct"] == tito["random"]["tito"]["loss_region_drift_pct"] == 0.0
     assert tito["random"]["naive"]["loss_region_drift_pct"] > 0  # a random model's tokens are not canonical
     assert "| TITO vs naive" in report and "random-init model: naive" in report
-    mtime = (out / "grpo-s0" / "summary.json").stat().st_mtime
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0 and (out / "grpo-s0" / "summary.json").stat().st_mtime == mtime
+    mtime = {arm: (out / arm / "summary.json").stat().st_mtime for arm in ("grpo-s0", "binary-s0", "shared")}
+    (out / "report.md").unlink()
+    paper.main(argv)
+    assert {arm: (out / arm / "summary.json").stat().st_mtime for arm in mtime} == mtime
+    assert "| binary | 1 |" in (out / "report.md").read_text() and "| grpo | 1 |" in capsys.readouterr().out
 
 
 def test_seed_arm_after_a_kill_mid_copy_and_torn_files(tmp_path):
