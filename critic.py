@@ -67,12 +67,15 @@ def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tenso
 
 # --- pieces of a minibatch: no compute on padding -------------------------------------------------------------------
 
-# rows per forward + backward of an update (critic and actor minibatches, SFT; this project's choice): each row alone,
-# cut after its last token, so no position of padding is computed and, with no padding left, the attention mask is
-# dropped and attention runs causal only (SDPA skips the upper triangle). Each row's loss divides by the minibatch's
-# count (agg_count) and the gradients add up before the one optimizer step: the same step as one padded forward of
-# the minibatch, to float rounding. None: the minibatch's rows in one padded forward (Megatron, the aux loss, tests).
-UPDATE_ROWS = 1
+# tokens per forward + backward of an update (critic and actor minibatches, SFT; this project's choice): the rows go
+# longest first, a piece takes rows while (its rows) x (its longest row) <= UPDATE_TOKENS, each piece cut after its
+# longest row. A row longer than the budget runs alone with no padding left, so its attention mask is dropped and
+# attention runs causal only (SDPA skips the upper triangle); short rows share a piece (one call instead of many:
+# row by row, 16 copy rows of 20-60 tokens took 3x the padded forward, rows of 300-1,200 tokens half; 2026-12-06).
+# Each piece's loss divides by the minibatch's count (agg_count) and the gradients add up before the one optimizer
+# step: the same step as one padded forward of the minibatch, to float rounding. 1: every row alone. None: the
+# minibatch's rows in one padded forward (Megatron, the aux loss, tests).
+UPDATE_TOKENS = 1024
 
 
 def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
@@ -85,20 +88,27 @@ def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
     return {k: (v[rows][:, :n] if torch.is_tensor(v) and v.dim() >= 2 else v) for k, v in batch.items()}, n
 
 
-def pieces(batch: dict, size: int | None = UPDATE_ROWS):
-    """The sub-batches one forward + backward each of a minibatch's rows: `size` rows at a time, longest first, each
-    cut after its longest row (trim); size None: the batch itself, one piece (none when it has no rows)."""
+def pieces(batch: dict, budget: int | None = UPDATE_TOKENS):
+    """The sub-batches of a minibatch's rows, one forward + backward each: longest first, a piece adding rows while
+    (rows) x (its longest row) <= budget (a row over it alone; budget 1: every row alone), each piece cut after its
+    longest row (trim); budget None: the batch itself, one piece (none when it has no rows)."""
     B = batch["attention_mask"].shape[0]
-    if size is None:
+    if budget is None:
         return [batch] if B else []
-    order = torch.argsort(batch["attention_mask"].sum(1), descending=True, stable=True).tolist()
-    return [trim(batch, order[i:i + size])[0] for i in range(0, B, size)]
+    lens = batch["attention_mask"].sum(1)
+    out, cur = [], []
+    for i in torch.argsort(lens, descending=True, stable=True).tolist():
+        if cur and (len(cur) + 1) * int(lens[cur[0]]) > budget:
+            out.append(trim(batch, cur)[0])
+            cur = []
+        cur.append(i)
+    return out + ([trim(batch, cur)[0]] if cur else [])
 
 
 def update_rows(model, padded: bool = False) -> int | None:
-    """UPDATE_ROWS for an HF model; None (one padded forward per minibatch) for a Megatron one (cluster/mcore*.py keep
+    """UPDATE_TOKENS (the pieces' budget) for an HF model; None (one padded forward per minibatch) for a Megatron one (cluster/mcore*.py keep
     their full-width forwards: over a group every forward is a collective that needs equal shapes) or padded."""
-    return None if padded or getattr(model, "backend", "hf") != "hf" else UPDATE_ROWS
+    return None if padded or getattr(model, "backend", "hf") != "hf" else UPDATE_TOKENS
 
 
 def causal_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -231,8 +241,8 @@ def critic_update(critic: Critic, optimizer: torch.optim.Optimizer, batches, cli
 
     With a group, each dict holds this rank's rows of the minibatch (possibly none) and every rank passes
     as many. Returns mean value loss, clip fraction and the explained variance of the *pre-update* values.
-    agg: the value loss's reduction over tokens ("token" | "sample", `aggregate`). Each minibatch runs row by row
-    (`pieces`, UPDATE_ROWS) with one optimizer step; padded: in one padded forward (the reference of the tests).
+    agg: the value loss's reduction over tokens ("token" | "sample", `aggregate`). Each minibatch runs in pieces
+    (`pieces`, UPDATE_TOKENS) with one optimizer step; padded: in one padded forward (the reference of the tests).
     """
     size = update_rows(critic, padded)
     critic.train()

@@ -6,9 +6,9 @@ eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm
 (critic_warmup). The loop that drives them is train_t1.py; the critic's math is critic.py, the sums over the
 trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each
 chunk cut after its longest row (by_length, critic.trim: the same values on every token); the critic's and the
-actor's minibatches (and SFT's) run forward + backward row by row, each row cut after its last token, with one
-optimizer step per minibatch (critic.pieces: no compute on padding; the same minibatches and steps to float
-rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward per chunk and minibatch (over a group
+actor's minibatches (and SFT's) run forward + backward in pieces of rows of similar length (a long row alone),
+each cut after its longest row, with one optimizer step per minibatch (critic.pieces: no compute on padding; the
+same minibatches and steps to float rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward per chunk and minibatch (over a group
 full width: a collective needs equal shapes), as does the aux loss (a product of two means over the minibatch).
 The R3-off diagnostic forward runs every --r3-off-every steps (r3_off_step).
 
@@ -190,7 +190,7 @@ def sft(actor, samples: list[dict], args, metrics, phase: str = "sft", epochs: i
             n = C.agg_count(batch["mask"])  # the minibatch's tokens: each piece's part of the mean
             opt.zero_grad(set_to_none=True)
             loss = torch.zeros(())
-            for p in C.pieces(batch, size):  # row by row: no compute on padding, the gradients summed
+            for p in C.pieces(batch, size):  # by length: no compute on padding, the gradients summed
                 part = -C.masked_mean(forward_logprobs(actor, p, "off", 1.0, grad=True), p["mask"], n)  # NLL of the
                 part.backward()  # reference actions
                 loss = loss + part.detach()
@@ -341,7 +341,7 @@ def ppo_update(actor, opt, batch, advantages, old_logprobs, args, rng, n_samples
 
     batch, advantages, old_logprobs: this rank's rows (all n_samples on one rank); minibatches are drawn over
     all n_samples with the same rng on every rank, each rank trains its share (dp.py: data parallel). Each
-    minibatch runs row by row (critic.pieces, UPDATE_ROWS: no compute on padding) with one optimizer step; in one
+    minibatch runs by length (critic.pieces, UPDATE_TOKENS: no compute on padding) with one optimizer step; in one
     padded forward with padded, on a Megatron actor, or with the aux loss (a product of two means over the
     minibatch's tokens: it does not split into rows)."""
     if args.kl_coef > 0 and ref_logprobs is None:

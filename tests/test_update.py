@@ -1,4 +1,4 @@
-"""The update without compute on padding (critic.pieces: row by row, one optimizer step per minibatch) against the
+"""The update without compute on padding (critic.pieces: rows by length, one optimizer step per minibatch) against the
 padded update before it, the R3-off diagnostic every --r3-off-every steps, and `bench.py update`."""
 import copy
 import dataclasses
@@ -102,14 +102,28 @@ def test_pieces_cut_every_row_after_its_last_token():
     assert C.pieces({**b, "attention_mask": am[:0]}, 1) == []
 
 
+def test_pieces_group_short_rows_within_the_token_budget():
+    """A piece takes rows (longest first) while rows x its longest row <= the budget: short rows share one call, a
+    row over the budget runs alone; every row in exactly one piece, each piece cut after its longest row."""
+    lens = [700, 30, 600, 25, 40, 1500]
+    am = torch.tensor([[1] * n + [0] * (1500 - n) for n in lens])
+    b = {"attention_mask": am, "input_ids": torch.arange(am.numel()).view(am.shape), "experts": None}
+    got = C.pieces(b, 1024)
+    assert [[int(r) for r in p["attention_mask"].sum(1)] for p in got] == [[1500], [700], [600], [40, 30, 25]]
+    assert [p["input_ids"].shape[1] for p in got] == [1500, 700, 600, 40]
+    assert C.causal_mask(got[0]["attention_mask"]) is None and C.causal_mask(got[3]["attention_mask"]) is not None
+    assert [len(p["input_ids"]) for p in C.pieces(b, 1)] == [1] * 6 and C.pieces(b, 10 ** 6)[0]["input_ids"].shape \
+        == (6, 1500)
+
+
 def test_sft_row_by_row_matches_the_padded_step(batch, monkeypatch, tmp_path):
-    """ppo.sft row by row (the default) and in one padded forward (UPDATE_ROWS None) take the same steps (SGD in
+    """ppo.sft row by row (the default) and in one padded forward (UPDATE_TOKENS None) take the same steps (SGD in
     place of its AdamW, as in test_row_by_row_update_matches_the_padded_one)."""
     actor0, samples, args = batch
     monkeypatch.setattr(torch.optim, "AdamW", lambda params, lr, weight_decay: torch.optim.SGD(params, lr=lr))
     out = []
     for rows in (None, 1):
-        monkeypatch.setattr(C, "UPDATE_ROWS", rows)
+        monkeypatch.setattr(C, "UPDATE_TOKENS", rows)
         actor = copy.deepcopy(actor0)
         a = dataclasses.replace(args, sft_epochs=1, sft_batch_size=3, sft_lr=1e-2)
         ppo.sft(actor, samples, a, Metrics(tmp_path))
