@@ -75,7 +75,7 @@ def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tenso
 # Each piece's loss divides by the minibatch's count (agg_count) and the gradients add up before the one optimizer
 # step: the same step as one padded forward of the minibatch, to float rounding. 1: every row alone. None: the
 # minibatch's rows in one padded forward (Megatron, the aux loss, tests).
-UPDATE_TOKENS = 1024
+UPDATE_TOKENS = 512
 
 
 def trim(batch: dict, rows, cut: bool = True) -> tuple[dict, int]:
@@ -106,8 +106,9 @@ def pieces(batch: dict, budget: int | None = UPDATE_TOKENS):
 
 
 def update_rows(model, padded: bool = False) -> int | None:
-    """UPDATE_TOKENS (the pieces' budget) for an HF model; None (one padded forward per minibatch) for a Megatron one (cluster/mcore*.py keep
-    their full-width forwards: over a group every forward is a collective that needs equal shapes) or padded."""
+    """UPDATE_TOKENS (the pieces' budget) for an HF model; None (one padded forward per minibatch) for a Megatron
+    one (cluster/mcore*.py keep their full-width forwards: over a group every forward is a collective that needs
+    equal shapes) or padded."""
     return None if padded or getattr(model, "backend", "hf") != "hf" else UPDATE_TOKENS
 
 

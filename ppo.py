@@ -8,8 +8,9 @@ trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run
 chunk cut after its longest row (by_length, critic.trim: the same values on every token); the critic's and the
 actor's minibatches (and SFT's) run forward + backward in pieces of rows of similar length (a long row alone),
 each cut after its longest row, with one optimizer step per minibatch (critic.pieces: no compute on padding; the
-same minibatches and steps to float rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward per chunk and minibatch (over a group
-full width: a collective needs equal shapes), as does the aux loss (a product of two means over the minibatch).
+same minibatches and steps to float rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward
+per chunk and minibatch (over a group full width: a collective needs equal shapes), as does the aux loss (a product
+of two means over the minibatch).
 The R3-off diagnostic forward runs every --r3-off-every steps (r3_off_step).
 
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
