@@ -270,9 +270,11 @@ def step_record(ro: dict, samples: list, stats: dict, audit: dict, **timing) -> 
 
 def log_step(run, rec: dict, step: int) -> None:
     """The step's line in log.txt, and a WARNING when the reply format collapses."""
+    off = rec.get("dlogp_r3_off", float("nan"))  # NaN on a step without the diagnostic (--r3-off-every K)
+    off = f"{off:.4f}" if math.isfinite(off) else "-"
     log(run.dir, f"step {step}: reward {rec['reward_mean']:.3f} solve {rec['solve_rate']:.2f} "
                  f"EV {rec.get('explained_variance', float('nan')):.3f} |dlogp| {rec.get('dlogp', float('nan')):.4f} "
-                 f"(R3 off {rec.get('dlogp_r3_off', float('nan')):.4f}) staleness {rec['staleness']} "
+                 f"(R3 off {off}) staleness {rec['staleness']} "
                  f"{rec['time_step']:.0f}s")
     if rec["invalid_reply_frac"] >= INVALID_ALARM:
         log(run.dir, f"WARNING step {step}: {rec['invalid_reply_frac']:.0%} of the agent's replies broke the "

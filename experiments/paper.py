@@ -408,11 +408,13 @@ def report(out: Path) -> str:
     arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out (vs a zero head)")
     arm_vs_ppo("cold_default", "warm-up helps", "Critic Warm-Up helps held-out (vs a random head)")
     rows = [r for run in ppo for r in run["rl"]]
-    if rows:
-        on, off = np.mean([r["dlogp"] for r in rows]), np.mean([r["dlogp_r3_off"] for r in rows])
-        drift = np.mean([r.get("tito_drift_pct", float("nan")) for r in rows])
+    pair = [r for r in rows if math.isfinite(r.get("dlogp_r3_off", float("nan")))]  # steps that ran the diagnostic
+    if pair:  # (--r3-off-every K: one step in K), both means over the same steps
+        on, off = np.mean([r["dlogp"] for r in pair]), np.mean([r["dlogp_r3_off"] for r in pair])
         lines.append(f"| R3 cuts abs(dlogp) | 0.021 -> 0.013 | {off:.4f} -> {on:.4f} (same batches, R3 off / on) | "
                      f"{verdict(off - on, +1, 0.0)} |")
+    if rows:
+        drift = np.mean([r.get("tito_drift_pct", float("nan")) for r in rows])
         lines.append(f"| TITO: loss-region drift | 0.0000% | {drift:.4f}% | - |")
     arm_vs_ppo("r3off", "R3 stabilises training", "R3 on beats R3 off on held-out")
     if tito_res is not None:
@@ -446,9 +448,10 @@ def plots(out: Path, arms: dict) -> None:
     import matplotlib.pyplot as plt
 
     def curve(ax, runs, key, label):
-        steps = sorted({r["step"] for run in runs for r in run["rl"]})
-        ys = [np.mean([r[key] for run in runs for r in run["rl"] if r["step"] == s and r.get(key) is not None])
-              for s in steps]
+        def finite(r):  # a step without the value (None, or NaN: the R3-off diagnostic every K steps) is left out
+            return r.get(key) is not None and math.isfinite(r[key])
+        steps = sorted({r["step"] for run in runs for r in run["rl"] if finite(r)})
+        ys = [np.mean([r[key] for run in runs for r in run["rl"] if r["step"] == s and finite(r)]) for s in steps]
         ax.plot(steps, ys, marker=".", label=label)
     for name, keys in (("reward", [(a, "reward_dense_mean" if any("reward_dense_mean" in r for run in arms[a]
                                                                for r in run["rl"]) else "reward_mean", a)

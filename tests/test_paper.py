@@ -273,3 +273,18 @@ def test_the_report_goes_into_the_dated_log_as_its_newest_entry(tmp_path):
     assert "| a |\n\n## 2026-12-05" in text and text.endswith("old body\n")
     paper.add_log_entry(tmp_path / "new.md", "## 2026-12-06: first", "body")
     assert (tmp_path / "new.md").read_text() == "## 2026-12-06: first\n\nbody\n"
+
+
+def test_r3_row_and_curve_skip_steps_without_the_r3_off_diagnostic(tmp_path):
+    """--r3-off-every K: a step without the diagnostic has dlogp_r3_off NaN; the R3 row compares on and off over the
+    steps that ran it (not NaN, not the other steps' dlogp) and the dlogp picture is still drawn."""
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "summary.json").write_text(json.dumps(
+        {"eval_base": _ev([0] * 4), "eval_sft": _ev([1, 0, 0, 0]), "phase_times": {"eval_sft": 30.0}}))
+    row = {"reward_mean": 0.5, "explained_variance": 0.6, "dlogp": 0.0015, "dlogp_r3_off": 0.0025,
+           "tito_drift_pct": 0.0}
+    _arm(tmp_path, "ppo-s0", [1, 1, 0, 0], [row, dict(row, dlogp=0.5, dlogp_r3_off=float("nan")), row])
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in paper.report(tmp_path).splitlines() if ln.startswith("|")}
+    assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
+    assert "0.0000%" in lines["TITO: loss-region drift"]
+    assert (tmp_path / "dlogp.png").stat().st_size > 0
