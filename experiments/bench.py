@@ -52,6 +52,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--quick", action="store_true", help="small sizes (the test's form; figures not meaningful)")
     e.add_argument("--threads", type=int, default=2, help="torch threads of this process and of each engine")
     e.add_argument("--dp", type=int, default=2, help="also the same threads as this many engines (0: not measured)")
+    e.add_argument("--hf-compile", action="store_true",
+                   help="also HF with a static cache and torch.compile (minutes of compiling; no gain measured here)")
     sm = sub.add_parser("sampling", help="one decode step's sampling, row by row vs batched (one JSON line)",
                         formatter_class=fmt)
     sm.add_argument("--threads", type=int, default=2, help="torch threads")
@@ -179,7 +181,7 @@ def main(argv=None) -> None:
         torch.set_num_threads(args.threads)
         kw = dict(repeats=1, prompt_len=60, new_tokens=8, turns=2, turn_tokens=4, n_agents=2, capture_steps=4) \
             if args.quick else dict(repeats=args.repeats)
-        print(json.dumps(engine_speed.engine_bench(args.arch, dp=args.dp, **kw)))
+        print(json.dumps(engine_speed.engine_bench(args.arch, dp=args.dp, hf_compile=args.hf_compile, **kw)))
     elif args.cmd == "sampling":
         torch.set_num_threads(args.threads)
         print(json.dumps(engine_speed.sampling_bench()))
