@@ -71,7 +71,7 @@ def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tenso
 # longest first, a piece takes rows while (its rows) x (its longest row) <= UPDATE_TOKENS, each piece cut after its
 # longest row. A row longer than the budget runs alone with no padding left, so its attention mask is dropped and
 # attention runs causal only (SDPA skips the upper triangle); short rows share a piece (one call instead of many:
-# row by row, 16 copy rows of 20-60 tokens took 3x the padded forward, rows of 300-1,200 tokens half; 2026-12-06).
+# one by one, short rows cost more in calls than their padding; results/LOG.md 2026-12-06, the update's pieces).
 # Each piece's loss divides by the minibatch's count (agg_count) and the gradients add up before the one optimizer
 # step: the same step as one padded forward of the minibatch, to float rounding. 1: every row alone. None: the
 # minibatch's rows in one padded forward (Megatron, the aux loss, tests).
