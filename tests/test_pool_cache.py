@@ -13,20 +13,10 @@ import pytest
 
 import data
 from tasks import pool_cache
+from test_data import _tree  # {path relative to root: (bytes, mode)} of every file under root
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HIT = "[data] tasks from the cache"
-
-
-def _tree(root):
-    """{path relative to root: (bytes, mode)} of every file under root."""
-    files = {}
-    for dirpath, _, names in os.walk(root):
-        for n in names:
-            p = os.path.join(dirpath, n)
-            with open(p, "rb") as f:
-                files[os.path.relpath(p, root)] = (f.read(), os.stat(p).st_mode)
-    return files
 
 
 def _pool(root):
