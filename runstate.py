@@ -38,10 +38,12 @@ def check_flags(args) -> None:
     choices = {"backend": ("hf", "megatron"), "param_dtype": ("fp32", "bf16"), "sandbox": ("bwrap", "daytona"),
                "r3_mode": ("replay", "off"), "engine_weight_dtype": ("bf16", "fp32"), "arch": M.ARCHS,
                "reward_mode": ppo.REWARD_MODES, "advantage": ppo.ADVANTAGES, "critic_head_init": C.HEAD_INITS,
-               "expert_text": families.EXPERT_TEXTS}
+               "expert_text": families.EXPERT_TEXTS, "stop_after": ("", "sft")}  # "": the whole run
     for k, ok in choices.items():
         if getattr(args, k) not in ok:
             raise ValueError(f"--{k.replace('_', '-')}: expected one of {'|'.join(ok)}, got {getattr(args, k)!r}")
+    if args.stop_after == "sft" and args.model_path:
+        raise ValueError("--stop-after sft: a --model-path run has no SFT of its own to stop after")
     if args.sft_rst_share < 1.0 and not (args.n_sft_tasks and args.rst_rounds):
         raise ValueError(f"--sft-rst-share {args.sft_rst_share}: shares out the SFT pool's RST steps, so it needs "
                          f"--n-sft-tasks and --rst-rounds (got {args.n_sft_tasks} and {args.rst_rounds})")

@@ -321,18 +321,10 @@ from runstate import (Run, brief, check_flags, eval_row, evaluate, evaluate_chec
 from trainer import parallel_plan  # noqa: E402
 
 
-STOP_AFTER = ("", "sft")  # --stop-after: "" the whole run | sft (an SFT-only run: the checkpoint, nothing after it)
-
-
 def check_args(args: Args) -> None:
     """Bad flags fail before any work, naming the flag and what is wrong: the numbers (check_numbers), then the
     choices and combinations (runstate.check_flags: for the cluster, what is missing)."""
     check_numbers(args)
-    if args.stop_after not in STOP_AFTER:
-        raise ValueError(f"--stop-after: expected {' or '.join(repr(s) for s in STOP_AFTER)}, "
-                         f"got {args.stop_after!r}")
-    if args.stop_after == "sft" and args.model_path:
-        raise ValueError("--stop-after sft: a --model-path run has no SFT of its own to stop after")
     check_flags(args)
 
 
