@@ -1,6 +1,7 @@
 """What the test files share: the repo on sys.path, two torch threads, one task cache per run of the suite
-(T1_TASK_CACHE), and the tiny trainer fixture (an SFT checkpoint of the tiny actor and fake TITO samples it
-recorded) of tests/test_trainer_group.py and tests/test_resume.py, built once per session."""
+(T1_TASK_CACHE), the workers' order (tests/suite_order.py), and the tiny trainer fixture (an SFT checkpoint of the
+tiny actor and fake TITO samples it recorded) of tests/test_trainer_group.py and tests/test_resume.py, built once
+per session."""
 import os
 import sys
 from pathlib import Path
@@ -23,6 +24,26 @@ torch.set_num_threads(2)
 
 import model as M  # noqa: E402
 import r3  # noqa: E402
+import suite_order  # noqa: E402
+
+_recorder = suite_order.Recorder()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks order() adds
+def pytest_collection_modifyitems(config, items):
+    """The workers' order: longest first, modules with costly fixtures whole (tests/suite_order.py)."""
+    items[:] = suite_order.order(items, suite_order.load())
+
+
+def pytest_runtest_logreport(report):
+    _recorder.add(report)
+
+
+def pytest_sessionfinish(session):
+    """With T1_TEST_DURATIONS=PATH, the controller (or a run without workers) writes the measured costs there."""
+    out = os.environ.get("T1_TEST_DURATIONS")
+    if out and not hasattr(session.config, "workerinput"):
+        _recorder.write(Path(out))
 
 N_SAMPLES = 7  # minibatches of 3, 3, 1: uneven shares, and a rank with no row in the last one
 

@@ -1,0 +1,87 @@
+"""The suite's order for its parallel workers: longest first, a module with a costly module fixture kept whole.
+
+`bash run.sh test` runs pytest-xdist with `--dist loadgroup --no-loadscope-reorder`: the workers take units in the
+collection order, a unit being one test, or every test of one xdist_group (one module). conftest.py calls order()
+at collection: with the measured costs of tests/durations.json (seconds per test id: setup + call + teardown, and
+setup alone), a module whose tests spent >= GROUP_SETUP_S in set-up (a module-scoped fixture: a Megatron rank
+spawn, a Ray session, an engine) becomes one unit, so its fixture is built once, on one worker; then the units are
+sorted by cost, longest first (the longest-processing-time rule: the last test to finish starts early). A test the
+file does not know costs the median. The order changes no test's behaviour, only which worker runs it and when.
+
+Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
+(record() writes the measured costs there at the end of a run; a run with failures writes nothing).
+"""
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+DURATIONS = Path(__file__).with_name("durations.json")
+GROUP_SETUP_S = 5.0  # a module spending this much in set-up is kept on one worker (its module fixtures built once)
+
+
+def _key(nodeid: str) -> str:
+    """A test id without the "@group" suffix xdist's loadgroup appends."""
+    return nodeid.split("@", 1)[0]
+
+
+def load(path: Path = DURATIONS) -> dict:
+    """{test id: {"total": s, "setup": s}} from `path`; {} when it does not exist. A malformed file is an error
+    that names it (a silently ignored file would quietly undo the order)."""
+    if not path.exists():
+        return {}
+    try:
+        doc = json.loads(path.read_text())
+        return {k: {"total": float(v["total"]), "setup": float(v["setup"])} for k, v in doc.items()}
+    except (ValueError, TypeError, KeyError, AttributeError) as e:
+        raise pytest.UsageError(f"{path}: not a test-durations file ({e}); delete it or rewrite it with "
+                                "T1_TEST_DURATIONS=tests/durations.json bash run.sh test") from None
+
+
+def order(items: list, costs: dict) -> list:
+    """The items as units sorted by cost, longest first (stable); a module with >= GROUP_SETUP_S of set-up gets an
+    xdist_group mark (one unit). Without costs: the collection order, the groups marked all the same."""
+    median = statistics.median([c["total"] for c in costs.values()]) if costs else 0.0
+    by_module = defaultdict(list)
+    for it in items:
+        by_module[it.nodeid.split("::", 1)[0]].append(it)
+    units = []  # (cost, first position, items)
+    for module, its in by_module.items():
+        known = [costs[_key(it.nodeid)] for it in its if _key(it.nodeid) in costs]
+        if sum(c["setup"] for c in known) >= GROUP_SETUP_S:
+            for it in its:
+                it.add_marker(pytest.mark.xdist_group(module.replace("/", "_")))
+            units.append((sum(costs.get(_key(it.nodeid), {"total": median})["total"] for it in its),
+                          items.index(its[0]), its))
+        else:
+            units += [(costs.get(_key(it.nodeid), {"total": median})["total"], items.index(it), [it]) for it in its]
+    units.sort(key=lambda u: (-u[0], u[1]))
+    return [it for _, _, its in units for it in its]
+
+
+class Recorder:
+    """Sums each test's phases as the controller hears them (xdist sends every report to it)."""
+
+    def __init__(self):
+        self.total, self.setup, self.failed = defaultdict(float), defaultdict(float), False
+
+    def add(self, report) -> None:
+        k = _key(report.nodeid)
+        self.total[k] += report.duration
+        if report.when == "setup":
+            self.setup[k] += report.duration
+        if report.failed:
+            self.failed = True
+
+    def write(self, path: Path) -> None:
+        """The costs, sorted by test id, to `path` (tmp + rename); nothing after a failed run."""
+        if self.failed or not self.total:
+            print(f"\n[suite order] {path} not written: {'a test failed' if self.failed else 'no test ran'}")
+            return
+        doc = {k: {"total": round(self.total[k], 2), "setup": round(self.setup[k], 2)} for k in sorted(self.total)}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=0) + "\n")
+        tmp.replace(path)
+        print(f"\n[suite order] the costs of {len(doc)} tests written to {path}")
