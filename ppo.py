@@ -16,9 +16,11 @@ The R3-off diagnostic forward runs every --r3-off-every steps (r3_off_step).
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
 
 Departures from the paper (numbered; what and why):
-  1. Advantage normalisation, entropy bonus, KL and length shaping are off, as in the paper; --kl-coef (k3 to a
-     frozen SFT copy, linear beyond a log ratio of 2 so one dropped token cannot swamp the step), --entropy-coef and
-     --aux-loss-coef exist for ablations (hf backend only).
+  1. The KL term and the load-balancing term are off, as in the paper ("KL 项与负载均衡项均关闭"); advantage
+     normalisation, an entropy bonus and length shaping are off too (paper silent). --kl-coef (k3 to a frozen SFT
+     copy, linear beyond a log ratio of 2), --entropy-coef and --aux-loss-coef exist for ablations (hf backend only).
+  4. The critic passes over each step's minibatches --critic-epochs times (default 1), the actor --ppo-epochs times
+     (paper silent on both).
   2. Loss aggregation (paper silent): a per-token mean over the minibatch; --loss-agg sample averages within each
      trajectory first (slime's default).
   3. The paper's comparison arms, off by default: --reward-mode binary (1 if every test passed) and
@@ -414,8 +416,8 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
                for mb in (share(mb, group, even(args, group))
                           for mb in minibatches(len(samples), args.minibatch_size, rng))]
         log(run_dir, f"step {step}: critic update")
-        cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, 1, args.max_grad_norm, group,
-                                 args.loss_agg, padded)
+        cstats = C.critic_update(critic, critic_opt, mbs, args.clip_eps_v, args.critic_epochs, args.max_grad_norm,
+                                 group, args.loss_agg, padded)
     # ALGO LOGIC: 6. actor: old logprobs from the trainer with R3 replay, then PPO with replay
     m = batch["mask"]
     if args.kl_coef > 0 and ref is None:

@@ -132,11 +132,12 @@ class Args:
     reward_mode: str = "dense"  # dense: r = P / S | binary: 1 if every test passed, else 0 (paper: dense)
     advantage: str = "gae"  # gae: GAE with the critic | grpo: (r - group mean) / group std, no critic (paper: gae)
     samples_per_task: int = 1  # trajectories per task in a step; grpo's group size G >= 2 (paper: 1)
-    kl_coef: float = 0.0  # k3 KL to the frozen SFT policy on the m = 1 tokens, in the actor loss; hf only (paper: 0)
-    aux_loss_coef: float = 0.0  # MoE load-balancing loss of the actor's routers; hf only (paper: 0)
-    entropy_coef: float = 0.0  # entropy bonus on the m = 1 tokens, subtracted from the actor loss; hf only (paper: 0)
+    kl_coef: float = 0.0  # k3 KL to the frozen SFT policy on the m = 1 tokens, in the actor loss; hf only (paper: off)
+    aux_loss_coef: float = 0.0  # MoE load-balancing loss of the actor's routers; hf only (paper: off)
+    entropy_coef: float = 0.0  # entropy bonus on the m = 1 tokens, minus in the actor loss; hf only (paper silent)
     loss_agg: str = "token"  # loss reduction: token (mean over a minibatch's m = 1 tokens) | sample (paper silent)
-    ppo_epochs: int = 1  # passes over each step's batch (paper silent)
+    ppo_epochs: int = 1  # the actor's passes over each step's batch (paper silent)
+    critic_epochs: int = 1  # the critic's passes over each step's minibatches, before the actor's (paper silent)
     minibatch_size: int = 64  # trajectories per optimizer step (paper silent)
     max_grad_norm: float = 1.0  # gradient clipping (paper silent)
     async_rollout: bool = True  # one-step async: sample step t+1 while training step t, staleness 1 (paper: on)
@@ -226,8 +227,8 @@ NUMERIC = {
     "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0",
     "clip_eps_v": "> 0", "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0",
     "gamma": "in [0, 1]", "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0",
-    "ppo_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0",
-    "r3_off_every": ">= 0", "n_engines": ">= 0",
+    "ppo_epochs": ">= 1", "critic_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0",
+    "sync_steps": ">= 0", "r3_off_every": ">= 0", "n_engines": ">= 0",
     "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1",
     "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 

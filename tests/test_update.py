@@ -173,3 +173,17 @@ def test_update_bench_quick_prints_both_throughputs():
     assert set(r["seconds"]) == {"train_step", "padded", "unpadded"}
     assert r["train_step_tokens_per_s"] > 0 and r["unpadded_tokens_per_s"] > 0 and r["ratio"] > 0
     assert 0 <= r["minibatch_padding"] < 1
+
+
+def test_critic_epochs_are_the_critics_passes_and_leave_the_actor_alone(batch, tmp_path):
+    """--critic-epochs 2 passes the critic twice over the step's minibatches (its weights move further than after
+    one pass, along the same first pass); the actor's update starts from the advantages of V_old, computed before
+    the critic's update, so its weights are the same as with one critic pass."""
+    actor0, samples, args = batch
+    a1, c1, _ = _step(samples, actor0, args, False, run_dir=tmp_path)
+    a2, c2, _ = _step(samples, actor0, dataclasses.replace(args, critic_epochs=2), False, run_dir=tmp_path)
+    c0 = C.Critic.from_actor(actor0).state_dict()
+    assert max((a1[k] - a2[k]).abs().max().item() for k in a1) <= WEIGHT_TOL
+    one = sum((c1[k] - c0[k]).double().norm() ** 2 for k in c0) ** 0.5
+    two = sum((c2[k] - c0[k]).double().norm() ** 2 for k in c0) ** 0.5
+    assert two > 1.5 * one > 0
