@@ -15,12 +15,16 @@ Run:
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # a task dir, and what the jail cannot run: sandbox/task_io.py
     copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy data
+    eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=train_dirs, rst_rounds=1)  # the evaluation
+        # splits, sandbox-audited: {"val", "test", "test_deep", "test_names": [task dirs]}; overlap(train, test) and
+        # template_of(task_dir) (tasks/splits.py) say how new a split is to the training pools
 
-A task dir (Harbor): task.toml ([metadata] family, difficulty, split, quality, audit (the verdict), n_assertions;
-[verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ = the initial /app),
-tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the expert's replies for SFT).
-n_assertions is the task's own assertion count (reward.compute refuses a report with more tests): task.toml for
-generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did not write is never rewritten).
+A task dir (Harbor): task.toml ([metadata] family, difficulty, template, names, split, quality, audit (the verdict),
+n_assertions; [verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ =
+the initial /app), tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the
+expert's replies for SFT). n_assertions is the task's own assertion count (reward.compute refuses a report with
+more tests): task.toml for generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did
+not write is never rewritten).
 
 Departures from the paper:
 1. No LLM: the seeds are 6 templated families of real shell work and RST's rewriting draws from a fixed library
@@ -31,7 +35,9 @@ Departures from the paper:
    never repaired. With --no-validate it stays a heuristic (assertion count + family difficulty).
 4. Instructions and expert replies are short and formulaic (tasks/families.py, its departures 2 and 3).
 5. Train and held-out pools share families and vocabularies but never an instruction (different parameter draws);
-   the split is recorded in task.toml.
+   the split is recorded in task.toml. The paper tests on tasks it never trained on (Terminal-Bench 2); here
+   eval_splits adds splits by purpose (tasks/splits.py): validation, test (in-template), test_deep (RST depth 2-3,
+   templates no training pool has) and test_names (families.UNSEEN's names and values); overlap() says how new each is.
 """
 import argparse
 import collections
@@ -81,9 +87,12 @@ import reward  # noqa: E402
 import rollout  # noqa: E402
 from tasks import pool_cache  # noqa: E402
 from tasks import rst  # noqa: E402
+from tasks import splits  # noqa: E402
+from tasks.splits import overlap, template_of  # noqa: E402,F401 (data.overlap, data.template_of)
 from sandbox import task_io  # noqa: E402
 
 SCALE = reward.SCALE  # S of r = P/S, one source (reward.py); a resolved oracle must score total/S
+DEEP_DEPTHS = (2, 3)  # RST depths of the out-of-template split (this project's; training pools use rst_rounds <= 1)
 
 
 TEST_HEADER = '''import gzip, json, os, stat, subprocess, tarfile
@@ -141,9 +150,11 @@ def write_task(task_dir, spec, family, split, seed, expert_text="full"):
             f.write(content if isinstance(content, bytes) else content.encode())
         os.chmod(p, 0o644)  # explicit: the perms family's nop check must not depend on the umask
     n = len(spec["tests"])
+    names = sorted({part for rel in list(spec["files"]) + spec["outputs"] for part in rel.split("/")})
     toml = (f'version = "1.0"\n\n[metadata]\nfamily = "{family}"\ndifficulty = "{families.DIFFICULTY[family]}"\n'
+            f'template = "{spec["template"]}"\nnames = {json.dumps(names)}\n'
             f'split = "{split}"\nquality = {quality(family, n)}\nn_assertions = {n}\nseed = "{seed}"\n'
-            f'author_name = "t1-repro data.py"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n'
+            f'author_name = "{splits.AUTHOR}"\n\n[verifier]\ntimeout_sec = 60.0\n\n[agent]\ntimeout_sec = 300.0\n\n'
             f'[environment]\nbuild_timeout_sec = 600.0\ncpus = 1\nmemory_mb = 1024\n')
     body = TEST_HEADER + "".join(f"\n\ndef test_{name}():\n" + "".join(f"    {ln}\n" for ln in lines)
                                  for name, lines in spec["tests"])
@@ -225,35 +236,46 @@ def _write_audit(task_dir, doc):
 
 
 # --- pools ----------------------------------------------------------------------------------------
-def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0):
+def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0, rst_depths=None, vocab="train"):
     """Deterministic spec for one slot of a split (family = slot mod 6), extended by rst_rounds RST steps (in a
     share rst_share of the slots, drawn per slot), skipping instructions already used in either split and drafts
-    that fail the static audit."""
-    family = list(families.FAMILIES)[slot % len(families.FAMILIES)]
-    if rst_share < 1.0 and random.Random(f"{seed}/{split}/{slot}/rst").random() >= rst_share:
+    that fail the static audit. rst_depths (a tuple of depths >= 1; rst_rounds and rst_share aside): the slot's
+    depth drawn from it, its family one of families.rst_families(depth) (slot mod their number), and a draft with
+    fewer steps (rst_extend ran out of ops) redrawn. vocab: the names' and values' vocabulary (families.VOCABS)."""
+    if rst_depths:
+        rst_rounds = random.Random(f"{seed}/{split}/{slot}/depth").choice(sorted(rst_depths))
+    fams = families.rst_families(rst_rounds) if rst_depths else tuple(families.FAMILIES)
+    family = fams[slot % len(fams)]
+    if not rst_depths and rst_share < 1.0 and random.Random(f"{seed}/{split}/{slot}/rst").random() >= rst_share:
         rst_rounds = 0  # a seed task (the rng of the draw below is the same either way)
     first = attempt
     while True:
-        rng = random.Random(f"{seed}/{split}/{slot}/{attempt}")
+        rng = families.VocabRandom(f"{seed}/{split}/{slot}/{attempt}", vocab)  # train: random.Random's draws
         spec = families.FAMILIES[family](rng)
         if rst_rounds:
             spec = families.rst_extend(spec, family, rng, rst_rounds)
-        if spec["instruction"] not in seen and static_audit(spec) is None:
+        deep = not rst_depths or families.rst_depth(spec) == rst_rounds
+        if deep and spec["instruction"] not in seen and static_audit(spec) is None:
             seen.add(spec["instruction"])
             return family, spec, f"{seed}/{split}/{slot}/{attempt}"
         attempt += 1
         if attempt - first > 200:
-            raise RuntimeError(f"cannot draw a new {family} task for {split} slot {slot}")
+            depth = f" of RST depth {rst_rounds}" if rst_depths else ""
+            raise RuntimeError(f"cannot draw a new {family} task{depth} for {split} slot {slot}")
 
 
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0,
-                   validate_train=True, expert_text="full", heldout_split="heldout", avoid=(), rst_share=1.0):
+                   validate_train=True, expert_text="full", heldout_split="heldout", avoid=(), rst_share=1.0,
+                   rst_depths=None, vocab="train"):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
     rst_rounds RST steps: families.rst_extend; in a share rst_share of the slots only, the rest seed tasks;
     terminus2.json's free text by expert_text: families.expert_replies).
     validate_train=False audits the held-out split alone (a large RL pool: the audit costs ~2.6 s a task here).
     heldout_split names the second split (its folder, its tasks' names and their draws): "val" for a validation set;
     avoid: instructions no new task may have (the pools of an earlier call).
+    rst_depths (e.g. DEEP_DEPTHS): every task of both splits gets a depth drawn from it per slot (_draw: rst_rounds
+    and rst_share aside; a family that cannot reach the depth left out of the slot); vocab: "train" (the pools'
+    names and values as they always were) or "unseen" (families.UNSEEN).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
     (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs).
@@ -261,19 +283,24 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     copied from DIR instead (tasks/pool_cache.py)."""
     args = dict(n_train=n_train, n_heldout=n_heldout, seed=seed, validate_tasks=validate_tasks, scripted=scripted,
                 rst_rounds=rst_rounds, validate_train=validate_train, expert_text=expert_text,
-                heldout_split=heldout_split, avoid=sorted(set(avoid)), rst_share=rst_share)
+                heldout_split=heldout_split, avoid=sorted(set(avoid)), rst_share=rst_share,
+                rst_depths=sorted(set(rst_depths)) if rst_depths else None, vocab=vocab)
+    if vocab not in families.VOCABS or any(not isinstance(d, int) or d < 1 for d in args["rst_depths"] or ()):
+        raise ValueError(f"generate_tasks: vocab must be one of {sorted(families.VOCABS)} and rst_depths ints >= 1, "
+                         f"got {vocab!r}, {rst_depths!r}")
     return pool_cache.cached(out_dir, args, lambda: _generate_tasks(out_dir, workers=workers, **args))
 
 
 def _generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks, scripted, workers, rst_rounds, validate_train,
-                    expert_text, heldout_split, avoid, rst_share):
+                    expert_text, heldout_split, avoid, rst_share, rst_depths, vocab):
     """generate_tasks without the cache."""
     t0 = time.time()
     seen = set(avoid)  # instructions of both splits (and avoid): train and held-out never share one
     specs = {}
+    kw = dict(rst_rounds=rst_rounds, rst_share=rst_share, rst_depths=rst_depths, vocab=vocab)
     for split, n in (("train", n_train), (heldout_split, n_heldout)):
         for slot in range(n):
-            family, spec, sd = _draw(split, slot, seed, seen, rst_rounds=rst_rounds, rst_share=rst_share)
+            family, spec, sd = _draw(split, slot, seed, seen, **kw)
             name = f"{split}-{slot:04d}-{family}"
             specs[(split, slot)] = write_task(os.path.join(out_dir, split, name), spec, family, split, sd, expert_text)
     tokenizer, scripted_note = None, "off"
@@ -312,8 +339,7 @@ def _generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks, scripted,
             if rnd == 2:
                 unrecovered += 1
                 continue
-            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), rst_rounds=rst_rounds,
-                                     rst_share=rst_share)
+            family, spec, sd = _draw(*key, seed, seen, attempt=1000 * (rnd + 1), **kw)
             d = os.path.join(out_dir, key[0], f"{key[0]}-{key[1]:04d}-{family}")
             specs[key] = pending[key] = write_task(d, spec, family, key[0], sd, expert_text)
         if not pending:
@@ -324,7 +350,7 @@ def _generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks, scripted,
     tasks = {d: task_io.load_task(d) for d in train + heldout}
     assert not {tasks[d].instruction for d in train} & {tasks[d].instruction for d in heldout}, "split overlap"
     n_asserts = [t.config["metadata"]["n_assertions"] for t in tasks.values()]
-    summary = dict(train=len(train), heldout=len(heldout), seed=seed,
+    summary = dict(train=len(train), heldout=len(heldout), seed=seed, vocab=vocab, rst_depths=rst_depths,
                    families=dict(collections.Counter(t.config["metadata"]["family"] for t in tasks.values())),
                    validated=validate_tasks, train_validated=validate_tasks and validate_train,
                    scripted_check=scripted_note, dropped=dict(drops),
@@ -371,6 +397,25 @@ def validation_pool(out_dir, n, seed, pools, sft_dir=None, **kw) -> list:
     taken = [task_io.load_task(d).instruction for d in list(pools) + drawn]
     _, val = generate_tasks(out_dir, 0, n, seed, heldout_split="val", avoid=taken, **kw)
     return val
+
+
+def eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=(), rst_rounds=0, expert_text="full",
+                workers=2, rst_depths=DEEP_DEPTHS, scripted=True) -> dict:
+    """A run's evaluation splits (tasks/splits.py: what each is for), each drawn by generate_tasks under
+    out_dir/<split>/ and sandbox-audited like the held-out pool, its name in task.toml [metadata] split:
+    {"val": n_val, "test": n_test (in-template: unseen instances, rst_rounds like the training pools), "test_deep":
+    n_deep (RST depths rst_depths), "test_names": n_names (in-template, families.UNSEEN's names and values)}, none
+    sharing an instruction with a task of `avoid` (the training pools' dirs) or of an earlier split. A split of 0
+    tasks is []. scripted: generate_tasks' (the scripted expert's trajectory checked too)."""
+    taken = list(instructions(avoid))
+    out = {}
+    for split, n, kw in (("val", n_val, {}), ("test", n_test, {}), ("test_deep", n_deep, dict(rst_depths=rst_depths)),
+                         ("test_names", n_names, dict(vocab="unseen"))):
+        out[split] = generate_tasks(os.path.join(out_dir, split), 0, n, seed, workers=workers, rst_rounds=rst_rounds,
+                                    expert_text=expert_text, heldout_split=split, avoid=taken, scripted=scripted,
+                                    **kw)[1] if n else []
+        taken += instructions(out[split])
+    return out
 
 
 def pool_scale(task_dirs, q: float = 0.9) -> int:
@@ -443,27 +488,6 @@ def corpus(task_dirs):
                     with open(os.path.join(root, fn), errors="replace") as f:
                         texts.append(f.read(400))
     return texts
-
-
-def overlap(train_dirs, heldout_dirs) -> dict:
-    """How new the held-out tasks are to a training pool: shared instructions (0 by construction), held-out
-    instruction words and reference command lines seen in the pool's, and held-out tasks whose every command
-    line was seen (solvable by recall alone)."""
-    def read(d):
-        t = task_io.load_task(d)
-        with open(os.path.join(d, "solution", "solve.sh")) as f:
-            cmds = [ln for ln in f.read().splitlines()[3:] if ln.strip()]  # after the shebang, set -e, cd /app
-        return t.instruction, cmds
-    train = [read(d) for d in train_dirs]
-    held = [read(d) for d in heldout_dirs]
-    words = {w for ins, _ in train for w in ins.split()}
-    lines = {c for _, cmds in train for c in cmds}
-    hw = [w for ins, _ in held for w in ins.split()]
-    hl = [c for _, cmds in held for c in cmds]
-    return {"instructions_shared": len({i for i, _ in held} & {i for i, _ in train}),
-            "word_seen": round(sum(w in words for w in hw) / max(1, len(hw)), 3),
-            "command_line_seen": round(sum(c in lines for c in hl) / max(1, len(hl)), 3),
-            "tasks_all_lines_seen": sum(all(c in lines for c in cmds) for _, cmds in held)}
 
 
 COPY_ITEMS = (3, 8)  # items per copy sample (this project's)

@@ -5,6 +5,19 @@ A family is rng -> spec: the instruction, the initial /app files, the tests [(na
 turns (analysis, plan, commands: the reference solution), the final analysis and the outputs the tests read.
 rst_extend(spec, family, rng, rounds) is RST's recursive rewriting: extend the executable path by one operation of
 RST_OPS, then append that step to the instruction. expert_replies(spec, text) are the expert's Terminus-2 replies.
+Every spec records its template: "family/kind" (the instruction template drawn: text/count, files/move or files/copy,
+perms/script or perms/modes, ...) plus "+op" per RST step ("text/count+gzip+backup"); data.write_task stores it.
+
+Vocabularies: every name and value a family or an RST op draws comes from the vocabulary its rng carries
+(VocabRandom(seed, vocab).vocab; a plain random.Random draws from TRAIN). TRAIN is the pools and shapes the
+generator always drew (word + 2 digits + .txt / .log / .key, suffixes _dir / _backup / ..., the csv numbers 10-89,
+its modes): a TRAIN draw is byte-identical to a random.Random draw of the same seed. UNSEEN shares no word, person,
+city, colour or column name with it, and its shapes differ: stems of word, '-' / '_' / nothing and 1 or 3 digits
+(quasar7, nimbus_204, obelisk-318), .dat / .rec / .pem for .txt / .log / .key, suffixes -folder / -spare / ...,
+numbers with one digit more, other modes. Kept in both, because the instruction or the tool relies on them: the log
+levels (ERROR / WARN / INFO / DEBUG, what grep counts), the extensions .csv / .json / .tar.gz / .gz / .sh (they say
+which tool reads the file), the csv / json keys name and city (the template's fields), mode 444 (read-only's
+meaning), and contents only a verifier reads (log lines' dates and numbers, the sum kind's columns).
 
 Departures from the paper (data.py numbers them 1 and 4):
 1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
@@ -21,10 +34,12 @@ Every expert command prints the same text in two runs of one seed (no clock, no 
 modes with `stat -c '%A %n'`, not `ls -l`). Until 2026-12-03 the static audit refused every draw of the perms
 family's modes kind (its files change in place: spec "edits"), so every perms task of earlier runs wrote a script.
 """
+import dataclasses
 import gzip
 import io
 import json
 import os
+import random
 import re
 import tarfile
 
@@ -42,18 +57,92 @@ DIFFICULTY = {"files": "easy", "text": "easy", "perms": "easy", "archive": "easy
               "csvjson": "medium", "find": "medium"}
 
 
+# --- vocabularies: where every name and value of a draw comes from -------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Vocab:
+    """The names and values a family or an RST op draws. `stem` draws a name's stem (maple42), `ext` maps a role's
+    extension to this vocabulary's, `suffix` a directory's role to its suffix; n3 / n4 draw a 3- / 4-digit-shaped
+    number (file contents, the grep and script words); `values` the csv/json numbers; the modes perms asks for."""
+    name: str
+    words: tuple
+    colors: tuple
+    people: tuple
+    cities: tuple
+    columns: tuple
+    values: range
+    key_modes: tuple
+    dir_modes: tuple
+    ext: dict
+    suffix: dict
+    stem: object
+    n3: object
+    n4: object
+
+
+def _train_stem(rng):  # word + 2 digits: maple42
+    return f"{rng.choice(TRAIN.words)}{rng.randint(10, 99)}"
+
+
+def _unseen_stem(rng):  # word, '-' / '_' / nothing, 1 or 3 digits: quasar7, obelisk-31 never (2 digits), nimbus_204
+    w, sep = rng.choice(UNSEEN.words), rng.choice(("-", "_", ""))
+    return f"{w}{sep}{rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(100, 999)}"
+
+
+TRAIN = Vocab("train", tuple(WORDS), tuple(COLORS), tuple(PEOPLE), tuple(CITIES), ("age", "score", "points"),
+              range(10, 90), ("600", "640", "400"), ("700", "750", "711"),
+              dict(txt="txt", log="log", key="key", sh="sh", csv="csv", json="json"),
+              dict(dir="_dir", private="_private", docs="_docs", files="_files", data="_data", backup="_backup"),
+              _train_stem, lambda rng: rng.randint(100, 999), lambda rng: rng.randint(1000, 9999))
+UNSEEN = Vocab("unseen",
+               ("quasar", "obelisk", "nimbus", "arbor", "basalt", "cobalt", "dynamo", "eclipse", "fathom", "gossamer",
+                "helix", "isotope", "jasper", "krypton", "lagoon", "mosaic", "nebula", "orbit", "prism", "quiver",
+                "rhombus", "saffron", "tarsus", "uplink", "vortex", "wombat", "xenon", "yonder", "zenith", "bramble"),
+               ("cyan", "mauve", "ochre", "khaki", "plum", "rust", "sepia", "slate", "taupe", "lilac"),
+               ("ada", "bo", "cyd", "dov", "elif", "fay", "gus", "hal", "ivo", "jade", "kit", "lars", "mona", "nils",
+                "ola", "pax", "quin", "rosa", "sven", "tess", "ugo", "vik", "wren"),
+               ("accra", "baku", "cusco", "dakar", "faro", "graz", "hanoi", "izmir", "kobe", "lyon"),
+               ("weight", "height", "votes"), range(100, 1000), ("660", "604", "440"), ("770", "705", "751"),
+               dict(txt="dat", log="rec", key="pem", sh="sh", csv="csv", json="json"),
+               dict(dir="-folder", private="-vault", docs="-papers", files="-unpacked", data="-store", backup="-spare"),
+               _unseen_stem, lambda rng: rng.randint(1000, 9999), lambda rng: rng.randint(10000, 99999))
+VOCABS = {"train": TRAIN, "unseen": UNSEEN}
+
+
+class VocabRandom(random.Random):
+    """A random.Random carrying the vocabulary its draws take names and values from (`.vocab`); a plain
+    random.Random draws from TRAIN. The same seed gives the same sequence of numbers as random.Random(seed)."""
+
+    def __init__(self, seed=None, vocab="train"):
+        if vocab not in VOCABS:
+            raise ValueError(f"VocabRandom: vocab must be one of {sorted(VOCABS)}, got {vocab!r}")
+        super().__init__(seed)
+        self.vocab = VOCABS[vocab]
+
+
+def vocab_of(rng) -> Vocab:
+    """The vocabulary rng draws from (TRAIN unless a VocabRandom says otherwise)."""
+    return getattr(rng, "vocab", TRAIN)
+
+
 # --- helpers for the families -----------------------------------------------------------------
-def _names(rng, k, ext, pool=WORDS):
-    """k distinct names like maple42.txt."""
+def _names(rng, k, ext):
+    """k distinct names like maple42.txt (the vocabulary's stems; ext: the role's extension, mapped by it)."""
+    v = vocab_of(rng)
     out = []
     while len(out) < k:
-        n = f"{rng.choice(pool)}{rng.randint(10, 99)}" + (f".{ext}" if ext else "")
+        n = v.stem(rng) + (f".{v.ext[ext]}" if ext else "")
         if n not in out:
             out.append(n)
     return out
 
 
-def _text(rng, n_lines, words=WORDS, per_line=(3, 6)):
+def _dir(rng, role):
+    """A new directory's name: a stem and the vocabulary's suffix for its role (maple42_backup)."""
+    return _names(rng, 1, "")[0] + vocab_of(rng).suffix[role]
+
+
+def _text(rng, n_lines, per_line=(3, 6)):
+    words = vocab_of(rng).words
     return "".join(" ".join(rng.choice(words) for _ in range(rng.randint(*per_line))) + "\n"
                    for _ in range(n_lines))
 
@@ -62,13 +151,14 @@ def _turn(analysis, plan, cmds):
     return dict(analysis=analysis, plan=plan, cmds=cmds)
 
 
-def _spec(instruction, files, tests, turns, done, outputs, edits=()):
+def _spec(instruction, files, tests, turns, done, outputs, edits=(), *, template):
     """A family's output: app files {relpath: str|bytes}, tests [(name, [lines])], expert turns
     (the solution is their commands), final analysis, outputs the tests read (named in the text), and which of them
     are app files the task changes in place (data.static_audit's "already in /app" rule skips those; the nop
-    check of data.validate is what shows a changed-in-place output is not already right)."""
+    check of data.validate is what shows a changed-in-place output is not already right); template: "family/kind",
+    the instruction template drawn (rst_extend appends "+op" per step)."""
     return dict(instruction=instruction, files=files, tests=tests, turns=turns, done=done,
-                outputs=outputs, edits=list(edits))
+                outputs=list(outputs), edits=list(edits), template=template)
 
 
 def _tgz(members):
@@ -88,9 +178,10 @@ def _tgz(members):
 
 # --- families (each: rng -> spec) ---------------------------------------------------------------
 def fam_files(rng):
-    d = _names(rng, 1, "")[0] + "_dir"
+    v = vocab_of(rng)
+    d = _dir(rng, "dir")
     f1, f2, f3, f4 = _names(rng, 4, "txt")
-    body = {f: f"{rng.choice(WORDS)} {rng.randint(100, 999)}\n" for f in (f1, f2, f3, f4)}
+    body = {f: f"{rng.choice(v.words)} {v.n3(rng)}\n" for f in (f1, f2, f3, f4)}
     op = rng.choice(["move", "copy"])
     tool = "mv" if op == "move" else "cp"
 
@@ -105,16 +196,18 @@ def fam_files(rng):
                    f"Create {d}, {op} the two files, remove {f3}.",
                    [f"mkdir {d}", f"{tool} {f1} {f2} {d}/", f"rm {f3}", f"ls {d}"])]
     ins = f"In /app, create the directory {d}, {op} {f1} and {f2} into it, and delete {f3}."
-    return _spec(ins, body, tests, turns, f"{f1} and {f2} are in {d} and {f3} is gone.", [d])
+    done = f"{f1} and {f2} are in {d} and {f3} is gone."
+    return _spec(ins, body, tests, turns, done, [d], template=f"files/{op}")
 
 
 def fam_text(rng):
+    v = vocab_of(rng)
     kind = rng.choice(["count", "uniq", "replace", "sum", "words"])
     src, out = _names(rng, 2, "txt")
     if kind == "count":
-        src = src[:-4] + ".log"
+        src = src.rsplit(".", 1)[0] + "." + v.ext["log"]
         lines = [f"2024-0{rng.randint(1, 9)}-{rng.randint(10, 28)} {rng.choice(LEVELS)} "
-                 f"{rng.choice(WORDS)} {rng.randint(1, 99)}" for _ in range(rng.randint(8, 16))]
+                 f"{rng.choice(v.words)} {rng.randint(1, 99)}" for _ in range(rng.randint(8, 16))]
         level = rng.choice(sorted({ln.split()[1] for ln in lines}))  # >= 1 match: grep -c exits 0
         n = sum(level in ln for ln in lines)
         files, cmd = {src: "\n".join(lines) + "\n"}, f"grep -c {level} {src} > {out}"
@@ -122,7 +215,7 @@ def fam_text(rng):
         checks = [("count_correct", [f"assert int(_read({out!r}).strip()) == {n}"])]
         done = f"{out} holds the count {n}."
     elif kind == "uniq":
-        pool = rng.sample(WORDS, rng.randint(4, 7))
+        pool = rng.sample(v.words, rng.randint(4, 7))
         words = [rng.choice(pool) for _ in range(rng.randint(10, 18))]
         files, cmd = {src: "\n".join(words) + "\n"}, f"sort -u {src} > {out}"
         ins = f"Write the unique lines of {src}, sorted, to {out}."
@@ -131,10 +224,10 @@ def fam_text(rng):
                   ("same_words", [f"assert set(_lines({out!r})) == set({sorted(set(words))!r})"])]
         done = f"{out} has the {len(set(words))} unique lines in order."
     elif kind == "replace":
-        old, new = rng.choice(WORDS), rng.choice(COLORS)
+        old, new = rng.choice(v.words), rng.choice(v.colors)
         content = _text(rng, rng.randint(5, 9))
         while old not in content:
-            content += f"{old} {rng.choice(WORDS)}\n"
+            content += f"{old} {rng.choice(v.words)}\n"
         want = content.replace(old, new)  # what sed 's/old/new/g' writes (literal words)
         files, cmd = {src: content}, f"sed 's/{old}/{new}/g' {src} > {out}"
         ins = f"Replace every {old} with {new} in {src} and save the result as {out}."
@@ -145,7 +238,7 @@ def fam_text(rng):
         done = f"{out} has every {old} replaced by {new}."
     elif kind == "sum":
         col = rng.choice([2, 3])
-        rows = [[rng.choice(PEOPLE), rng.randint(1, 50), rng.randint(1, 50)] for _ in range(rng.randint(4, 9))]
+        rows = [[rng.choice(v.people), rng.randint(1, 50), rng.randint(1, 50)] for _ in range(rng.randint(4, 9))]
         total = sum(r[col - 1] for r in rows)
         files = {src: "".join(f"{a} {b} {c}\n" for a, b, c in rows)}
         cmd = f"awk '{{s+=${col}}} END {{print s}}' {src} > {out}"
@@ -168,13 +261,14 @@ def fam_text(rng):
                 words="count the words in")[kind]
     turns = [_turn(f"I am in /app and need to {verb} {src}.", f"Run one command and check {out}.",
                    [cmd, f"cat {out}"])]
-    return _spec(ins, files, tests, turns, done, [out])
+    return _spec(ins, files, tests, turns, done, [out], template=f"text/{kind}")
 
 
 def fam_perms(rng):
+    v = vocab_of(rng)
     if rng.random() < 0.4:  # write a script and make it executable
         s = _names(rng, 1, "sh")[0]
-        w = f"{rng.choice(WORDS)}-{rng.randint(100, 999)}"
+        w = f"{rng.choice(v.words)}-{v.n3(rng)}"
         tests = [("script_exists", [f"assert os.path.isfile(A + '/{s}')"]),
                  ("script_executable", [f"assert _mode({s!r}) & stat.S_IXUSR"]),
                  ("script_prints_word", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, "
@@ -183,13 +277,13 @@ def fam_perms(rng):
         turns = [_turn(f"I need a script {s} in /app that prints {w}.", "Write it with printf, then chmod +x.",
                        [f"printf '#!/bin/sh\\necho {w}\\n' > {s}", f"chmod +x {s}", f"./{s}"])]
         ins = f"Create the script {s} in /app that prints {w}, and make it executable."
-        return _spec(ins, {}, tests, turns, f"{s} prints {w}.", [s])
+        return _spec(ins, {}, tests, turns, f"{s} prints {w}.", [s], template="perms/script")
     s = _names(rng, 1, "sh")[0]
     k, = _names(rng, 1, "key")
-    d = _names(rng, 1, "")[0] + "_private"
-    w = f"hello {rng.choice(WORDS)}"
-    km, dm = rng.choice(["600", "640", "400"]), rng.choice(["700", "750", "711"])
-    files = {s: f"#!/bin/sh\necho {w}\n", k: f"secret-{rng.randint(1000, 9999)}\n"}
+    d = _dir(rng, "private")
+    w = f"hello {rng.choice(v.words)}"
+    km, dm = rng.choice(v.key_modes), rng.choice(v.dir_modes)
+    files = {s: f"#!/bin/sh\necho {w}\n", k: f"secret-{v.n4(rng)}\n"}
     tests = [("script_executable", [f"assert _mode({s!r}) & stat.S_IXUSR"]),
              ("script_runs", [f"r = subprocess.run([A + '/{s}'], capture_output=True, text=True, timeout=10)",
                               f"assert r.stdout.strip() == {w!r}"]),
@@ -200,22 +294,24 @@ def fam_perms(rng):
                    "Use chmod and mkdir -m, then show the modes.",
                    [f"chmod +x {s}", f"chmod {km} {k}", f"mkdir -m {dm} {d}", f"stat -c '%A %n' {s} {k} {d}"])]
     ins = f"In /app, make {s} executable, set {k} to mode {km}, and create the directory {d} with mode {dm}."
-    return _spec(ins, files, tests, turns, f"Modes are set: {s} +x, {k} {km}, {d} {dm}.", [s, k, d], edits=[s, k])
+    return _spec(ins, files, tests, turns, f"Modes are set: {s} +x, {k} {km}, {d} {dm}.", [s, k, d], edits=[s, k],
+                 template="perms/modes")
 
 
 def fam_archive(rng):
+    v = vocab_of(rng)
     kind = rng.choice(["create", "extract", "gzip"])
-    members = {f: f"{rng.choice(WORDS)} {rng.randint(100, 999)}\n" for f in _names(rng, rng.randint(2, 3), "txt")}
+    members = {f: f"{rng.choice(v.words)} {v.n3(rng)}\n" for f in _names(rng, rng.randint(2, 3), "txt")}
     first = sorted(members)[0]
     a = _names(rng, 1, "")[0]
     if kind == "create":
-        d = _names(rng, 1, "")[0] + "_docs"
+        d = _dir(rng, "docs")
         path = f"A + '/{a}.tar.gz'"
         names = f"[n.lstrip('./') for n in tarfile.open({path}, 'r:gz').getnames()]"
         tests = [("archive_exists", [f"assert os.path.isfile({path})"]),
                  ("archive_is_tar_gz", [f"assert tarfile.open({path}, 'r:gz').getnames()"]),
                  ("archive_has_files", [f"assert {sorted(d + '/' + f for f in members)!r} == "
-                                        f"sorted(n for n in {names} if n.endswith('.txt'))"]),
+                                        f"sorted(n for n in {names} if n.endswith('.{v.ext['txt']}'))"]),
                  ("member_content", [f"t = tarfile.open({path}, 'r:gz')",
                                      f"m = [n for n in t.getnames() if n.endswith('{d}/{first}')][0]",
                                      f"assert t.extractfile(m).read().decode() == {members[first]!r}"])]
@@ -223,33 +319,36 @@ def fam_archive(rng):
                        [f"tar -czf {a}.tar.gz {d}", f"tar -tzf {a}.tar.gz"])]
         ins = f"Create the archive {a}.tar.gz in /app containing the directory {d}."
         files = {f"{d}/{f}": t for f, t in members.items()}
-        return _spec(ins, files, tests, turns, f"{a}.tar.gz holds {d}.", [f"{a}.tar.gz"])
+        return _spec(ins, files, tests, turns, f"{a}.tar.gz holds {d}.", [f"{a}.tar.gz"], template="archive/create")
     if kind == "extract":
-        out = _names(rng, 1, "")[0] + "_files"
+        out = _dir(rng, "files")
         tests = [("dir_created", [f"assert os.path.isdir(A + '/{out}')"])]
         tests += [(f"extracted_{i}", [f"assert _read('{out}/{f}') == {t!r}"])
                   for i, (f, t) in enumerate(sorted(members.items()))]
         turns = [_turn(f"I need to unpack {a}.tar.gz into a new directory {out}.", "Make the dir, extract with -C.",
                        [f"mkdir {out}", f"tar -xzf {a}.tar.gz -C {out}", f"ls {out}"])]
         ins = f"Extract {a}.tar.gz into the new directory {out} in /app."
-        return _spec(ins, {f"{a}.tar.gz": _tgz(members)}, tests, turns, f"{out} holds the files.", [out])
+        return _spec(ins, {f"{a}.tar.gz": _tgz(members)}, tests, turns, f"{out} holds the files.", [out],
+                     template="archive/extract")
     text = _text(rng, rng.randint(4, 8))
-    f = a + ".txt"
+    f = f"{a}.{v.ext['txt']}"
     tests = [("gz_exists", [f"assert os.path.isfile(A + '/{f}.gz')"]),
              ("gz_content", [f"assert gzip.open(A + '/{f}.gz').read().decode() == {text!r}"]),
              ("original_kept", [f"assert os.path.isfile(A + '/{f}.gz')", f"assert _read({f!r}) == {text!r}"])]
     turns = [_turn(f"I need to gzip {f} and keep the original.", "Use gzip -k.", [f"gzip -k {f}", "ls"])]
     ins = f"Compress {f} in /app with gzip and keep the original file."
-    return _spec(ins, {f: text}, tests, turns, f"{f}.gz exists and {f} is kept.", [f"{f}.gz"])
+    return _spec(ins, {f: text}, tests, turns, f"{f}.gz exists and {f} is kept.", [f"{f}.gz"],
+                 template="archive/gzip")
 
 
 def fam_csvjson(rng):
+    v = vocab_of(rng)
     kind = rng.choice(["filter", "sum", "jsonmax", "jsonlist"])
     out, = _names(rng, 1, "txt")
-    num = rng.choice(["age", "score", "points"])
-    people = rng.sample(PEOPLE, rng.randint(5, 9))
-    vals = rng.sample(range(10, 90), len(people))
-    rows = [dict(name=p, **{num: v}, city=rng.choice(CITIES)) for p, v in zip(people, vals)]
+    num = rng.choice(v.columns)
+    people = rng.sample(v.people, rng.randint(5, 9))
+    vals = rng.sample(v.values, len(people))
+    rows = [dict(name=p, **{num: x}, city=rng.choice(v.cities)) for p, x in zip(people, vals)]
     if kind in ("filter", "sum"):
         csv, = _names(rng, 1, "csv")
         cols = ["name"] + rng.sample([num, "city"], 2)
@@ -274,7 +373,7 @@ def fam_csvjson(rng):
             done = f"{out} holds the sum {sum(vals)}."
         act = _turn(f"I need the {num} column of {csv}; awk finds it by its name in the header.",
                     f"Use awk on the {num} column.", [cmd, f"cat {out}"])
-        return _spec(ins, files, tests, [act], done, [out])
+        return _spec(ins, files, tests, [act], done, [out], template=f"csvjson/{kind}")
     js, = _names(rng, 1, "json")
     files = {js: json.dumps(rows, indent=2) + "\n"}
     if kind == "jsonmax":
@@ -295,20 +394,21 @@ def fam_csvjson(rng):
         ins = f"Write the {field} of every entry in {js} to {out}, one per line."
         done = f"{out} has {len(want)} lines."
     turns = [_turn(f"{js} is a JSON list of objects.", "Use jq and check the output.", [cmd, f"cat {out}"])]
-    return _spec(ins, files, tests, turns, done, [out])
+    return _spec(ins, files, tests, turns, done, [out], template=f"csvjson/{kind}")
 
 
 def fam_find(rng):
+    v = vocab_of(rng)
     kind = rng.choice(["grep", "name", "largest"])
-    d = _names(rng, 1, "")[0] + "_data"
+    d = _dir(rng, "data")
     subs = _names(rng, 3, "")
     paths = [f"{d}/{rng.choice(subs)}/{f}" for f in _names(rng, rng.randint(4, 6), "txt")]
     files = {p: _text(rng, rng.randint(2, 5)) for p in paths}
     target = rng.choice(paths)
     if kind == "grep":
         out, = _names(rng, 1, "txt")
-        w = f"{rng.choice(WORDS).upper()}{rng.randint(100, 999)}"
-        files[target] += f"{rng.choice(WORDS)} {w}\n"
+        w = f"{rng.choice(v.words).upper()}{v.n3(rng)}"
+        files[target] += f"{rng.choice(v.words)} {w}\n"
         tests = [("output_exists", [f"assert os.path.isfile(A + '/{out}')"]),
                  ("has_word", [f"assert {w!r} in _read({out!r})"]),
                  ("same_content", [f"assert _read({out!r}) == {files[target]!r}"]),
@@ -317,7 +417,7 @@ def fam_find(rng):
         turns = [_turn(f"I must copy the file under {d} that has {w}.", f"grep -rl {w} names it; cp takes it.",
                        [f"cp $(grep -rl {w} {d}) {out}", f"cat {out}"])]
         ins = f"One file under {d} contains the word {w}. Copy that file to {out} in /app."
-        return _spec(ins, files, tests, turns, f"{out} is a copy of {target}.", [out])
+        return _spec(ins, files, tests, turns, f"{out} is a copy of {target}.", [out], template="find/grep")
     base = target.rsplit("/", 1)[1]
     if kind == "name":
         tests = [("file_in_app", [f"assert os.path.isfile(A + '/{base}')"]),
@@ -327,7 +427,7 @@ def fam_find(rng):
         turns = [_turn(f"I must move {base} from under {d} to /app.", "find -name gives its path to mv.",
                        [f"mv $(find {d} -name {base}) .", "ls"])]
         ins = f"Find the file named {base} under {d} and move it to /app."
-        return _spec(ins, files, tests, turns, f"{base} is now in /app.", [base])
+        return _spec(ins, files, tests, turns, f"{base} is now in /app.", [base], template="find/name")
     out, = _names(rng, 1, "txt")
     flat = {f"{d}/{p.rsplit('/', 1)[1]}": t for p, t in files.items()}  # one level: ls -S is enough
     big = rng.choice(sorted(flat))
@@ -341,18 +441,24 @@ def fam_find(rng):
     turns = [_turn(f"I must move the largest file in {d} to {out}.", "ls -S lists it first; mv takes it.",
                    [f"mv {d}/$(ls -S {d} | head -1) {out}", "ls"])]
     ins = f"Move the largest file in {d} to {out} in /app."
-    return _spec(ins, flat, tests, turns, f"{out} is the largest file from {d}.", [out])
+    return _spec(ins, flat, tests, turns, f"{out} is the largest file from {d}.", [out], template="find/largest")
 
 
 FAMILIES = {"files": fam_files, "text": fam_text, "perms": fam_perms, "archive": fam_archive,
             "csvjson": fam_csvjson, "find": fam_find}
+# the deepest chain rst_extend builds on a family's outputs where it is bounded: the files family's output is a
+# directory, which no op of RST_OPS takes; the archive's is a directory or a .gz file (backup and readonly only)
+RST_MAX_DEPTH = {"files": 0, "archive": 2}
 
 
+def rst_families(depth) -> tuple:
+    """The families whose tasks rst_extend can extend by `depth` steps."""
+    return tuple(f for f in FAMILIES if RST_MAX_DEPTH.get(f, depth) >= depth)
 
 
 # --- RST: recursive task synthesis (extend the executable path, then rewrite the instruction) -------------------
 def _op_backup(rng, o, fam):
-    d = _names(rng, 1, "")[0] + "_backup"
+    d = _dir(rng, "backup")
     b = os.path.basename(o)
     return (f"copy {o} into the new directory {d}", [f"mkdir {d}", f"cp {o} {d}/"],
             [(f"backup_dir_{d}", [f"assert os.path.isdir(A + '/{d}')"]),
@@ -387,7 +493,9 @@ def rst_extend(spec, family, rng, rounds):
     to an output file of the task so far (the newest first), then rewrite the instruction to ask for it ("...
     Then <step>."); the new step's commands become one more expert turn and its checks more tests. Every draft
     is verified by data.validate and rst.audit like any task (the oracle resolves; nop fails; a mutant without
-    any one step fails a test: weak_verifier). Returns a new spec; the seed spec is not changed."""
+    any one step fails a test: weak_verifier). Returns a new spec (its template: the seed's + "+<op>" per step
+    taken; fewer than `rounds` when the outputs run out of ops: rst_depth says how many); the seed spec is not
+    changed."""
     spec = dict(spec, tests=list(spec["tests"]), turns=list(spec["turns"]), outputs=list(spec["outputs"]))
     used = set()
     for _ in range(rounds):
@@ -401,11 +509,17 @@ def rst_extend(spec, family, rng, rounds):
         used.add((o, name))
         phrase, cmds, tests, outputs = op(rng, o, family)
         spec["instruction"] = f"{spec['instruction']} Then {phrase}."
+        spec["template"] = f"{spec['template']}+{name}"
         spec["tests"] += [(re.sub(r"\W", "_", n), lines) for n, lines in tests]  # test names: identifiers
         spec["turns"].append(_turn(f"Next I {phrase}.", f"Run {cmds[0].split()[0]}.", cmds))
         spec["outputs"] += outputs
         spec["done"] = f"{spec['done']} I also did: {phrase}."
     return spec
+
+
+def rst_depth(spec) -> int:
+    """The RST steps a spec carries (its template's "+<op>" parts)."""
+    return spec["template"].count("+")
 
 
 EXPERT_TEXTS = ("full", "terse", "restate")  # expert_replies' free text (train_t1 --expert-text)

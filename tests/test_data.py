@@ -638,7 +638,8 @@ def test_overlap_reports_how_new_the_heldout_tasks_are(pool):
     o = data.overlap(train, heldout)
     assert o["instructions_shared"] == 0 and 0 < o["word_seen"] < 1 and o["command_line_seen"] < 0.5
     same = data.overlap(train, train[:3])  # a pool against itself: everything seen
-    assert same == {"instructions_shared": 3, "word_seen": 1.0, "command_line_seen": 1.0, "tasks_all_lines_seen": 3}
+    assert same == {"instructions_shared": 3, "word_seen": 1.0, "command_line_seen": 1.0, "tasks_all_lines_seen": 3,
+                    "templates_shared": 1.0, "names_seen": 1.0}
 
 
 # --- RST: recursive task synthesis -------------------------------------------------------------------------
