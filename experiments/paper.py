@@ -1,17 +1,18 @@
 """The paper's comparisons in miniature (the paper's ablations): every arm's RL phase from one shared SFT checkpoint
-and warmed critic, then one report with the paper's figure beside ours.
+and warmed critic, then one report with the paper's figure beside ours (experiments/claims.py: the table, its
+tests and pictures).
 
     bash run.sh paper [--quick] [--seeds 3] [--arms ppo binary grpo cold cold_default r3off] [-- train_t1 flags]
     python -m experiments.paper run --out runs/paper [--quick | --full] [--seeds N] [--seed S] [--rl-steps N]
-                                    [--results FILE] [-- train_t1 flags]
+                                    [--sft-per-seed] [--results FILE] [-- train_t1 flags]
     python -m experiments.paper report runs/paper    # the report again from the run directories
 
 OUT/shared is a train_t1.py run with --rl-steps 0 (tasks, base phase, SFT, the base and SFT evaluations, the critic
 warm-up). Each arm x seed is its own train_t1.py run directory OUT/<arm>-s<seed>, started from a copy of the shared
 state (the same tasks and S, the base and SFT checkpoints and evaluations, and the warmed critic, except for the cold
 arm, which has none, and the binary arm, which warms its critic on its own reward), so that arms differ only in their
-RL phase and are evaluated on the same held-out tasks: paired tests over tasks (McNemar on the discordant tasks
-pooled over seeds; train_t1's bootstrap for the mean reward) beside the interval over seeds. Every arm runs in its
+RL phase and are evaluated on the same held-out tasks. --sft-per-seed: a shared run per seed instead, OUT/shared-s<s>
+(its own tasks, base and SFT), which arm seed s starts from. Every arm runs in its
 own process, one after the other (2 cores): a crash fails that arm and is reported, the others go on; after a kill
 the same command resumes (a finished arm, one with summary.json, is kept; an unfinished one resumes from its last
 checkpoint).
@@ -28,8 +29,8 @@ Arms (ARMS; the flags they add to the shared preset):
 
 After the arms, TITO vs naive re-tokenisation (tito_step: `python -m experiments.bench tito`, with the shared SFT
 model sampling, and with a random-init model whose token sequences are not canonical) fills the TITO row; the dense
-vs binary claim is also tested on the hard slice (held-out tasks with >= HARD_MIN assertions, where full solves are
-rare; the table says so when the pool has none).
+vs binary claim is also tested on the hard slice (held-out tasks with >= claims.HARD_MIN assertions, where full
+solves are rare; the table says so when the pool has none).
 
 Every arm runs the preset's RL settings: with --full that is rollouts at T = 0.7 and a KL of 0.05 to SFT
 (train_t1.FULL, not the paper's T = 1 without KL), the same for every arm. With --n-val-tasks N passed to train_t1,
@@ -39,17 +40,19 @@ vs SFT a claim row; the arms' comparisons stay at their last step (the paper com
 Choices where the paper is silent: arms run sequentially, seed by seed (every arm's seed 0, then every arm's seed 1,
 ...); the default is 3 seeds per arm; the interval of an arm is mean +- t * sd / sqrt(n) over its seeds, clipped to
 [0, 1], or the Wilson interval of the seeds' trials pooled where that is wider (Wilson's alone for one seed);
-"agrees" in the table means the difference has the paper's sign and the paired test gives p < 0.05, "disagrees" the
-opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise. The paired test holds the two
-trained models fixed: it does not see how much another RL seed would move an arm, so one seed's verdicts are not the
-paper's claims tested. --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its
+every test is experiments/seeds.py's seed-blocked sign-flip permutation of the tasks' paired differences (pass@1
+with the attempts averaged; two-sided here): an arm against ppo seed by seed, RL against its own seed's SFT (arms
+from one shared SFT: that SFT counted once, never once per seed); "agrees" means the paper's sign at p < 0.05,
+"disagrees" the opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise; rows with no test
+(R3's dlogp, TITO's drift) give their spread over seeds and no verdict; each row names its split. The test holds
+the trained models fixed: it does not see how much another seed would move an arm (the per-seed figures and the
+interval do). --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its
 report is written to OUT/report.md only (the real run also appends it to --results,
 results/LOG.md by default: the dated log; RESULTS.md holds only the headline tables).
 """
 import argparse
 import datetime
 import json
-import math
 import shutil
 import subprocess
 import sys
@@ -80,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--rl-steps", type=int, default=None, help="RL steps per arm (default: %(default)s, the preset's)")
     r.add_argument("--seed", type=int, default=None, help="the shared run's seed (tasks, base, SFT); arm seed s runs "
                    "with it + s (default: %(default)s, the preset's)")
+    r.add_argument("--sft-per-seed", action="store_true", help="a shared phase per seed (OUT/shared-s<s>: its own "
+                   "tasks, base and SFT), so that RL vs SFT counts the SFT's seed variance too")
     r.add_argument("--results", default="results/LOG.md",
                    help="the dated log the report is appended to (not with --quick)")
     r.add_argument("rest", nargs=argparse.REMAINDER, help="-- then flags for every train_t1.py run")
@@ -91,10 +96,7 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     ARGV = build_parser().parse_args()  # --help and bad flags answer here, before the project modules load
 
-import numpy as np  # noqa: E402
-
-from report import mcnemar_p, paired, wilson  # noqa: E402
-from sandbox import task_io  # noqa: E402
+from experiments.claims import report, shared_runs  # noqa: E402
 from rundir import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, ...
@@ -103,8 +105,6 @@ OWNED = {"--reward-mode", "--advantage", "--samples-per-task", "--critic-warmup-
          "--r3-mode", "--rl-steps", "--seed", "--run-dir"}  # the flags experiments/paper.py sets: refused after --
 OWN_WARMUP = ("cold", "cold_default", "binary")  # the cold ones: no warm-up (their flag); binary: on its own reward
 SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
-HARD_MIN = 8  # the hard slice: held-out tasks with >= 8 assertions, where full solves are rare (dense reward's case)
-T_975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}  # t quantiles
 
 
 def train_cmd(preset: list, run_dir: Path, extra: list) -> list:
@@ -162,22 +162,33 @@ def seed_arm(shared: Path, arm_dir: Path, arm: str) -> None:
     write_atomic(arm_dir / "state.json", json.dumps(dict(state, step=0, phase_times={}), indent=1))  # last: the mark
 
 
-def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list,
-        seed: int | None = None) -> dict:
-    """The shared phase (train_t1's --seed `seed`: the tasks, base, SFT; the preset's when None), then every arm x
-    seed (sequentially; arm seed s runs with the shared seed + s); -> {name: exit code}."""
-    shared = out / "shared"
+def shared_phase(shared: Path, preset: list, passthrough: list, seed: int | None) -> tuple:
+    """A train_t1.py run with --rl-steps 0 in `shared` (tasks, base, SFT, their evaluations, the critic warm-up),
+    kept when finished; -> (its state, its args). A finished one of another seed is refused (its arms would pair
+    other tasks)."""
     own = ["--seed", str(seed)] if seed is not None else []
     if not (shared / "summary.json").exists():
         code = run_logged(train_cmd(preset, shared, ["--rl-steps", "0", *own, *passthrough]), shared, 0,
-                          "shared: SFT")
+                          f"{shared.name}: SFT")
         if code:
             raise RuntimeError(f"the shared phase failed (exit {code}): {shared / 'stdout.log'}")
-    st = json.loads((shared / "state.json").read_text())
     args = json.loads((shared / "args.json").read_text())  # the shared run's: its rl_steps is 0, not the arms'
     if seed is not None and args["seed"] != seed:
         raise ValueError(f"--seed {seed}: the shared run in {shared} has seed {args['seed']} (its tasks and SFT); "
                          "pass that seed or another --out")
+    return json.loads((shared / "state.json").read_text()), args
+
+
+def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, passthrough: list,
+        seed: int | None = None, sft_per_seed: bool = False) -> dict:
+    """The shared phase (train_t1's --seed `seed`: the tasks, base, SFT; the preset's when None), then every arm x
+    seed (sequentially; arm seed s runs with the shared seed + s); sft_per_seed: a shared phase per seed instead,
+    OUT/shared-s<s> with the seed + s (its own tasks, base and SFT), which arm seed s starts from; -> {name: exit
+    code}."""
+    if (out / "shared").exists() and sft_per_seed or not sft_per_seed and any(out.glob("shared-s*")):
+        raise ValueError(f"{out}: its shared runs are {'one for all seeds' if sft_per_seed else 'one per seed'}: "
+                         "pass the --sft-per-seed of the run that made them, or another --out")
+    st, args = shared_phase(out / ("shared-s0" if sft_per_seed else "shared"), preset, passthrough, seed)
     steps = preset_steps(preset, passthrough) if rl_steps is None else rl_steps
     if steps < 1:
         raise ValueError(f"the preset {preset} {passthrough} has rl_steps = {steps}: pass --rl-steps N (>= 1)")
@@ -189,6 +200,9 @@ def run(out: Path, preset: list, arms: list, seeds: int, rl_steps: int | None, p
           flush=True)
     codes = {}
     for s in range(seeds):  # seed-major: every arm has a seed before any has two (a run cut short covers them all)
+        shared = out / (f"shared-s{s}" if sft_per_seed else "shared")
+        if sft_per_seed and s:
+            shared_phase(shared, preset, passthrough, args["seed"] + s)
         for arm in arms:
             name, d = f"{arm}-s{s}", out / f"{arm}-s{s}"
             if (d / "summary.json").exists() and json.loads((d / "summary.json").read_text())["rl_steps"] >= steps:
@@ -214,7 +228,7 @@ def tito_step(out: Path, quick: bool) -> int:
         return 0
     t0, work, procs = time.time(), out / "tito-work", {}
     work.mkdir(parents=True, exist_ok=True)
-    for name, ckpt in (("sft", ["--ckpt", str(out / "shared" / "ckpt" / "sft")]), ("random", [])):
+    for name, ckpt in (("sft", ["--ckpt", str(shared_runs(out)[0] / "ckpt" / "sft")]), ("random", [])):
         cmd = [sys.executable, "-m", "experiments.bench", "tito", *(["--quick"] if quick else []),
                *ckpt, "--work-dir", str(work / name)]
         print(f"[paper] TITO vs naive re-tokenisation through the gateway (bench tito, {name} model)", flush=True)
@@ -233,245 +247,6 @@ def tito_step(out: Path, quick: bool) -> int:
         return code
     write_atomic(out / "tito.json", json.dumps(dict(res, wall_s=time.time() - t0), indent=1))
     return 0
-
-
-# --- the report --------------------------------------------------------------------------------------------
-def _interval(evals: list) -> tuple:
-    """Mean solve rate of evaluations (one per seed) and its 95% interval: the wider of the t interval over the seeds
-    (clipped to [0, 1]) and the Wilson interval of all their trials pooled (seeds that agree give a t interval of
-    width 0, yet each still scored a sample of held-out tasks); one seed: its Wilson interval."""
-    xs = [e["solve_rate"] for e in evals]
-    m, lo, hi = float(np.mean(xs)), float("nan"), float("nan")
-    if all(e.get("trials") for e in evals):
-        lo, hi = wilson(sum(t["resolved"] for e in evals for t in e["trials"]),
-                              sum(e["n_trials"] for e in evals))
-    if len(xs) > 1:
-        h = T_975.get(len(xs) - 1, 1.96) * float(np.std(xs, ddof=1)) / math.sqrt(len(xs))
-        lo, hi = np.nanmin([lo, max(m - h, 0.0)]), np.nanmax([hi, min(m + h, 1.0)])
-    return m, float(lo), float(hi)
-
-
-def _metrics(d: Path) -> list:
-    p = d / "metrics.jsonl"
-    return [r for r in (json.loads(l) for l in open(p)) if r["phase"] == "rl"] if p.exists() else []
-
-
-def collect(out: Path) -> dict:
-    """Every finished arm run under out: {arm: [{seed, summary, rl metrics rows, wall_s}]}."""
-    arms = {}
-    for d in sorted(out.glob("*-s*")):
-        arm, _, seed = d.name.rpartition("-s")
-        if arm not in ARMS or not (d / "summary.json").exists():
-            continue
-        sm = json.loads((d / "summary.json").read_text())
-        arms.setdefault(arm, []).append(dict(seed=int(seed), summary=sm, rl=_metrics(d),
-                                             wall_s=sum(sm["phase_times"].values())))  # the arm's own phases
-    return arms
-
-
-def only(ev: dict, tasks: set | None) -> dict:
-    """An evaluation restricted to the trials of `tasks` (None: all)."""
-    return ev if tasks is None else dict(ev, trials=[t for t in ev.get("trials", []) if t["task"] in tasks])
-
-
-def pooled(pairs: list, tasks: set | None = None) -> dict:
-    """[(evaluation a, evaluation b)] over the same held-out tasks -> b vs a: solved gained / lost pooled over the
-    pairs, exact McNemar on the pooled discordant tasks, the mean reward difference; {} without per-trial rows.
-    tasks: only these held-out tasks (the hard slice)."""
-    pairs = [(only(x, tasks), only(y, tasks)) for x, y in pairs]
-    ts = [paired(x, y) for x, y in pairs if x.get("trials") and y.get("trials")]
-    if not ts:
-        return {}
-    g, l = sum(t["solved_gained"] for t in ts), sum(t["solved_lost"] for t in ts)
-    return dict(gained=g, lost=l, mcnemar_p=mcnemar_p(g, l),
-                reward_diff=float(np.mean([t["reward_diff"] for t in ts])), n_pairs=len(ts))
-
-
-def compare(a: list, b: list, tasks: set | None = None) -> dict:
-    """Arm b vs arm a over the seeds both have (paired over the same held-out tasks): pooled()."""
-    by = {r["seed"]: r for r in a}
-    return pooled([(by[r["seed"]]["summary"]["eval_rl"], r["summary"]["eval_rl"]) for r in b if r["seed"] in by],
-                  tasks)
-
-
-def assertion_counts(out: Path) -> dict | None:
-    """{held-out task name: its assertion count} from the shared run's task directories (paths as the run wrote
-    them, relative to where it ran); None when they are not found from here."""
-    st = json.loads((out / "shared" / "state.json").read_text()) if (out / "shared" / "state.json").exists() else {}
-    dirs = [Path(d) for d in st.get("tasks", {}).get("heldout", [])]
-    if not dirs or not all((d / "task.toml").exists() for d in dirs):
-        return None
-    return {d.name: task_io.load_task(str(d)).n_assertions for d in dirs}
-
-
-def verdict(diff: float, paper_sign: int, p: float) -> str:
-    """The paper's direction and p < 0.05: agrees; the opposite direction and p < 0.05: disagrees; else n.s."""
-    if diff == 0 or math.isnan(diff):
-        return "no difference"
-    if (diff > 0) != (paper_sign > 0):
-        return "disagrees" if p < 0.05 else "opposite sign, n.s."
-    return "agrees" if p < 0.05 else "same sign, n.s."
-
-
-def report(out: Path) -> str:
-    """The claims table (markdown) and the three pictures, from the run directories under out."""
-    if not (out / "shared" / "summary.json").is_file():
-        raise FileNotFoundError(f"{out / 'shared' / 'summary.json'}: no finished shared run under {out} ("
-                                f"`python -m experiments.paper run --out {out}` makes one)")
-    arms = collect(out)
-    shared = json.loads((out / "shared" / "summary.json").read_text())
-    lines = [f"### The paper's claims in miniature ({out}, {datetime.date.today()})", "",
-             "| arm | seeds | held-out solve rate [95% CI] | mean reward | RL steps | wall time / seed (s) |",
-             "|---|---|---|---|---|---|"]
-    for k in ("eval_base", "eval_sft"):
-        e = shared.get(k)
-        if e and e.get("n_trials"):
-            m, lo, hi = _interval([e])
-            wall = sum(shared["phase_times"].values()) if k == "eval_sft" else "-"  # the whole shared run
-            lines.append(f"| {k[5:].upper()} (shared) | - | {m:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} | 0 "
-                         f"| {wall if isinstance(wall, str) else f'{wall:.0f}'} |")
-    for arm, runs in arms.items():
-        m, lo, hi = _interval([r["summary"]["eval_rl"] for r in runs])
-        rw = np.mean([r["summary"]["eval_rl"]["reward_mean"] for r in runs])
-        each = "" if len(runs) < 2 else "; per seed " + ", ".join(f"{r['summary']['eval_rl']['solve_rate']:.3f}"
-                                                               for r in runs)
-        lines.append(f"| {arm} | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}]{each} | {rw:.3f} | "
-                     f"{runs[0]['summary']['rl_steps']} | {np.mean([r['wall_s'] for r in runs]):.0f} |")
-        best = [r["summary"].get("eval_rl_best_val") for r in runs]
-        if all(best):  # --n-val-tasks: held-out at the step each seed's validation set chose
-            m, lo, hi = _interval(best)
-            lines.append(f"| {arm}@val | {len(runs)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | "
-                         f"{np.mean([b['reward_mean'] for b in best]):.3f} | {', '.join(str(b['step']) for b in best)} "
-                         f"(chosen) | - |")
-    n = (shared.get("eval_sft") or {}).get("n_trials", 0)
-    tito_res = json.loads((out / "tito.json").read_text()) if (out / "tito.json").exists() else None  # tito_step's
-    walls = dict(shared=sum(shared.get("phase_times", {}).values()),
-                 arms=sum(r["wall_s"] for runs in arms.values() for r in runs),
-                 tito=(tito_res or {}).get("wall_s", 0.0))
-    lines += ["", f"Time: {sum(walls.values()) / 60:.0f} min of phases in all (shared run {walls['shared'] / 60:.0f}, "
-              f"{sum(len(r) for r in arms.values())} arm runs {walls['arms'] / 60:.0f}, TITO measurement "
-              f"{walls['tito'] / 60:.0f}; process start-up and checkpoint copies not counted).",
-              "", f"Held-out tasks: {n} (the same for every arm). Claims (ours vs the paper's):", "",
-              "| claim | paper | ours | verdict |", "|---|---|---|---|"]
-    ppo = arms.get("ppo", [])
-
-    def arm_vs_ppo(arm, paper, label):  # the paper: ppo above the arm
-        c = compare(arms.get(arm, []), ppo)
-        if not c:
-            return lines.append(f"| {label} | {paper} | not run | - |")
-        lines.append(f"| {label} | {paper} | ppo vs {arm}: solved +{c['gained']} -{c['lost']} over {c['n_pairs']} "
-                     f"seed pairs, McNemar p = {c['mcnemar_p']:.3g}; mean reward {c['reward_diff']:+.3f} | "
-                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
-    c = pooled([(shared.get("eval_sft") or {}, r["summary"]["eval_rl"]) for r in ppo])
-    if c:
-        lines.append(f"| RL beats SFT on held-out | 49.4 -> 64.0 | solved +{c['gained']} -{c['lost']} over "
-                     f"{c['n_pairs']} seeds, McNemar p = {c['mcnemar_p']:.3g} | "
-                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
-    best = [r["summary"].get("eval_rl_best_val") for r in ppo]
-    c = pooled([(shared.get("eval_sft") or {}, b) for b in best]) if ppo and all(best) else {}
-    if c:
-        lines.append(f"| RL beats SFT on held-out, at the step validation chose | 49.4 -> 64.0 | solved "
-                     f"+{c['gained']} -{c['lost']} over {c['n_pairs']} seeds, McNemar p = {c['mcnemar_p']:.3g} | "
-                     f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |")
-    arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")
-    counts = assertion_counts(out)
-    label = f"dense beats binary on the hard slice (>= {HARD_MIN} assertions)"
-    if counts is None:
-        lines.append(f"| {label} | dense 64.0 vs binary 47.2 | the held-out task directories are not found from "
-                     f"here | - |")
-    elif arms.get("binary") and ppo:
-        hard = {k for k, v in counts.items() if v is not None and v >= HARD_MIN}
-        c = compare(arms["binary"], ppo, hard) if hard else {}
-        lines.append(f"| {label} | dense 64.0 vs binary 47.2 | " + (
-            f"{len(hard)} of {len(counts)} held-out tasks: ppo vs binary solved +{c['gained']} -{c['lost']}, McNemar "
-            f"p = {c['mcnemar_p']:.3g}; mean reward {c['reward_diff']:+.3f} | "
-            f"{verdict(c['gained'] - c['lost'], +1, c['mcnemar_p'])} |" if c else
-            f"none of the {len(counts)} held-out tasks has >= {HARD_MIN} assertions (most: "
-            f"{max((v for v in counts.values() if v is not None), default=0)}) | - |"))
-    arm_vs_ppo("grpo", "PPO 64.0 vs GRPO 51.7", "PPO with a critic beats GRPO")
-    fails = [r.get("all_fail_group_frac") for run in arms.get("grpo", []) for r in run["rl"]]
-    fails = [f for f in fails if f is not None]
-    if fails:
-        lines.append(f"| GRPO: groups where every sample failed | (the paper's reason) | {np.mean(fails):.2f} of "
-                     f"groups per step | - |")
-    for arm, label in (("ppo", "warm"), ("cold", "cold (zero head)"), ("cold_default", "cold (random head)")):
-        ev = [r.get("explained_variance") for run in arms.get(arm, []) for r in run["rl"]]
-        ev = [e for e in ev if e is not None and not math.isnan(e)]
-        if ev:
-            paper = "EV 0.71-0.86" if arm == "ppo" else "EV from -33.6, 30 of 58 steps < 0"
-            tr = [[r.get("explained_variance_traj", float("nan")) for r in run["rl"][:4]] for run in arms[arm]]
-            tr = [e for run in tr for e in run if not math.isnan(e)]  # one point per trajectory, first 4 steps
-            lines.append(f"| critic EV per update, {label} start | {paper} | {min(ev):.2f} .. {max(ev):.2f}, first "
-                         f"{ev[0]:.2f}, {sum(e < 0 for e in ev)} of {len(ev)} updates < 0" +
-                         (f"; per trajectory over the first 4 steps {min(tr):.2f} .. {max(tr):.2f}" if tr else "") +
-                         " | - |")
-    arm_vs_ppo("cold", "warm-up helps", "Critic Warm-Up helps held-out (vs a zero head)")
-    arm_vs_ppo("cold_default", "warm-up helps", "Critic Warm-Up helps held-out (vs a random head)")
-    rows = [r for run in ppo for r in run["rl"]]
-    pair = [r for r in rows if math.isfinite(r.get("dlogp_r3_off", float("nan")))]  # steps that ran the diagnostic
-    if pair:  # (--r3-off-every K: one step in K), both means over the same steps
-        on, off = np.mean([r["dlogp"] for r in pair]), np.mean([r["dlogp_r3_off"] for r in pair])
-        lines.append(f"| R3 cuts abs(dlogp) | 0.021 -> 0.013 | {off:.4f} -> {on:.4f} (same batches, R3 off / on) | "
-                     f"{verdict(off - on, +1, 0.0)} |")
-    if rows:
-        drift = np.mean([r.get("tito_drift_pct", float("nan")) for r in rows])
-        lines.append(f"| TITO: loss-region drift | 0.0000% | {drift:.4f}% | - |")
-    arm_vs_ppo("r3off", "R3 stabilises training", "R3 on beats R3 off on held-out")
-    if tito_res is not None:
-        t = tito_res
-        (nv, tt), (rn, rt) = ((t[k]["naive"], t[k]["tito"]) for k in ("sft", "random"))
-        lines.append(f"| TITO vs naive re-tokenisation: loss-region drift | TITO 0.0000% (naive: paper silent) | the "
-                     f"SFT model at T = 1: naive {nv['loss_region_drift_pct']:.4f}% vs TITO "
-                     f"{tt['loss_region_drift_pct']:.4f}% ({tt['turns']} turns of {t['sft']['tasks']} tasks through "
-                     f"the gateway; TITO's boundary cases {', '.join(f'{k} {v}' for k, v in tt['cases'].items())}); "
-                     f"a random-init model: naive {rn['loss_region_drift_pct']:.4f}% vs TITO "
-                     f"{rt['loss_region_drift_pct']:.4f}% | "
-                     f"{verdict(nv['loss_region_drift_pct'] - tt['loss_region_drift_pct'], +1, 0.0)} |")
-    else:
-        lines.append("| TITO vs naive re-tokenisation: loss-region drift | TITO 0.0000% | not run (or failed: "
-                     "tito-work/*.stderr.log) | - |")
-    unfinished = sorted(d.name for d in out.glob("*-s*") if (d / "state.json").exists()
-                        and not (d / "summary.json").exists())
-    if unfinished:
-        lines += ["", f"Failed or unfinished arm runs (not in the table; their stdout.log): {', '.join(unfinished)}"]
-    text = "\n".join(lines) + "\n"
-    (out / "report.md").write_text(text)
-    plots(out, arms)
-    return text
-
-
-def plots(out: Path, arms: dict) -> None:
-    """reward.png (training reward r = P / S per arm, the binary arm's too: reward_dense_mean; runs before it was
-    logged plot reward_mean), ev.png (EV per update, warm vs cold), dlogp.png (R3 on vs off)."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    def curve(ax, runs, key, label):
-        def finite(r):  # a step without the value (None, or NaN: the R3-off diagnostic every K steps) is left out
-            return r.get(key) is not None and math.isfinite(r[key])
-        steps = sorted({r["step"] for run in runs for r in run["rl"] if finite(r)})
-        ys = [np.mean([r[key] for run in runs for r in run["rl"] if r["step"] == s and finite(r)]) for s in steps]
-        ax.plot(steps, ys, marker=".", label=label)
-    for name, keys in (("reward", [(a, "reward_dense_mean" if any("reward_dense_mean" in r for run in arms[a]
-                                                               for r in run["rl"]) else "reward_mean", a)
-                                   for a in arms]),
-                       ("ev", [(a, k, f"{a}{t}") for a in ("ppo", "cold", "cold_default") if a in arms
-                               for k, t in (("explained_variance", ""), ("explained_variance_traj", " per trajectory"))
-                               if any(r.get(k) is not None for run in arms[a] for r in run["rl"])]),
-                       ("dlogp", [("ppo", "dlogp", "R3 on"), ("ppo", "dlogp_r3_off", "R3 off")] if "ppo" in arms
-                        else [])):
-        fig, ax = plt.subplots(figsize=(6, 4))
-        for arm, key, label in keys:
-            curve(ax, arms[arm], key, label)
-        ax.set_xlabel("RL step")
-        ax.set_title({"reward": "training reward r = P / S per arm", "ev": "critic EV: warm vs cold",
-                      "dlogp": "abs(dlogp) of the ppo arm: R3 on vs off"}[name])
-        if keys:
-            ax.legend()
-        fig.tight_layout()
-        fig.savefig(out / f"{name}.png", dpi=80)
-        plt.close(fig)
 
 
 def add_log_entry(path: Path, title: str, text: str) -> None:
@@ -507,7 +282,7 @@ def main(argv=None) -> None:
     owned = sorted({f.split("=")[0] for f in rest if f.split("=")[0] in OWNED})
     if owned:  # after the arm's flags they would win (argparse: the last one), every arm the same: no comparison
         p.error(f"flags after --: {owned} are set per arm or run (--arms, --seeds, --rl-steps, --out)")
-    codes = run(out, preset, a.arms, seeds, a.rl_steps, rest, a.seed)
+    codes = run(out, preset, a.arms, seeds, a.rl_steps, rest, a.seed, a.sft_per_seed)
     text = report(out)
     print(text)
     if not a.quick and a.results:

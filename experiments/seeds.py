@@ -255,7 +255,8 @@ def format_report(rep: dict) -> str:
                f"{p['n_trials'][1]}")
         for name, what in (("solve", "solve rate (pass@1, attempts averaged per task)"), ("reward", "mean reward")):
             out.append(f"- pooled {what}: SFT {p[f'sft_{name}']:.3f} -> RL {p[f'rl_{name}']:.3f}, gain "
-                       f"{p[f'gain_{name}']:+.3f} {_ci(*p[f'gain_{name}_ci'], p['n_seeds'])}; seed-blocked sign-flip test of RL > SFT ({rep['n_perm']} draws): "
+                       f"{p[f'gain_{name}']:+.3f} {_ci(*p[f'gain_{name}_ci'], p['n_seeds'])}; seed-blocked sign-flip "
+                       f"test of RL > SFT ({rep['n_perm']} draws): "
                        f"p = {p[f'p_{name}']:.3g}; {err}")
         out.append("")
     return "\n".join(out)

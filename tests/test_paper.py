@@ -1,5 +1,6 @@
-"""experiments/paper.py: the report from arm run directories (synthetic ones, by hand), the verdicts, and
-the quick form end to end (a shared SFT run, two arms, resume, the report and its pictures)."""
+"""experiments/paper.py and its report (experiments/claims.py): the report from arm run directories (synthetic
+ones, by hand), the verdicts, each seed's RL paired with its own seed's SFT, and the quick form end to end (a shared
+SFT run, two arms, resume, the report and its pictures)."""
 import dataclasses
 import json
 import os
@@ -7,16 +8,18 @@ import shutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from experiments import paper
+from experiments import claims, paper, seeds
 import report
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _ev(solved: list) -> dict:
-    return {"n_trials": len(solved), "solve_rate": sum(solved) / len(solved), "reward_mean": sum(solved) / len(solved),
+    return {"n_trials": len(solved), "n_errors": 0, "solve_rate": sum(solved) / len(solved),
+            "reward_mean": sum(solved) / len(solved),
             "turns_mean": 3.0, "trials": [{"task": f"h{i}", "attempt": 0, "resolved": bool(s), "reward": float(s)}
                                           for i, s in enumerate(solved)]}
 
@@ -45,16 +48,17 @@ def _tasks(root, counts: list) -> list:
 
 
 def test_verdicts():
-    assert paper.verdict(+5, +1, 0.01) == "agrees"
-    assert paper.verdict(+5, +1, 0.2) == "same sign, n.s."
-    assert paper.verdict(-5, +1, 0.01) == "disagrees"
-    assert paper.verdict(-5, +1, 0.2) == "opposite sign, n.s."
-    assert paper.verdict(0, +1, 1.0) == "no difference"
+    assert claims.verdict(+5, +1, 0.01) == "agrees"
+    assert claims.verdict(+5, +1, 0.2) == "same sign, n.s."
+    assert claims.verdict(-5, +1, 0.01) == "disagrees"
+    assert claims.verdict(-5, +1, 0.2) == "opposite sign, n.s."
+    assert claims.verdict(0, +1, 1.0) == "no difference"
 
 
 def test_report_from_run_directories(tmp_path):
-    """40 held-out tasks: SFT solves 10, ppo 30 (+20 -0: McNemar p = 2 / 2^20), binary 12, grpo 31 (one more than
-    ppo), cold with negative EV; the table says which claims hold and the pictures are written."""
+    """40 held-out tasks: SFT solves 10, ppo 30 (+20 -0: the sign-flip p two-sided 2 / 2^20, the draws' floor
+    2 / 10001), binary 12, grpo 31 (one more than ppo), cold with negative EV; the table says which claims hold, on
+    which split, and the pictures are written; the rows without a test (R3's dlogp, TITO) give no verdict."""
     (tmp_path / "shared").mkdir()
     sft = [1] * 10 + [0] * 30
     (tmp_path / "shared" / "summary.json").write_text(json.dumps(
@@ -81,15 +85,17 @@ def test_report_from_run_directories(tmp_path):
         one["naive"], loss_region_drift_pct=70.5))}))
     text = paper.report(tmp_path)
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
-    assert "8 of 40 held-out tasks: ppo vs binary solved +8 -0, McNemar p = 0.00781" in lines[hard]
+    assert "| test (in-template) | dense 64.0 vs binary 47.2 | 8 of 40 held-out tasks: ppo - binary: solve rate " \
+        "+1.000, tasks +8 -0 over 1 seed(s), seed-blocked sign-flip p = 0.008" in lines[hard]  # exact: 2 / 2^8
     assert lines[hard].endswith("| agrees |")
     tito_row = lines["TITO vs naive re-tokenisation: loss-region drift"]
     assert "naive 1.2500% vs TITO 0.0000%" in tito_row and "retokenized 3" in tito_row
     assert "random-init model: naive 70.5000% vs TITO 0.0000%" in tito_row
-    assert tito_row.endswith("| agrees |")
-    assert "solved +20 -0" in lines["RL beats SFT on held-out"] and lines["RL beats SFT on held-out"].endswith(
-        "| agrees |")
-    assert "ppo vs binary: solved +18 -0" in lines["dense reward beats binary"]
+    assert tito_row.endswith("| - (one measurement, no test) |")
+    rl = lines["RL beats SFT on test"]
+    assert "| test (in-template) |" in rl and "RL - SFT: solve rate +0.500, tasks +20 -0 over 1 seed(s), " \
+        "seed-blocked sign-flip p = 0.0002;" in rl and rl.endswith("| agrees |")
+    assert "ppo - binary: solve rate +0.450, tasks +18 -0" in lines["dense reward beats binary"]
     assert lines["dense reward beats binary"].endswith("| agrees |")
     assert lines["PPO with a critic beats GRPO"].endswith("| opposite sign, n.s. |")  # grpo solved one more
     assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
@@ -97,19 +103,20 @@ def test_report_from_run_directories(tmp_path):
         "critic EV per update, cold (zero head) start"]
     assert "per trajectory" not in lines["critic EV per update, warm start"]  # rows without it (older runs)
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
+    assert lines["R3 cuts abs(dlogp)"].endswith("| - (measured, no test) |")
     assert "not run" in lines["R3 on beats R3 off on held-out"]
     assert all((tmp_path / f"{n}.png").stat().st_size > 0 for n in ("reward", "ev", "dlogp"))
     assert "unfinished" not in text and (tmp_path / "report.md").read_text() == text
     assert "| ppo | 1 | 0.750 [" in text and "per seed" not in text  # one seed: its Wilson interval
     assert "Time: 8 min of phases in all (shared run 0, 4 arm runs 8, TITO measurement 0;" in text  # 4 x 120 s
-    assert "ppo@val" not in lines and "RL beats SFT on held-out, at the step validation chose" not in lines
+    assert "ppo@val" not in lines and "RL beats SFT on test, at the step validation chose" not in lines
     sm = json.loads((tmp_path / "ppo-s0" / "summary.json").read_text())  # --n-val-tasks: the step validation chose
     sm["eval_rl_best_val"] = {**_ev([1] * 25 + [0] * 15), "step": 16, "val_solve_rate": 0.7}
     (tmp_path / "ppo-s0" / "summary.json").write_text(json.dumps(sm))
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in paper.report(tmp_path).splitlines() if ln.startswith("|")}
     assert lines["ppo@val"].startswith("| ppo@val | 1 | 0.625 [") and "| 16 (chosen) |" in lines["ppo@val"]
-    assert "solved +15 -0 over 1 seeds" in lines["RL beats SFT on held-out, at the step validation chose"]
-    assert "binary@val" not in lines and "solved +20 -0" in lines["RL beats SFT on held-out"]
+    assert "tasks +15 -0 over 1 seed(s)" in lines["RL beats SFT on test, at the step validation chose"]
+    assert "binary@val" not in lines and "tasks +20 -0" in lines["RL beats SFT on test"]
     (tmp_path / "r3off-s0").mkdir()
     (tmp_path / "r3off-s0" / "state.json").write_text("{}")  # an arm that crashed before its summary
     assert "Failed or unfinished arm runs (not in the table; their stdout.log): r3off-s0" in paper.report(tmp_path)
@@ -226,7 +233,9 @@ def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
     text = paper.report(tmp_path)
     half = 12.706 * (0.05 / 2 ** 0.5) / 2 ** 0.5  # t(1) x sd / sqrt(2) of 0.500, 0.450
     assert f"| ppo | 2 | 0.475 [{0.475 - half:.3f}, {0.475 + half:.3f}]; per seed 0.500, 0.450 |" in text
-    assert "solved +18 -0 over 2 seeds" in text  # RL vs SFT pooled over the seeds: 10 + 8 gained
+    # RL vs the one shared SFT: one stratum (the SFT outcomes counted once), the seeds' gains each
+    assert "RL - SFT: solve rate +0.225 (per seed +0.250, +0.200), tasks +18 -0 over 2 seed(s) against 1 shared SFT " \
+        "evaluation(s)" in text
     _arm(tmp_path, "binary-s0", [1] * 38 + [0] * 2, [row])
     _arm(tmp_path, "binary-s1", [1] * 20 + [0] * 20, [row])
     assert "| binary | 2 | 0.725 [0.000, 1.000]; per seed 0.950, 0.500 |" in paper.report(tmp_path)  # clipped
@@ -245,7 +254,7 @@ def test_seed_goes_to_the_shared_run_and_a_resume_with_another_is_refused(tmp_pa
     def fake_run(cmd, d, steps, name):
         cmds.append(cmd)
         d.mkdir(parents=True, exist_ok=True)
-        if name == "shared: SFT":
+        if name.endswith(": SFT"):
             seed = int(cmd[cmd.index("--seed") + 1])
             (d / "summary.json").write_text("{}")
             (d / "state.json").write_text(json.dumps({"phase_times": {}}))
@@ -288,3 +297,68 @@ def test_r3_row_and_curve_skip_steps_without_the_r3_off_diagnostic(tmp_path):
     assert "0.0025 -> 0.0015" in lines["R3 cuts abs(dlogp)"]
     assert "0.0000%" in lines["TITO: loss-region drift"]
     assert (tmp_path / "dlogp.png").stat().st_size > 0
+
+
+def test_each_seed_pairs_with_its_own_sft_and_every_test_split_has_its_row(tmp_path):
+    """--sft-per-seed layout (OUT/shared-s<s>): ppo seed s against shared-s<s>'s SFT evaluation only (3 strata, no
+    shared SFT), the same figures as experiments/seeds.py's test on those pairs; a split beyond test (test_deep, from
+    the evals/ files) gets its own row, and a seed without that split's final evaluation is named, with no verdict."""
+    sfts, rls = ([1] * 10 + [0] * 30, [1] * 20 + [0] * 20, [1] * 5 + [0] * 35), ([1] * 20 + [0] * 20,) * 3
+    for s, (a, b) in enumerate(zip(sfts, rls)):
+        sh = tmp_path / f"shared-s{s}"
+        (sh / "evals").mkdir(parents=True)
+        (sh / "summary.json").write_text(json.dumps({"eval_sft": _ev(a), "phase_times": {"sft": 60.0}}))
+        (sh / "evals" / "test_deep_step_000000.json").write_text(json.dumps(dict(_ev([0] * 6), after_step=0)))
+        _arm(tmp_path, f"ppo-s{s}", b, [{"reward_mean": 0.5}])
+        sm = json.loads((tmp_path / f"ppo-s{s}" / "summary.json").read_text())
+        (tmp_path / f"ppo-s{s}" / "summary.json").write_text(json.dumps(dict(sm, eval_sft=_ev(a))))  # its copy
+        if s < 2:
+            (tmp_path / f"ppo-s{s}" / "evals").mkdir()
+            (tmp_path / f"ppo-s{s}" / "evals" / "test_deep_step_000001.json").write_text(json.dumps(
+                dict(_ev([1] * 3 + [0] * 3), after_step=1)))
+    text = paper.report(tmp_path)
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
+    assert "| SFT (per seed) | 3 |" in text and "each seed its own tasks and SFT model" in text
+    row = lines["RL beats SFT on test"]
+    assert "per seed +0.250, +0.000, +0.375), tasks +25 -0 over 3 seed(s), seed-blocked" in row
+    assert "shared SFT" not in row  # three strata: each seed its own SFT
+    ref = seeds.blocked_test([(np.array(a, float), np.array(b, float)) for a, b in zip(sfts, rls)])
+    assert f"p = {min(1.0, 2 * min(ref['p_greater'], ref['p_less'])):.3g};" in row
+    assert "no evaluation of this split: ppo-s2 (RL) | - |" in lines["RL beats SFT on test_deep"]
+    assert "| test (out-of-template: deeper compositions) |" in lines["RL beats SFT on test_deep"]
+    (tmp_path / "ppo-s2" / "evals").mkdir()
+    (tmp_path / "ppo-s2" / "evals" / "test_deep_step_000001.json").write_text(json.dumps(
+        dict(_ev([1] * 2 + [0] * 4), after_step=1)))
+    lines = {ln.split(" | ")[0].strip("| "): ln for ln in paper.report(tmp_path).splitlines() if ln.startswith("|")}
+    assert "RL - SFT: solve rate +0.444 (per seed +0.500, +0.500, +0.333), tasks +8 -0 over 3 seed(s)" in lines[
+        "RL beats SFT on test_deep"]
+
+
+def test_sft_per_seed_runs_a_shared_phase_per_seed_and_seeds_each_arm_from_its_own(tmp_path, monkeypatch):
+    """run(..., sft_per_seed=True): OUT/shared-s<s> with seed S + s, arm seed s seeded from it; an OUT made the other
+    way is refused (its arms would pair with another SFT)."""
+    import train_t1
+    cmds, seeded = [], []
+
+    def fake_run(cmd, d, steps, name):
+        cmds.append((name, cmd[cmd.index("--seed") + 1]))
+        d.mkdir(parents=True, exist_ok=True)
+        if name.endswith(": SFT"):
+            (d / "summary.json").write_text("{}")
+            (d / "state.json").write_text(json.dumps({"phase_times": {}}))
+            (d / "args.json").write_text(json.dumps({**dataclasses.asdict(train_t1.QUICK),
+                                                     "seed": int(cmd[cmd.index("--seed") + 1])}))
+        else:
+            (d / "summary.json").write_text(json.dumps({"rl_steps": steps}))
+        return 0
+    monkeypatch.setattr(paper, "run_logged", fake_run)
+    monkeypatch.setattr(paper, "seed_arm", lambda shared, d, arm: seeded.append((shared.name, d.name)))
+    monkeypatch.setattr(paper, "tito_step", lambda out, quick: 0)
+    paper.run(tmp_path, ["--quick"], ["ppo", "cold"], 2, 1, [], seed=7, sft_per_seed=True)
+    assert cmds == [("shared-s0: SFT", "7"), ("ppo-s0", "7"), ("cold-s0", "7"), ("shared-s1: SFT", "8"),
+                    ("ppo-s1", "8"), ("cold-s1", "8")]
+    assert seeded == [("shared-s0", "ppo-s0"), ("shared-s0", "cold-s0"), ("shared-s1", "ppo-s1"),
+                      ("shared-s1", "cold-s1")]
+    assert [d.name for d in paper.shared_runs(tmp_path)] == ["shared-s0", "shared-s1"]
+    with pytest.raises(ValueError, match="one per seed"):
+        paper.run(tmp_path, ["--quick"], ["ppo"], 2, 1, [], seed=7)
