@@ -407,6 +407,8 @@ def eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=(), rst_rou
     n_deep (RST depths rst_depths), "test_names": n_names (in-template, families.UNSEEN's names and values)}, none
     sharing an instruction with a task of `avoid` (the training pools' dirs) or of an earlier split. A split of 0
     tasks is []. scripted: generate_tasks' (the scripted expert's trajectory checked too)."""
+    if n_deep and rst_rounds >= min(rst_depths):  # test_deep's templates would be training templates
+        raise ValueError(f"eval_splits: rst_depths {tuple(rst_depths)} must be deeper than rst_rounds {rst_rounds}")
     taken = list(instructions(avoid))
     out = {}
     for split, n, kw in (("val", n_val, {}), ("test", n_test, {}), ("test_deep", n_deep, dict(rst_depths=rst_depths)),

@@ -118,6 +118,8 @@ def test_the_cache_key_has_the_depths_and_the_vocabulary(monkeypatch):
         data.generate_tasks("unused", 6, 3, 5, vocab="other")
     with pytest.raises(ValueError, match="rst_depths"):
         data.generate_tasks("unused", 6, 3, 5, rst_depths=(0,))
+    with pytest.raises(ValueError, match="deeper than rst_rounds 2"):  # training as deep: no out-of-template split
+        data.eval_splits("unused", 5, 0, 0, 4, 0, rst_rounds=2)
 
 
 def test_a_generated_task_without_a_template_is_a_loud_error(tmp_path):
