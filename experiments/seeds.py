@@ -6,11 +6,13 @@ evaluations under results/ with the commit and machine that made them.
     python -m experiments.seeds collect RUN_DIR OUT_DIR [--replace]     # -> OUT_DIR/seed<N>/
 
 DIR: a run directory (or a folder `collect` wrote) holding args.json (its "seed", "rl_steps") and the evaluations
-runstate.eval_row writes, in DIR/evals/ (or in DIR itself), or a parent of several such folders. Evaluation files:
-<split>_step_NNNNNN.json, split test (in-template), test_deep (out-of-template: deeper compositions), test_names
-(unseen names) or val, N the RL step whose weights were scored (0: SFT); the older step_NNNNNN.json is split test and
-val_step_NNNNNN.json split val. The report shows every split except val (the recipe's choices are made on val), and
-for each seed the SFT evaluation (step 0) against the final one (args.json's rl_steps).
+runstate.eval_row writes, in DIR/evals/ (or in DIR itself), or a parent of several such folders. Evaluation files
+(runstate.SPLITS): step_NNNNNN.json (split test, in-template), test_deep_step_NNNNNN.json (out-of-template: deeper
+RST compositions), test_names_step_NNNNNN.json (unseen names), val_step_NNNNNN.json (validation), N the RL step whose
+weights were scored (0: SFT); <split>_step_NNNNNN.json is read as that split too (test_step_... as test); a file's
+own "split" and "after_step", where it records them, must agree with its name. The report shows every split except
+val (the recipe's choices are made on val), and for each seed the SFT evaluation (step 0) against the final one
+(args.json's rl_steps).
 
 Statistics (the paper's protocol: pass@1 averaged over attempts, paired over tasks with the attempts averaged):
 1. A task's score is the mean over its attempts of `resolved` (solve rate) or of `reward` (mean reward); a seed's
@@ -50,7 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 EVAL_NAME = re.compile(r"^(?:(?P<split>[a-z][a-z0-9_]*)_)?step_(?P<step>\d+)\.json$")
 SPLITS = ("test", "test_deep", "test_names")  # the report's order; other splits but val follow, sorted
-SPLIT_NAMES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper compositions)",
+SPLIT_NAMES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper RST)",
                "test_names": "test (unseen names)", "val": "validation"}
 N_PERM = 10000  # sign-flip draws (the p-value's Monte Carlo error at p = 0.05: +- 0.002)
 STATE_MAX_BYTES = 1 << 20  # collect copies state.json up to this size (the tasks' paths and the evaluations)

@@ -325,7 +325,7 @@ def test_each_seed_pairs_with_its_own_sft_and_every_test_split_has_its_row(tmp_p
     ref = seeds.blocked_test([(np.array(a, float), np.array(b, float)) for a, b in zip(sfts, rls)])
     assert f"p = {min(1.0, 2 * min(ref['p_greater'], ref['p_less'])):.3g};" in row
     assert "no evaluation of this split: ppo-s2 (RL) | - |" in lines["RL beats SFT on test_deep"]
-    assert "| test (out-of-template: deeper compositions) |" in lines["RL beats SFT on test_deep"]
+    assert "| test (out-of-template: deeper RST) |" in lines["RL beats SFT on test_deep"]
     (tmp_path / "ppo-s2" / "evals").mkdir()
     (tmp_path / "ppo-s2" / "evals" / "test_deep_step_000001.json").write_text(json.dumps(
         dict(_ev([1] * 2 + [0] * 4), after_step=1)))

@@ -28,13 +28,15 @@ def _ev(resolved: np.ndarray, reward: np.ndarray | None = None, errors: int = 0,
 
 
 def _run(root, name, seed, rl_steps, evals: dict, legacy=False):
-    """A fabricated run folder: args.json and evals/<split>_step_N.json (legacy: step_N.json for split test)."""
+    """A fabricated run folder: args.json and the evaluation files runstate.eval_row writes (runstate.SPLITS:
+    step_N.json for split test, <split>_step_N.json for the others, each recording its split; legacy: without it)."""
     d = root / name
     (d / "evals").mkdir(parents=True)
     (d / "args.json").write_text(json.dumps({"seed": seed, "rl_steps": rl_steps, "n_heldout_tasks": 4}))
     for (split, step), ev in evals.items():
-        stem = "step" if legacy and split == "test" else f"{split}_step"
-        (d / "evals" / f"{stem}_{step:06d}.json").write_text(json.dumps({**ev, "after_step": step}))
+        stem = "step" if split == "test" else f"{split}_step"
+        (d / "evals" / f"{stem}_{step:06d}.json").write_text(json.dumps(
+            {**ev, "after_step": step, **({} if legacy else {"split": split})}))
     return d
 
 
@@ -125,7 +127,7 @@ def _three_seeds(tmp_path, legacy=False):
 
 
 def test_report_per_seed_and_pooled_over_splits(tmp_path):
-    """Three seeds of fabricated evaluations (legacy names for split test): per-task pass@1 with the attempts
+    """Three seeds of fabricated evaluations (legacy files: no split recorded): per-task pass@1 with the attempts
     averaged, the gain per seed, pooled with its interval and the blocked test; val is not a reported split; a
     seed's errored trials stand beside its figures."""
     _three_seeds(tmp_path, legacy=True)
@@ -161,16 +163,16 @@ def test_report_errors_loudly(tmp_path, breakage, match):
     if breakage == "no_sft":
         (d2 / "evals" / "test_deep_step_000000.json").unlink()
     elif breakage == "no_final":
-        (d3 / "evals" / "test_step_000008.json").unlink()
+        (d3 / "evals" / "step_000008.json").unlink()
     elif breakage == "dup_seed":
         (d3 / "args.json").write_text(json.dumps({"seed": 2, "rl_steps": 8}))
     elif breakage == "tasks":
-        (d1 / "evals" / "test_step_000008.json").write_text(json.dumps(_ev(np.ones((4, 3)), prefix="x")))
+        (d1 / "evals" / "step_000008.json").write_text(json.dumps(_ev(np.ones((4, 3)), prefix="x")))
     elif breakage == "split_field":
-        ev = json.loads((d1 / "evals" / "test_step_000000.json").read_text())
-        (d1 / "evals" / "test_step_000000.json").write_text(json.dumps(dict(ev, split="test_names")))
+        ev = json.loads((d1 / "evals" / "step_000000.json").read_text())
+        (d1 / "evals" / "step_000000.json").write_text(json.dumps(dict(ev, split="test_names")))
     elif breakage == "legacy_and_new":
-        (d1 / "evals" / "step_000000.json").write_text((d1 / "evals" / "test_step_000000.json").read_text())
+        (d1 / "evals" / "test_step_000000.json").write_text((d1 / "evals" / "step_000000.json").read_text())
     elif breakage == "nothing":
         (tmp_path / "runs" / "empty").mkdir()
     with pytest.raises(ValueError, match=match):
