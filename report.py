@@ -44,9 +44,25 @@ def mcnemar_p(gain: int, loss: int) -> float:
     return min(1.0, 2 * sum(math.comb(m, i) for i in range(min(gain, loss) + 1)) / 2 ** m) if m else 1.0
 
 
+def signflip_p(diffs, n_perm: int = 20000, seed: int = 0) -> float:
+    """Two-sided paired sign-flip permutation p of mean(diffs) = 0 (diffs: one per task): every sign pattern when
+    2^n <= n_perm, else n_perm random ones (the observed pattern counted: p > 0)."""
+    d = np.asarray([x for x in diffs if x != 0], dtype=float)  # a zero flips to itself
+    if not len(d):
+        return 1.0
+    obs = abs(d.sum())
+    if 2 ** len(d) <= n_perm:
+        signs = 1 - 2 * ((np.arange(2 ** len(d))[:, None] >> np.arange(len(d))) & 1)
+        return float(np.mean(np.abs(signs @ d) >= obs - 1e-12))
+    signs = 1 - 2 * np.random.default_rng(seed).integers(0, 2, (n_perm, len(d)))
+    return float((np.sum(np.abs(signs @ d) >= obs - 1e-12) + 1) / (n_perm + 1))
+
+
 def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
     """b against a over the same (task, attempt) trials: exact two-sided McNemar p on the solved / unsolved flips
-    (over trials: exact with one attempt per task), and the paired bootstrap over tasks of the mean-reward
+    (over trials: exact with one attempt per task, too small a p with several: a task's attempts are not
+    independent), the sign-flip p over tasks of the attempt-averaged solved difference (task_p: the test with
+    several attempts; test names the one to quote), and the paired bootstrap over tasks of the mean-reward
     difference: its 95% interval and one-sided p of b <= a. a, b: evaluations (rollout.evaluate_trials)."""
     ka = {(t["task"], t["attempt"]): t for t in a["trials"]}
     kb = {(t["task"], t["attempt"]): t for t in b["trials"]}
@@ -66,7 +82,14 @@ def paired(a: dict, b: dict, n_boot: int = 2000, seed: int = 0) -> dict:
         pick = [groups[i] for i in rng.integers(0, len(groups), len(groups))]
         boots.append(float(np.concatenate(pick).mean()))
     boots.sort()
-    return {"n": len(keys), "solved_gained": gain, "solved_lost": loss, "mcnemar_p": p,
+    solved = {}  # per task: b's solved minus a's, averaged over its attempts
+    for k in keys:
+        solved.setdefault(k[0], []).append(float(kb[k]["resolved"]) - float(ka[k]["resolved"]))
+    attempts = max((len(v) for v in solved.values()), default=1)
+    task_p = signflip_p([sum(v) / len(v) for v in solved.values()], seed=seed)
+    return {"n": len(keys), "n_tasks": len(solved), "solved_gained": gain, "solved_lost": loss, "mcnemar_p": p,
+            "task_p": task_p, "test": "McNemar" if attempts == 1 else "sign-flip over tasks",
+            "solve_p": p if attempts == 1 else task_p,
             "reward_diff": sum(d) / len(d) if d else 0.0,
             "reward_diff_ci": (boots[int(0.025 * n_boot)], boots[int(0.975 * n_boot) - 1]),
             "reward_p_le": sum(x <= 0 for x in boots) / n_boot}
@@ -127,33 +150,52 @@ def async_vs_sequential(run_dir) -> dict:
 
 
 # --- the end-of-run table and curves --------------------------------------------------------------------------
+# the splits' names in the table (runstate.SPLITS: the run's evaluation splits), the in-template test split first
+TITLES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper RST)",
+          "test_names": "test (unseen names)", "val": "validation"}
+
+
+def _row(pool: str, name: str, e: dict) -> str:
+    if "trials" not in e:  # recorded by a version that kept no per-trial rows: no intervals to give
+        return (f"| {pool} | {name} | {e['solve_rate']:.3f} [n/a] | {e['reward_mean']:.3f} [n/a] | "
+                f"{e['turns_mean']:.1f} | {e['n_trials']} |")
+    lo, hi = wilson(sum(t["resolved"] for t in e["trials"]), e["n_trials"])
+    rlo, rhi = mean_interval([t["reward"] for t in e["trials"]])
+    return (f"| {pool} | {name} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
+            f"[{rlo:.3f}, {rhi:.3f}] | {e['turns_mean']:.1f} | {e['n_trials']} |")
+
+
 def print_table(summary: dict) -> None:
-    """The end-of-run table: held-out (and first training tasks) solve rate and mean reward of each checkpoint with
-    95% intervals and n (with a validation set, also the RL step it chose: RL@val), then the paired tests RL vs
-    SFT (and RL@val vs SFT, SFT vs base), then the phase times."""
-    print("\n| pool | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n"
+    """The end-of-run table: solve rate and mean reward of each checkpoint on every split the run drew (the
+    in-template test split, the other test splits, validation, the first training tasks) with 95% intervals and n
+    (with a validation curve, also the RL step it chose: RL@val, when not the last), then the paired tests RL vs SFT
+    on each split (and RL@val vs SFT, SFT vs base on the in-template test split), then the phase times."""
+    print("\n| split | checkpoint | solve rate [95% CI] | mean reward P/S [95% CI] | mean turns | n |\n"
           "|---|---|---|---|---|---|")
-    for pool, key in (("held-out", "eval_{}"), ("train (first tasks)", "eval_{}_train")):
-        for ck in ("base", "sft", "rl", "rl_best_val"):
-            e = summary.get(key.format(ck))
-            if not e or not e.get("n_trials"):
-                continue
-            name = f"RL@val (step {e['step']}, val {e['val_solve_rate']:.3f})" if ck == "rl_best_val" else ck.upper()
-            if "trials" not in e:  # recorded by a version that kept no per-trial rows: no intervals to give
-                print(f"| {pool} | {name} | {e['solve_rate']:.3f} [n/a] | {e['reward_mean']:.3f} [n/a] | "
-                      f"{e['turns_mean']:.1f} | {e['n_trials']} |")
-                continue
-            lo, hi = wilson(sum(t["resolved"] for t in e["trials"]), e["n_trials"])
-            rlo, rhi = mean_interval([t["reward"] for t in e["trials"]])
-            print(f"| {pool} | {name} | {e['solve_rate']:.3f} [{lo:.3f}, {hi:.3f}] | {e['reward_mean']:.3f} "
-                  f"[{rlo:.3f}, {rhi:.3f}] | {e['turns_mean']:.1f} | {e['n_trials']} |")
-    for a, b in (("sft", "rl"), ("sft", "rl_best_val"), ("base", "sft")):
-        ea, eb = summary.get(f"eval_{a}"), summary.get(f"eval_{b}")
+    rl_step = (summary.get("eval_rl") or {}).get("after_step")
+    best = summary.get("eval_rl_best_val")
+    if best and best.get("step") == rl_step:
+        best = None  # validation chose the last step: the RL row already is it
+    evs = {"test": {"base": summary.get("eval_base"), "sft": summary.get("eval_sft"), "rl": summary.get("eval_rl"),
+                    "rl_best_val": best}}
+    for split in ("test_deep", "test_names", "val"):
+        evs[split] = {ck: (summary.get(f"eval_{ck}_splits") or {}).get(split) for ck in ("sft", "rl")}
+    evs["train (first tasks)"] = {ck: summary.get(f"eval_{ck}_train") for ck in ("sft", "rl")}
+    for split, by_ck in evs.items():
+        for ck, e in by_ck.items():
+            if e and e.get("n_trials"):
+                best_name = f"RL@val (step {e.get('step')}, val {e.get('val_solve_rate', 0):.3f})"
+                print(_row(TITLES.get(split, split), best_name if ck == "rl_best_val" else ck.upper(), e))
+    pairs = [(split, "sft", "rl") for split in evs if split != "train (first tasks)"]
+    pairs += [("test", "sft", "rl_best_val"), ("test", "base", "sft")]
+    for split, a, b in pairs:
+        ea, eb = evs[split].get(a), evs[split].get(b)
         if ea and eb and ea.get("trials") and eb.get("trials"):
             t = paired(ea, eb)
             name = f"RL@val (step {eb['step']})" if b == "rl_best_val" else b.upper()
-            print(f"held-out {name} vs {a.upper()} (paired, n {t['n']}): solved +{t['solved_gained']} "
-                  f"-{t['solved_lost']}, McNemar p = {t['mcnemar_p']:.3g}; mean reward {t['reward_diff']:+.3f} "
+            print(f"{TITLES[split]}: {name} vs {a.upper()} (paired, {t['n_tasks']} tasks, n {t['n']}): solved "
+                  f"+{t['solved_gained']} -{t['solved_lost']}, {t['test']} p = {t['solve_p']:.3g}; mean reward "
+                  f"{t['reward_diff']:+.3f} "
                   f"[{t['reward_diff_ci'][0]:+.3f}, {t['reward_diff_ci'][1]:+.3f}], bootstrap p(<= 0) = "
                   f"{t['reward_p_le']:.3g}")
     print("\n| phase | wall time (s) |\n|---|---|")

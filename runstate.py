@@ -47,6 +47,9 @@ def check_flags(args) -> None:
     if args.sft_rst_share < 1.0 and not (args.n_sft_tasks and args.rst_rounds):
         raise ValueError(f"--sft-rst-share {args.sft_rst_share}: shares out the SFT pool's RST steps, so it needs "
                          f"--n-sft-tasks and --rst-rounds (got {args.n_sft_tasks} and {args.rst_rounds})")
+    if args.eval_every and not args.n_val_tasks:
+        raise ValueError(f"--eval-every {args.eval_every}: the curve during RL is the validation split's (the test "
+                         "splits are evaluated at the SFT and the final checkpoints only); add --n-val-tasks")
     if args.n_keep > args.n_launch or args.n_keep < 1:
         raise ValueError(f"--n-keep: must be in [1, n_launch = {args.n_launch}], got {args.n_keep}")
     if args.n_launch % args.samples_per_task:
@@ -176,19 +179,39 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
     return rep  # with its trials (task, attempt, reward, resolved): the paired tests of the end-of-run table
 
 
-def eval_row(run, ev: dict, step: int, val: dict | None = None) -> None:
-    """A held-out evaluation (and the validation set's, --n-val-tasks) as a metrics row (phase "eval", at the RL
-    step whose weights it scored; SFT: 0), and whole, per-trial rows included, in evals/step_NNNNNN.json (and
-    evals/val_step_NNNNNN.json): any two compare paired (`python -m experiments.bench compare A B`). A row of the
-    same step already in metrics.jsonl (written before a kill that came ahead of the state's commit) is replaced."""
-    row = {"heldout_solve_rate": ev["solve_rate"], "heldout_reward_mean": ev["reward_mean"],
-           "heldout_n_trials": ev["n_trials"]}
-    if val is not None:
-        row.update(val_solve_rate=val["solve_rate"], val_reward_mean=val["reward_mean"], val_n_trials=val["n_trials"])
+# The splits a run is evaluated on (data.py draws them), by the name every report gives them: (state["tasks"] key,
+# evals/ file prefix, metrics-row prefix). "test" is the in-template test split, the held-out pool of earlier runs
+# (its keys and files keep that name); the test splits are evaluated at the SFT and the final checkpoints only,
+# the validation split (every choice of recipe is made on it) also every --eval-every steps.
+SPLITS = {"test": ("heldout", "step", "heldout"), "test_deep": ("test_deep", "test_deep_step", "test_deep"),
+          "test_names": ("test_names", "test_names_step", "test_names"), "val": ("val", "val_step", "val")}
+SPLIT_TITLES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper RST)",
+                "test_names": "test (unseen names)", "val": "validation"}
+
+
+def split_dirs(state: dict, names=tuple(SPLITS)) -> dict:
+    """{split name: its task dirs} of the splits among `names` this run drew (state["tasks"])."""
+    return {n: state["tasks"][SPLITS[n][0]] for n in names if state["tasks"].get(SPLITS[n][0])}
+
+
+def eval_row(run, evs: dict, step: int) -> None:
+    """Evaluations of one checkpoint ({split name: evaluation}) as one metrics row (phase "eval", at the RL step
+    whose weights they scored; SFT: 0: <prefix>_solve_rate, _reward_mean, _n_trials of each split), and whole,
+    per-trial rows and the split's name included, in evals/<file prefix>_NNNNNN.json (SPLITS): any two compare
+    paired (`python -m experiments.bench compare A B`). A row of the same step already in metrics.jsonl (written
+    before a kill that came ahead of the state's commit) is replaced."""
+    unknown = set(evs) - set(SPLITS)
+    if unknown:
+        raise ValueError(f"eval_row: unknown split(s) {sorted(unknown)}; expected some of {sorted(SPLITS)}")
+    row = {}
+    for name, e in evs.items():
+        prefix = SPLITS[name][2]
+        row.update({f"{prefix}_solve_rate": e["solve_rate"], f"{prefix}_reward_mean": e["reward_mean"],
+                    f"{prefix}_n_trials": e["n_trials"]})
     (run.dir / "evals").mkdir(exist_ok=True)
-    for name, e in (("step", ev), ("val_step", val)):  # the files first: the row is what a resume keeps or drops
-        if e is not None:
-            write_atomic(run.dir / "evals" / f"{name}_{step:06d}.json", json.dumps({**e, "after_step": step}))
+    for name, e in evs.items():  # the files first: the row is what a resume keeps or drops
+        write_atomic(run.dir / "evals" / f"{SPLITS[name][1]}_{step:06d}.json",
+                     json.dumps({**e, "after_step": step, "split": name}))
     for note in rewrite_jsonl(run.dir / "metrics.jsonl", lambda r: (r.get("phase"), r.get("step")) != ("eval", step)):
         log(run.dir, f"eval row of step {step}: {note}")
     run.metrics.write(row, step, "eval")
@@ -200,12 +223,17 @@ def brief(ev: dict) -> dict:
 
 
 def evaluate_checkpoint(run: Run, ax: actors.Actors, tokenizer, train_pool: list, heldout: list, ck: str) -> None:
-    """Held-out evaluation (and on the first training tasks) of ck: "base" (held-out only) and "sft" once, "rl" after
-    the last RL step (again when a resume added steps); the engines serve its weights."""
+    """Evaluation of ck on every split the run drew (SPLITS: the test splits, validation) and on the first training
+    tasks: "base" (the in-template test split only) and "sft" once, "rl" after the last RL step (again when a resume
+    added steps); the engines serve its weights. state["eval_<ck>"] is the in-template test split's evaluation,
+    state["eval_<ck>_splits"] the others' by name."""
     args, state = run.args, run.state
 
     def ev(dirs, tag):
         return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
+
+    def every_split(tag):  # -> {split name: evaluation}, the in-template test split first
+        return {n: ev(d, tag if n == "test" else f"{tag} {n}") for n, d in split_dirs(state).items()}
     base = run.dir / "ckpt" / "base"
     if ck == "base" and "eval_base" not in state and state["step"] == 0 and (base / "config.json").exists():
         publish_from_disk(ax.urls, base, 0)  # the base model's weights for its evaluation, then SFT's again
@@ -214,24 +242,28 @@ def evaluate_checkpoint(run: Run, ax: actors.Actors, tokenizer, train_pool: list
         run.save_state()
         log(run.dir, f"eval of the base model: {brief(state['eval_base'])}")
     if ck == "sft" and "eval_sft" not in state:
-        state["eval_sft"] = run.timed("eval_sft", lambda: ev(heldout, "sft"))
-        eval_row(run, state["eval_sft"], 0)
+        evs = run.timed("eval_sft", lambda: every_split("sft"))
+        eval_row(run, evs, 0)
         state["eval_sft_train"] = run.timed("eval_sft", lambda: ev(train_pool[:args.eval_train_tasks], "sft train"))
+        state["eval_sft_splits"] = {n: e for n, e in evs.items() if n != "test"}
+        state["eval_sft"] = evs["test"]  # last: its presence says the SFT evaluations are done
         run.save_state()
     if ck == "rl" and state["step"] == 0 and "eval_rl" not in state:  # no RL step: the SFT weights, evaluated
         state["eval_rl"] = {**state["eval_sft"], "after_step": 0}
         state["eval_rl_train"] = state["eval_sft_train"]
+        state["eval_rl_splits"] = state.get("eval_sft_splits", {})
         run.save_state()
     if ck == "rl" and state.get("eval_rl", {}).get("after_step") != state["step"]:
         # the step's evaluations first, then the state (run.timed saves it): a kill among them redoes them all
-        held = run.timed("eval_rl", lambda: ev(heldout, "rl"))
-        val = state["tasks"].get("val")
-        val_ev = run.timed("eval_rl", lambda: ev(val, "rl val")) if val else None
+        evs = run.timed("eval_rl", lambda: every_split("rl"))
         train_ev = run.timed("eval_rl", lambda: ev(train_pool[:args.eval_train_tasks], "rl train"))
-        state["eval_rl"], state["eval_rl_train"] = {**held, "after_step": state["step"]}, train_ev
-        eval_row(run, state["eval_rl"], state["step"], val_ev)
+        eval_row(run, evs, state["step"])
+        state["eval_rl_splits"] = {n: {**e, "after_step": state["step"]} for n, e in evs.items() if n != "test"}
+        state["eval_rl"], state["eval_rl_train"] = {**evs["test"], "after_step": state["step"]}, train_ev
         run.save_state()
         log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
+        for n, e in state["eval_rl_splits"].items():
+            log(run.dir, f"eval after RL, {SPLIT_TITLES[n]}: {brief(e)}")
 
 
 # --- an RL step's metrics row and log line ---------------------------------------------------------------

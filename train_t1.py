@@ -69,7 +69,9 @@ class Args:
     seed: int = 1  # seed of task synthesis, init, sampling and data order (paper silent)
     # --- data (paper: T1-15k, quality-ordered, reshuffled per epoch)
     n_train_tasks: int = 15000  # training pool size (paper: T1-15k)
-    n_heldout_tasks: int = 89  # held-out pool size (paper: Terminal-Bench 2.1, 89 tasks, disjoint from training)
+    n_heldout_tasks: int = 89  # in-template test split: unseen instances (paper: Terminal-Bench 2.1, 89 tasks)
+    n_deep_tasks: int = 0  # out-of-template test split: RST depth 2-3 where training's is <= 1 (ours; paper: TB 2.1)
+    n_names_tasks: int = 0  # test split of in-template tasks with names and values unseen in training (ours)
     n_sft_tasks: int = 0  # fresh tasks synthesized for the SFT warm start alone; 0: the training pool (paper silent)
     rst_rounds: int = 0  # RST steps added to every synthesized task (families.rst_extend; paper silent on the count)
     sft_rst_share: float = 1.0  # share of the SFT pool's tasks that carry the rst_rounds steps (paper silent)
@@ -100,8 +102,8 @@ class Args:
     eval_agent_timeout_s: float = 3600.0  # agent limit of an evaluation trial, replacing the task's (paper: 3600 s)
     eval_verifier_timeout_s: float = 900.0  # verifier limit of an evaluation trial, replacing the task's (paper: 900 s)
     eval_train_tasks: int = 0  # also evaluate on this many training tasks (paper silent)
-    eval_every: int = 0  # held-out evaluation every this many RL steps; 0: after RL only (paper silent)
-    n_val_tasks: int = 0  # validation tasks: the end-of-run table adds held-out at the step best on them (paper silent)
+    eval_every: int = 0  # validation-split evaluation every this many RL steps; 0: after RL only (paper silent)
+    n_val_tasks: int = 0  # validation split: every choice of recipe is made on it, not on a test split (paper silent)
     # --- reward
     reward_scale: float = float(reward.SCALE)  # S in r = P / S, fixed for the whole run (paper: 20)
     reward_scale_from_pool: bool = False  # S = the 90th percentile of this pool's assertion counts (paper's rule)
@@ -186,19 +188,21 @@ EMBEDDED = dataclasses.replace(
     # evaluation protocol overrides (paper: 3 attempts, 60 turns, 3600 s agent): one attempt, the training turn and
     # time limits, so that an evaluation takes minutes on 2 cores (the 3072-token context fills in ~8 turns anyway)
     eval_max_turns=8, eval_agent_timeout_s=120.0)
-# bash run.sh --full: the held-out and RL sizes and the RL recipe measured best here (results/LOG.md): 150 held-out
-# tasks (95% interval ~ +-8 points; the paired test over the same tasks is the stronger one); every task extended by
-# one RST step on its output (3-8 assertions, S = 6: partial credit for r = P / S to grade; RL's mean reward gain had
-# p 0.001-0.07 at all 8 evaluations of three RL runs from two such SFT models; one-step tasks' SFT left less room:
-# 0.59-0.77); RL on 1,152 fresh tasks, written but not sandbox-audited (0 rejects in 270 audited); Critic Warm-Up on
-# 512 trials (64 or 256 left EV ~0.04); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there
-# the tiny model's replies were refused 37-57% of the time and its format drifted); 48 steps, the held-out curve every
-# 16 (later steps plateaued or fell back); no validation set (--n-val-tasks adds one; at 150 tasks it moved as much as
-# RL's gains); SFT for 8 epochs, not 4: SFT's loss flattens by epoch 6-8 and held-out read 0.000 / 0.013 / 0.327 /
-# 0.520 / 0.560 after epochs 1 / 2 / 4 / 6 / 8 (seed 0, 2026-12-03; ~3 min more). 1-2 h on 2 cores.
-FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=150, n_train_tasks=1152, rst_rounds=1,
+# bash run.sh --full: the RL recipe measured best here (results/LOG.md, where each choice's figures are): every task
+# extended by one RST step on its output (3-8 assertions, S = 6: partial credit for r = P / S to grade); RL on 1,152
+# fresh tasks, written but not sandbox-audited (no reject among the hundreds audited); Critic Warm-Up on 512 trials
+# (64 or 256 left the EV near 0); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there the
+# tiny model's replies were refused half the time and its format drifted); 48 steps (later steps plateaued or fell
+# back); SFT for 8 epochs, not 4 (SFT's loss flattens by epoch 6-8). These were chosen on the held-out split of the
+# time: a validation split now makes such choices, and the test splits are read at the end only.
+# Evaluation (2026-12-06): splits by purpose, the paper's 3 attempts a task: the in-template test split (100 tasks),
+# out-of-template (50: RST depth 2-3), unseen names (50), evaluated after SFT and after the last step only; the
+# curve every 16 steps is the validation split's (50), where the step count above was chosen; no training-task
+# evaluation (eval_train_tasks 0: 3 attempts made it the dearest diagnostic).
+FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=100, n_train_tasks=1152, rst_rounds=1,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
-                           temperature=0.7, kl_coef=0.05, sft_epochs=8)
+                           temperature=0.7, kl_coef=0.05, sft_epochs=8, n_val_tasks=50, n_deep_tasks=50,
+                           n_names_tasks=50, eval_attempts=3, eval_train_tasks=0)
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8, n_sft_tasks=16,
     eval_train_tasks=6, base_steps=20, base_max_steps=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
@@ -221,7 +225,8 @@ NUMERIC = {
     "max_turns": ">= 1", "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0",
     "rollout_workers": ">= 1", "trial_mem_bytes": ">= 0", "trial_disk_bytes": ">= 1", "trial_disk_inodes": ">= 1",
     "trial_keep_bytes": ">= 0", "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0",
-    "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0", "reward_scale": "> 0",
+    "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0",
+    "n_deep_tasks": ">= 0", "n_names_tasks": ">= 0", "reward_scale": "> 0",
     "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1", "sft_faults": "in [0, 1]",
     "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0", "base_lr": "> 0",
     "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0",
@@ -483,12 +488,12 @@ def step_samples(run: Run, ro: dict, step: int, want_staleness: int) -> tuple[li
 def rl_loop(run: Run, ax: actors.Actors, tokenizer, train_pool: list, heldout: list) -> None:
     """RL: PPO steps, the paper's step list. One-step async: the rollout of step t+1 runs beside the update of
     step t, with weights t-1 (staleness exactly 1); the first step of a process is sampled synchronously.
-    --eval-every K: held-out evaluation (and the validation set's) after every K-th publish (nothing else is in
-    flight then: the next step's rollout finished beside the update), a metrics row of phase "eval" (curves.png)."""
+    --eval-every K: the validation split's evaluation after every K-th publish (nothing else is in flight then: the
+    next step's rollout finished beside the update), a metrics row of phase "eval" (curves.png)."""
     args, state = run.args, run.state
     first_step, val = state["step"] + 1, state["tasks"].get("val")
 
-    def ev(dirs, tag):  # an evaluation (held-out, validation) of the weights the engines serve
+    def ev(dirs, tag):  # an evaluation of the weights the engines serve
         return evaluate(dirs, args, run.dir, tokenizer, ax.workers, ax.urls, tag)
 
     def rollout_step(step):  # 1-3. tasks of this step, trials with oversampling (keep the first n_keep)
@@ -541,7 +546,7 @@ def rl_loop(run: Run, ax: actors.Actors, tokenizer, train_pool: list, heldout: l
                          "they started (each lost a trial; tracebacks in the engines' stderr)")
         run.metrics.write(rec, step, "rl")
         if args.eval_every and step % args.eval_every == 0 and step < args.rl_steps:  # the last: evaluate_checkpoint
-            eval_row(run, ev(heldout, f"step {step}"), step, ev(val, f"val step {step}") if val else None)
+            eval_row(run, {"val": ev(val, f"val step {step}")}, step)  # the test splits: at the end only
         state["step"] = step
         state["phase_times"]["rl"] = state["phase_times"].get("rl", 0.0) + rec["time_step"]
         run.save_state()  # commits step k: its checkpoint, metrics row and samples (rundir.resume_run)
@@ -580,6 +585,7 @@ def train(args: Args) -> dict:
 
     summary = {"eval_base": state.get("eval_base"), "copy_gate": state.get("base"), "eval_sft": state["eval_sft"],
                "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
+               "eval_sft_splits": state.get("eval_sft_splits", {}), "eval_rl_splits": state.get("eval_rl_splits", {}),
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
                "eval_rl_best_val": report.best_val(run.dir),
                "rl_steps": state["step"], "async_vs_sequential": report.async_vs_sequential(run.dir)}

@@ -648,8 +648,8 @@ def test_eval_row_keeps_each_evaluation_and_compare_pairs_two(tmp_path):
     for t in rl["trials"][:12]:
         t.update(resolved=True, reward=1.0)
     rl["trials"][21].update(resolved=False, reward=0.0)
-    runstate.eval_row(run, sft, 0)
-    runstate.eval_row(run, rl, 16)
+    runstate.eval_row(run, {"test": sft}, 0)
+    runstate.eval_row(run, {"test": rl}, 16)
     assert rows == [0, 16] and sorted(os.listdir(tmp_path / "evals")) == ["step_000000.json", "step_000016.json"]
     assert json.loads((tmp_path / "evals" / "step_000016.json").read_text())["after_step"] == 16
     c = bench.compare(str(tmp_path / "evals" / "step_000000.json"), str(tmp_path / "evals" / "step_000016.json"))
@@ -670,9 +670,9 @@ def test_an_evaluation_redone_after_a_kill_has_one_row(tmp_path):
         return {**_ev([True] * k + [False] * (n - k), [1.0] * k + [0.0] * (n - k)), "solve_rate": k / n,
                 "reward_mean": k / n, "n_trials": n}
     run.metrics.write({"reward_mean": 0.5}, 16, "rl")
-    runstate.eval_row(run, ev(1), 0)
-    runstate.eval_row(run, ev(2), 16)
-    runstate.eval_row(run, ev(3), 16)  # the redo of step 16's evaluation
+    runstate.eval_row(run, {"test": ev(1)}, 0)
+    runstate.eval_row(run, {"test": ev(2)}, 16)
+    runstate.eval_row(run, {"test": ev(3)}, 16)  # the redo of step 16's evaluation
     rows = [json.loads(x) for x in open(tmp_path / "metrics.jsonl")]
     assert [(r["phase"], r["step"], r.get("heldout_solve_rate")) for r in rows] == [
         ("rl", 16, None), ("eval", 0, 0.25), ("eval", 16, 0.75)]
@@ -693,11 +693,11 @@ def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, c
         return {**e, "solve_rate": k / n, "reward_mean": reward if reward is not None else k / n, "n_trials": n,
                 "turns_mean": 3.0}
     assert report.best_val(tmp_path) is None  # no evals at all
-    runstate.eval_row(run, ev(2), 0, ev(9))  # the SFT step: not a candidate
-    runstate.eval_row(run, ev(3), 16, ev(5, reward=0.4))
-    runstate.eval_row(run, ev(9), 32, ev(4))  # the best held-out: not read
-    runstate.eval_row(run, ev(6), 48, ev(5, reward=0.6))  # ties 16 on solve rate, better mean reward
-    runstate.eval_row(run, ev(1), 64, ev(5, reward=0.6))  # a full tie with 48: the earlier step
+    runstate.eval_row(run, {"test": ev(2), "val": ev(9)}, 0)  # the SFT step: not a candidate
+    runstate.eval_row(run, {"test": ev(3), "val": ev(5, reward=0.4)}, 16)
+    runstate.eval_row(run, {"test": ev(9), "val": ev(4)}, 32)  # the best held-out: not read
+    runstate.eval_row(run, {"test": ev(6), "val": ev(5, reward=0.6)}, 48)  # ties 16 on solve rate, better mean reward
+    runstate.eval_row(run, {"test": ev(1), "val": ev(5, reward=0.6)}, 64)  # a full tie with 48: the earlier step
     (tmp_path / "evals" / "val_step_000080.json").write_text(json.dumps(ev(10)))  # no held-out file: skipped
     assert [set(r) >= {"val_solve_rate", "val_n_trials", "heldout_solve_rate"} for r in rows] == [True] * 5
     best = report.best_val(tmp_path)
@@ -706,8 +706,8 @@ def test_best_val_chooses_on_validation_alone_and_the_table_shows_it(tmp_path, c
     report.print_table({"eval_sft": ev(2), "eval_rl": {**ev(1), "after_step": 64}, "eval_rl_best_val": best,
                        "phase_times": {}})
     out = capsys.readouterr().out
-    assert "| held-out | RL@val (step 48, val 0.500) | 0.600 [" in out
-    assert "held-out RL@val (step 48) vs SFT (paired, n 10): solved +4 -0" in out
+    assert "| test (in-template) | RL@val (step 48, val 0.500) | 0.600 [" in out
+    assert "test (in-template): RL@val (step 48) vs SFT (paired, 10 tasks, n 10): solved +4 -0, McNemar p" in out
     (tmp_path / "evals" / "val_step_000016.json").write_text('{"solve_rate": 0.5')  # torn: named, not guessed
     with pytest.raises(ValueError, match="val_step_000016.json is not a validation evaluation"):
         report.best_val(tmp_path)
@@ -738,7 +738,8 @@ def test_pg_snr_on_a_run_directory(tmp_path, tiny_sft):
 
 def test_presets_full_and_quick_are_flags_and_exclusive(capsys):
     full, emb = T.parse_args(["--full"]), T.parse_args([])
-    assert (full.n_heldout_tasks, full.eval_every, full.arch) == (150, 16, "qwen3_moe") and full.rl_steps > emb.rl_steps
+    assert (full.n_heldout_tasks, full.eval_every, full.arch) == (100, 16, "qwen3_moe") and full.rl_steps > emb.rl_steps
+    assert (full.n_val_tasks, full.n_deep_tasks, full.n_names_tasks, full.eval_attempts) == (50, 50, 50, 3)
     assert (full.n_train_tasks, full.validate_train, full.rl_steps) == (1152, False, 48)  # --full's pool and steps
     assert (full.rst_rounds, emb.rst_rounds) == (1, 0)  # RST tasks in --full
     assert (full.temperature, full.kl_coef, emb.temperature, emb.kl_coef) == (0.7, 0.05, 1.0, 0.0)  # --full's T and KL
@@ -829,3 +830,27 @@ def test_engine_errors_500_sums_the_engines_counts_and_is_none_where_one_does_no
     finally:
         for srv, _ in servers:
             srv.shutdown()
+
+
+def test_paired_with_three_attempts_tests_over_tasks_and_the_table_names_every_split(capsys):
+    """With 3 attempts a task, the solved difference is tested over tasks (attempts averaged: a sign-flip over the
+    6 tasks that changed, exact: 2 of 64 patterns as extreme), not McNemar over 18 dependent trials; print_table
+    gives every split the run drew its rows and its paired test, by the split's name."""
+    def ev(solved_tasks, n=10, attempts=3):
+        trials = [{"task": f"t{i}", "attempt": k, "resolved": i in solved_tasks, "reward": float(i in solved_tasks)}
+                  for i in range(n) for k in range(attempts)]
+        rate = len(solved_tasks) / n
+        return {"trials": trials, "n_trials": n * attempts, "solve_rate": rate, "reward_mean": rate, "turns_mean": 3.0}
+    sft, rl = ev(set()), ev(set(range(6)))
+    t = report.paired(sft, rl)
+    assert (t["test"], t["n_tasks"], t["n"], t["solved_gained"]) == ("sign-flip over tasks", 10, 30, 18)
+    assert t["solve_p"] == t["task_p"] == 2 / 64 and t["mcnemar_p"] < 1e-4
+    assert report.paired(ev(set(), attempts=1), ev({0, 1}, attempts=1))["test"] == "McNemar"
+    assert report.signflip_p([0.0, 0.0]) == 1.0 and report.signflip_p([1.0] * 20, n_perm=999) == 1 / 1000
+    report.print_table({"eval_sft": sft, "eval_rl": {**rl, "after_step": 8},
+                        "eval_sft_splits": {"test_deep": ev({1}), "test_names": ev(set())},
+                        "eval_rl_splits": {"test_deep": ev({1, 2, 3}), "test_names": ev({4})}, "phase_times": {}})
+    out = capsys.readouterr().out
+    assert "| test (out-of-template: deeper RST) | RL | 0.300 [" in out and "| test (unseen names) | SFT | 0.000" in out
+    assert "test (in-template): RL vs SFT (paired, 10 tasks, n 30): solved +18 -0, sign-flip over tasks p = 0.0312" in out
+    assert "test (unseen names): RL vs SFT (paired, 10 tasks, n 30): solved +3 -0" in out
