@@ -42,7 +42,8 @@ def _metrics(d: Path) -> list:
 def shared_runs(out: Path) -> list:
     """The shared runs under out: [OUT/shared], or OUT/shared-s0, -s1, ... (--sft-per-seed)."""
     one = out / "shared"
-    return [one] if one.is_dir() else sorted(out.glob("shared-s*"), key=lambda d: int(d.name[len("shared-s"):]))
+    per_seed = [d for d in out.glob("shared-s*") if d.name[len("shared-s"):].isdigit()]
+    return [one] if one.is_dir() else sorted(per_seed, key=lambda d: int(d.name[len("shared-s"):]))
 
 
 def collect(out: Path) -> dict:
@@ -92,7 +93,7 @@ def contrast(pairs: list) -> dict:
     for key, name in (("resolved", ""), ("reward", "reward_")):
         strata, per_seed, better, worse = {}, [], 0, 0
         for k, a, b in pairs:
-            x, y = paired_arrays(a, b, key, f"{k}")
+            x, y = paired_arrays(a, b, key, f"the pair of stratum {k}")
             strata.setdefault(k, (x, []))[1].append(y)
             per_seed.append(float((y - x).mean()))
             better, worse = better + int((y > x).sum()), worse + int((y < x).sum())
@@ -165,7 +166,7 @@ def report(out: Path) -> str:
         es = [e[k] for e in shared if e.get(k) and e[k].get("n_trials")]
         if es:
             m, lo, hi = _interval(es)
-            wall = sum(sum(e["phase_times"].values()) for e in shared) / len(shared) if k == "eval_sft" else None
+            wall = np.mean([sum(e.get("phase_times", {}).values()) for e in shared]) if k == "eval_sft" else None
             lines.append(f"| {k[5:].upper()} ({'shared' if len(sh) == 1 else 'per seed'}) | "
                          f"{'-' if len(sh) == 1 else len(es)} | {m:.3f} [{lo:.3f}, {hi:.3f}] | "
                          f"{np.mean([e['reward_mean'] for e in es]):.3f} | 0 | "
