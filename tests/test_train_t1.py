@@ -852,5 +852,6 @@ def test_paired_with_three_attempts_tests_over_tasks_and_the_table_names_every_s
                         "eval_rl_splits": {"test_deep": ev({1, 2, 3}), "test_names": ev({4})}, "phase_times": {}})
     out = capsys.readouterr().out
     assert "| test (out-of-template: deeper RST) | RL | 0.300 [" in out and "| test (unseen names) | SFT | 0.000" in out
-    assert "test (in-template): RL vs SFT (paired, 10 tasks, n 30): solved +18 -0, sign-flip over tasks p = 0.0312" in out
+    assert ("test (in-template): RL vs SFT (paired, 10 tasks, n 30): solved +18 -0, sign-flip over tasks p = 0.0312"
+            in out)
     assert "test (unseen names): RL vs SFT (paired, 10 tasks, n 30): solved +3 -0" in out
