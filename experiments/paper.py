@@ -104,7 +104,8 @@ ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.p
 OWNED = {"--reward-mode", "--advantage", "--samples-per-task", "--critic-warmup-epochs", "--critic-head-init",
          "--r3-mode", "--rl-steps", "--seed", "--run-dir"}  # the flags experiments/paper.py sets: refused after --
 OWN_WARMUP = ("cold", "cold_default", "binary")  # the cold ones: no warm-up (their flag); binary: on its own reward
-SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_train", "critic_warmup")
+SHARED_KEYS = ("tasks", "reward_scale", "base", "eval_base", "eval_sft", "eval_sft_splits", "eval_sft_train",
+               "critic_warmup")
 
 
 def train_cmd(preset: list, run_dir: Path, extra: list) -> list:

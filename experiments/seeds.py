@@ -275,8 +275,9 @@ def _git(*args) -> str | None:
 
 def collect(run_dir: Path, out_dir: Path, replace: bool = False) -> Path:
     """Copies a run's evals/*.json, args.json and state.json (when under STATE_MAX_BYTES) into out_dir/seed<N>/ (the
-    same layout: evals/ beside args.json) with provenance.json: the commit of this repository (and whether its
-    tree had changes), the host, its CPU count, the date, the command line where args or state record one."""
+    same layout: evals/ beside args.json) with provenance.json: the commit (the run's, where args or state record
+    one, else this repository's HEAD, and which), whether the tree had changes, the host, its CPU count, the date,
+    the command line where args or state record one."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     if not is_seed_dir(run_dir):
         raise ValueError(f"{run_dir}: not a run folder (args.json and evals/*step_*.json)")
@@ -295,7 +296,9 @@ def collect(run_dir: Path, out_dir: Path, replace: bool = False) -> Path:
         shutil.copy2(state, dest / "state.json")
         st = json.loads(state.read_text())
     command = next((src[k] for src in (args, st) for k in ("argv", "command", "cmdline") if src.get(k)), None)
-    prov = {"source": str(run_dir.resolve()), "commit": _git("rev-parse", "HEAD"),
+    commit = next((src[k] for src in (args, st) for k in ("commit", "git_commit") if src.get(k)), None)
+    prov = {"source": str(run_dir.resolve()), "commit": commit or _git("rev-parse", "HEAD"),
+            "commit_from": "the run's own record" if commit else "this repository's HEAD when collected",
             "tree_changed": bool(_git("status", "--porcelain", "--untracked-files=no")),
             "hostname": socket.gethostname(), "nproc": os.cpu_count(),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

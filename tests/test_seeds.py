@@ -193,7 +193,7 @@ def test_collect_then_report_round_trip(tmp_path, capsys):
     assert (dest / "state.json").exists() and not (dest / "metrics.jsonl").exists()
     prov = json.loads((dest / "provenance.json").read_text())
     assert len(prov["commit"]) == 40 and prov["nproc"] >= 1 and prov["hostname"] and prov["date"].startswith("20")
-    assert prov["command"] == ["train_t1.py", "--full", "--seed", "1"]
+    assert prov["command"] == ["train_t1.py", "--full", "--seed", "1"] and prov["commit_from"].startswith("this")
     assert json.loads((tmp_path / "results" / "seed2" / "provenance.json").read_text())["command"] is None
     a = seeds.report([tmp_path / "runs"], n_perm=500)
     b = seeds.report([tmp_path / "results"], n_perm=500)
