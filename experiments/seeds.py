@@ -221,15 +221,33 @@ def split_table(seeds: list, split: str, n_perm: int = N_PERM) -> dict:
     return {"split": split, "name": SPLIT_NAMES.get(split, split), "seeds": rows, "pooled": pooled}
 
 
+def transfer(tables: list) -> list:
+    """Each other test split's gain minus the in-template one's, seed by seed (RL's gain carried beyond the training
+    templates: at least as large is the paper's long-horizon claim), with the t interval over seeds. No permutation
+    test: the two splits score different tasks, so no task pairs them."""
+    base = next((t for t in tables if t["split"] == "test"), None)
+    out = []
+    for t in tables if base else []:
+        if t["split"] == "test":
+            continue
+        g0, row = {r["seed"]: r for r in base["seeds"]}, {"split": t["split"], "name": t["name"]}
+        for name in ("solve", "reward"):
+            d = [r[f"gain_{name}"] - g0[r["seed"]][f"gain_{name}"] for r in t["seeds"]]
+            m, lo, hi = t_interval(d)
+            row[name] = {"per_seed": d, "mean": m, "ci": [lo, hi]}
+        out.append(row)
+    return out
+
+
 def report(dirs: list, n_perm: int = N_PERM) -> dict:
-    """{splits: [split_table of each test split any seed has]} over the seed folders under dirs."""
+    """{splits: [split_table of each test split any seed has], transfer} over the seed folders under dirs."""
     seeds = load_seeds(dirs)
     present = {sp for s in seeds for sp, _ in s["files"] if sp != "val"}
     order = [sp for sp in SPLITS if sp in present] + sorted(present - set(SPLITS))
+    tables = [split_table(seeds, sp, n_perm) for sp in order]
     return {"dirs": [s["dir"] for s in seeds], "n_perm": n_perm,
             "test": "sign-flip permutation of per-task paired differences within each seed (one-sided, RL > SFT)",
-            "interval": "95% t interval of the mean gain over seeds", "splits": [split_table(seeds, sp, n_perm)
-                                                                                for sp in order]}
+            "interval": "95% t interval of the mean gain over seeds", "splits": tables, "transfer": transfer(tables)}
 
 
 def _ci(lo, hi, n) -> str:
@@ -261,6 +279,12 @@ def format_report(rep: dict) -> str:
                        f"test of RL > SFT ({rep['n_perm']} draws): "
                        f"p = {p[f'p_{name}']:.3g}; {err}")
         out.append("")
+    for t in rep.get("transfer", []):
+        for name, what in (("solve", "solve rate"), ("reward", "mean reward")):
+            x = t[name]
+            out.append(f"- gain on {t['name']} minus gain on {SPLIT_NAMES['test']}, {what}: per seed "
+                       f"{', '.join(f'{v:+.3f}' for v in x['per_seed'])}; mean {x['mean']:+.3f} "
+                       f"{_ci(*x['ci'], len(x['per_seed']))} (no permutation test: the splits' tasks differ)")
     return "\n".join(out)
 
 

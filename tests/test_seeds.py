@@ -144,7 +144,13 @@ def test_report_per_seed_and_pooled_over_splits(tmp_path):
     assert p["p_solve"] < 0.05 and p["n_seeds"] == 3  # 2 tasks x 3 seeds all positive: 1/64 exactly
     assert deep["pooled"]["n_errors"] == [0, 1] and deep["seeds"][1]["n_errors"] == [0, 1]
     assert deep["pooled"]["gain_solve"] < 0  # the errored trial scored 0
+    (tr,) = rep["transfer"]  # test_deep's gain minus test's, seed by seed
+    assert tr["split"] == "test_deep" and tr["solve"]["per_seed"] == pytest.approx(
+        [d["gain_solve"] - t["gain_solve"] for d, t in zip(deep["seeds"], test["seeds"])])
+    assert tr["solve"]["mean"] == pytest.approx(-0.25 - 1 / 36)  # deep: no gain, one seed loses 1 of its 12 trials
     text = seeds.format_report(rep)
+    assert "- gain on test (out-of-template: deeper RST) minus gain on test (in-template), solve rate: per seed " \
+        "-0.250, -0.333, -0.250; mean -0.278 [" in text
     assert "### Split test (in-template): 3 seeds" in text and "### Split test (out-of-template" in text
     assert "| 2 | 4 x 3 / 3 |" in text and "0 of 12 / 1 of 12" in text
     assert "errored trials (scored 0): SFT 0 of 36, RL 1 of 36" in text and "n = 3" in text
