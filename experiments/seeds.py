@@ -37,6 +37,7 @@ SFT and RL evaluations of a seed over different tasks, a file whose split or ste
 """
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -59,6 +60,7 @@ STATE_MAX_BYTES = 1 << 20  # collect copies state.json up to this size (the task
 
 
 # --- the statistics --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
 def t_quantile(q: float, df: int) -> float:
     """Student's t quantile (q > 0.5) by bisection on its CDF, integrated with Simpson's rule (no scipy here)."""
     c = math.exp(math.lgamma((df + 1) / 2) - math.lgamma(df / 2)) / math.sqrt(df * math.pi)
