@@ -333,6 +333,14 @@ def collect(run_dir: Path, out_dir: Path, replace: bool = False) -> Path:
     return dest
 
 
+def _nan_null(x):
+    if isinstance(x, dict):
+        return {k: _nan_null(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_nan_null(v) for v in x]
+    return None if isinstance(x, float) and math.isnan(x) else x
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m experiments.seeds", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -353,8 +361,8 @@ def main(argv=None) -> None:
     except (ValueError, FileExistsError, OSError) as e:
         sys.exit(f"experiments/seeds.py {a.cmd}: {e}")
     print(format_report(rep))
-    if a.json:
-        Path(a.json).write_text(json.dumps(rep, indent=1))
+    if a.json:  # NaN (no interval from one seed) as null: plain JSON
+        Path(a.json).write_text(json.dumps(_nan_null(rep), indent=1, allow_nan=False))
 
 
 if __name__ == "__main__":

@@ -212,5 +212,8 @@ def test_collect_then_report_round_trip(tmp_path, capsys):
     seeds.main(["report", str(tmp_path / "results"), "--json", str(tmp_path / "t.json"), "--n-perm", "500"])
     assert "### Split test (in-template): 3 seeds" in capsys.readouterr().out
     assert json.loads((tmp_path / "t.json").read_text())["splits"][0]["pooled"]["n_seeds"] == 3
+    seeds.main(["report", str(dirs[0]), "--json", str(tmp_path / "one.json"), "--n-perm", "100"])  # one seed
+    assert json.loads((tmp_path / "one.json").read_text())["splits"][0]["pooled"]["gain_solve_ci"] == [None, None]
+    assert "(one seed: no interval over seeds)" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="seeds.py report: .*neither a run folder"):
         seeds.main(["report", str(tmp_path / "runs" / "r1" / "evals")])
