@@ -257,6 +257,17 @@ def _ci(lo, hi, n) -> str:
         f"[{lo:+.3f}, {hi:+.3f}] (95% t interval over seeds, n = {n})"
 
 
+def reading(p: float, lo: float, hi: float, alpha: float = 0.05) -> str:
+    """What the test and the interval over seeds say together (the test holds each seed's checkpoints fixed; the
+    interval is the statement about another seed)."""
+    if p >= alpha:
+        return f"RL > SFT not shown (p >= {alpha})"
+    if math.isnan(lo) or lo <= 0:
+        return (f"RL > SFT on these seeds' checkpoints (p < {alpha}), not shown over seeds (" +
+                ("one seed" if math.isnan(lo) else "the interval over seeds reaches 0") + ")")
+    return f"RL > SFT: the test (p < {alpha}) and the interval over seeds (above 0) agree"
+
+
 def format_report(rep: dict) -> str:
     """The report as markdown: per split, a row per seed, then the pooled lines."""
     out = []
@@ -280,7 +291,7 @@ def format_report(rep: dict) -> str:
                        f"{p[f'gain_{name}']:+.3f} {_ci(*p[f'gain_{name}_ci'], p['n_seeds'])}; seed-blocked sign-flip "
                        f"test of RL > SFT ({rep['n_perm']} draws): "
                        f"p = {p[f'p_{name}']:.3g}; {err}")
-        out.append("")
+        out += [f"- reading (solve rate): {reading(p['p_solve'], *p['gain_solve_ci'])}", ""]
     for t in rep.get("transfer", []):
         for name, what in (("solve", "solve rate"), ("reward", "mean reward")):
             x = t[name]

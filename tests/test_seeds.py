@@ -154,6 +154,10 @@ def test_report_per_seed_and_pooled_over_splits(tmp_path):
     assert "### Split test (in-template): 3 seeds" in text and "### Split test (out-of-template" in text
     assert "| 2 | 4 x 3 / 3 |" in text and "0 of 12 / 1 of 12" in text
     assert "errored trials (scored 0): SFT 0 of 36, RL 1 of 36" in text and "n = 3" in text
+    assert "- reading (solve rate): RL > SFT: the test (p < 0.05) and the interval over seeds (above 0) agree" in text
+    assert "- reading (solve rate): RL > SFT not shown (p >= 0.05)" in text  # test_deep
+    assert seeds.reading(0.01, -0.02, 0.1).endswith("not shown over seeds (the interval over seeds reaches 0)")
+    assert seeds.reading(0.01, float("nan"), float("nan")).endswith("(one seed)")
 
 
 @pytest.mark.parametrize("breakage, match", [
