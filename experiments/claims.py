@@ -12,7 +12,8 @@ from pathlib import Path
 
 import numpy as np
 
-from experiments.seeds import SPLIT_NAMES, blocked_test, eval_files, load_eval, paired_arrays, t_quantile
+from experiments.seeds import (SPLIT_NAMES, blocked_test, eval_files, load_eval, paired_arrays, t_interval,
+                               t_quantile)
 from report import wilson
 from sandbox import task_io
 
@@ -105,7 +106,9 @@ def contrast(pairs: list) -> dict:
 
 def said(c: dict, a: str, b: str) -> str:
     """A contrast in words: b - a in solve rate (per seed), tasks better / worse, the test's p; the mean reward's."""
-    per = "" if c["n_seeds"] < 2 else f" (per seed {', '.join(f'{x:+.3f}' for x in c['per_seed'])})"
+    _, lo, hi = t_interval(c["per_seed"])
+    per = "" if c["n_seeds"] < 2 else (f" (per seed {', '.join(f'{x:+.3f}' for x in c['per_seed'])}; 95% t "
+                                       f"interval over seeds [{lo:+.3f}, {hi:+.3f}])")
     one = "" if c["n_strata"] == c["n_seeds"] else f" against {c['n_strata']} shared {a} evaluation(s)"
     return (f"{b} - {a}: solve rate {c['diff']:+.3f}{per}, tasks +{c['better']} -{c['worse']} over {c['n_seeds']} "
             f"seed(s){one}, seed-blocked sign-flip p = {c['p']:.3g}; mean reward {c['reward_diff']:+.3f} (p = "
@@ -131,6 +134,18 @@ def verdict(diff: float, paper_sign: int, p: float) -> str:
     return "agrees" if p < 0.05 else "same sign, n.s."
 
 
+def seed_verdict(c: dict, paper_sign: int = +1) -> str:
+    """verdict() of a contrast, said to hold for these seeds' checkpoints only where the t interval of the seeds'
+    differences reaches 0 (or there is one seed): the test does not see another seed's."""
+    v = verdict(c["diff"], paper_sign, c["p"])
+    if v not in ("agrees", "disagrees"):
+        return v
+    _, lo, hi = t_interval(c["per_seed"])
+    if math.isnan(lo):
+        return f"{v} (one seed)"
+    return v if lo > 0 or hi < 0 else f"{v} (these seeds; the interval over seeds reaches 0)"
+
+
 def rl_vs_sft_rows(out: Path, ppo: list) -> list:
     """The claim RL > SFT, one row per test split: every ppo seed against its own seed's SFT evaluation (split test:
     the summaries'; the other splits: the evals/ files), seed-blocked."""
@@ -141,13 +156,13 @@ def rl_vs_sft_rows(out: Path, ppo: list) -> list:
         missing = [f"{r['dir'].name} ({'SFT' if e[0] is None else 'RL'})" for r, e in got if None in e]
         c = {} if missing else contrast([(r["sft"].name, a, b) for r, (a, b) in got])
         rows.append(f"| RL beats SFT on {split} | {SPLIT_NAMES.get(split, split)} | 49.4 -> 64.0 (Terminal-Bench "
-                    f"2.1) | " + (f"{said(c, 'SFT', 'RL')} | {verdict(c['diff'], +1, c['p'])} |" if c else
+                    f"2.1) | " + (f"{said(c, 'SFT', 'RL')} | {seed_verdict(c)} |" if c else
                                   f"no evaluation of this split: {', '.join(missing) or 'no ppo run'} | - |"))
     best = [(r["sft"].name, sft_eval(r), r["summary"].get("eval_rl_best_val")) for r in ppo]
     c = contrast(best) if ppo and all(b for _, _, b in best) else {}
     if c:
         rows.append(f"| RL beats SFT on test, at the step validation chose | {SPLIT_NAMES['test']} | 49.4 -> 64.0 | "
-                    f"{said(c, 'SFT', 'RL')} | {verdict(c['diff'], +1, c['p'])} |")
+                    f"{said(c, 'SFT', 'RL')} | {seed_verdict(c)} |")
     return rows
 
 
@@ -204,7 +219,7 @@ def report(out: Path) -> str:
         by, hard = {r["seed"]: r for r in arms.get(arm, [])}, hard or {}
         c = contrast([(r["seed"], only(by[r["seed"]]["summary"]["eval_rl"], hard.get(r["seed"])),
                        only(r["summary"]["eval_rl"], hard.get(r["seed"]))) for r in ppo if r["seed"] in by])
-        ours = f"{note}{said(c, arm, 'ppo')} | {verdict(c['diff'], +1, c['p'])} |" if c else "not run | - |"
+        ours = f"{note}{said(c, arm, 'ppo')} | {seed_verdict(c)} |" if c else "not run | - |"
         lines.append(f"| {label} | {test} | {paper} | {ours}")
     lines += rl_vs_sft_rows(out, ppo)
     arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")

@@ -43,7 +43,8 @@ Choices where the paper is silent: arms run sequentially, seed by seed (every ar
 every test is experiments/seeds.py's seed-blocked sign-flip permutation of the tasks' paired differences (pass@1
 with the attempts averaged; two-sided here): an arm against ppo seed by seed, RL against its own seed's SFT (arms
 from one shared SFT: that SFT counted once, never once per seed); "agrees" means the paper's sign at p < 0.05,
-"disagrees" the opposite sign at p < 0.05, "same sign, n.s." / "opposite sign, n.s." otherwise; rows with no test
+"disagrees" the opposite sign at p < 0.05 (either marked "(one seed)", or "(these seeds; ...)" where the t interval
+of the seeds' differences reaches 0), "same sign, n.s." / "opposite sign, n.s." otherwise; rows with no test
 (R3's dlogp, TITO's drift) give their spread over seeds and no verdict; each row names its split. The test holds
 the trained models fixed: it does not see how much another seed would move an arm (the per-seed figures and the
 interval do). --quick (the test's form): the quick preset, one seed, RL steps as the preset gives; its

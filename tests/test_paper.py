@@ -87,16 +87,16 @@ def test_report_from_run_directories(tmp_path):
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
     assert "| test (in-template) | dense 64.0 vs binary 47.2 | 8 of 40 held-out tasks: ppo - binary: solve rate " \
         "+1.000, tasks +8 -0 over 1 seed(s), seed-blocked sign-flip p = 0.008" in lines[hard]  # exact: 2 / 2^8
-    assert lines[hard].endswith("| agrees |")
+    assert lines[hard].endswith("| agrees (one seed) |")  # the test does not see another seed's checkpoints
     tito_row = lines["TITO vs naive re-tokenisation: loss-region drift"]
     assert "naive 1.2500% vs TITO 0.0000%" in tito_row and "retokenized 3" in tito_row
     assert "random-init model: naive 70.5000% vs TITO 0.0000%" in tito_row
     assert tito_row.endswith("| - (one measurement, no test) |")
     rl = lines["RL beats SFT on test"]
     assert "| test (in-template) |" in rl and "RL - SFT: solve rate +0.500, tasks +20 -0 over 1 seed(s), " \
-        "seed-blocked sign-flip p = 0.0002;" in rl and rl.endswith("| agrees |")
+        "seed-blocked sign-flip p = 0.0002;" in rl and rl.endswith("| agrees (one seed) |")
     assert "ppo - binary: solve rate +0.450, tasks +18 -0" in lines["dense reward beats binary"]
-    assert lines["dense reward beats binary"].endswith("| agrees |")
+    assert lines["dense reward beats binary"].endswith("| agrees (one seed) |")
     assert lines["PPO with a critic beats GRPO"].endswith("| opposite sign, n.s. |")  # grpo solved one more
     assert "0.25 of groups" in lines["GRPO: groups where every sample failed"]
     assert "1 of 2 updates < 0; per trajectory over the first 4 steps -1.50 .. 0.25" in lines[
@@ -234,8 +234,10 @@ def test_report_over_two_seeds_shows_each_seed_and_the_t_interval(tmp_path):
     half = 12.706 * (0.05 / 2 ** 0.5) / 2 ** 0.5  # t(1) x sd / sqrt(2) of 0.500, 0.450
     assert f"| ppo | 2 | 0.475 [{0.475 - half:.3f}, {0.475 + half:.3f}]; per seed 0.500, 0.450 |" in text
     # RL vs the one shared SFT: one stratum (the SFT outcomes counted once), the seeds' gains each
-    assert "RL - SFT: solve rate +0.225 (per seed +0.250, +0.200), tasks +18 -0 over 2 seed(s) against 1 shared SFT " \
-        "evaluation(s)" in text
+    half = 12.706 * (0.05 / 2 ** 0.5) / 2 ** 0.5  # the seeds' gains 0.250, 0.200: their t interval reaches 0
+    assert f"RL - SFT: solve rate +0.225 (per seed +0.250, +0.200; 95% t interval over seeds [{0.225 - half:+.3f}, " \
+        f"{0.225 + half:+.3f}]), tasks +18 -0 over 2 seed(s) against 1 shared SFT evaluation(s)" in text
+    assert "| agrees (these seeds; the interval over seeds reaches 0) |" in text
     _arm(tmp_path, "binary-s0", [1] * 38 + [0] * 2, [row])
     _arm(tmp_path, "binary-s1", [1] * 20 + [0] * 20, [row])
     assert "| binary | 2 | 0.725 [0.000, 1.000]; per seed 0.950, 0.500 |" in paper.report(tmp_path)  # clipped
@@ -320,7 +322,8 @@ def test_each_seed_pairs_with_its_own_sft_and_every_test_split_has_its_row(tmp_p
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in text.splitlines() if ln.startswith("|")}
     assert "| SFT (per seed) | 3 |" in text and "each seed its own tasks and SFT model" in text
     row = lines["RL beats SFT on test"]
-    assert "per seed +0.250, +0.000, +0.375), tasks +25 -0 over 3 seed(s), seed-blocked" in row
+    assert "per seed +0.250, +0.000, +0.375; 95% t interval over seeds [" in row
+    assert "]), tasks +25 -0 over 3 seed(s), seed-blocked" in row
     assert "shared SFT" not in row  # three strata: each seed its own SFT
     ref = seeds.blocked_test([(np.array(a, float), np.array(b, float)) for a, b in zip(sfts, rls)])
     assert f"p = {min(1.0, 2 * min(ref['p_greater'], ref['p_less'])):.3g};" in row
@@ -330,8 +333,9 @@ def test_each_seed_pairs_with_its_own_sft_and_every_test_split_has_its_row(tmp_p
     (tmp_path / "ppo-s2" / "evals" / "test_deep_step_000001.json").write_text(json.dumps(
         dict(_ev([1] * 2 + [0] * 4), after_step=1)))
     lines = {ln.split(" | ")[0].strip("| "): ln for ln in paper.report(tmp_path).splitlines() if ln.startswith("|")}
-    assert "RL - SFT: solve rate +0.444 (per seed +0.500, +0.500, +0.333), tasks +8 -0 over 3 seed(s)" in lines[
-        "RL beats SFT on test_deep"]
+    deep = lines["RL beats SFT on test_deep"]
+    assert "RL - SFT: solve rate +0.444 (per seed +0.500, +0.500, +0.333; 95% t interval over seeds [+0.205, " \
+        "+0.683]), tasks +8 -0 over 3 seed(s)" in deep and deep.endswith("| agrees |")  # the interval above 0
 
 
 def test_sft_per_seed_runs_a_shared_phase_per_seed_and_seeds_each_arm_from_its_own(tmp_path, monkeypatch):
