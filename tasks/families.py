@@ -17,7 +17,8 @@ city, colour or column name with it, and its shapes differ: stems of word, '-' /
 numbers with one digit more, other modes. Kept in both, because the instruction or the tool relies on them: the log
 levels (ERROR / WARN / INFO / DEBUG, what grep counts), the extensions .csv / .json / .tar.gz / .gz / .sh (they say
 which tool reads the file), the csv / json keys name and city (the template's fields), mode 444 (read-only's
-meaning), and contents only a verifier reads (log lines' dates and numbers, the sum kind's columns).
+meaning), the fixed words of the perms contents ("hello", "secret-") and contents only a verifier reads (log lines'
+dates and numbers, the sum kind's columns).
 
 Departures from the paper (data.py numbers them 1 and 4):
 1. No LLM: 6 templated families of real shell work (files/dirs, text processing, permissions, archives, CSV/JSON,
@@ -83,7 +84,7 @@ def _train_stem(rng):  # word + 2 digits: maple42
     return f"{rng.choice(TRAIN.words)}{rng.randint(10, 99)}"
 
 
-def _unseen_stem(rng):  # word, '-' / '_' / nothing, 1 or 3 digits: quasar7, obelisk-31 never (2 digits), nimbus_204
+def _unseen_stem(rng):  # word, '-' / '_' / nothing, 1 or 3 digits (never training's 2): quasar7, nimbus_204, orbit-5
     w, sep = rng.choice(UNSEEN.words), rng.choice(("-", "_", ""))
     return f"{w}{sep}{rng.randint(0, 9) if rng.random() < 0.5 else rng.randint(100, 999)}"
 
