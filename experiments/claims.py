@@ -157,7 +157,8 @@ def rl_vs_sft_rows(out: Path, ppo: list) -> list:
         c = {} if missing else contrast([(r["sft"].name, a, b) for r, (a, b) in got])
         rows.append(f"| RL beats SFT on {split} | {SPLIT_NAMES.get(split, split)} | 49.4 -> 64.0 (Terminal-Bench "
                     f"2.1) | " + (f"{said(c, 'SFT', 'RL')} | {seed_verdict(c)} |" if c else
-                                  f"no evaluation of this split: {', '.join(missing) or 'no ppo run'} | - |"))
+                                  (f"no evaluation of this split: {', '.join(missing)}" if missing else
+                                   "no per-trial rows" if ppo else "the ppo arm not run") + " | - |"))
     best = [(r["sft"].name, sft_eval(r), r["summary"].get("eval_rl_best_val")) for r in ppo]
     c = contrast(best) if ppo and all(b for _, _, b in best) else {}
     if c:
@@ -223,12 +224,12 @@ def report(out: Path) -> str:
         lines.append(f"| {label} | {test} | {paper} | {ours}")
     lines += rl_vs_sft_rows(out, ppo)
     arm_vs_ppo("binary", "dense 64.0 vs binary 47.2", "dense reward beats binary")
-    counts = {r["seed"]: assertion_counts(r["sft"]) for r in ppo}
+    counts = {r["seed"]: assertion_counts(r["sft"]) for r in ppo if arms.get("binary")}
     label = f"dense beats binary on the hard slice (>= {HARD_MIN} assertions)"
-    if not counts or None in counts.values():
+    if None in counts.values():
         lines.append(f"| {label} | {test} | dense 64.0 vs binary 47.2 | the held-out task directories are not found "
                      f"from here | - |")
-    elif arms.get("binary") and ppo:
+    elif counts:
         hard = {s: {k for k, v in cs.items() if v is not None and v >= HARD_MIN} for s, cs in counts.items()}
         if any(hard.values()):
             nh, nt = ("/".join(sorted({str(len(x)) for x in d.values()})) for d in (hard, counts))
