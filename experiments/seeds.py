@@ -1,6 +1,6 @@
 """Seeds counted: the RL - SFT gain of independent pipeline seeds (each seed its own tasks, base, SFT and RL), each
 seed's own figure and the pooled one, for every test split the runs evaluated; and the command that files one run's
-evaluations under results/ with the commit and machine that made them.
+evaluations under results/ with the commit (the run's where it records one, else HEAD at collect) and machine.
 
     python -m experiments.seeds report DIR [DIR ...] [--json FILE] [--n-perm N]
     python -m experiments.seeds collect RUN_DIR OUT_DIR [--replace]     # -> OUT_DIR/seed<N>/
@@ -29,9 +29,12 @@ Statistics (the paper's protocol: pass@1 averaged over attempts, paired over tas
    differences (tests/test_seeds.py measures both its calibration and its power). Its null holds each seed's two
    checkpoints fixed (in every seed, on every task, SFT and RL outcomes exchangeable): it does not see how much a
    new seed would move the gain; the interval of 2. does. A stratum with several RL evaluations against one SFT
-   evaluation (experiments/paper.py's arms from one shared SFT) permutes which of the k + 1 is SFT, task by task, so
+   evaluation (experiments/claims.py: paper.py's arms from one shared SFT) permutes which of the k + 1 is SFT, task by task, so
    the shared SFT outcomes count once.
-4. Errored trials count 0 (rollout.evaluate_trials); their count is printed beside every figure they enter.
+4. Each split ends with a reading of 2. and 3. together: a p < 0.05 whose interval reaches 0 holds for these
+   seeds' checkpoints only. Each other test split's gain minus the in-template one's is given seed by seed with its
+   t interval (no permutation test: the two splits score different tasks).
+5. Errored trials count 0 (rollout.evaluate_trials); their count is printed beside every figure they enter.
 Loud errors: a seed without the SFT or final evaluation of a split the report shows, two seeds with one seed value,
 SFT and RL evaluations of a seed over different tasks, a file whose split or step disagrees with its name.
 """
