@@ -29,8 +29,8 @@ Statistics (the paper's protocol: pass@1 averaged over attempts, paired over tas
    differences (tests/test_seeds.py measures both its calibration and its power). Its null holds each seed's two
    checkpoints fixed (in every seed, on every task, SFT and RL outcomes exchangeable): it does not see how much a
    new seed would move the gain; the interval of 2. does. A stratum with several RL evaluations against one SFT
-   evaluation (experiments/claims.py: paper.py's arms from one shared SFT) permutes which of the k + 1 is SFT, task by task, so
-   the shared SFT outcomes count once.
+   evaluation (experiments/claims.py: paper.py's arms from one shared SFT) permutes which of the k + 1 is SFT, task
+   by task, so the shared SFT outcomes count once.
 4. Each split ends with a reading of 2. and 3. together: a p < 0.05 whose interval reaches 0 holds for these
    seeds' checkpoints only. Each other test split's gain minus the in-template one's is given seed by seed with its
    t interval (no permutation test: the two splits score different tasks).
