@@ -266,6 +266,7 @@ def test_seed_goes_to_the_shared_run_and_a_resume_with_another_is_refused(tmp_pa
         return 0
     monkeypatch.setattr(paper, "run_logged", fake_run)
     monkeypatch.setattr(paper, "seed_arm", lambda shared, d, arm: None)
+    monkeypatch.setattr(paper, "tito_step", lambda out, quick: 0)  # (it would start two bench processes)
     paper.run(tmp_path, ["--quick"], ["ppo"], 2, 1, [], seed=7)
     assert cmds[0][cmds[0].index("--seed") + 1] == "7"
     assert [c[c.index("--seed") + 1] for c in cmds[1:]] == ["7", "8"]
