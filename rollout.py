@@ -260,7 +260,8 @@ def run_trial(task_dir, agent, *, engine_url=None, tokenizer=None, sampling=None
             chat.deadline = t_end  # the contract of a chat: reply() does not run past it (TokenChat cuts the call)
             if work_root is not None:
                 transcript = terminus2.Transcript(box.host_dir, result)
-            exit_reason = terminus2.agent_loop(box, task, chat, limits, stop_event, t_end, result, transcript)
+            exit_reason = terminus2.agent_loop(box, task, chat, limits, stop_event, t_end, result, transcript,
+                                               settle=agent == "scripted")  # the expert's outputs complete
         result["exit_reason"], result["turns"] = exit_reason, len(result["records"])
         if exit_reason != "cancelled":
             score(box, result, reward_scale)

@@ -21,6 +21,10 @@ Departures from the paper / Terminus-2:
 2. Tool output, the instruction and scripted replies are encoded as text (literal_ids): a token's spelling in them
    (<|im_end|>, <think>) is byte-level text, never the control token, so a command cannot forge chat structure (as chat
    servers escape it); text without such a spelling keeps its exact ids; sampled ids are untouched (TITO unchanged).
+3. The first observation waits for the shell's prompt (up to FIRST_PROMPT_S, not a fixed 0.3 s), and the scripted
+   expert (settle=True: the SFT transcripts) waits for each command's prompt (up to the turn's max duration) instead
+   of its reply's `duration`: under load a fixed wait cut outputs at a timing-dependent point, so two runs of one
+   seed trained on different transcripts. The model's commands keep Terminus-2's duration semantics.
 """
 import json
 import math
@@ -265,13 +269,20 @@ class TextChat:
 
 
 # --- the turns -----------------------------------------------------------------------------------------
-def agent_loop(box, task, chat, limits, stop_event, t_end, result=None, transcript=None):
+FIRST_PROMPT_S = 5.0  # the first observation: the shell's prompt, read until it is back (early) or this long (ours)
+SETTLE_S = 10.0  # settle=True: a command's output read until the prompt is back (early) or this long (ours)
+
+
+def agent_loop(box, task, chat, limits, stop_event, t_end, result=None, transcript=None, settle=False):
     """Terminus-2 turns: chat.reply() -> parse -> keystrokes -> terminal output -> chat.add_user(); returns the
     exit_reason. chat: TokenChat, or TextChat (text to the OpenAI gateway, which records the ids); rollout.run_trial
     sets chat.deadline = t_end (time.time()), and a chat's reply() must not run past it (TokenChat: "timeout").
     result["invalid_replies"] counts the replies the harness refused (not one JSON object of the format).
-    transcript(turn, user_text, reply_text): called after each reply (run_trial's kept transcript), or None."""
-    obs = PROMPT.format(instruction=task.instruction, terminal=box.read(0.3))
+    transcript(turn, user_text, reply_text): called after each reply (run_trial's kept transcript), or None.
+    settle: each command's output is read until the shell's prompt is back (up to SETTLE_S, max_duration_s, t_end),
+    whatever its duration says (the scripted expert: departure 3); box.read returns early once the prompt is back."""
+    obs = PROMPT.format(instruction=task.instruction, terminal=box.read(max(0.05, min(FIRST_PROMPT_S,
+                                                                                      t_end - time.time()))))
     chat.add_user(obs)
     pending, turns = False, 0  # pending: task_complete seen once, waiting for the confirmation
     while True:
@@ -298,7 +309,7 @@ def agent_loop(box, task, chat, limits, stop_event, t_end, result=None, transcri
                 if stop_event.is_set() or time.time() > t_end:
                     break
                 box.send_keys(c["keystrokes"], deadline=t_end)
-                wait = min(c["duration"], limits.max_duration_s, max(t_end - time.time(), 0))
+                wait = min(SETTLE_S if settle else c["duration"], limits.max_duration_s, max(t_end - time.time(), 0))
                 chunks.append(box.read(max(wait, 0.05)))
             terminal = "".join(chunks)[-limits.output_bytes:] if chunks else box.read(0.05)
             if reply["task_complete"] and pending:

@@ -175,7 +175,7 @@ def test_fork_bomb_trial_ends_and_verifier_still_runs(tmp_path):
     bomb = {**SORT, "commands": [{"keystrokes": ":(){ :|:& };:\n", "duration": 1.0}]}
     task = make_task(tmp_path, script=[bomb, SORT, DONE, DONE])
     t0 = time.time()
-    res = rollout.run_trial(task, "scripted", tokenizer=_tok(), limits={"max_procs": 32})
+    res = rollout.run_trial(task, "scripted", tokenizer=_tok(), limits={"max_procs": 32, "max_duration_s": 1.0})
     assert res["exit_reason"] == "task_complete" and res["reward_source"] == "ctrf", res["error"]
     assert time.time() - t0 < 60
 
@@ -659,3 +659,16 @@ def test_trial_pasting_into_a_busy_terminal_ends_at_its_timeout(tmp_path):
     th.join(120)
     assert not th.is_alive(), "the trial blocked past its timeout"
     assert res["exit_reason"] == "timeout" and res["reward_source"] == "ctrf", res["error"]
+
+
+def test_the_scripted_expert_reads_each_output_whole_whatever_its_duration(tmp_path, tok):
+    """The SFT transcripts do not depend on the machine's load: a scripted command slower than its reply's duration
+    (0.1 s) is read until the shell's prompt is back, so its output is in the next observation, not cut at 0.1 s;
+    a model's commands keep the duration (terminus2 departure 3)."""
+    slow = {**SORT, "commands": [{"keystrokes": "sleep 1.5; echo settled-$((6 * 7))\n", "duration": 0.1},
+                                 {"keystrokes": "sort in.txt > out.txt\n", "duration": 0.1}]}
+    task = make_task(tmp_path, script=[slow, DONE, DONE])
+    res = rollout.run_trial(task, "scripted", tokenizer=tok)
+    assert res["exit_reason"] == "task_complete" and res["resolved"], res["error"]
+    assert "settled-42" in tok.decode(res["records"][1]["prompt_ids"])  # the observation after turn 1 (the command
+    # itself reads settled-$((6 * 7)))
