@@ -7,14 +7,14 @@ section. One RL step (rl_loop), read top to bottom:
     GAE (gamma = lambda = 1) -> critic update (first, lr 1.5e-5) -> 6. old logprobs and PPO actor update, both with
     R3 replay, checkpoint -> 7. publish (one-step async: the rollout of step t+1 overlaps the update of step t)
 
-preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by held-out
-evaluation. Steps 5-6 run on the trainer actor (trainer.py), which calls ppo.train_step. The Ray actors start in
-cluster/actors.py; the run's bookkeeping (run directory, flag checks, evaluation and step rows) is runstate.py.
+preceded by an SFT warm start on reference trajectories and one epoch of Critic Warm-Up, followed by the evaluation
+on the test splits (runstate.SPLITS). Steps 5-6 run on the trainer actor (trainer.py: ppo.train_step); the Ray actors
+start in cluster/actors.py; the run's bookkeeping (run dir, flag checks, evaluations, step rows) is runstate.py.
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
     bash run.sh --quick                           # smoke-test preset, a few minutes
-    bash run.sh --full                            # 150 held-out RST tasks, 48 RL steps on 1,152 (~1-2 h)
+    bash run.sh --full                            # RST tasks, 48 RL steps on 1,152, three test splits (~1-2 h)
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag (--help: all)
 
 A run directory holds tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, `python tito.py audit`),
@@ -167,38 +167,28 @@ class Args:
 
 COPY_GATE = 0.9  # the base phase should reach this greedy copy accuracy (`python -m experiments.bench copy`)
 
-# Embedded presets: the paper's ratios kept where they mean something at this scale (critic lr = 30 x actor lr, eval
-# protocol, clip values, S by the paper's 90th-percentile rule on this pool), sizes and lrs shrunk for 2 CPU cores.
-# Each value sized for the tiny model says why (measured: results/LOG.md).
+# Embedded presets: the paper's ratios kept where they mean something (critic lr = 30 x actor lr, clips, S by the
+# 90th-percentile rule), sizes and lrs shrunk for 2 CPU cores, each saying why (measured: results/LOG.md).
 EMBEDDED = dataclasses.replace(
     Args(), arch="qwen3_moe", base_steps=1000,  # departures 7 and 8: a model that can copy (gate .98 at 1,000)
     base_max_steps=2000,  # ... for most seeds: one seed read .825 at 1,000 (its SFT held-out .333 vs .607)
     n_train_tasks=120, n_heldout_tasks=30, n_launch=36, n_keep=32, max_turns=8,
     max_new_tokens=192, max_total_tokens=3072, trial_timeout_s=120.0, rollout_workers=12,
     reward_scale_from_pool=True, eval_attempts=1, eval_train_tasks=30,
-    # SFT on 600 fresh tasks (disjoint from RL and held-out) for 4 epochs at the tiny model's lr: held-out .59;
-    # 30 epochs over the 120-task RL pool memorised it and solved no held-out task
+    # SFT on 600 fresh tasks, disjoint from RL and test (30 epochs over the RL pool memorised it)
     n_sft_tasks=600, sft_epochs=4, sft_lr=2e-3, sft_batch_size=8,
-    # PPO for a ~2.5M-parameter model: actor lr 1e-4 (5e-5 barely moved it; the paper's 1e-6 is for 122B), critic
-    # lr 30x (the paper's stated ratio), 2 epochs of minibatches of 8 over the 32 kept trials; rollouts at T = 1
-    # without KL (--full: T = 0.7 and a KL to SFT); a warm-up of 64 trials fits the 25-minute budget but leaves the
-    # critic at EV ~0.04 (--full warms on 512)
+    # PPO for a ~2.5M-parameter model: actor lr 1e-4 (the paper's 1e-6 is for 122B), critic lr 30x (the paper's
+    # ratio), 2 epochs of minibatches of 8; a 64-trial warm-up fits the 25-minute budget (--full warms on 512)
     critic_warmup_trials=64, rl_steps=8, actor_lr=1e-4, critic_lr=3e-3, minibatch_size=8, ppo_epochs=2,
     rollout_actors=2,
     # evaluation protocol overrides (paper: 3 attempts, 60 turns, 3600 s agent): one attempt, the training turn and
     # time limits, so that an evaluation takes minutes on 2 cores (the 3072-token context fills in ~8 turns anyway)
     eval_max_turns=8, eval_agent_timeout_s=120.0)
-# bash run.sh --full: the RL recipe measured best here (results/LOG.md, where each choice's figures are): every task
-# extended by one RST step on its output (3-8 assertions, S = 6: partial credit for r = P / S to grade); RL on 1,152
-# fresh tasks, written but not sandbox-audited (no reject among the hundreds audited); Critic Warm-Up on 512 trials
-# (64 or 256 left the EV near 0); rollouts at T = 0.7 with a k3 KL of 0.05 to SFT (paper: T = 1, no KL: there the
-# tiny model's replies were refused half the time and its format drifted); 48 steps (later steps plateaued or fell
-# back); SFT for 8 epochs, not 4 (SFT's loss flattens by epoch 6-8). These were chosen on the held-out split of the
-# time: a validation split now makes such choices, and the test splits are read at the end only.
-# Evaluation (2026-12-06): splits by purpose, the paper's 3 attempts a task: the in-template test split (100 tasks),
-# out-of-template (50: RST depth 2-3), unseen names (50), evaluated after SFT and after the last step only; the
-# curve every 16 steps is the validation split's (50), where the step count above was chosen; no training-task
-# evaluation (eval_train_tasks 0: 3 attempts made it the dearest diagnostic).
+# bash run.sh --full (each choice's figures: results/LOG.md): every task one RST step longer (S = 6: partial credit);
+# RL on 1,152 fresh tasks, not sandbox-audited (no reject among hundreds audited); warm-up on 512 trials (fewer left
+# EV ~0); T = 0.7 with a k3 KL of 0.05 to SFT (at the paper's T = 1 without KL the tiny model's format drifted); 48
+# steps; SFT 8 epochs. Evaluation: the paper's 3 attempts on the three test splits (100 / 50 / 50), read after SFT
+# and the last step only; the curve every 16 steps on the validation split (50), where such choices are now made.
 FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=100, n_train_tasks=1152, rst_rounds=1,
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05, sft_epochs=8, n_val_tasks=50, n_deep_tasks=50,
@@ -225,15 +215,14 @@ NUMERIC = {
     "max_turns": ">= 1", "max_new_tokens": ">= 1", "max_total_tokens": ">= 1", "trial_timeout_s": "> 0",
     "rollout_workers": ">= 1", "trial_mem_bytes": ">= 0", "trial_disk_bytes": ">= 1", "trial_disk_inodes": ">= 1",
     "trial_keep_bytes": ">= 0", "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0",
-    "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0",
-    "n_deep_tasks": ">= 0", "n_names_tasks": ">= 0", "reward_scale": "> 0",
-    "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1", "sft_faults": "in [0, 1]",
-    "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0", "base_lr": "> 0",
-    "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0",
-    "clip_eps_v": "> 0", "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0",
-    "gamma": "in [0, 1]", "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0",
-    "ppo_epochs": ">= 1", "critic_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0",
-    "sync_steps": ">= 0", "r3_off_every": ">= 0", "n_engines": ">= 0",
+    "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0", "n_deep_tasks": ">= 0",
+    "n_names_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
+    "sft_faults": "in [0, 1]", "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0",
+    "base_lr": "> 0", "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1",
+    "critic_lr": ">= 0", "clip_eps_v": "> 0", "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0",
+    "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0",
+    "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "critic_epochs": ">= 1", "minibatch_size": ">= 1",
+    "max_grad_norm": "> 0", "sync_steps": ">= 0", "r3_off_every": ">= 0", "n_engines": ">= 0",
     "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1",
     "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 
@@ -323,7 +312,7 @@ from cluster import actors  # noqa: E402
 from engine.client import EngineClient  # noqa: E402
 from rundir import log, prune_previous, write_atomic  # noqa: E402
 from runstate import (Run, brief, check_flags, eval_row, evaluate, evaluate_checkpoint, log_step,  # noqa: E402
-                      run_scale, save_dir, step_record)
+                      run_scale, save_dir, split_dirs, step_record)
 from trainer import parallel_plan  # noqa: E402
 
 
@@ -335,10 +324,11 @@ def check_args(args: Args) -> None:
 
 
 # --- the run: one function per phase ------------------------------------------------------------------
-
 def make_tasks(run: Run) -> tuple[list, list]:
-    """Tasks: synthesize, audit by oracle (rollout_workers sandboxes at once), split train / held-out (once per run
-    directory); a validation set (--n-val-tasks) drawn after, none sharing an instruction with any pool."""
+    """Tasks: synthesize, audit by oracle (rollout_workers sandboxes at once), split train / in-template test (the
+    "heldout" pool; once per run directory); then the out-of-template and unseen-names test splits (--n-deep-tasks,
+    --n-names-tasks: data.eval_splits) and the validation split (--n-val-tasks), none sharing an instruction with
+    any pool drawn before it (runstate.SPLITS: what each split is for)."""
     args, state = run.args, run.state
     kw = dict(rst_rounds=args.rst_rounds, expert_text=args.expert_text, workers=args.rollout_workers)
     if "tasks" not in state:
@@ -347,9 +337,16 @@ def make_tasks(run: Run) -> tuple[list, list]:
             validate_train=args.validate_train, **kw))
         state["tasks"] = {"train": [str(d) for d in train_dirs], "heldout": [str(d) for d in heldout_dirs]}
         run.save_state()
+    if (args.n_deep_tasks or args.n_names_tasks) and "test_deep" not in state["tasks"]:  # after the pools, as val
+        ev = run.timed("tasks", lambda: data.eval_splits(
+            run.dir / "tasks" / "eval", args.seed, 0, 0, args.n_deep_tasks, args.n_names_tasks,
+            avoid=state["tasks"]["train"] + state["tasks"]["heldout"] + state["tasks"].get("val", []), **kw))
+        state["tasks"].update({k: [str(d) for d in ev[k]] for k in ("test_deep", "test_names")})
+        run.save_state()
     if args.n_val_tasks and "val" not in state["tasks"]:  # drawn after the pools (their tasks stay as they were)
         state["tasks"]["val"] = [str(d) for d in run.timed("tasks", lambda: data.validation_pool(
-            run.dir / "tasks" / "val", args.n_val_tasks, args.seed, state["tasks"]["train"] + state["tasks"]["heldout"],
+            run.dir / "tasks" / "val", args.n_val_tasks, args.seed,
+            [d for k in ("train", "heldout", "test_deep", "test_names") for d in state["tasks"].get(k, [])],
             sft_dir=run.dir / "tasks" / "sft", **kw))]
         run.save_state()
     train_pool = data.ordered_pool(state["tasks"]["train"])  # quality-ordered (paper)
@@ -357,8 +354,10 @@ def make_tasks(run: Run) -> tuple[list, list]:
     run.args = dataclasses.replace(args, reward_scale=run_scale(args, state, train_pool))
     (run.dir / "args.json").write_text(json.dumps(dataclasses.asdict(run.args), indent=1))  # with the run's S
     run.save_state()
-    n_val = f", {len(state['tasks']['val'])} validation" if state["tasks"].get("val") else ""
-    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} held-out{n_val}; S = {run.args.reward_scale:g}")
+    n_val = "".join(f", {len(state['tasks'][k])} {k}" for k in ("test_deep", "test_names", "val")
+                    if state["tasks"].get(k))
+    log(run.dir, f"tasks: {len(train_pool)} train, {len(heldout)} test (in-template){n_val}; "
+                 f"S = {run.args.reward_scale:g}")
     return train_pool, heldout
 
 
@@ -399,13 +398,15 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
     args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
     sft_pool = list(train_pool)
     if args.n_sft_tasks:
+        evals = [d for k in ("val", "test_deep", "test_names") for d in run.state["tasks"].get(k, [])]
         sft_pool = data.sft_pool(run_dir / "tasks" / "sft", args.n_sft_tasks, args.seed + 1,
-                                 list(heldout) + list(train_pool) + run.state["tasks"].get("val", []),
+                                 list(heldout) + list(train_pool) + evals,
                                  rst_rounds=args.rst_rounds, expert_text=args.expert_text,
                                  rst_share=args.sft_rst_share)
     texts = data.corpus(sft_pool)
-    log(run_dir, f"held-out vs the SFT pool: {data.overlap(sft_pool, heldout)}; vs the RL pool: "
-                 f"{data.overlap(train_pool, heldout)}")
+    for name, dirs in split_dirs(run.state).items():  # how new each evaluation split is to the training pools
+        log(run_dir, f"{name} vs the SFT pool: {data.overlap(sft_pool, dirs)}; vs the RL pool: "
+                     f"{data.overlap(train_pool, dirs)}")
     tokenizer = M.train_tokenizer(texts, vocab_size=args.vocab_size)
     tp = parallel_plan(args)["tp"] if args.backend == "megatron" else 1  # vocab-parallel rows split evenly
     actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tokenizer), tp), args.arch), seed=args.seed)
@@ -587,8 +588,8 @@ def train(args: Args) -> dict:
                "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_sft_splits": state.get("eval_sft_splits", {}), "eval_rl_splits": state.get("eval_rl_splits", {}),
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "eval_rl_best_val": report.best_val(run.dir),
-               "rl_steps": state["step"], "async_vs_sequential": report.async_vs_sequential(run.dir)}
+               "eval_rl_best_val": report.best_val(run.dir), "rl_steps": state["step"],
+               "async_vs_sequential": report.async_vs_sequential(run.dir)}
     write_atomic(run.dir / "summary.json", json.dumps(summary, indent=1))  # experiments.paper reads it: an arm's end
     report.plot(run.dir)
     report.print_table(summary)

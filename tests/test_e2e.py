@@ -53,8 +53,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     beside it); then a resume of the same run directory that loses and repeats nothing (rundir.resume_run,
     the commit point state.json): every step's metrics and samples exist exactly once."""
     run_dir = tmp_path / "run"
-    val = ["--n-val-tasks", "2"]  # a validation set, scored beside the held-out one
-    log = run(run_dir, TINY + val + ["--rl-steps", "4", "--eval-every", "2"],  # held-out eval after step 2
+    val = ["--n-val-tasks", "2", "--n-deep-tasks", "1", "--n-names-tasks", "1"]  # validation + two more test splits
+    log = run(run_dir, TINY + val + ["--rl-steps", "4", "--eval-every", "2"],  # validation eval after step 2
               kill_at="step 3: actor update")  # killed inside step 3's update
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 2  # step 3 never checkpointed
@@ -110,16 +110,23 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     assert rl[2]["weight_version"] == 3 and rl[2]["staleness"] == 0
     held = [r for r in read_metrics(run_dir) if r["phase"] == "eval"]
     assert [r["step"] for r in held] == [0, 2, 3] and held[2]["heldout_n_trials"] == 3  # the last: after step 3
-    # the validation set: its own instructions (none in the RL or held-out pools), scored at steps 2 and 3;
-    # the table's RL@val is the held-out evaluation of the step that did best on it
+    # the validation split: its own instructions (none in the RL or test pools), scored after SFT and at steps 2
+    # and 3; the test splits after SFT and the last step only; RL@val is the test evaluation of the step that did
+    # best on validation among those with one (here the last)
     st = json.loads((run_dir / "state.json").read_text())
     assert len(st["tasks"]["val"]) == 2 and all(Path(d).name.startswith("val-") for d in st["tasks"]["val"])
+    assert len(st["tasks"]["test_deep"]) == len(st["tasks"]["test_names"]) == 1
     ins = {k: {task_io.load_task(d).instruction for d in ds} for k, ds in st["tasks"].items()}
     ins["sft"] = {task_io.load_task(d).instruction for d in (run_dir / "tasks" / "sft" / "train").iterdir()}
-    assert not ins["val"] & (ins["train"] | ins["heldout"] | ins["sft"]) and len(ins["val"]) == 2
-    assert "val_n_trials" not in held[0] and [r["val_n_trials"] for r in held[1:]] == [2, 2]
+    for k in ("val", "test_deep", "test_names"):
+        assert not ins[k] & (ins["train"] | ins["heldout"] | ins["sft"]) and len(ins[k]) == len(st["tasks"][k])
+    assert [r["val_n_trials"] for r in held] == [2, 2, 2] and "heldout_n_trials" not in held[1]
+    assert [r.get("test_deep_n_trials") for r in held] == [1, None, 1] == [r.get("test_names_n_trials") for r in held]
+    for k in ("test_deep", "test_names"):
+        assert summary["eval_rl_splits"][k]["n_trials"] == summary["eval_sft_splits"][k]["n_trials"] == 1
+        assert json.loads((run_dir / "evals" / f"{k}_step_000003.json").read_text())["split"] == k
     best = summary["eval_rl_best_val"]
-    assert best["step"] in (2, 3) and best == dict(json.loads((run_dir / "evals" / f"step_{best['step']:06d}.json")
+    assert best["step"] == 3 and best == dict(json.loads((run_dir / "evals" / f"step_{best['step']:06d}.json")
                                                               .read_text()), step=best["step"],
                                                    val_solve_rate=best["val_solve_rate"],
                                                    val_reward_mean=best["val_reward_mean"], val_n=2)
