@@ -11,6 +11,8 @@ import math
 import os
 import random
 import shutil
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -113,6 +115,8 @@ class Run:
         self.dir = run_dir = Path(args.run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         self.state = load_state(run_dir)  # refuses a run dir with data but no state.json, names a corrupt one
+        self.state.setdefault("commit", source_commit())  # what made the run (experiments.seeds collect files it)
+        self.state.setdefault("argv", sys.argv)
         torch.manual_seed(args.seed)
         random.seed(args.seed)
         torch.set_num_threads(min(2, os.cpu_count() or 1))
@@ -132,6 +136,21 @@ class Run:
         self.state["phase_times"][name] = self.state["phase_times"].get(name, 0.0) + time.time() - t0
         self.save_state()
         return out
+
+
+def source_commit() -> str | None:
+    """The git commit of the code running ("+dirty" when tracked files differ from it), None outside a git clone."""
+    root = Path(__file__).resolve().parent
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def run_scale(args, state: dict, train_pool: list) -> float:

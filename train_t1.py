@@ -67,6 +67,7 @@ class Args:
     of each field is its flag's --help line."""
     run_dir: str = "runs/embedded"  # checkpoints, samples and metrics go here; the same dir resumes (paper silent)
     seed: int = 1  # seed of task synthesis, init, sampling and data order (paper silent)
+    deterministic: bool = False  # trials one at a time in launch order: a seed reruns to the digit, slower (ours)
     # --- data (paper: T1-15k, quality-ordered, reshuffled per epoch)
     n_train_tasks: int = 15000  # training pool size (paper: T1-15k)
     n_heldout_tasks: int = 89  # in-template test split: unseen instances (paper: Terminal-Bench 2.1, 89 tasks)
@@ -196,8 +197,7 @@ FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=100, n
 QUICK = dataclasses.replace(
     EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8, n_sft_tasks=16,
     eval_train_tasks=6, base_steps=20, base_max_steps=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
-CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sandbox="daytona",
-                              n_engines=0)  # paper values
+CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sandbox="daytona", n_engines=0)
 PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
            "qwen35-122b-a10b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-122b-a10b"),
            "qwen35-35b-a3b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-35b-a3b", colocate=True,

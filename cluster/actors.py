@@ -85,9 +85,11 @@ class Actors:
 def run_rollouts(task_dirs, agent, args, run_dir: Path, tokenizer, workers=None, urls=None, n_keep=None,
                  temperature=None, top_p=None, desc="rollout", limits=None, script_faults=0.0):
     """Trials on the Ray rollout workers (rollout.ray_run_trials), or in this process when workers is None
-    (the SFT data, before any engine); returns (kept trials, dropped, tokens/s). limits: overrides of the
-    training limits (the evaluation protocol's). Every trial is scored with S = --reward-scale. script_faults:
-    the scripted agent's fault rate (--sft-faults)."""
+    (the SFT data, before any engine); returns (kept trials, dropped, tokens/s). --deterministic: one trial at a
+    time in launch order, the first n_keep kept: the engine's batches (one row) and its sampler's draws then do not
+    depend on which trial finished first, so a seed reruns to the digit (slower: nothing runs side by side).
+    limits: overrides of the training limits (the evaluation protocol's). Every trial is scored with S =
+    --reward-scale. script_faults: the scripted agent's fault rate (--sft-faults)."""
     sampling = {"temperature": args.temperature if temperature is None else temperature,
                 "top_p": args.top_p if top_p is None else top_p,
                 "max_new_tokens": args.max_new_tokens,
@@ -103,6 +105,15 @@ def run_rollouts(task_dirs, agent, args, run_dir: Path, tokenizer, workers=None,
     if workers is None:
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
                                            max_workers=args.rollout_workers, desc=desc, **kw)
+    elif args.deterministic:  # one trial at a time in launch order, the first n_keep kept (not the first finished)
+        kept, dropped, urls = [], [], list(urls or [None])
+        for i, d in enumerate(task_dirs):
+            if n_keep is not None and len(kept) >= n_keep:
+                dropped.append({"task": Path(d).name, "seconds": 0.0, "reason": "not started (--deterministic)"})
+                continue
+            k, dr = rollout.ray_run_trials([workers[i % len(workers)]], [d], agent,
+                                           engine_urls=[urls[i % len(urls)]], desc=desc, **kw)
+            kept, dropped = kept + k, dropped + dr
     else:
         kept, dropped = rollout.ray_run_trials(workers, task_dirs, agent, n_keep=n_keep, engine_urls=urls, desc=desc,
                                                **kw)

@@ -855,3 +855,16 @@ def test_paired_with_three_attempts_tests_over_tasks_and_the_table_names_every_s
     assert ("test (in-template): RL vs SFT (paired, 10 tasks, n 30): solved +18 -0, sign-flip over tasks p = 0.0312"
             in out)
     assert "test (unseen names): RL vs SFT (paired, 10 tasks, n 30): solved +3 -0" in out
+
+
+def test_a_run_records_the_commit_and_command_that_made_it(tmp_path):
+    """state.json carries the code's git commit ("+dirty" with tracked changes) and the command line, kept across
+    resumes (the first run's): experiments.seeds collect files them with the run's evaluations."""
+    import re
+    runstate.Run(dataclasses.replace(T.QUICK, run_dir=str(tmp_path / "r")))
+    st = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", st["commit"]) and st["argv"] == sys.argv
+    (tmp_path / "r" / "state.json").write_text(json.dumps({**st, "commit": "abc", "argv": ["first"]}))
+    runstate.Run(dataclasses.replace(T.QUICK, run_dir=str(tmp_path / "r")))
+    st = json.loads((tmp_path / "r" / "state.json").read_text())
+    assert (st["commit"], st["argv"]) == ("abc", ["first"])
