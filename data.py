@@ -14,7 +14,7 @@ Run:
         # cache ..."), else generated and stored there (tasks/pool_cache.py: the key, the lock); unset: no cache
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # a task dir, and what the jail cannot run: sandbox/task_io.py
-    copy_samples(tok, copy_items(corpus(dirs)), n, seed)  # the embedded base phase's synthetic copy data
+    copy_samples(tok, copy_items(corpus(dirs)), n, seed, names, share)  # the base phase's copy data (tasks/copying.py)
     eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=train_dirs, rst_rounds=1)  # the evaluation
         # splits, sandbox-audited: {"val", "test", "test_deep", "test_names": [task dirs]}; overlap(train, test) and
         # template_of(task_dir) (tasks/splits.py) say how new a split is to the training pools
@@ -504,21 +504,24 @@ def copy_items(texts, max_chars: int = COPY_ITEM_CHARS) -> list:
     return sorted({w for t in texts for w in t.split() if len(w) < max_chars})
 
 
-def copy_samples(tok, items: list, n: int, seed: int) -> list[dict]:
+def copy_samples(tok, items: list, n: int, seed: int, names=(), share: float = 0.0) -> list[dict]:
     """n synthetic copy samples for the base phase (train_t1.base_phase) and the copy gate (experiments/bench.py copy),
     in the trainer's sample format: a user message "list: x1 .. xk" and the assistant's reply "copy: x1 .. xk" (k in
     COPY_ITEMS, x drawn from `items`), loss on the reply; copy_from = the first token of the copied items.
     The skill a held-out task needs (its names and numbers copied from the instruction into commands), taught
-    on its own: without it the embedded model copied at chance (results/LOG.md)."""
-    if not items or n < 1:
-        raise ValueError(f"copy_samples: need items and n >= 1, got {len(items)} items, n {n}")
+    on its own: without it the embedded model copied at chance (results/LOG.md). share > 0: each item is drawn from
+    `names` (tasks/copying.random_names: strings no corpus holds) with that probability, else from items."""
+    if not items or n < 1 or not 0 <= share <= 1 or (share and not names):
+        raise ValueError(f"copy_samples: need items, n >= 1 and names for a share in [0, 1], got {len(items)} items, "
+                         f"n {n}, {len(names)} names, share {share}")
     rng = random.Random(f"copy/{seed}")
     gen = tok.encode(ASSISTANT_PREFIX, add_special_tokens=False)
     cue = tok.encode("copy:", add_special_tokens=False)
     im_end = tok.convert_tokens_to_ids(IM_END)
     out = []
     for i in range(n):
-        xs = " ".join(rng.choice(items) for _ in range(rng.randint(*COPY_ITEMS)))
+        xs = " ".join(rng.choice(names if share and rng.random() < share else items)  # share 0: no draw for it
+                      for _ in range(rng.randint(*COPY_ITEMS)))
         prompt = model.render_ids(tok, "user", "list: " + xs) + gen + cue
         reply = tok.encode(" " + xs, add_special_tokens=False) + [im_end]
         mask = [0] * (len(prompt) - len(cue)) + [1] * (len(cue) + len(reply))  # "copy:" is part of the reply

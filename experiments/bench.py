@@ -10,7 +10,9 @@
                                                             # through the token gateway
     python -m experiments.bench cp [--kappas 1 2 4 8] [--seq-len 1024]  # CP Gated DeltaNet: exactness, activation
                                                             # peak vs kappa
-    python -m experiments.bench copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0]  # copy gate vs steps
+    python -m experiments.bench copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0] [--share 0.5]  # copy
+                                                            # gate vs steps on corpus pieces, random names never
+                                                            # trained on and unseen-vocabulary names; pieces / char
     python -m experiments.bench pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]  # policy-gradient signal / noise
                                                             # per trajectory
     python -m experiments.bench trainer [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # the trainer's Megatron
@@ -33,6 +35,8 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
+
+from tasks import copying  # the standard library only (its defaults name the flags')
 
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, results/, ...
 ARCHS = ("qwen3_5_moe", "qwen3_moe")  # model.ARCHS, named here so that --help answers before torch imports
@@ -75,12 +79,17 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=fmt)
     cb.add_argument("--kappas", type=int, nargs="+", default=[1, 2, 4, 8], help="context-parallel ranks to try")
     cb.add_argument("--seq-len", type=int, default=1024, help="sequence length of the Gated DeltaNet input")
-    cg = sub.add_parser("copy", help="the copy gate: greedy copy accuracy vs base-phase steps (JSON lines)",
-                        formatter_class=fmt)
+    cg = sub.add_parser("copy", help="the copy gate: greedy copy accuracy vs base-phase steps on the corpus's pieces, "
+                        "on random names never trained on and on unseen-vocabulary task names (JSON lines; the "
+                        "first: the tokenizer's pieces per character on each)", formatter_class=fmt)
     cg.add_argument("--arch", nargs="+", default=["qwen3_moe"], choices=ARCHS, help="architectures, one after another")
     cg.add_argument("--steps", type=int, default=1000, help="base-phase steps (a row every 100)")
     cg.add_argument("--threads", type=int, default=2, help="torch threads")
     cg.add_argument("--seed", type=int, default=0, help="tasks, tokenizer, init and data order (seed spread)")
+    cg.add_argument("--share", type=float, default=copying.NAME_SHARE,
+                    help="share of the copied items that are random names (tasks/copying.py); 0: the corpus's pieces "
+                    "alone (the base phase before random names)")
+    cg.add_argument("--names", type=int, default=copying.N_NAMES, help="random names trained on")
     sn = sub.add_parser("pg-snr", help="a run's per-trajectory policy-gradient signal / noise (one JSON line)",
                         formatter_class=fmt)
     sn.add_argument("run_dir", help="a train_t1.py run directory (its samples/ and ckpt/)")
@@ -198,7 +207,7 @@ def main(argv=None) -> None:
     elif args.cmd == "copy":
         torch.set_num_threads(args.threads)
         for arch in args.arch:
-            training.copy_gate(arch, args.steps, seed=args.seed)
+            training.copy_gate(arch, args.steps, seed=args.seed, share=args.share, n_names=args.names)
     elif args.cmd == "pg-snr":
         torch.set_num_threads(args.threads)
         print(json.dumps(training.pg_snr(args.run_dir, args.ckpt, args.steps, args.n)))

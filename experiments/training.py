@@ -2,7 +2,8 @@
 memory against the memory model), the copy gate of the base phase, and the policy gradient's signal to noise.
 
     python -m experiments.bench trainer [--shape t1-tiny|probe|122b-slice] [train_t1 flags]  # one JSON line
-    python -m experiments.bench copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0]   # JSON lines
+    python -m experiments.bench copy [--arch qwen3_moe qwen3_5_moe] [--steps 1000] [--seed 0] [--share 0.5]  # JSON
+                                                                                # lines
     python -m experiments.bench pg-snr runs/x [--ckpt sft] [--steps 1 2 3] [--n 96]            # one JSON line
 
 trainer_bench takes train_t1's Args (its preset's learning rates, clips, --param-dtype): experiments/bench.py
@@ -36,28 +37,50 @@ import tito
 import trainer
 from cluster import gpu_check
 from rundir import Metrics
+from tasks import copying, splits
 
 
 # --- the copy gate: greedy copy accuracy of the embedded model over base-phase steps -----------------------------
-def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60, seed: int = 0) -> list[dict]:
+def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60, seed: int = 0,
+              share: float = copying.NAME_SHARE, n_names: int = copying.N_NAMES, n_unseen: int = 30) -> list[dict]:
     """The base phase's loop (ppo.sft on data.copy_samples, ppo.BASE_LR and ppo.BASE_BATCH) on a fresh tiny model
-    of `arch`; every `every` steps the copy accuracy on 64 held-back samples, the seconds and tokens/s."""
+    of `arch`, a share `share` of the copied items random names (tasks/copying.py: n_names of them; 0: the corpus's
+    pieces alone). First a row of the tokenizer's pieces per character on the pool's names, on the names of n_unseen
+    tasks of the unseen vocabulary (families.UNSEEN, never trained on) and on the random probe names; then every
+    `every` steps the greedy copy accuracy on 64 held-back samples of each: the corpus's pieces (copy_accuracy, the
+    base phase's gate), random names never trained on (copy_accuracy_names) and the unseen-vocabulary task names
+    (copy_accuracy_unseen), with the seconds and tokens/s."""
     with tempfile.TemporaryDirectory() as tmp:
         pool, _ = data.generate_tasks(os.path.join(tmp, "tasks"), n_tasks, 0, seed, validate_tasks=False)
+        _, unseen = data.generate_tasks(os.path.join(tmp, "unseen"), 0, n_unseen, seed, validate_tasks=False,
+                                        vocab="unseen")
         texts = data.corpus(pool)
         tok = model.train_tokenizer(texts)
         items = data.copy_items(texts)
+        names = copying.random_names(n_names, seed, avoid=items) if share else []
+        fresh = copying.random_names(512, f"probe/{seed}", avoid=set(items) | set(names))
+        seen = sorted({n for d in pool for n in splits.names_of(d)})
+        new = sorted({n for d in unseen for n in splits.names_of(d)} - set(items))
+        probes = {"copy_accuracy": data.copy_samples(tok, items, 64, -1),
+                  "copy_accuracy_names": data.copy_samples(tok, fresh, 64, -1),
+                  "copy_accuracy_unseen": data.copy_samples(tok, new, 64, -1)}
+
+        def per_char(xs):
+            return round(sum(len(tok.encode(x, add_special_tokens=False)) for x in xs) / sum(map(len, xs)), 3)
+        print(json.dumps(dict(arch=arch, share=share, items=len(items), names=len(names), pieces_per_char=dict(
+            train_names=per_char(seen), unseen_names=per_char(new), random_names=per_char(fresh)),
+            n_train_names=len(seen), n_unseen_names=len(new))), flush=True)
         actor = model.build_actor(model.tiny_config(model.padded_vocab(len(tok), 1), arch), seed=seed)
-        probe = data.copy_samples(tok, items, 64, -1)
         args = argparse.Namespace(seed=seed, reward_scale=1.0, max_grad_norm=1.0)
         rows, t0, n_tok = [], time.time(), 0
         for k in range(steps // every):
-            chunk = data.copy_samples(tok, items, every * ppo.BASE_BATCH, seed * 1000 + k)
+            chunk = data.copy_samples(tok, items, every * ppo.BASE_BATCH, seed * 1000 + k, names=names, share=share)
             n_tok += sum(len(s["tokens"]) for s in chunk)
             ppo.sft(actor, chunk, args, Metrics(Path(tmp)), phase="base", epochs=1, lr=ppo.BASE_LR,
                     batch_size=ppo.BASE_BATCH)
             dt = time.time() - t0
-            rows.append(dict(arch=arch, step=(k + 1) * every, copy_accuracy=round(ppo.copy_accuracy(actor, probe), 4),
+            rows.append(dict(arch=arch, share=share, step=(k + 1) * every,
+                             **{key: round(ppo.copy_accuracy(actor, p), 4) for key, p in probes.items()},
                              seconds=round(dt, 1), tokens_per_s=round(n_tok / dt)))
             print(json.dumps(rows[-1]), flush=True)
     return rows

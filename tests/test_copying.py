@@ -1,0 +1,110 @@
+"""Tests for tasks/copying.py: random name-shaped strings for the base phase's copy data, and data.copy_samples
+mixing them in."""
+import collections
+import os
+import re
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, HERE)
+import data  # noqa: E402
+import model as M  # noqa: E402
+from tasks import copying, families, splits  # noqa: E402
+
+STEM = r"[a-z]{2,9}(?:[-_]?\d{1,3}|[-_][a-z]{2,7})?"
+SHAPE = re.compile(rf"\d{{1,6}}|(?:{STEM}/)?{STEM}(?:\.[a-z]{{2,4}}|/)?")
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """-> (texts, items, names): the corpus of 12 training tasks (not sandbox-validated), its copy items and the
+    names of those tasks and of 6 unseen-vocabulary ones."""
+    out = tmp_path_factory.mktemp("tasks")
+    train, _ = data.generate_tasks(str(out / "train"), 12, 0, seed=3, validate_tasks=False)
+    _, unseen = data.generate_tasks(str(out / "unseen"), 0, 6, seed=3, validate_tasks=False, vocab="unseen")
+    texts = data.corpus(train)
+    names = {"train": {n for d in train for n in splits.names_of(d)},
+             "unseen": {n for d in unseen for n in splits.names_of(d)}}
+    return texts, data.copy_items(texts), names
+
+
+def test_random_names_are_deterministic_name_shaped_and_varied():
+    """One seed draws the same names, another seed others; every name has a name's shape (a number, or a stem of
+    letters with digits or a word after a separator, an extension or a trailing '/', a dir/ prefix), is shorter than
+    the copy items' cap and distinct; every part of the shape occurs."""
+    names = copying.random_names(3000, 7)
+    assert names == copying.random_names(3000, 7) and len(set(names)) == 3000
+    assert len(set(names) & set(copying.random_names(3000, 8))) < 300  # short numbers may repeat across seeds
+    assert copying.MAX_CHARS == data.COPY_ITEM_CHARS
+    bad = [n for n in names if not SHAPE.fullmatch(n) or len(n) >= data.COPY_ITEM_CHARS]
+    assert not bad, bad[:10]
+    share = collections.Counter()
+    for n in names:
+        share["number"] += n.isdigit()
+        share["ext"] += bool(re.search(r"\.[a-z]{2,4}$", n))
+        share["dir/"] += "/" in n.rstrip("/")
+        share["dir"] += n.endswith("/")
+        share["-"] += "-" in n
+        share["_"] += "_" in n
+        share["1 digit"] += bool(re.search(r"(?<![0-9])[0-9](?![0-9])", n))
+        share["3 digits"] += bool(re.search(r"(?<![0-9])[0-9]{3}(?![0-9])", n))
+        share["word"] += bool(re.fullmatch(r"[a-z]+", n))
+    assert all(share[k] > 30 for k in ("number", "ext", "dir/", "dir", "-", "_", "1 digit", "3 digits", "word")), share
+    assert 0.35 < share["ext"] / len(names) < 0.6, share  # half of the stems that are not numbers
+    with pytest.raises(ValueError, match="random_names: n must be"):
+        copying.random_names(-1, 0)
+
+
+def test_random_names_avoid_the_corpus_and_every_vocabulary_word(corpus, monkeypatch):
+    """No random name is a corpus piece, a task name of either vocabulary or a name of `avoid`; no letter run of one
+    is a word of families.UNSEEN (or TRAIN): the unseen-names split's words are never copy-trained. The filter does
+    work: without RESERVED the same draws hold vocabulary words, and without avoid they hold the avoided names."""
+    texts, items, names = corpus
+    drawn = copying.random_names(copying.N_NAMES, 0, avoid=items)
+    assert not set(drawn) & set(items) and not set(drawn) & (names["train"] | names["unseen"])
+    unseen = set(families.UNSEEN.words + families.UNSEEN.people + families.UNSEEN.cities + families.UNSEEN.colors
+                 + families.UNSEEN.columns)
+    assert not {r for n in drawn for r in re.findall("[a-z]+", n)} & unseen
+    assert copying.reserved("quasar7") and copying.reserved("x/nimbus_204.dat") and not copying.reserved("quasarx7")
+    monkeypatch.setattr(copying, "RESERVED", frozenset())
+    loose = copying.random_names(copying.N_NAMES, 0)
+    monkeypatch.undo()
+    assert any(copying.reserved(n) for n in loose)
+    hit = set(loose) & set(items)
+    assert hit  # short numbers and letter runs of the corpus come up unfiltered
+    assert not hit & set(copying.random_names(copying.N_NAMES, 0, avoid=hit))
+    probe = copying.random_names(512, "probe/0", avoid=set(items) | set(drawn))  # the gate's fresh names
+    assert len(probe) == 512 and not set(probe) & (set(items) | set(drawn))
+    with pytest.raises(ValueError, match="drew only"):
+        copying.random_names(100, 0, max_chars=2)
+
+
+def test_copy_samples_mix_random_names_at_the_share_and_round_trip(corpus):
+    """share: the fraction of copied items drawn from `names` (else from items); share 0 draws what copy_samples
+    always drew (the same tokens as without names); every sample decodes back to its list, random names included
+    (byte-level BPE: characters the corpus never joined)."""
+    texts, items, _ = corpus
+    tok = M.train_tokenizer(texts, vocab_size=600)
+    names = copying.random_names(2000, 0, avoid=items)
+    plain = data.copy_samples(tok, items, 50, seed=2)
+    assert [s["tokens"] for s in plain] == [s["tokens"] for s in data.copy_samples(tok, items, 50, 2, names, 0.0)]
+    for share in (0.25, 0.5, 1.0):
+        samples = data.copy_samples(tok, items, 400, seed=2, names=names, share=share)
+        assert [s["tokens"] for s in samples[:20]] == [s["tokens"] for s in data.copy_samples(
+            tok, items, 20, seed=2, names=names, share=share)]
+        copied = []
+        for s in samples:
+            toks, mask = s["tokens"], s["loss_mask"]
+            assert len(toks) == len(mask) == len(s["rollout_logprobs"])
+            listed = tok.decode(toks[:len(toks) - sum(mask)]).split("list: ")[1].split("<|im_end|>")[0]
+            assert tok.decode([t for t, m in zip(toks, mask) if m]) == f"copy: {listed}<|im_end|>"
+            assert tok.decode(toks[s["copy_from"]:-1]) == " " + listed
+            assert 3 <= len(listed.split()) <= 8 and set(listed.split()) <= set(items) | set(names)
+            copied += listed.split()
+        got = sum(x in set(names) for x in copied) / len(copied)  # ~2,200 items: binomial sd <= .011
+        assert abs(got - share) < 0.05, (share, got)
+    for bad in (dict(share=0.5), dict(names=names, share=1.5), dict(names=names, share=-0.1)):
+        with pytest.raises(ValueError, match="copy_samples: need items"):
+            data.copy_samples(tok, items, 4, 0, **bad)
