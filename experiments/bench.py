@@ -90,6 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="share of the copied items that are random names (tasks/copying.py); 0: the corpus's pieces "
                     "alone (the base phase before random names)")
     cg.add_argument("--names", type=int, default=copying.N_NAMES, help="random names trained on")
+    cg.add_argument("--tokenizer-names", type=int, default=0, help="other random names added to the tokenizer's "
+                    "training texts (0: the corpus alone, as train_t1's tokenizer)")
     sn = sub.add_parser("pg-snr", help="a run's per-trajectory policy-gradient signal / noise (one JSON line)",
                         formatter_class=fmt)
     sn.add_argument("run_dir", help="a train_t1.py run directory (its samples/ and ckpt/)")
@@ -207,7 +209,8 @@ def main(argv=None) -> None:
     elif args.cmd == "copy":
         torch.set_num_threads(args.threads)
         for arch in args.arch:
-            training.copy_gate(arch, args.steps, seed=args.seed, share=args.share, n_names=args.names)
+            training.copy_gate(arch, args.steps, seed=args.seed, share=args.share, n_names=args.names,
+                               tokenizer_names=args.tokenizer_names)
     elif args.cmd == "pg-snr":
         torch.set_num_threads(args.threads)
         print(json.dumps(training.pg_snr(args.run_dir, args.ckpt, args.steps, args.n)))

@@ -42,23 +42,26 @@ from tasks import copying, splits
 
 # --- the copy gate: greedy copy accuracy of the embedded model over base-phase steps -----------------------------
 def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60, seed: int = 0,
-              share: float = copying.NAME_SHARE, n_names: int = copying.N_NAMES, n_unseen: int = 30) -> list[dict]:
+              share: float = copying.NAME_SHARE, n_names: int = copying.N_NAMES, n_unseen: int = 30,
+              tokenizer_names: int = 0) -> list[dict]:
     """The base phase's loop (ppo.sft on data.copy_samples, ppo.BASE_LR and ppo.BASE_BATCH) on a fresh tiny model
     of `arch`, a share `share` of the copied items random names (tasks/copying.py: n_names of them; 0: the corpus's
     pieces alone). First a row of the tokenizer's pieces per character on the pool's names, on the names of n_unseen
     tasks of the unseen vocabulary (families.UNSEEN, never trained on) and on the random probe names; then every
     `every` steps the greedy copy accuracy on 64 held-back samples of each: the corpus's pieces (copy_accuracy, the
     base phase's gate), random names never trained on (copy_accuracy_names) and the unseen-vocabulary task names
-    (copy_accuracy_unseen), with the seconds and tokens/s."""
+    (copy_accuracy_unseen), with the seconds and tokens/s. tokenizer_names: that many other random names join the
+    tokenizer's training texts (0: the corpus alone, as train_t1's)."""
     with tempfile.TemporaryDirectory() as tmp:
         pool, _ = data.generate_tasks(os.path.join(tmp, "tasks"), n_tasks, 0, seed, validate_tasks=False)
         _, unseen = data.generate_tasks(os.path.join(tmp, "unseen"), 0, n_unseen, seed, validate_tasks=False,
                                         vocab="unseen")
         texts = data.corpus(pool)
-        tok = model.train_tokenizer(texts)
         items = data.copy_items(texts)
+        extra = copying.random_names(tokenizer_names, f"tokenizer/{seed}", avoid=items)
+        tok = model.train_tokenizer(texts + extra)
         names = copying.random_names(n_names, seed, avoid=items) if share else []
-        fresh = copying.random_names(512, f"probe/{seed}", avoid=set(items) | set(names))
+        fresh = copying.random_names(512, f"probe/{seed}", avoid=set(items) | set(names) | set(extra))
         seen = sorted({n for d in pool for n in splits.names_of(d)})
         new = sorted({n for d in unseen for n in splits.names_of(d)} - set(items))
         probes = {"copy_accuracy": data.copy_samples(tok, items, 64, -1),
@@ -67,9 +70,9 @@ def copy_gate(arch: str, steps: int = 1000, every: int = 100, n_tasks: int = 60,
 
         def per_char(xs):
             return round(sum(len(tok.encode(x, add_special_tokens=False)) for x in xs) / sum(map(len, xs)), 3)
-        print(json.dumps(dict(arch=arch, share=share, items=len(items), names=len(names), pieces_per_char=dict(
-            train_names=per_char(seen), unseen_names=per_char(new), random_names=per_char(fresh)),
-            n_train_names=len(seen), n_unseen_names=len(new))), flush=True)
+        ppc = dict(train_names=per_char(seen), unseen_names=per_char(new), random_names=per_char(fresh))
+        print(json.dumps(dict(arch=arch, share=share, items=len(items), names=len(names), tokenizer_names=len(extra),
+                              pieces_per_char=ppc, n_train_names=len(seen), n_unseen_names=len(new))), flush=True)
         actor = model.build_actor(model.tiny_config(model.padded_vocab(len(tok), 1), arch), seed=seed)
         args = argparse.Namespace(seed=seed, reward_scale=1.0, max_grad_norm=1.0)
         rows, t0, n_tok = [], time.time(), 0
