@@ -9,7 +9,7 @@ sorted by cost, longest first (the longest-processing-time rule: the last test t
 file does not know costs the median. The order changes no test's behaviour, only which worker runs it and when.
 
 Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
-(record() writes the measured costs there at the end of a run; a run with failures writes nothing).
+(the costs measured are written there at the end of a run, failed tests' too: a cost is a cost).
 """
 import json
 import statistics
@@ -76,12 +76,13 @@ class Recorder:
             self.failed = True
 
     def write(self, path: Path) -> None:
-        """The costs, sorted by test id, to `path` (tmp + rename); nothing after a failed run."""
-        if self.failed or not self.total:
-            print(f"\n[suite order] {path} not written: {'a test failed' if self.failed else 'no test ran'}")
+        """The costs, sorted by test id, to `path` (tmp + rename); nothing when no test ran."""
+        if not self.total:
+            print(f"\n[suite order] {path} not written: no test ran")
             return
         doc = {k: {"total": round(self.total[k], 2), "setup": round(self.setup[k], 2)} for k in sorted(self.total)}
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=0) + "\n")
         tmp.replace(path)
-        print(f"\n[suite order] the costs of {len(doc)} tests written to {path}")
+        print(f"\n[suite order] the costs of {len(doc)} tests written to {path}"
+              + (" (a test failed: its cost is the time it ran)" if self.failed else ""))
