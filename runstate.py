@@ -210,7 +210,8 @@ SPLIT_TITLES = {"test": "test (in-template)", "test_deep": "test (out-of-templat
 
 def split_dirs(state: dict, names=tuple(SPLITS)) -> dict:
     """{split name: its task dirs} of the splits among `names` this run drew (state["tasks"])."""
-    return {n: state["tasks"][SPLITS[n][0]] for n in names if state["tasks"].get(SPLITS[n][0])}
+    tasks = state.get("tasks", {})
+    return {n: tasks[SPLITS[n][0]] for n in names if tasks.get(SPLITS[n][0])}
 
 
 def eval_row(run, evs: dict, step: int) -> None:

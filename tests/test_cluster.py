@@ -317,7 +317,7 @@ def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path, qwe
         return out.stdout
     text = rehearse(1)
     assert (qwen35_sft.run_dir / "log.txt").read_text() == sft_log  # the SFT step was skipped
-    assert "[cluster] chosen plan: tp=1 pp=1 cp=1 ep=4 etp=1 dp=4" in text and "| held-out | RL |" in text
+    assert "[cluster] chosen plan: tp=1 pp=1 cp=1 ep=4 etp=1 dp=4" in text and "| test (in-template) | RL |" in text
     log = (tmp_path / "run" / "log.txt").read_text()
     assert "publish: over one process group to engine ranks [1]" in log
     pids = log.split("other trainer ranks pids [")[1].split("]")[0]
