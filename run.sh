@@ -71,10 +71,9 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 case "${1:-}" in
   test)
     shift
-    # four pytest workers on 2 cores (T1_TEST_WORKERS; 0 = one process): the long tests wait on subprocesses, jails
-    # and Ray actors (two workers kept ~1 core busy); longest first, a module with a costly fixture on one worker
-    # (tests/suite_order.py); the 10 slowest tests at the end
-    exec .venv/bin/python -m pytest -q -n "${T1_TEST_WORKERS:-4}" --dist loadgroup --no-loadscope-reorder \
+    # two pytest workers (T1_TEST_WORKERS; 0 = one process; four on a loaded machine ran slower); longest first, a
+    # module with a costly fixture on one worker (tests/suite_order.py: tests/durations.json); the 10 slowest at the end
+    exec .venv/bin/python -m pytest -q -n "${T1_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
       --durations=10 tests "$@"
     ;;
   qwen35-122b-a10b|qwen35-35b-a3b)
