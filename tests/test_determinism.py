@@ -17,7 +17,7 @@ def test_one_seed_twice_gives_the_same_evaluations_and_metrics(tmp_path):
     flags = TINY + ["--deterministic", "true", "--rl-steps", "2", "--seed", "3"]
     a, b = tmp_path / "a", tmp_path / "b"
     for d in (a, b):
-        run(d, flags)
+        run(d, flags, timeout=900)
     assert (a / "samples" / "sft.jsonl").read_bytes() == (b / "samples" / "sft.jsonl").read_bytes()
     for name in ("step_000000.json", "step_000002.json"):  # the SFT and final evaluations of the test split
         ea, eb = (a / "evals" / name).read_bytes(), (b / "evals" / name).read_bytes()
