@@ -22,9 +22,9 @@ Departures from the paper / Terminus-2:
    (<|im_end|>, <think>) is byte-level text, never the control token, so a command cannot forge chat structure (as chat
    servers escape it); text without such a spelling keeps its exact ids; sampled ids are untouched (TITO unchanged).
 3. The first observation waits for the shell's prompt (up to FIRST_PROMPT_S, not a fixed 0.3 s), and the scripted
-   expert (settle=True: the SFT transcripts) waits for each command's prompt (up to the turn's max duration) instead
-   of its reply's `duration`: under load a fixed wait cut outputs at a timing-dependent point, so two runs of one
-   seed trained on different transcripts. The model's commands keep Terminus-2's duration semantics.
+   expert (settle=True: the SFT transcripts) waits for each command's prompt (up to SETTLE_S) instead of its reply's
+   `duration`: a fixed wait can cut a slow command's output at a timing-dependent point, so the SFT data would depend
+   on the machine's load. The model's commands keep Terminus-2's duration semantics.
 """
 import json
 import math
