@@ -13,36 +13,30 @@ start in cluster/actors.py; the run's bookkeeping (run dir, flag checks, evaluat
 
 Run:
     bash run.sh                                   # embedded preset, this machine (CPU)
-    bash run.sh --quick                           # smoke-test preset, a few minutes
+    bash run.sh --quick                           # smoke-test preset, a few minutes (--deterministic: to the digit)
     bash run.sh --full                            # RST tasks, 48 RL steps on 1,152, three test splits (~1-2 h)
     python train_t1.py --run-dir runs/x --rl-steps 5 --actor-lr 2e-5   # any Args field as a flag (--help: all)
 
-A run directory holds tasks/, ckpt/ (HF layout), samples/step_XXXXXX.jsonl (TITO records, `python tito.py audit`),
-metrics.jsonl, tb/ (TensorBoard), curves.png, summary.json, log.txt and state.json, the commit point: the same
---run-dir resumes after the last committed phase / RL step, none applied twice or skipped (rundir.resume_run).
+A run directory holds tasks/, ckpt/, samples/ (TITO records), evals/, metrics.jsonl, tb/, curves.png, summary.json,
+log.txt and state.json, the commit point: the same --run-dir resumes, no step applied twice (rundir.resume_run).
 
 Departures from the paper (numbered; what and why; the update's own are in ppo.py, the trainer's in trainer.py):
   1. Scale: the embedded preset trains a tiny random-init MoE on synthesized shell tasks, sized for 2 CPU cores
      (EMBEDDED); the paper's values are Args' defaults, used by the cluster presets. S = the pool's 90th
      percentile of assertion counts (the paper's rule, which gives 20 on T1-15k).
-  2. One-step async on Ray actors (cluster/actors.py, laid out by infra.py); on 2 shared cores the overlap cannot
-     give the paper's speed-up (results/LOG.md). A process samples its first step synchronously (staleness 0);
-     --sync-steps N the first N.
-  3. SFT data: scripted reference-solution trajectories (the paper's is not public) of the training pool, or with
-     --n-sft-tasks of that many fresh tasks disjoint from the RL and held-out pools; --sft-faults adds recoveries
-     (tasks replayed with one untrained wrong turn, trained after it) the scripted expert never makes on its own.
-  4. --backend megatron trains Megatron-Core models (cluster.mcore.trainer_models): on the CPU local modules
-     (cluster/mcore_cpu.py's shims) in fp32 or bf16 with cluster.mcore_parallel.ShardedAdam; on CUDA the cluster
-     model (TE layers and DeepEP where they import, Megatron's own distributed optimizer), megatron-core 0.16.1,
-     run once on one H200 (results/LOG.md, 2026-12-04: the GPU check).
+  2. One-step async on Ray actors (cluster/actors.py, infra.py); 2 shared cores cannot give the paper's speed-up. A
+     process samples its first step synchronously (staleness 0), --sync-steps N the first N.
+  3. SFT data: scripted reference trajectories (the paper's are not public) of --n-sft-tasks fresh tasks disjoint
+     from every other pool (0: the RL pool's); --sft-faults adds recoveries after one untrained wrong turn.
+  4. --backend megatron: Megatron-Core models (cluster.mcore.trainer_models), on the CPU through cluster/mcore_cpu.py's
+     shims with cluster.mcore_parallel.ShardedAdam, on CUDA with TE and DeepEP (run once on one H200, 2026-12-04).
   5. Task draw: n_launch consecutive tasks of a stream of per-epoch shuffles: no step is short (data.launch_tasks).
   6. Evaluation: the paper's protocol (rollout.EVAL) through the native token-first harness, not Terminus-2 via
      Harbor (`python -m engine.gateway eval`); the embedded preset runs 1 attempt, 8 turns, 120 s (EMBEDDED).
-  7. The embedded model is Qwen3-MoE (--arch qwen3_moe: attention in every layer), not Qwen3.5's hybrid: at this
-     size the hybrid does not learn to copy (.16 flat over 1,000 steps; Qwen3-MoE .99 at 1,000 here: results/LOG.md),
-     and held-out tasks need it. --arch qwen3_5_moe stays tested; the cluster model stays Qwen3.5.
-  8. A base phase (--base-steps, embedded only): synthetic copy pretraining before SFT, standing in for the
-     pretrained model the paper starts from; its copy gate is logged (`python -m experiments.bench copy` runs it).
+  7. The embedded model is Qwen3-MoE (--arch qwen3_moe), not Qwen3.5's hybrid: at this size the hybrid does not
+     learn to copy (results/LOG.md); --arch qwen3_5_moe stays tested; the cluster model stays Qwen3.5.
+  8. A base phase (--base-steps, embedded only): synthetic copy pretraining of corpus pieces and random names before
+     SFT, standing in for the pretrained model the paper starts from (`python -m experiments.bench copy` runs it).
 """
 from __future__ import annotations
 
@@ -63,8 +57,7 @@ import reward  # standard library only: S of r = P / S
 
 @dataclass
 class Args:
-    """Defaults are the paper's values (cluster scale); EMBEDDED / QUICK below override what must shrink. The comment
-    of each field is its flag's --help line."""
+    """Defaults are the paper's values (cluster scale), the presets below shrink them; a comment is its flag's help."""
     run_dir: str = "runs/embedded"  # checkpoints, samples and metrics go here; the same dir resumes (paper silent)
     seed: int = 1  # seed of task synthesis, init, sampling and data order (paper silent)
     deterministic: bool = False  # trials one at a time in launch order: a seed reruns to the digit, slower (ours)
@@ -117,6 +110,7 @@ class Args:
     base_steps: int = 0  # steps of synthetic copy pretraining before SFT (paper: none)
     base_lr: float = 2e-3  # the base phase's learning rate (paper: none; ppo.BASE_LR)
     base_batch_size: int = 16  # copy samples per base step (paper: none; ppo.BASE_BATCH)
+    base_name_share: float = 0.5  # share of random name-shaped strings among the copied items; 0: corpus only (ours)
     base_max_steps: int = 0  # below the copy gate, more base steps up to this many; 0: base_steps only (paper: none)
     # --- critic (paper: full-size, Critic Warm-Up one epoch, lr 1.5e-5, updated first, value clip 0.2)
     critic_warmup_epochs: int = 1  # critic-only epochs before RL (paper: Critic Warm-Up, one epoch)
@@ -194,9 +188,9 @@ FULL = dataclasses.replace(EMBEDDED, run_dir="runs/full", n_heldout_tasks=100, n
                            validate_train=False, rl_steps=48, eval_every=16, critic_warmup_trials=512,
                            temperature=0.7, kl_coef=0.05, sft_epochs=8, n_val_tasks=50, n_deep_tasks=50,
                            n_names_tasks=50, eval_attempts=3, eval_train_tasks=0)
-QUICK = dataclasses.replace(
-    EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8, n_sft_tasks=16,
-    eval_train_tasks=6, base_steps=20, base_max_steps=0, sft_epochs=2, critic_warmup_trials=8, rl_steps=2, max_turns=5)
+QUICK = dataclasses.replace(EMBEDDED, run_dir="runs/quick", n_train_tasks=24, n_heldout_tasks=6, n_launch=10, n_keep=8,
+                            n_sft_tasks=16, eval_train_tasks=6, base_steps=20, base_max_steps=0, sft_epochs=2,
+                            critic_warmup_trials=8, rl_steps=2, max_turns=5)
 CLUSTER = dataclasses.replace(Args(), backend="megatron", param_dtype="bf16", sandbox="daytona", n_engines=0)
 PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
            "qwen35-122b-a10b": dataclasses.replace(CLUSTER, run_dir="runs/qwen35-122b-a10b"),
@@ -218,13 +212,13 @@ NUMERIC = {
     "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0", "n_deep_tasks": ">= 0",
     "n_names_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
     "sft_faults": "in [0, 1]", "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0",
-    "base_lr": "> 0", "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1",
-    "critic_lr": ">= 0", "clip_eps_v": "> 0", "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0",
-    "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0",
-    "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "critic_epochs": ">= 1", "minibatch_size": ">= 1",
-    "max_grad_norm": "> 0", "sync_steps": ">= 0", "r3_off_every": ">= 0", "n_engines": ">= 0",
-    "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1",
-    "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
+    "base_lr": "> 0", "base_name_share": "in [0, 1]", "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0",
+    "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0", "rl_steps": ">= 0",
+    "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
+    "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "critic_epochs": ">= 1",
+    "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0", "r3_off_every": ">= 0",
+    "n_engines": ">= 0", "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1",
+    "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 
 
 def check_numbers(args: Args) -> None:
@@ -310,6 +304,7 @@ import rollout  # noqa: E402
 import tito  # noqa: E402
 from cluster import actors  # noqa: E402
 from engine.client import EngineClient  # noqa: E402
+from tasks import copying  # noqa: E402
 from rundir import log, prune_previous, write_atomic  # noqa: E402
 from runstate import (Run, brief, check_flags, eval_row, evaluate, evaluate_checkpoint, log_step,  # noqa: E402
                       run_scale, save_dir, split_dirs, step_record)
@@ -363,31 +358,36 @@ def make_tasks(run: Run) -> tuple[list, list]:
 
 def base_phase(run: Run, actor, tokenizer, texts: list) -> dict:
     """The base phase (embedded only; the paper starts from pretrained Qwen3.5): base_steps of synthetic copy
-    pretraining (data.copy_samples over the SFT corpus's pieces), then the copy gate: greedy copy accuracy on 64
-    fresh samples, logged and recorded in state.json. Below the gate, --base-max-steps allows more: chunks of
-    base_steps / 4 until a second 64-sample probe (not the reported one) reads >= COPY_GATE or the cap is reached;
-    a base still below the gate is logged as a WARNING (its SFT will generalise less)."""
+    pretraining (data.copy_samples over the SFT corpus's pieces and, a share --base-name-share of the items, random
+    name-shaped strings: tasks/copying.py, so that names no training text holds are copied too), then the copy gate:
+    greedy copy accuracy on 64 fresh samples of corpus pieces and of names never trained on, logged and recorded in
+    state.json. Below the gate (either reading), --base-max-steps allows more: chunks of base_steps / 4 until a second
+    probe (not the reported one) reads >= COPY_GATE on both or the cap is reached; below it, a WARNING."""
     args = run.args
     items = data.copy_items(texts)
+    names = copying.random_names(copying.N_NAMES, args.seed, avoid=items) if args.base_name_share else []
+    fresh = copying.random_names(512, f"probe/{args.seed}", avoid=set(items) | set(names))  # never trained on
 
     def train(n, seed):
-        samples = data.copy_samples(tokenizer, items, n * args.base_batch_size, seed)
+        samples = data.copy_samples(tokenizer, items, n * args.base_batch_size, seed, names, args.base_name_share)
         ppo.sft(actor, samples, args, run.metrics, phase="base", epochs=1, lr=args.base_lr,
                 batch_size=args.base_batch_size)
+
+    def reading(seed):  # (corpus pieces, names never trained on)
+        return tuple(ppo.copy_accuracy(actor, data.copy_samples(tokenizer, x, 64, seed)) for x in (items, fresh))
     train(args.base_steps, args.seed)
-    steps, chunk = args.base_steps, max(1, args.base_steps // 4)
-    probe = data.copy_samples(tokenizer, items, 64, -1001 - args.seed)  # decides; the gate below reports
-    decided = None  # the deciding probe's last reading (None: not read, --base-max-steps 0)
-    while steps + chunk <= args.base_max_steps and (decided := ppo.copy_accuracy(actor, probe)) < COPY_GATE:
+    steps, chunk, decided = args.base_steps, max(1, args.base_steps // 4), None  # decided: the deciding probe's lower
+    while steps + chunk <= args.base_max_steps and (decided := min(reading(-1001 - args.seed))) < COPY_GATE:
         train(chunk, 10_000 + args.seed * 1000 + steps)
         steps += chunk
-    gate = {"copy_accuracy": round(ppo.copy_accuracy(actor, data.copy_samples(tokenizer, items, 64, -1 - args.seed)),
-                                   4), "steps": steps, "items": len(items)}
-    low = ("" if gate["copy_accuracy"] >= COPY_GATE else  # the two 64-sample probes differ by a few points
+    acc, acc_names = reading(-1 - args.seed)
+    gate = {"copy_accuracy": round(acc, 4), "copy_accuracy_names": round(acc_names, 4), "steps": steps,
+            "items": len(items), "names": len(names)}
+    low = ("" if min(acc, acc_names) >= COPY_GATE else  # the two 64-sample probes differ by a few points
            " WARNING: below the gate (--base-max-steps allows more)" if decided is None or decided < COPY_GATE else
            f" (below the gate on this probe; the probe that decided read {decided:.3f})")
-    log(run.dir, f"base: {steps} copy steps over {len(items)} items; copy accuracy {gate['copy_accuracy']:.3f} "
-                 f"(gate {COPY_GATE})" + low)
+    log(run.dir, f"base: {steps} copy steps over {len(items)} items + {len(names)} random names; copy accuracy "
+                 f"{acc:.3f}, on names never trained on {acc_names:.3f} (gate {COPY_GATE})" + low)
     return gate
 
 

@@ -581,8 +581,9 @@ def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
 def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     """--base-max-steps: below the copy gate after base_steps the base phase adds chunks of base_steps / 4 while a
     probe reads < COPY_GATE and the cap allows (the reported gate is a second probe); still below it at the cap it
-    says WARNING; at 0 it trains exactly base_steps. The probe readings are scripted here (the arithmetic of copying
-    is the test above's); each chunk really trains."""
+    says WARNING; at 0 it trains exactly base_steps. A reading is two, corpus pieces and random names never trained
+    on, both needed. The probe readings are scripted here (the arithmetic of copying is the test above's); each
+    chunk really trains."""
     texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove")) for i in range(10, 30)]
     tok = M.train_tokenizer(texts, vocab_size=300)
 
@@ -596,13 +597,17 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
         gate = T.base_phase(run, actor, tok, texts)
         moved = max((p - b).abs().max().item() for p, b in zip(actor.parameters(), before))
         return gate, moved, (tmp_path / "log.txt").read_text().splitlines()[-1]
-    gate, moved, line = run_base(16, [0.5, 0.95, 0.93])  # below, one chunk of 2, at the gate: stop; report .93
-    assert gate["steps"] == 10 and gate["copy_accuracy"] == 0.93 and "WARNING" not in line and moved > 0
-    gate, _, line = run_base(12, [0.5, 0.6, 0.7])  # below to the cap: 8 + 2 + 2, then the reported reading
+    # each reading is two: corpus pieces, then random names never trained on; the gate needs both
+    gate, moved, line = run_base(16, [0.5, 0.95, 0.95, 0.95, 0.93, 0.94])  # below, one chunk of 2, at the gate: stop
+    assert (gate["steps"], gate["copy_accuracy"], gate["copy_accuracy_names"]) == (10, 0.93, 0.94) and moved > 0
+    assert "WARNING" not in line and gate["names"] > 0
+    gate, _, line = run_base(16, [0.95, 0.5, 0.95, 0.95, 0.93, 0.93])  # names below: a chunk more as well
+    assert gate["steps"] == 10 and "WARNING" not in line
+    gate, _, line = run_base(12, [0.5, 0.5, 0.6, 0.6, 0.7, 0.7])  # below to the cap: 8 + 2 + 2, then the report
     assert gate["steps"] == 12 and gate["copy_accuracy"] == 0.7 and "WARNING: below the gate" in line
-    gate, _, line = run_base(0, [0.7])  # no cap: exactly base_steps, only the reported reading
+    gate, _, line = run_base(0, [0.95, 0.7])  # no cap: exactly base_steps; names below the gate: the alarm
     assert gate["steps"] == 8 and "WARNING: below the gate" in line
-    gate, _, line = run_base(16, [0.5, 0.91, 0.89])  # the deciding probe passed, the reported one reads .89: no alarm
+    gate, _, line = run_base(16, [0.5, 0.5, 0.91, 0.92, 0.89, 0.95])  # the deciding probe passed, the report .89
     assert gate["steps"] == 10 and "WARNING" not in line and "the probe that decided read 0.910" in line
 
 
