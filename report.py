@@ -204,7 +204,7 @@ def print_table(summary: dict) -> None:
 
 
 def plot(run_dir, out=None) -> Path:
-    """PNG curves of a run: reward and solve rate (training rollouts; held-out evaluations), EV (warm-up and RL),
+    """PNG curves of a run: reward and solve rate (training rollouts; every split's evaluations), EV (warm-up, RL),
     |dlogp|, turns, step times, SFT loss -> the path written: `out`, by default run_dir/curves.png."""
     import matplotlib  # lazily: only a run's end and the plot command draw
     matplotlib.use("Agg")
@@ -217,14 +217,15 @@ def plot(run_dir, out=None) -> Path:
               ("time_step", "step time (s)")]
     fig, axes = plt.subplots(2, 4, figsize=(16, 7))
     axes = axes.ravel()
-    held = [r for r in recs if r["phase"] == "eval"]  # held-out evaluations (step 0: SFT; --eval-every, the last)
+    evals = [r for r in recs if r["phase"] == "eval"]  # step 0: SFT; the last; validation every --eval-every steps
     for ax, (k, title) in zip(axes, panels):
         ax.plot([r["step"] for r in rl], [r.get(k) for r in rl], marker="o", label="training rollouts")
-        if k in ("reward_mean", "solve_rate") and held:
-            ax.plot([r["step"] for r in held], [r[f"heldout_{k}"] for r in held], marker="s", label="held-out")
-            val = [r for r in held if f"val_{k}" in r]  # --n-val-tasks
-            if val:
-                ax.plot([r["step"] for r in val], [r[f"val_{k}"] for r in val], marker="^", label="validation")
+        if k in ("reward_mean", "solve_rate") and evals:
+            for prefix, name, marker in (("heldout", TITLES["test"], "s"), ("test_deep", TITLES["test_deep"], "v"),
+                                         ("test_names", TITLES["test_names"], "D"), ("val", TITLES["val"], "^")):
+                rows = [r for r in evals if f"{prefix}_{k}" in r]  # the splits a row evaluated
+                if rows:
+                    ax.plot([r["step"] for r in rows], [r[f"{prefix}_{k}"] for r in rows], marker=marker, label=name)
             ax.legend()
         if k == "dlogp":  # the R3-off diagnostic runs every --r3-off-every steps: NaN (or absent) on the others
             off = [r for r in rl if isinstance(r.get("dlogp_r3_off"), (int, float))

@@ -873,3 +873,14 @@ def test_a_run_records_the_commit_and_command_that_made_it(tmp_path):
     runstate.Run(dataclasses.replace(T.QUICK, run_dir=str(tmp_path / "r")))
     st = json.loads((tmp_path / "r" / "state.json").read_text())
     assert (st["commit"], st["argv"]) == ("abc", ["first"])
+
+
+def test_plot_draws_each_split_where_it_was_evaluated(tmp_path):
+    """curves.png: a validation-only row (--eval-every) beside rows of every split (after SFT, after RL) is drawn,
+    each split over the steps it was evaluated at (a row without the in-template split once broke the plot)."""
+    def ev(step, *prefixes):
+        return {"phase": "eval", "step": step, **{f"{p}_{k}": 0.5 for p in prefixes for k in ("solve_rate",
+                                                                                               "reward_mean")}}
+    rows = [ev(0, "heldout", "test_deep", "test_names", "val"), ev(2, "val"), ev(3, "heldout", "test_deep", "val")]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert report.plot(tmp_path, tmp_path / "c.png").stat().st_size > 0
