@@ -24,6 +24,7 @@ import data
 import infra
 import model as M
 import ppo
+import report
 import rollout
 from cluster import actors
 from engine.client import publish_from_disk
@@ -204,8 +205,6 @@ def evaluate(task_dirs, args, run_dir, tokenizer, workers, urls, tag) -> dict:
 # the validation split (every choice of recipe is made on it) also every --eval-every steps.
 SPLITS = {"test": ("heldout", "step", "heldout"), "test_deep": ("test_deep", "test_deep_step", "test_deep"),
           "test_names": ("test_names", "test_names_step", "test_names"), "val": ("val", "val_step", "val")}
-SPLIT_TITLES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper RST)",
-                "test_names": "test (unseen names)", "val": "validation"}
 
 
 def split_dirs(state: dict, names=tuple(SPLITS)) -> dict:
@@ -283,7 +282,7 @@ def evaluate_checkpoint(run: Run, ax: actors.Actors, tokenizer, train_pool: list
         run.save_state()
         log(run.dir, f"eval after RL: {brief(state['eval_rl'])}")
         for n, e in state["eval_rl_splits"].items():
-            log(run.dir, f"eval after RL, {SPLIT_TITLES[n]}: {brief(e)}")
+            log(run.dir, f"eval after RL, {report.TITLES[n]}: {brief(e)}")
 
 
 # --- an RL step's metrics row and log line ---------------------------------------------------------------

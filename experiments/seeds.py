@@ -53,11 +53,12 @@ from pathlib import Path
 
 import numpy as np
 
+import report
+
 ROOT = Path(__file__).resolve().parent.parent  # the repository root
 EVAL_NAME = re.compile(r"^(?:(?P<split>[a-z][a-z0-9_]*)_)?step_(?P<step>\d+)\.json$")
 SPLITS = ("test", "test_deep", "test_names")  # the report's order; other splits but val follow, sorted
-SPLIT_NAMES = {"test": "test (in-template)", "test_deep": "test (out-of-template: deeper RST)",
-               "test_names": "test (unseen names)", "val": "validation"}
+SPLIT_NAMES = report.TITLES  # the splits' names, as the end-of-run table gives them
 N_PERM = 10000  # sign-flip draws (the p-value's Monte Carlo error at p = 0.05: +- 0.002)
 STATE_MAX_BYTES = 1 << 20  # collect copies state.json up to this size (the tasks' paths and the evaluations)
 
