@@ -341,11 +341,15 @@ class Sandbox:
     def _enter(self, argv, as_root=False):
         """argv run inside the jail's namespaces as run_uid (or the jail's root, for Harbor's root execs), under the
         rlimits and the seccomp filter (installed on the host before nsenter; inherited by everything after), in the
-        trial's memory cgroup (joined by the first host process, before any of it runs: a setsid cannot leave it)."""
+        trial's memory cgroup (joined by the first host process, before any of it runs: a setsid cannot leave it),
+        with HUP / INT / QUIT at their default action: a run started in the background (`nohup bash run.sh &`)
+        ignores them and every child would inherit that (a verifier's pytest deaf to an agent script's SIGINT, C-c
+        no longer interrupting the agent's commands: the jail's processes behaved by how the run was launched)."""
         L, u = self.limits, "0" if as_root else str(self.run_uid)
         caps = "-all,+chown,+dac_override,+fowner" if as_root else "-all"  # never dac_read_search (open_by_handle)
         return ((self._cgroup.join_argv() if self._cgroup is not None else []) + seccomp.seccomp_prefix() +
-                ["nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
+                ["env", "--default-signal=HUP,INT,QUIT",
+                 "nsenter", "-t", str(self.pid), "-m", "-n", "-p", "-i", "-u", "-r", "--wdns=/app", "--",
                  "prlimit", f"--nproc={L.max_procs}", f"--fsize={L.file_bytes}", f"--as={L.mem_bytes}", "--core=0",
                  "--", "setpriv", "--reuid", u, "--regid", u, "--clear-groups", "--no-new-privs",
                  "--inh-caps=-all", f"--bounding-set={caps}", "--"] + list(argv))
@@ -383,10 +387,9 @@ class Sandbox:
         self.master, slave = os.openpty()
         os.set_blocking(self.master, False)  # send_keys gives up at the deadline instead of blocking forever
         fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 160, 0, 0))  # rows, cols
-        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); env
-            # --default-signal: a run started in the background (`nohup bash run.sh &`) ignores SIGINT / SIGQUIT
-            # / SIGHUP, which every child would inherit, and C-c would no longer interrupt the agent's commands
-            shell = ["env", "--default-signal=HUP,INT,QUIT", "setsid", "-c", "bash", "--norc", "--noprofile", "-i"]
+        try:  # setsid -c: bash leads a new session with the pty as controlling tty (C-c works); default signal
+            # dispositions: _enter
+            shell = ["setsid", "-c", "bash", "--norc", "--noprofile", "-i"]
             self.term = subprocess.Popen(self._enter(shell),
                                          stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                                          env=self._env())

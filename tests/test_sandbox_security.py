@@ -6,7 +6,9 @@ task's test.sh runs what the agent wrote, a task directory carries links, device
 import json
 import os
 import shutil
+import signal
 import stat
+import subprocess
 import sys
 
 import pytest
@@ -352,6 +354,19 @@ def test_agent_script_run_by_a_test_cannot_forge_the_report(tmp_path, attack):
     got = (res["reward_source"], res["passed"], res["total"], res["reward"])
     assert got == (source, passed, total, passed / 20), res  # main paid 5 of 5 (0.25) for every one of these
     assert why is None and res["reward_reason"] is None or why in res["reward_reason"], res["reward_reason"]
+
+
+def test_the_attacks_meet_the_same_verifier_when_the_run_ignores_sigint():
+    """A run started as a background job (`nohup bash run.sh &`, or a suite started so) ignores SIGINT, and every
+    process it starts inherits that: the verifier's pytest ignored the agent script's `kill -INT` above and paid
+    the honest 1 of 5 (found 2026-12-06: the interrupt-pytest case failed only in suites started with nohup). The
+    jail starts its processes with the default dispositions (jail._enter): the case above, rerun by a pytest whose
+    SIGINT is ignored, meets the same verifier."""
+    node = f"{__file__}::test_agent_script_run_by_a_test_cannot_forge_the_report[interrupt-pytest]"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", node],
+                       capture_output=True, text=True, timeout=300,
+                       preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
 
 
 def test_agent_script_started_by_a_conftest_cannot_replace_the_reporter(tmp_path):
