@@ -365,7 +365,8 @@ def test_the_attacks_meet_the_same_verifier_when_the_run_ignores_sigint():
     node = f"{__file__}::test_agent_script_run_by_a_test_cannot_forge_the_report[interrupt-pytest]"
     p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:xdist", "-p", "no:cacheprovider", node],
                        capture_output=True, text=True, timeout=300,
-                       env={k: v for k, v in os.environ.items() if k not in ("T1_TEST_DURATIONS", "PYTEST_XDIST_WORKER")},
+                       env={k: v for k, v in os.environ.items()
+                            if k not in ("T1_TEST_DURATIONS", "PYTEST_XDIST_WORKER")},
                        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))  # a one-test run: no costs
     assert p.returncode == 0 and "1 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
 
