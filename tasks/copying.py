@@ -22,8 +22,8 @@ import string
 
 from tasks import families
 
-NAME_SHARE = 0.5  # share of copied items that are random names (this project's): half still practises the corpus's
-# own pieces (the tokens SFT and RL copy, the gate train_t1 reads), half makes the copying itself character-level
+NAME_SHARE = 0.5  # `bench copy`'s share of copied items that are random names (this project's): half the corpus's
+# own pieces, half character-level copying; train_t1's --base-name-share is 0 (its departure 8 says why)
 N_NAMES = 20_000  # random names the base phase draws from (this project's): 1,000 steps of 16 samples copy ~44,000
 # items at NAME_SHARE, so each name comes back ~2 times and copying cannot lean on having seen a name
 MAX_CHARS = 24  # a name is shorter than this (data.COPY_ITEM_CHARS: the corpus pieces' cap)

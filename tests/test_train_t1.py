@@ -581,17 +581,18 @@ def test_base_phase_teaches_copying_and_the_gate_measures_it(tmp_path):
 def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     """--base-max-steps: below the copy gate after base_steps the base phase adds chunks of base_steps / 4 while a
     probe reads < COPY_GATE and the cap allows (the reported gate is a second probe); still below it at the cap it
-    says WARNING; at 0 it trains exactly base_steps. A reading is two, corpus pieces and random names never trained
-    on, both needed. The probe readings are scripted here (the arithmetic of copying is the test above's); each
+    says WARNING; at 0 it trains exactly base_steps. A reading is two, corpus pieces and random names never
+    trained on, both needed when names are trained on (the corpus alone at --base-name-share 0). The probe readings are scripted here (the arithmetic of copying is the test above's); each
     chunk really trains."""
     texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove")) for i in range(10, 30)]
     tok = M.train_tokenizer(texts, vocab_size=300)
 
-    def run_base(max_steps, readings):
+    def run_base(max_steps, readings, share=0.5):
         actor = M.build_actor(M.tiny_config(M.padded_vocab(len(tok), 1), "qwen3_moe"), seed=0)
         reads = iter(readings)
         monkeypatch.setattr(ppo, "copy_accuracy", lambda a, s: next(reads))
-        run = SimpleNamespace(args=dataclasses.replace(T.QUICK, seed=0, base_steps=8, base_max_steps=max_steps),
+        run = SimpleNamespace(args=dataclasses.replace(T.QUICK, seed=0, base_steps=8, base_max_steps=max_steps,
+                                                       base_name_share=share),
                               metrics=Metrics(tmp_path), dir=tmp_path)
         before = [p.detach().clone() for p in actor.parameters()]
         gate = T.base_phase(run, actor, tok, texts)
@@ -609,6 +610,12 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     assert gate["steps"] == 8 and "WARNING: below the gate" in line
     gate, _, line = run_base(16, [0.5, 0.5, 0.91, 0.92, 0.89, 0.95])  # the deciding probe passed, the report .89
     assert gate["steps"] == 10 and "WARNING" not in line and "the probe that decided read 0.910" in line
+    # no random names trained on (--base-name-share 0, the default): their reading is recorded, never gates
+    gate, _, line = run_base(16, [0.95, 0.2, 0.93, 0.1], share=0.0)  # names low: no chunk, no alarm
+    assert (gate["steps"], gate["names"], gate["copy_accuracy_names"]) == (8, 0, 0.1) and "WARNING" not in line
+    assert "(not gated)" in line
+    gate, _, line = run_base(12, [0.5, 0.99, 0.6, 0.99, 0.7, 0.99], share=0.0)  # corpus low: chunks, then the alarm
+    assert gate["steps"] == 12 and "WARNING: below the gate" in line
 
 
 # --- the end-of-run table's statistics (report.py)
