@@ -582,8 +582,8 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
     """--base-max-steps: below the copy gate after base_steps the base phase adds chunks of base_steps / 4 while a
     probe reads < COPY_GATE and the cap allows (the reported gate is a second probe); still below it at the cap it
     says WARNING; at 0 it trains exactly base_steps. A reading is two, corpus pieces and random names never
-    trained on, both needed when names are trained on (the corpus alone at --base-name-share 0). The probe readings are scripted here (the arithmetic of copying is the test above's); each
-    chunk really trains."""
+    trained on, both needed when names are trained on (the corpus alone at --base-name-share 0). The probe
+    readings are scripted here (the arithmetic of copying is the test above's); each chunk really trains."""
     texts = [" ".join(f"{w}{i}" for w in ("maple", "onyx", "grove")) for i in range(10, 30)]
     tok = M.train_tokenizer(texts, vocab_size=300)
 
