@@ -9,22 +9,19 @@ Run:
     python data.py generate --out runs/tasks --n-train 120 --n-heldout 30 --seed 0 [--rst-rounds 2]
         # writes DIR/train/<task>/, DIR/heldout/<task>/, DIR/summary.json; prints the audit statistics
         # (accepted / borderline / rejected per reason and family), then one JSON line
-    T1_TASK_CACHE=DIR python data.py generate ...  # any caller of generate_tasks (train_t1's pools too): a pool
-        # already generated with the same arguments by the same code is copied from DIR ("[data] tasks from the
-        # cache ..."), else generated and stored there (tasks/pool_cache.py: the key, the lock); unset: no cache
+    T1_TASK_CACHE=DIR python data.py generate ...  # any generate_tasks call: a pool of the same arguments and code
+        # is copied from DIR ("[data] tasks from the cache"), else generated and stored there (tasks/pool_cache.py)
     rst.audit(task_dir)  # the four hard rejects and the eight-dimension quality score: tasks/rst.py
     task_io.load_task(dir), task_io.image_needs(task)  # a task dir, and what the jail cannot run: sandbox/task_io.py
     copy_samples(tok, copy_items(corpus(dirs)), n, seed, names, share)  # the base phase's copy data (tasks/copying.py)
-    eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=train_dirs, rst_rounds=1)  # the evaluation
-        # splits, sandbox-audited: {"val", "test", "test_deep", "test_names": [task dirs]}; overlap(train, test) and
-        # template_of(task_dir) (tasks/splits.py) say how new a split is to the training pools
+    eval_splits(out_dir, seed, n_val, n_test, n_deep, n_names, avoid=train_dirs, rst_rounds=1)  # {"val", "test",
+        # "test_deep", "test_names": [task dirs]}, audited; overlap(train, test) says how new (tasks/splits.py)
 
 A task dir (Harbor): task.toml ([metadata] family, difficulty, template, names, split, quality, audit (the verdict),
 n_assertions; [verifier] and [agent] timeout_sec; [environment]), instruction.md, environment/ (Dockerfile, app/ =
 the initial /app), tests/test.sh + tests/test_outputs.py, solution/solve.sh and solution/terminus2.json (the
-expert's replies for SFT). n_assertions is the task's own assertion count (reward.compute refuses a report with
-more tests): task.toml for generated tasks, else the oracle's count in t1_audit.json (a task.toml this project did
-not write is never rewritten).
+expert's replies for SFT). n_assertions (reward.compute refuses a report with more tests): task.toml's for our
+tasks, else the oracle's count in t1_audit.json (a task.toml this project did not write is never rewritten).
 
 Departures from the paper:
 1. No LLM: the seeds are 6 templated families of real shell work and RST's rewriting draws from a fixed library
@@ -80,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
 if __name__ == "__main__":
     ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
 
-from tasks import families  # noqa: E402
+from tasks import copying, families  # noqa: E402
 import model  # noqa: E402
 from chat_tokens import ASSISTANT_PREFIX, IM_END  # noqa: E402
 import reward  # noqa: E402
@@ -236,12 +233,15 @@ def _write_audit(task_dir, doc):
 
 
 # --- pools ----------------------------------------------------------------------------------------
-def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0, rst_depths=None, vocab="train"):
+def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0, rst_depths=None, vocab="train",
+          random_share=0.0):
     """Deterministic spec for one slot of a split (family = slot mod 6), extended by rst_rounds RST steps (in a
-    share rst_share of the slots, drawn per slot), skipping instructions already used in either split and drafts
-    that fail the static audit. rst_depths (a tuple of depths >= 1; rst_rounds and rst_share aside): the slot's
-    depth drawn from it, its family one of families.rst_families(depth) (slot mod their number), and a draft with
-    fewer steps (rst_extend ran out of ops) redrawn. vocab: the names' and values' vocabulary (families.VOCABS)."""
+    share rst_share of the slots, drawn per slot), skipping instructions already used and drafts failing the static
+    audit. rst_depths (depths >= 1; rst_rounds and rst_share aside): the slot's depth drawn from it, its family one of
+    families.rst_families(depth), a draft with fewer steps redrawn. vocab: the names' vocabulary (families.VOCABS), or
+    for a share random_share of the slots (drawn per slot) a made-up one (copying.random_vocab, one per draw)."""
+    if random_share and random.Random(f"{seed}/{split}/{slot}/vocab").random() < random_share:
+        vocab = "random"
     if rst_depths:
         rst_rounds = random.Random(f"{seed}/{split}/{slot}/depth").choice(sorted(rst_depths))
     fams = families.rst_families(rst_rounds) if rst_depths else tuple(families.FAMILIES)
@@ -250,14 +250,15 @@ def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0, rst_d
         rst_rounds = 0  # a seed task (the rng of the draw below is the same either way)
     first = attempt
     while True:
-        rng = families.VocabRandom(f"{seed}/{split}/{slot}/{attempt}", vocab)  # train: random.Random's draws
+        sd = f"{seed}/{split}/{slot}/{attempt}"
+        rng = families.VocabRandom(sd, copying.random_vocab(sd) if vocab == "random" else vocab)  # train: Random's
         spec = families.FAMILIES[family](rng)
         if rst_rounds:
             spec = families.rst_extend(spec, family, rng, rst_rounds)
         deep = not rst_depths or families.rst_depth(spec) == rst_rounds
         if deep and spec["instruction"] not in seen and static_audit(spec) is None:
             seen.add(spec["instruction"])
-            return family, spec, f"{seed}/{split}/{slot}/{attempt}"
+            return family, spec, sd
         attempt += 1
         if attempt - first > 200:
             depth = f" of RST depth {rst_rounds}" if rst_depths else ""
@@ -266,7 +267,7 @@ def _draw(split, slot, seed, seen, attempt=0, rst_rounds=0, rst_share=1.0, rst_d
 
 def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scripted=True, workers=2, rst_rounds=0,
                    validate_train=True, expert_text="full", heldout_split="heldout", avoid=(), rst_share=1.0,
-                   rst_depths=None, vocab="train"):
+                   rst_depths=None, vocab="train", random_share=0.0):
     """Write n_train + n_heldout audited tasks under out_dir/{train,heldout}/ (each seed task extended by
     rst_rounds RST steps: families.rst_extend; in a share rst_share of the slots only, the rest seed tasks;
     terminus2.json's free text by expert_text: families.expert_replies).
@@ -274,8 +275,8 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     heldout_split names the second split (its folder, its tasks' names and their draws): "val" for a validation set;
     avoid: instructions no new task may have (the pools of an earlier call).
     rst_depths (e.g. DEEP_DEPTHS): every task of both splits gets a depth drawn from it per slot (_draw: rst_rounds
-    and rst_share aside; a family that cannot reach the depth left out of the slot); vocab: "train" (the pools'
-    names and values as they always were) or "unseen" (families.UNSEEN).
+    and rst_share aside; a family that cannot reach the depth left out of the slot); vocab: "train" (the pools' as
+    they always were) or "unseen" (families.UNSEEN); random_share: that share of the slots made-up (_draw).
 
     Tasks failing validate() or rst.audit (hard reject, or quality under rst.BORDERLINE) are dropped and redrawn
     (up to 3 rounds); drops and the audit statistics are in out_dir/summary.json. Returns (train_dirs, heldout_dirs).
@@ -284,20 +285,21 @@ def generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks=True, scrip
     args = dict(n_train=n_train, n_heldout=n_heldout, seed=seed, validate_tasks=validate_tasks, scripted=scripted,
                 rst_rounds=rst_rounds, validate_train=validate_train, expert_text=expert_text,
                 heldout_split=heldout_split, avoid=sorted(set(avoid)), rst_share=rst_share,
-                rst_depths=sorted(set(rst_depths)) if rst_depths else None, vocab=vocab)
-    if vocab not in families.VOCABS or any(not isinstance(d, int) or d < 1 for d in args["rst_depths"] or ()):
-        raise ValueError(f"generate_tasks: vocab must be one of {sorted(families.VOCABS)} and rst_depths ints >= 1, "
-                         f"got {vocab!r}, {rst_depths!r}")
+                rst_depths=sorted(set(rst_depths)) if rst_depths else None, vocab=vocab, random_share=random_share)
+    if vocab not in families.VOCABS or any(not isinstance(d, int) or d < 1 for d in args["rst_depths"] or ()) or \
+            not 0 <= random_share <= 1:
+        raise ValueError(f"generate_tasks: vocab must be one of {sorted(families.VOCABS)}, rst_depths ints >= 1 and "
+                         f"random_share in [0, 1], got {vocab!r}, {rst_depths!r}, {random_share!r}")
     return pool_cache.cached(out_dir, args, lambda: _generate_tasks(out_dir, workers=workers, **args))
 
 
 def _generate_tasks(out_dir, n_train, n_heldout, seed, validate_tasks, scripted, workers, rst_rounds, validate_train,
-                    expert_text, heldout_split, avoid, rst_share, rst_depths, vocab):
+                    expert_text, heldout_split, avoid, rst_share, rst_depths, vocab, random_share):
     """generate_tasks without the cache."""
     t0 = time.time()
     seen = set(avoid)  # instructions of both splits (and avoid): train and held-out never share one
     specs = {}
-    kw = dict(rst_rounds=rst_rounds, rst_share=rst_share, rst_depths=rst_depths, vocab=vocab)
+    kw = dict(rst_rounds=rst_rounds, rst_share=rst_share, rst_depths=rst_depths, vocab=vocab, random_share=random_share)
     for split, n in (("train", n_train), (heldout_split, n_heldout)):
         for slot in range(n):
             family, spec, sd = _draw(split, slot, seed, seen, **kw)
@@ -380,9 +382,8 @@ def instructions(task_dirs) -> set:
 
 def sft_pool(out_dir, n, seed, avoid, **kw) -> list:
     """The SFT pool of --n-sft-tasks: n fresh tasks under out_dir (not sandbox-audited: the verifier audits their
-    scripted trajectories), less any that shares an instruction with a task of `avoid` (the RL, held-out and
-    validation pools), so that RL trains on tasks SFT never saw. kw: generate_tasks' rst_rounds, expert_text,
-    rst_share."""
+    scripted trajectories), less any sharing an instruction with a task of `avoid` (the other pools: RL's tasks are
+    new to SFT). kw: generate_tasks' rst_rounds, expert_text, rst_share, random_share."""
     extra, _ = generate_tasks(out_dir, n, 0, seed, validate_tasks=False, **kw)
     taken = instructions(avoid)
     return [d for d in extra if task_io.load_task(d).instruction not in taken]

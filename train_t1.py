@@ -70,6 +70,7 @@ class Args:
     n_sft_tasks: int = 0  # fresh tasks synthesized for the SFT warm start alone; 0: the training pool (paper silent)
     rst_rounds: int = 0  # RST steps added to every synthesized task (families.rst_extend; paper silent on the count)
     sft_rst_share: float = 1.0  # share of the SFT pool's tasks that carry the rst_rounds steps (paper silent)
+    sft_names_share: float = 0.0  # share of the SFT pool's tasks with made-up names (tasks/copying.random_vocab) (ours)
     validate_train: bool = True  # audit the training pool in sandboxes too (held-out: always) (paper: every task)
     expert_text: str = "full"  # the SFT expert replies' free text: full | terse | restate (paper silent)
     # --- model
@@ -209,14 +210,14 @@ NUMERIC = {
     "trial_keep_bytes": ">= 0", "eval_temperature": ">= 0", "eval_top_p": "in (0, 1]", "eval_attempts": ">= 0",
     "eval_train_tasks": ">= 0", "eval_every": ">= 0", "n_val_tasks": ">= 0", "n_deep_tasks": ">= 0",
     "n_names_tasks": ">= 0", "reward_scale": "> 0", "sft_epochs": ">= 0", "sft_lr": ">= 0", "sft_batch_size": ">= 1",
-    "sft_faults": "in [0, 1]", "sft_rst_share": "in [0, 1]", "base_steps": ">= 0", "base_max_steps": ">= 0",
-    "base_lr": "> 0", "base_name_share": "in [0, 1]", "base_batch_size": ">= 1", "critic_warmup_epochs": ">= 0",
-    "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0", "rl_steps": ">= 0",
-    "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]", "lam": "in [0, 1]",
-    "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1", "critic_epochs": ">= 1",
-    "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0", "r3_off_every": ">= 0",
-    "n_engines": ">= 0", "rollout_actors": ">= 1", "torch_threads": ">= 0", "trainer_ranks": ">= 1",
-    "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
+    "sft_faults": "in [0, 1]", "sft_rst_share": "in [0, 1]", "sft_names_share": "in [0, 1]", "base_steps": ">= 0",
+    "base_max_steps": ">= 0", "base_lr": "> 0", "base_name_share": "in [0, 1]", "base_batch_size": ">= 1",
+    "critic_warmup_epochs": ">= 0", "critic_warmup_trials": ">= 1", "critic_lr": ">= 0", "clip_eps_v": "> 0",
+    "rl_steps": ">= 0", "samples_per_task": ">= 1", "actor_lr": ">= 0", "clip_eps": "> 0", "gamma": "in [0, 1]",
+    "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1",
+    "critic_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0",
+    "r3_off_every": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1", "torch_threads": ">= 0",
+    "trainer_ranks": ">= 1", "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 
 
 def check_numbers(args: Args) -> None:
@@ -392,9 +393,8 @@ def base_phase(run: Run, actor, tokenizer, texts: list) -> dict:
 
 
 def warm_start(run: Run, train_pool: list, heldout: list) -> None:
-    """Base phase (--base-steps) and SFT warm start into ckpt/base and ckpt/sft (the reference trajectories run in
-    this process: no engine needed). With --n-sft-tasks the SFT pool is those fresh tasks alone, none sharing an
-    instruction with the RL pool or the held-out pool (RL then trains on tasks SFT never saw)."""
+    """Base phase and SFT warm start into ckpt/base and ckpt/sft (reference trajectories run here, no engine); with
+    --n-sft-tasks on that many fresh tasks, none sharing an instruction with another pool (RL's are new to SFT)."""
     args, run_dir, sft_dir = run.args, run.dir, run.sft_dir
     sft_pool = list(train_pool)
     if args.n_sft_tasks:
@@ -402,7 +402,7 @@ def warm_start(run: Run, train_pool: list, heldout: list) -> None:
         sft_pool = data.sft_pool(run_dir / "tasks" / "sft", args.n_sft_tasks, args.seed + 1,
                                  list(heldout) + list(train_pool) + evals,
                                  rst_rounds=args.rst_rounds, expert_text=args.expert_text,
-                                 rst_share=args.sft_rst_share)
+                                 rst_share=args.sft_rst_share, random_share=args.sft_names_share)
     texts = data.corpus(sft_pool)
     for name, dirs in split_dirs(run.state).items():  # how new each evaluation split is to the training pools
         log(run_dir, f"{name} vs the SFT pool: {data.overlap(sft_pool, dirs)}; vs the RL pool: "

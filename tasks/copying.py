@@ -13,8 +13,12 @@ colours, people, cities, columns, extensions, suffixes): the unseen-names test s
 training, and none of its pools is drawn from: the shapes ('-' / '_', 1-3 digits, extensions) are generic ones,
 filled with random characters.
 
+random_vocab(seed) is a made-up vocabulary of the same letters and shapes, one per task: data.generate_tasks'
+random_share draws that share of a pool's slots from one (an SFT pool's, --sft-names-share), so that the names an
+agent is taught to copy are mostly names it sees once, as the unseen-names test split's are.
+
 Departure from the paper: the paper has no base phase (pretrained Qwen3.5 copies strings it never saw); the random
-names and their share are this project's, like the base phase (train_t1's departures).
+names, the made-up vocabularies and their shares are this project's, like the base phase (train_t1's departures).
 """
 import random
 import re
@@ -99,3 +103,33 @@ def random_names(n: int, seed, avoid=(), max_chars: int = MAX_CHARS) -> list:
     if len(out) < n:
         raise ValueError(f"random_names: drew only {len(out)} of {n} new names (avoid holds {len(avoid)})")
     return out
+
+
+def random_vocab(seed) -> families.Vocab:
+    """A made-up vocabulary (deterministic in seed) in TRAIN's layout: 30 words, 10 colours, 23 people, 10 cities and
+    3 column names of random letters or syllables (_letters; distinct, none with a RESERVED letter run), stems of a
+    word, '' / '-' / '_' and 1-3 digits, made-up extensions for .txt / .log / .key and directory suffixes ('-' or '_'
+    and a made-up word). Kept from TRAIN: .sh / .csv / .json (the tools they name), the numbers, values and modes
+    (the unseen split's differ; here only the names are new)."""
+    rng, taken = random.Random(f"vocab/{seed}"), set()
+
+    def fresh(k, lo, hi):
+        out = []
+        while len(out) < k:
+            w = _letters(rng, lo, hi)
+            if w not in taken and not reserved(w):
+                taken.add(w)
+                out.append(w)
+        return tuple(out)
+    words, colors, people, cities, columns = fresh(30, 4, 8), fresh(10, 3, 6), fresh(23, 2, 5), fresh(10, 4, 7), \
+        fresh(3, 3, 7)
+    ext = dict(zip(("txt", "log", "key"), fresh(3, 2, 4)), sh="sh", csv="csv", json="json")
+    suffix = {role: rng.choice("-_") + w for role, w in zip(("dir", "private", "docs", "files", "data", "backup"),
+                                                              fresh(6, 3, 7))}
+
+    def stem(r):  # the task's rng draws the stem from this vocabulary's words: tolmar_7, kqvee-204, bexa31
+        digits = r.randint(0, 9) if r.random() < 0.5 else r.randint(10, 999)
+        return f"{r.choice(words)}{r.choice(('', '-', '_'))}{digits}"
+    t = families.TRAIN
+    return families.Vocab(f"random/{seed}", words, colors, people, cities, columns, t.values, t.key_modes,
+                          t.dir_modes, ext, suffix, stem, t.n3, t.n4)

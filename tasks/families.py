@@ -114,10 +114,10 @@ class VocabRandom(random.Random):
     random.Random draws from TRAIN. The same seed gives the same sequence of numbers as random.Random(seed)."""
 
     def __init__(self, seed=None, vocab="train"):
-        if vocab not in VOCABS:
-            raise ValueError(f"VocabRandom: vocab must be one of {sorted(VOCABS)}, got {vocab!r}")
+        if not isinstance(vocab, Vocab) and vocab not in VOCABS:  # a Vocab: a made-up one (tasks/copying.py)
+            raise ValueError(f"VocabRandom: vocab must be a Vocab or one of {sorted(VOCABS)}, got {vocab!r}")
         super().__init__(seed)
-        self.vocab = VOCABS[vocab]
+        self.vocab = vocab if isinstance(vocab, Vocab) else VOCABS[vocab]
 
 
 def vocab_of(rng) -> Vocab:
