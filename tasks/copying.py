@@ -123,13 +123,13 @@ def random_vocab(seed) -> families.Vocab:
         return tuple(out)
     words, colors, people, cities, columns = fresh(30, 4, 8), fresh(10, 3, 6), fresh(23, 2, 5), fresh(10, 4, 7), \
         fresh(3, 3, 7)
-    ext = dict(zip(("txt", "log", "key"), fresh(3, 2, 4)), sh="sh", csv="csv", json="json")
-    suffix = {role: rng.choice("-_") + w for role, w in zip(("dir", "private", "docs", "files", "data", "backup"),
-                                                              fresh(6, 3, 7))}
+    t, kept = families.TRAIN, ("sh", "csv", "json")  # TRAIN's roles; the extensions that name a tool stay
+    made = [e for e in t.ext if e not in kept]
+    ext = {**dict(zip(made, fresh(len(made), 2, 4))), **{e: t.ext[e] for e in kept}}
+    suffix = {role: rng.choice("-_") + w for role, w in zip(t.suffix, fresh(len(t.suffix), 3, 7))}
 
     def stem(r):  # the task's rng draws the stem from this vocabulary's words: tolmar_7, kqvee-204, bexa31
         digits = r.randint(0, 9) if r.random() < 0.5 else r.randint(10, 999)
         return f"{r.choice(words)}{r.choice(('', '-', '_'))}{digits}"
-    t = families.TRAIN
     return families.Vocab(f"random/{seed}", words, colors, people, cities, columns, t.values, t.key_modes,
                           t.dir_modes, ext, suffix, stem, t.n3, t.n4)

@@ -116,9 +116,8 @@ def test_made_up_vocabularies_name_a_share_of_a_pool(tmp_path, corpus):
     made up (no RESERVED letter run: no word of TRAIN or UNSEEN); generate_tasks' random_share draws about that share
     of the slots from one each (names no training-vocabulary or unseen-vocabulary task has), the other slots exactly
     as a pool without it (share 0 is the pool of before, its cache key too)."""
-    v = copying.random_vocab("s")
-    assert (v.words, v.people, v.ext, v.suffix) == (lambda w: (w.words, w.people, w.ext, w.suffix))(
-        copying.random_vocab("s"))
+    v, again = copying.random_vocab("s"), copying.random_vocab("s")
+    assert (v.words, v.people, v.ext, v.suffix) == (again.words, again.people, again.ext, again.suffix)
     assert not set(v.words) & set(copying.random_vocab("t").words)
     made_up = [*v.words, *v.colors, *v.people, *v.cities, *v.columns, v.ext["txt"], v.ext["log"], v.ext["key"],
                *(x.strip("-_") for x in v.suffix.values())]
