@@ -216,7 +216,7 @@ def _tools_sandbox_class():
                         os.unlink("verifier", dir_fd=fd)
                 except FileNotFoundError:
                     pass
-                os.mkdir("verifier", 0o755, dir_fd=fd)
+                host_fs.make_dir("verifier", 0o755, dir_fd=fd)
                 os.chown("verifier", self.uid, self.uid, dir_fd=fd, follow_symlinks=False)
             finally:
                 os.close(fd)

@@ -31,7 +31,7 @@ def copy_task_tree(src, dst, max_bytes, max_files, links=True):
         raise ValueError(f"{src}: is a symbolic link (a task directory must be a real directory)")
     if not stat.S_ISDIR(st.st_mode):
         raise ValueError(f"{src}: is not a directory")
-    os.mkdir(dst, 0o755)
+    make_dir(dst, 0o755)
     count = {"files": 0, "bytes": 0}
     try:
         sfd = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -103,6 +103,18 @@ def _copy_dir(sfd, dfd, src_root, rel, count, max_bytes, max_files, depth, links
             raise ValueError(f"{path}: is {kind} (refused in a task directory)")
 
 
+def make_dir(path, mode, dir_fd=None):
+    """os.mkdir with exactly `mode` (FileExistsError if it exists). mkdir's mode is masked by the process umask:
+    under a umask of 027 or 077 (or another thread's brief umask change) /app came out 0750 / 0700 and the jail's
+    capability-less root could not enter it ("bwrap: Can't chdir to /app: Permission denied": a trial lost)."""
+    os.mkdir(path, mode, dir_fd=dir_fd)
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dir_fd)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
+
+
 def write_host_file(path, text):
     """Write a new host-side log file: O_CREAT | O_EXCL | O_NOFOLLOW, so a planted file or link is never followed."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
@@ -120,7 +132,7 @@ def _open_dir_beneath(base, parts, create_uid=None):
                 raise ValueError(f"{base}: bad path component {part!r} in {'/'.join(parts)!r}")
             if create_uid is not None:
                 try:
-                    os.mkdir(part, 0o755, dir_fd=fd)
+                    make_dir(part, 0o755, dir_fd=fd)
                     os.chown(part, create_uid, create_uid, dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
                     pass

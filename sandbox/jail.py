@@ -137,6 +137,9 @@ from sandbox.limits import make_limits
 VERIFIER_ENV = {"PYTEST_ADDOPTS": f"-p no:cacheprovider -p ctrf.main -p {verifier_report.PLUGIN_NAME}",
                 "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1", "PYTHONPATH": verifier_report.PLUGIN_DIR_IN_JAIL,
                 "PYTHONSAFEPATH": "1"}
+# Every process of a jail starts with umask 022 (Docker's default), whatever the host process's: a task's files get
+# the modes a container would give them (under a host umask of 077 an agent's files came out 0600).
+JAIL_UMASK = 0o022
 
 
 # --- sandbox --------------------------------------------------------------------------------------
@@ -237,14 +240,14 @@ class Sandbox:
             self._disk = trial_caps.TrialDisk(r, self.uid)
             self._disk.mount("", 2 * L.task_bytes + L.disk_bytes, 2 * L.task_files + L.disk_inodes + 64)
             for d in ("host", "verifier", "logs", "logs/agent", "tests"):
-                os.mkdir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh: FileExistsError
+                host_fs.make_dir(os.path.join(r, d), 0o700 if d in ("host", "verifier") else 0o755)  # fresh
             self._disk.mount("verifier", L.task_bytes + L.disk_bytes, L.task_files + L.disk_inodes + 64)
             self._disk.mount("host", trial_caps.HOST_BYTES, trial_caps.HOST_INODES)
             app_src = os.path.join(self.task.env_dir, "app")
             if os.path.lexists(app_src):
                 host_fs.copy_task_tree(app_src, f"{r}/app", L.task_bytes, L.task_files)
             else:
-                os.mkdir(f"{r}/app", 0o755)
+                host_fs.make_dir(f"{r}/app", 0o755)
             # the tests are staged now in a host-only dir (the agent never sees them; a bad tree fails before the
             # agent phase) and bound into the verifier's jail only; None: the caller brings them (Harbor's upload_dir)
             if self.task.tests_dir is not None:
@@ -281,7 +284,8 @@ class Sandbox:
             self.jail = subprocess.Popen(
                 args[:1] + ["--info-fd", str(wfd), "--seccomp", str(sfd)] + args[1:] +
                 ["--", "/bin/sh", "-c", "echo ready; exec cat >/dev/null"],  # stdin: the lifeline
-                stdin=lfd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(wfd, sfd), start_new_session=True)
+                stdin=lfd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(wfd, sfd), start_new_session=True,
+                umask=JAIL_UMASK)
         finally:
             os.close(wfd)
             os.close(sfd)
@@ -361,7 +365,7 @@ class Sandbox:
         timeout = self.limits.cmd_timeout_s if timeout is None else timeout
         p = subprocess.Popen(self._enter(["bash", "-c", cmd], as_root), stdin=subprocess.DEVNULL,
                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-                             env=self._env(env))
+                             env=self._env(env), umask=JAIL_UMASK)
         out, deadline, note = terminal.Capped(self.limits.output_bytes), time.time() + timeout, ""
         fd, exited_at = p.stdout.fileno(), None
         while True:
@@ -392,7 +396,7 @@ class Sandbox:
             shell = ["setsid", "-c", "bash", "--norc", "--noprofile", "-i"]
             self.term = subprocess.Popen(self._enter(shell),
                                          stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
-                                         env=self._env())
+                                         env=self._env(), umask=JAIL_UMASK)
         finally:
             os.close(slave)
         # wait for the shell's first prompt (kept for the next read()): on a loaded machine bash can take longer to
@@ -513,7 +517,7 @@ class Sandbox:
         scale = reward.SCALE if scale is None else scale
         self._close_jail()  # every agent process dies here (RuntimeError if one does not)
         host_fs.chown_tree(os.path.join(self.root, "app"), self.verifier_uid)
-        os.mkdir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
+        host_fs.make_dir(self.verifier_logs, 0o755)  # fresh (FileExistsError on a second call)
         os.chown(self.verifier_logs, self.verifier_uid, self.verifier_uid)
         self.run_uid = self.verifier_uid
         self.report_channel = verifier_report.Channel(os.path.join(self.root, "verifier", "report"), self.verifier_uid)

@@ -33,6 +33,7 @@ import threading
 import time
 
 import reward
+from sandbox import host_fs
 
 SOCKET_DIR_IN_JAIL = "/run/verifier-report"
 SOCKET_NAME = "report.sock"
@@ -63,9 +64,9 @@ class Channel:
 
     def start(self):
         """Create the dirs (root-owned, 0755: the jail reads them, never writes), copy the plugin, listen."""
-        os.mkdir(self.dir, 0o755)  # fresh: FileExistsError on a second run
+        host_fs.make_dir(self.dir, 0o755)  # fresh: FileExistsError on a second run
         for d in (self.sock_dir, self.plugin_dir):
-            os.mkdir(d, 0o755)
+            host_fs.make_dir(d, 0o755)
         shutil.copyfile(PLUGIN_SRC, os.path.join(self.plugin_dir, PLUGIN_NAME + ".py"))
         os.chmod(os.path.join(self.plugin_dir, PLUGIN_NAME + ".py"), 0o644)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -256,6 +256,24 @@ def test_an_oracle_without_a_solution_is_refused_before_anything_runs(tmp_path, 
 
 
 @needs_jail
+@pytest.mark.parametrize("host_umask", [0o077, 0o027])
+def test_a_strict_host_umask_neither_loses_the_trial_nor_changes_its_modes(tmp_path, host_umask):
+    """A host process under umask 077 or 027 (hardened systems; or another thread's brief umask change): before,
+    /app was staged 0700 / 0750 and the jail's capability-less root could not enter it (every trial an error,
+    "bwrap: Can't chdir to /app: Permission denied"). Now the staged dirs get their modes exactly and every jail
+    process runs under umask 022, Docker's: the oracle solves, /app is 0755 and a file it writes 0644."""
+    task = make_task(tmp_path, solve="sort in.txt > out.txt\nstat -c '%a %n' /app out.txt /logs/agent")
+    old = os.umask(host_umask)
+    try:
+        res = rollout.run_trial(task, "oracle", work_root=tmp_path / "kept")
+    finally:
+        os.umask(old)
+    assert res["exit_reason"] == "oracle" and res["resolved"] and res["passed"] == 3, res
+    oracle = open(os.path.join(res["trial_dir"], "host", "oracle.txt")).read()
+    assert oracle.splitlines()[1:] == ["755 /app", "644 out.txt", "755 /logs/agent"], oracle
+
+
+@needs_jail
 def test_cli_reward_scale_and_oracle_exit(tmp_path, capsys):
     """--reward-scale S: the 3-test task solved pays 3 / S (before: 3 / 20 with no flag); bad S is a flag error; the
     oracle's exit status is in the JSON line."""
