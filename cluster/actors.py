@@ -102,9 +102,12 @@ def run_rollouts(task_dirs, agent, args, run_dir: Path, tokenizer, workers=None,
               reward_scale=args.reward_scale, **({"script_faults": script_faults, "seed": args.seed}
                                                  if script_faults else {}))
     t0 = time.time()
-    if workers is None:
+    if workers is None:  # this process's threads: the scripted SFT data (no engine), or one engine's (bench evaluate)
+        if len(urls or []) > 1:
+            raise ValueError(f"run_rollouts: trials in this process use one engine, got {len(urls)} urls")
         kept, dropped = rollout.run_trials([str(d) for d in task_dirs], agent, n_keep=n_keep, tokenizer=tokenizer,
-                                           max_workers=args.rollout_workers, desc=desc, **kw)
+                                           max_workers=args.rollout_workers, desc=desc,
+                                           engine_url=urls[0] if urls else None, **kw)
     elif args.deterministic:  # one trial at a time in launch order, the first n_keep kept (not the first finished)
         kept, dropped, urls = [], [], list(urls or [None])
         for i, d in enumerate(task_dirs):

@@ -23,10 +23,12 @@
     python -m experiments.bench plot runs/x [--out PNG]     # a run's curves (runs/x/curves.png)
     python -m experiments.bench compare A B                 # two evaluations paired; exit 1 naming the file that
                                                             # evaluated nothing
+    python -m experiments.bench evaluate CKPT RUN OUT [--splits test ...]  # CKPT on run RUN's splits, RUN's
+                                                            # protocol: OUT/<split>_step_N.json, for compare
 
 The code of each lives by what it measures: experiments/engine_speed.py (engine, sampling), experiments/mechanisms.py
 (r3, tito, cp), experiments/training.py (trainer, update, copy, pg-snr), report.py (plot and the paired tests of
-compare).
+compare, evaluate).
 Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests; the figures
 measured so far are in RESULTS.md (the headline tables) and results/LOG.md (the dated log).
 """
@@ -41,6 +43,7 @@ from tasks import copying  # the standard library only (its defaults name the fl
 ROOT = Path(__file__).resolve().parent.parent  # the repository root: train_t1.py, engine/, results/, ...
 ARCHS = ("qwen3_5_moe", "qwen3_moe")  # model.ARCHS, named here so that --help answers before torch imports
 SHAPES = ("t1-tiny", "probe", "122b-slice")  # training.trainer_bench's shapes
+SPLIT_NAMES = ("test", "test_deep", "test_names", "val")  # runstate.SPLITS, named here for the same reason
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -125,6 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
                         formatter_class=fmt)
     cm.add_argument("a", help="the first evaluation (the reference)")
     cm.add_argument("b", help="the second evaluation, tested against the first")
+    ev = sub.add_parser("evaluate", help="a checkpoint on another run's splits with that run's evaluation protocol "
+                        "(a JSON line per split; the evaluations as the run writes them, for compare)",
+                        formatter_class=fmt)
+    ev.add_argument("ckpt", help="the checkpoint to evaluate (model.save_checkpoint's directory, e.g. RUN/ckpt/sft)")
+    ev.add_argument("run_dir", help="the train_t1.py run whose splits (state.json) and protocol (args.json) are used")
+    ev.add_argument("out_dir", help="where the evaluations, the log and the trials go (created)")
+    ev.add_argument("--splits", nargs="+", default=["test"], choices=SPLIT_NAMES, help="runstate.SPLITS names")
+    ev.add_argument("--step", type=int, default=0, help="the step in the files' names (0: as a run's SFT evaluation)")
     return p
 
 
@@ -148,6 +159,7 @@ import torch  # noqa: E402
 import model  # noqa: E402
 import report  # noqa: E402
 import rollout  # noqa: E402
+import runstate  # noqa: E402
 import train_t1  # noqa: E402  (its parser gives `trainer` its Args; the experiments may import the entry point)
 from experiments import engine_speed, mechanisms, training  # noqa: E402
 
@@ -181,6 +193,50 @@ def compare(path_a: str, path_b: str) -> dict:
     t = report.paired(*evs)
     t["reward_diff_ci"] = [round(x, 4) for x in t["reward_diff_ci"]]
     return {**rows, **{k: round(v, 4) if isinstance(v, float) else v for k, v in t.items()}}
+
+
+def evaluate(ckpt, run_dir, out_dir, splits=("test",), step: int = 0) -> dict:
+    """`python -m experiments.bench evaluate CKPT RUN OUT`: checkpoint CKPT on run RUN's splits (state.json's task
+    dirs) with RUN's protocol (runstate.evaluate under RUN's args.json: attempts, sampling, limits, S), through one
+    embedded engine of RUN's --engine-weight-dtype and this process's trials (--rollout-workers side by side, not
+    --deterministic's one at a time). Writes OUT/<split file prefix>_<step>.json as a run writes its evaluations
+    (runstate.eval_row), so that `compare` pairs them with RUN's own: an A/B of one change on one seed's splits.
+    -> {split: {solve_rate, reward_mean, n_trials, n_errors, path}}. ValueError naming what is missing (a split RUN
+    did not draw, a task dir not on disk, a checkpoint without its tokenizer)."""
+    run, out = Path(run_dir), Path(out_dir)
+    try:
+        saved = json.loads((run / "args.json").read_text())
+        state = json.loads((run / "state.json").read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"evaluate: {run} is not a run directory with args.json and state.json: {e}") from None
+    fields = {f.name for f in dataclasses.fields(train_t1.Args)}  # today's defaults under the run's own values
+    args = dataclasses.replace(train_t1.parse_args([]), **{k: v for k, v in saved.items() if k in fields})
+    drawn = runstate.split_dirs(state, splits)
+    if set(splits) - set(drawn):
+        raise ValueError(f"evaluate: {run} drew no {sorted(set(splits) - set(drawn))} split (it has "
+                         f"{sorted(runstate.split_dirs(state))})")
+    dirs = {}
+    for name, ds in drawn.items():  # a run records its task dirs under its own --run-dir as it was given
+        dirs[name] = [d if Path(d).is_absolute() else str(run / Path(d).relative_to(saved["run_dir"])) for d in ds]
+        missing = [d for d in dirs[name] if not Path(d, "task.toml").is_file()]
+        if missing:
+            raise ValueError(f"evaluate: {len(missing)} task dir(s) of split {name} not on disk, e.g. {missing[0]}")
+    tok, why = rollout._load_tokenizer(str(ckpt))
+    if why:
+        raise ValueError(f"evaluate: {why}")
+    out.mkdir(parents=True, exist_ok=True)
+    proc, url = engine_speed._serve(str(ckpt), torch.get_num_threads(), dtype=args.engine_weight_dtype)
+    res = {}
+    try:
+        for name, ds in dirs.items():
+            ev = runstate.evaluate(ds, args, out, tok, None, [url], f"{name} of {ckpt}")
+            path = out / f"{runstate.SPLITS[name][1]}_{step:06d}.json"
+            path.write_text(json.dumps({**ev, "after_step": step, "split": name, "ckpt": str(ckpt), "run": str(run)}))
+            res[name] = {**{k: ev[k] for k in ("solve_rate", "reward_mean", "n_trials", "n_errors")}, "path": str(path)}
+    finally:
+        proc.kill()
+        proc.wait()
+    return res
 
 
 def main(argv=None) -> None:
@@ -226,6 +282,11 @@ def main(argv=None) -> None:
         print(json.dumps(training.update_bench(a, **kw)))
     elif args.cmd == "plot":
         print(report.plot(args.run_dir, args.out))
+    elif args.cmd == "evaluate":
+        try:
+            print(json.dumps(evaluate(args.ckpt, args.run_dir, args.out_dir, args.splits, args.step)))
+        except ValueError as e:
+            sys.exit(f"experiments/bench.py {e}")
     else:
         try:
             print(json.dumps(compare(args.a, args.b)))

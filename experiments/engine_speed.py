@@ -177,12 +177,12 @@ def _capture_overhead(hf, eng, n_rows, prompt_len, steps, seed=0):
             "capture_ops_pct_of_step": round(100 * float(np.median(ops)) / float(np.median(off)), 3)}
 
 
-def _serve(path, threads, *flags):
+def _serve(path, threads, *flags, dtype="fp32"):
     """`python -m engine.server serve` in its own process (as train_t1's engine actors and SGLang run: a process whose
-    main thread does no torch work) -> (Popen, url) once it answers."""
+    main thread does no torch work) of weights `dtype` (fp32: the checkpoint as is) -> (Popen, url) once it answers."""
     port = infra.free_port()
     proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", str(port),
-                             "--weight-dtype", "fp32", "--threads", str(threads), *flags], stdout=subprocess.PIPE,
+                             "--weight-dtype", dtype, "--threads", str(threads), *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     if "engine serving" not in proc.stdout.readline():  # printed once healthy
         proc.kill()

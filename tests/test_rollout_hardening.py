@@ -2,6 +2,7 @@
 paused engine), no silent zero (an oracle without a solution, an unloadable --model-path, an engine abort,
 experiments/bench.py compare of an evaluation that evaluated nothing), --reward-scale, the agent's transcript under
 --keep, and tool output that spells special tokens rendered as text (TITO's audit still exact)."""
+import dataclasses
 import json
 import os
 import select
@@ -18,6 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from experiments import bench  # noqa: E402
 import rollout  # noqa: E402
 import terminus2  # noqa: E402
+import train_t1  # noqa: E402
 from engine.client import CallInterrupted, EngineClient  # noqa: E402
 import tito  # noqa: E402
 from test_rollout import DONE, SCRIPT, SORT, _check_token_path, _tok, make_task  # noqa: E402
@@ -340,6 +342,36 @@ def test_bench_compare_refuses_an_evaluation_that_evaluated_nothing(tmp_path):
     one_ok = {"trials": [failed["trials"][0], good["trials"][1]]}  # one trial reached a verdict: it is compared
     (tmp_path / "one.json").write_text(json.dumps(one_ok))
     assert bench.compare(str(tmp_path / "good.json"), str(tmp_path / "one.json"))["n"] == 2
+
+
+@needs_jail
+def test_bench_evaluate_scores_a_checkpoint_on_another_runs_split(tmp_path, tiny_sft):
+    """experiments/bench.py evaluate: a checkpoint on a run's test split (its task dirs recorded under the run's own
+    --run-dir, the run moved since) with the run's protocol (--eval-attempts 2, --eval-max-turns 1): the evaluation
+    file as a run writes it, every trial through the engine, which compare pairs; a split the run did not draw and a
+    directory that is not a run are named errors, before any engine starts."""
+    run = tmp_path / "moved" / "run"
+    tasks = [make_task(run / "tasks" / "heldout", f"heldout-000{i}-text") for i in range(2)]
+    args = dataclasses.asdict(train_t1.parse_args(["--quick", "--eval-attempts", "2", "--eval-max-turns", "1",
+                                                   "--max-new-tokens", "16"]))
+    (run / "args.json").write_text(json.dumps({**args, "run_dir": "runs/x"}))
+    (run / "state.json").write_text(json.dumps({"step": 0, "tasks": {
+        "train": [], "heldout": [f"runs/x/tasks/heldout/{t.name}" for t in tasks]}}))
+    res = bench.evaluate(tiny_sft.sft, run, tmp_path / "out")
+    path = tmp_path / "out" / "step_000000.json"
+    ev = json.loads(path.read_text())
+    assert res["test"]["n_trials"] == 4 == len(ev["trials"]) and res["test"]["path"] == str(path), res
+    assert (ev["split"], ev["after_step"], ev["ckpt"]) == ("test", 0, str(tiny_sft.sft))
+    assert sorted((t["task"], t["attempt"]) for t in ev["trials"]) == [(t.name, k) for t in tasks for k in (0, 1)]
+    assert all(t["turns"] == 1 and not t.get("error") for t in ev["trials"]), ev["trials"]
+    assert bench.compare(str(path), str(path))["n"] == 4
+    for argv, why in ((["--splits", "test_names"], "drew no ['test_names'] split (it has ['test'])"),
+                      ([], "is not a run directory with args.json and state.json")):
+        target = run if argv else tmp_path
+        with pytest.raises(SystemExit) as e:
+            bench.main(["evaluate", str(tiny_sft.sft), str(target), str(tmp_path / "out2"), *argv])
+        assert why in str(e.value.code), e.value.code
+    assert not (tmp_path / "out2").exists()
 
 
 # --- special tokens in tool output ----------------------------------------------------------------------------
