@@ -215,9 +215,18 @@ def evaluate(ckpt, run_dir, out_dir, splits=("test",), step: int = 0) -> dict:
     if set(splits) - set(drawn):
         raise ValueError(f"evaluate: {run} drew no {sorted(set(splits) - set(drawn))} split (it has "
                          f"{sorted(runstate.split_dirs(state))})")
+    if args.eval_attempts < 1:
+        raise ValueError(f"evaluate: {run} ran with --eval-attempts {args.eval_attempts}: no protocol to repeat")
+
+    def where(d, name):  # a run records its task dirs under its own --run-dir as it was given
+        try:
+            return d if Path(d).is_absolute() else str(run / Path(d).relative_to(saved.get("run_dir")))
+        except (TypeError, ValueError):
+            raise ValueError(f"evaluate: task dir {d!r} of split {name} is neither absolute nor under the run's "
+                             f"--run-dir {saved.get('run_dir')!r}") from None
     dirs = {}
-    for name, ds in drawn.items():  # a run records its task dirs under its own --run-dir as it was given
-        dirs[name] = [d if Path(d).is_absolute() else str(run / Path(d).relative_to(saved["run_dir"])) for d in ds]
+    for name, ds in drawn.items():
+        dirs[name] = [where(d, name) for d in ds]
         missing = [d for d in dirs[name] if not Path(d, "task.toml").is_file()]
         if missing:
             raise ValueError(f"evaluate: {len(missing)} task dir(s) of split {name} not on disk, e.g. {missing[0]}")

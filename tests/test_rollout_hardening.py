@@ -365,9 +365,13 @@ def test_bench_evaluate_scores_a_checkpoint_on_another_runs_split(tmp_path, tiny
     assert sorted((t["task"], t["attempt"]) for t in ev["trials"]) == [(t.name, k) for t in tasks for k in (0, 1)]
     assert all(t["turns"] == 1 and not t.get("error") for t in ev["trials"]), ev["trials"]
     assert bench.compare(str(path), str(path))["n"] == 4
-    for argv, why in ((["--splits", "test_names"], "drew no ['test_names'] split (it has ['test'])"),
-                      ([], "is not a run directory with args.json and state.json")):
-        target = run if argv else tmp_path
+    other = tmp_path / "other"  # a run whose task dirs lie outside its own --run-dir
+    other.mkdir()
+    (other / "args.json").write_text(json.dumps({**args, "run_dir": "runs/y"}))
+    (other / "state.json").write_text((run / "state.json").read_text())
+    for target, argv, why in ((run, ["--splits", "test_names"], "drew no ['test_names'] split (it has ['test'])"),
+                              (tmp_path, [], "is not a run directory with args.json and state.json"),
+                              (other, [], "of split test is neither absolute nor under the run's --run-dir 'runs/y'")):
         with pytest.raises(SystemExit) as e:
             bench.main(["evaluate", str(tiny_sft.sft), str(target), str(tmp_path / "out2"), *argv])
         assert why in str(e.value.code), e.value.code
