@@ -28,7 +28,7 @@
 
 The code of each lives by what it measures: experiments/engine_speed.py (engine, sampling), experiments/mechanisms.py
 (r3, tito, cp), experiments/training.py (trainer, update, copy, pg-snr), report.py (plot and the paired tests of
-compare, evaluate).
+compare); compare and evaluate are here.
 Ratios are measured in one run (interleaved where a shared machine drifts), never asserted in tests; the figures
 measured so far are in RESULTS.md (the headline tables) and results/LOG.md (the dated log).
 """
@@ -198,8 +198,9 @@ def compare(path_a: str, path_b: str) -> dict:
 def evaluate(ckpt, run_dir, out_dir, splits=("test",), step: int = 0) -> dict:
     """`python -m experiments.bench evaluate CKPT RUN OUT`: checkpoint CKPT on run RUN's splits (state.json's task
     dirs) with RUN's protocol (runstate.evaluate under RUN's args.json: attempts, sampling, limits, S), through one
-    embedded engine of RUN's --engine-weight-dtype and this process's trials (--rollout-workers side by side, not
-    --deterministic's one at a time). Writes OUT/<split file prefix>_<step>.json as a run writes its evaluations
+    embedded engine of RUN's --engine-weight-dtype on this process's torch threads, and this process's trials
+    (--rollout-workers side by side, not --deterministic's one at a time). Writes OUT/<split file prefix>_<step>.json
+    (refused if one exists: an evaluation is never overwritten) as a run writes its evaluations
     (runstate.eval_row), so that `compare` pairs them with RUN's own: an A/B of one change on one seed's splits.
     -> {split: {solve_rate, reward_mean, n_trials, n_errors, path}}. ValueError naming what is missing (a split RUN
     did not draw, a task dir not on disk, a checkpoint without its tokenizer)."""
@@ -230,6 +231,10 @@ def evaluate(ckpt, run_dir, out_dir, splits=("test",), step: int = 0) -> dict:
         missing = [d for d in dirs[name] if not Path(d, "task.toml").is_file()]
         if missing:
             raise ValueError(f"evaluate: {len(missing)} task dir(s) of split {name} not on disk, e.g. {missing[0]}")
+    paths = {name: out / f"{runstate.SPLITS[name][1]}_{step:06d}.json" for name in dirs}
+    there = [str(p) for p in paths.values() if p.exists()]
+    if there:
+        raise ValueError(f"evaluate: {there[0]} exists (an evaluation is never overwritten: another OUT or --step)")
     tok, why = rollout._load_tokenizer(str(ckpt))
     if why:
         raise ValueError(f"evaluate: {why}")
@@ -239,7 +244,7 @@ def evaluate(ckpt, run_dir, out_dir, splits=("test",), step: int = 0) -> dict:
     try:
         for name, ds in dirs.items():
             ev = runstate.evaluate(ds, args, out, tok, None, [url], f"{name} of {ckpt}")
-            path = out / f"{runstate.SPLITS[name][1]}_{step:06d}.json"
+            path = paths[name]
             path.write_text(json.dumps({**ev, "after_step": step, "split": name, "ckpt": str(ckpt), "run": str(run)}))
             res[name] = {**{k: ev[k] for k in ("solve_rate", "reward_mean", "n_trials", "n_errors")}, "path": str(path)}
     finally:

@@ -365,6 +365,8 @@ def test_bench_evaluate_scores_a_checkpoint_on_another_runs_split(tmp_path, tiny
     assert sorted((t["task"], t["attempt"]) for t in ev["trials"]) == [(t.name, k) for t in tasks for k in (0, 1)]
     assert all(t["turns"] == 1 and not t.get("error") for t in ev["trials"]), ev["trials"]
     assert bench.compare(str(path), str(path))["n"] == 4
+    with pytest.raises(ValueError, match="step_000000.json exists"):
+        bench.evaluate(tiny_sft.sft, run, tmp_path / "out")
     other = tmp_path / "other"  # a run whose task dirs lie outside its own --run-dir
     other.mkdir()
     (other / "args.json").write_text(json.dumps({**args, "run_dir": "runs/y"}))
