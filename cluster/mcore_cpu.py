@@ -6,6 +6,9 @@
   Megatron's own torch gated delta rule wherever flash-linear-attention is missing (a GPU node without it: slower,
   the same numbers).
 - `cpu_shims`: torch.cuda.current_device -> "cpu" inside a block (rotary embedding, router weight moves, DDP buffers).
+- Megatron's fused functions (megatron.core.jit.jit_fuser = torch.compile) run eager on a CUDA-less torch (ours):
+  inductor compiles C++ for each in every fresh rank process, which costs a CPU run more than the tiny models gain;
+  on a GPU they stay compiled.
 - `RMSNorm`: the local stand-in for TENorm(RMSNorm) in cluster/mcore.py's local specs, because megatron-core's own
   WrappedTorchNorm refuses zero-centred gamma (Qwen3.5's norms).
 """
@@ -37,7 +40,8 @@ class _NoCudaRngTracker:
 
 def init_cpu():
     """One-process group (gloo; nccl on CUDA) + Megatron parallel state (all sizes 1) unless the trainer set them, the
-    process-wide CPU shims, and Megatron's torch gated delta rule wherever flash-linear-attention is missing."""
+    process-wide CPU shims (torch.compile eager included), and Megatron's torch gated delta rule wherever
+    flash-linear-attention is missing."""
     global _CPU_READY
     if _CPU_READY:
         return
@@ -52,6 +56,8 @@ def init_cpu():
         gdn.HAVE_FLA = True  # GatedDeltaNet.__init__ raises ImportError on this flag alone
         gdn.l2norm = _l2norm  # fla.modules.l2norm
         gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel
+    if not torch.cuda.is_available():  # torch.compile'd functions (Megatron's jit_fuser) called eager from here on
+        torch.compiler.set_stance("force_eager")
     mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if not torch.cuda.is_available():  # the backward of TP / SP layers asks for the device outside any block

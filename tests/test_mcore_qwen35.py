@@ -105,3 +105,16 @@ def test_trainer_models_take_the_qwen35_embedded_preset(batch):
     assert d < 1e-5
     back = mcore_weights.to_hf(actor, cfg).state_dict()
     assert all(torch.equal(back[k], v) for k, v in hf.state_dict().items())
+
+
+def test_megatrons_fused_functions_run_eager_on_cpu(actor, batch):
+    """On a CUDA-less torch Megatron's jit_fuser functions (torch.compile: the gated attention's output gate, the GDN
+    gated norm, the experts' activation) run eager (cluster/mcore_cpu.init_cpu): dynamo traces no frame in a forward
+    and backward of the Qwen3.5 actor (with compile it traced several and inductor compiled C++)."""
+    from torch._dynamo.utils import counters
+    ids, am = batch
+    before = counters["frames"]["total"]
+    actor(input_ids=ids, attention_mask=am).logits.sum().backward()
+    actor.zero_grad()
+    assert counters["frames"]["total"] == before and not torch.cuda.is_available()
+
