@@ -25,7 +25,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
         "--critic-warmup-trials", "4", "--sft-epochs", "1", "--max-turns", "3", "--max-new-tokens", "48",
         "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2", "--n-sft-tasks", "6",
-        "--base-steps", "1", "--sft-faults", "0.5"]  # base: its phase and rows, not a model that copies
+        "--base-steps", "1", "--sft-faults", "0.5", "--eval-max-turns", "3"]  # base: its phase and rows, not a
+# model that copies; evaluation trials as short as the RL trials
 
 
 def read_metrics(run_dir):
