@@ -285,9 +285,12 @@ def test_sharded_adam_bf16_keeps_fp32_masters(parallel_runs):
     few masters that sat within 1e-6 of a rounding boundary).
     Tolerances: after step 1 the fp32 bound of the test above (both sides ran the same bf16 forward; only the grad
     norm's summation order differs, by an ulp of the clip coefficient). From step 2 on that ulp has flipped the bf16
-    rounding of a few parameters, each a whole bf16 ulp (2^-8 relative), and the forward differs: measured
-    here, max |master - ref| after 3 steps 2.4e-3 on 2 threads; asserted: below LR / 2 (a shard not updated or updated
-    twice is off by about LR per step) and the median element within the fp32 bound."""
+    rounding of a few parameters, each a whole bf16 ulp (2^-8 relative), and the forward differs, chaotically:
+    measured after 3 steps (1 or 2 threads, quiet or loaded: the same digits) with Megatron's fused functions eager
+    (cluster/mcore_cpu: on CPU) max |master - ref| 1.25e-2, median 5.6e-5, 0.23% of the elements more than LR / 2
+    apart; compiled (before) 2.4e-3, 6e-8, none. Asserted: under 2% of the elements more than LR / 2 apart and the
+    median below LR / 20 (a shard not updated or updated twice puts about half of the elements an Adam update,
+    about LR, apart)."""
     ref_norms, ref1, ref = run_reference_bf16(2)
     runs = parallel_runs["bf16"]
     joined1, joined = ({n: torch.full((m.numel(),), float("nan")) for n, m in ref.items()} for _ in range(2))
@@ -310,12 +313,14 @@ def test_sharded_adam_bf16_keeps_fp32_masters(parallel_runs):
     d1 = max((joined1[n] - ref1[n].flatten()).abs().max().item() for n in ref)  # nan (an element no shard holds) fails
     d = torch.cat([(joined[n] - ref[n].flatten()).abs() for n in ref])
     moved = max((ref[n] - m.float()).abs().max().item() for n, m in hf_bf16_masters().items())
+    far = (d > LR / 2).float().mean().item()  # the share of elements a whole Adam update apart
     print(f"\n  bf16 DP=2: step 1 grad norm rel diff {d_norm:.1e}, max |master - ref| {d1:.2e} "
           f"(bound {PARAM_ATOL:.1e});"
-          f" after {STEPS} steps max {d.max():.2e}, median {d.median():.1e}, moved up to {moved:.1e}")
+          f" after {STEPS} steps max {d.max():.2e}, median {d.median():.1e}, share > LR / 2 {far:.1e} of {d.numel()}, "
+          f"moved up to {moved:.1e}")
     assert d_norm < NORM_RTOL
     assert d1 < PARAM_ATOL
-    assert d.max() < LR / 2 and d.median() < PARAM_ATOL
+    assert far < 0.02 and d.median() < LR / 20
     assert moved > 1e-3
 
 
