@@ -42,9 +42,10 @@ _last_module = [None]
 @pytest.hookimpl(tryfirst=True)  # before the item's fixtures are set up (a module fixture may compile)
 def pytest_runtest_setup(item):
     """Each test module starts with torch.compile's caches empty, as in the fresh processes its results are compared
-    with. Megatron compiles its fused functions (jit_fuser = torch.compile); in a worker that ran other modules' models
-    (other dtypes, shapes) a function hit dynamo's limit of 8 variants and ran eager, and an in-process reference then
-    differed from the spawned ranks (compiled): CI, 2026-12-06, test_cp_megatron / test_mcore_optim bf16. Reaching the
+    with. Megatron compiled its fused functions (jit_fuser = torch.compile; on CPU they now run eager:
+    cluster/mcore_cpu.init_cpu); in a worker that ran other modules' models (other dtypes, shapes) a function hit
+    dynamo's limit of 8 variants and ran eager, and an in-process reference then differed from the spawned ranks
+    (compiled): CI, 2026-12-06, test_cp_megatron / test_mcore_optim bf16. Kept for any compiled function: reaching the
     limit is an error here (fail_on_recompile_limit_hit), not a silent change of numerics."""
     module = item.nodeid.split("::", 1)[0]
     if module != _last_module[0]:
