@@ -1,7 +1,7 @@
-"""What the test files share: the repo on sys.path, two torch threads, one task cache per run of the suite
-(T1_TASK_CACHE), the workers' order (tests/suite_order.py), and the tiny trainer fixture (an SFT checkpoint of the
-tiny actor and fake TITO samples it recorded) of tests/test_trainer_group.py and tests/test_resume.py, built once
-per session."""
+"""What the test files share: the repo on sys.path, two torch threads that sleep when they wait, one task cache per
+run of the suite (T1_TASK_CACHE), the workers' order (tests/suite_order.py), and the tiny trainer fixture (an SFT
+checkpoint of the tiny actor and fake TITO samples it recorded) of tests/test_trainer_group.py and
+tests/test_resume.py, built once per session."""
 import os
 import sys
 from pathlib import Path
@@ -12,6 +12,10 @@ from types import SimpleNamespace
 # failed on devices); T1_TEST_GPU=1 keeps it for the tests that need one (test_mcore_te's TE spec: cluster.gpu_check).
 if os.environ.get("T1_TEST_GPU") != "1":
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# OpenMP threads that wait sleep instead of spinning (read as torch loads libgomp; inherited by every subprocess and
+# Ray actor): two workers of two torch threads each on 2 cores spun away a share of the CPU; test_update + test_mcore_tp
+# twice side by side took 74-81 s passive against 100-113 s spinning (2026-12-07). A value set before pytest is kept.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
