@@ -26,8 +26,8 @@ Departures from the paper:
    leak.
 2. CPU shims, never on GPU (cluster/mcore_cpu.py: `init_cpu`, `cpu_shims`): current_device -> "cpu", Megatron's
    torch gated delta rule in place of flash-linear-attention, its torch.compile'd fused functions eager; `RMSNorm`
-   because WrappedTorchNorm refuses zero-centred gamma. A no-op CUDA RNG tracker on both (dropout is 0 and weights are loaded, so Megatron's model-parallel RNG has
-   nothing to do).
+   because WrappedTorchNorm refuses zero-centred gamma. A no-op CUDA RNG tracker on both (dropout is 0 and weights
+   are loaded, so Megatron's model-parallel RNG has nothing to do).
 3. The critic routes live (no R3 replay): it never ran in the sampler, so there is nothing to replay. Its backbone
    starts as a copy of the SFT actor's (`MegatronCritic.from_actor`, critic.py departure 1).
 4. Optimizer: fp32 at world size 1 on the CPU, torch's Adam (nothing to shard); otherwise Megatron's DDP with the
