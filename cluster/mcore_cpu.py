@@ -8,7 +8,8 @@
 - `cpu_shims`: torch.cuda.current_device -> "cpu" inside a block (rotary embedding, router weight moves, DDP buffers).
 - Megatron's fused functions (megatron.core.jit.jit_fuser = torch.compile) run eager on a CUDA-less torch (ours):
   inductor compiles C++ for each in every fresh rank process, which costs a CPU run more than the tiny models gain;
-  on a GPU they stay compiled.
+  on a GPU they stay compiled. The stance is the process's: nothing else here compiles on CPU in a process that
+  built a Megatron model (`bench engine --hf-compile` runs in its own).
 - `RMSNorm`: the local stand-in for TENorm(RMSNorm) in cluster/mcore.py's local specs, because megatron-core's own
   WrappedTorchNorm refuses zero-centred gamma (Qwen3.5's norms).
 """
