@@ -57,12 +57,11 @@ def init_cpu():
         gdn.HAVE_FLA = True  # GatedDeltaNet.__init__ raises ImportError on this flag alone
         gdn.l2norm = _l2norm  # fla.modules.l2norm
         gdn.chunk_gated_delta_rule = gdn.torch_chunk_gated_delta_rule  # Megatron's own torch reference kernel
-    if not torch.cuda.is_available():  # torch.compile'd functions (Megatron's jit_fuser) called eager from here on
-        torch.compiler.set_stance("force_eager")
     mrandom._CUDA_RNG_STATE_TRACKER = _NoCudaRngTracker()
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
-    if not torch.cuda.is_available():  # the backward of TP / SP layers asks for the device outside any block
-        torch.cuda.current_device = lambda: "cpu"
+    if not torch.cuda.is_available():
+        torch.cuda.current_device = lambda: "cpu"  # the backward of TP / SP layers asks for it outside any block
+        torch.compiler.set_stance("force_eager")  # torch.compile'd functions (Megatron's jit_fuser) eager from here on
     if not dist.is_initialized():  # no port to collide on; nccl for CUDA tensors (a one-GPU trainer)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)

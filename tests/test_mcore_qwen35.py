@@ -117,4 +117,3 @@ def test_megatrons_fused_functions_run_eager_on_cpu(actor, batch):
     actor(input_ids=ids, attention_mask=am).logits.sum().backward()
     actor.zero_grad()
     assert counters["frames"]["total"] == before and not torch.cuda.is_available()
-
