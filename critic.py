@@ -95,14 +95,19 @@ def pieces(batch: dict, budget: int | None = UPDATE_TOKENS):
     B = batch["attention_mask"].shape[0]
     if budget is None:
         return [batch] if B else []
-    lens = batch["attention_mask"].sum(1)
+    return [trim(batch, rows)[0] for rows in row_groups(batch["attention_mask"].sum(1), budget)]
+
+
+def row_groups(lens: torch.Tensor, budget: int) -> list[list[int]]:
+    """Row indices in groups, longest first: a group adds rows while (rows) x (its longest row) <= budget tokens (a
+    row over it alone)."""
     out, cur = [], []
     for i in torch.argsort(lens, descending=True, stable=True).tolist():
         if cur and (len(cur) + 1) * int(lens[cur[0]]) > budget:
-            out.append(trim(batch, cur)[0])
+            out.append(cur)
             cur = []
         cur.append(i)
-    return out + ([trim(batch, cur)[0]] if cur else [])
+    return out + ([cur] if cur else [])
 
 
 def update_rows(model, padded: bool = False) -> int | None:

@@ -4,13 +4,13 @@ What the trainer process (trainer.py) calls by name: train_step = V_old -> GAE (
 update first (value clip eps_v = 0.2) -> old logprobs of the behaviour policy -> PPO actor update (ppo_loss, clip
 eps = 0.2), every forward (and its recompute) under R3 replay; plus the SFT warm start (sft) and the Critic Warm-Up
 (critic_warmup). The loop that drives them is train_t1.py; the critic's math is critic.py, the sums over the
-trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run over rows of similar length, each
-chunk cut after its longest row (by_length, critic.trim: the same values on every token); the critic's and the
-actor's minibatches (and SFT's) run forward + backward in pieces of rows of similar length (a long row alone),
-each cut after its longest row, with one optimizer step per minibatch (critic.pieces: no compute on padding; the
-same minibatches and steps to float rounding). The Megatron backend (cluster/mcore*.py) keeps one padded forward
-per chunk and minibatch (over a group full width: a collective needs equal shapes), as does the aux loss (a product
-of two means over the minibatch).
+trainer ranks dp.py. Machinery (no paper section): a step's no-grad forwards run over rows of similar length, in
+groups of about UPDATE_TOKENS tokens, each cut after its longest row (by_length, critic.trim: the same values on
+every token); the critic's and the actor's minibatches (and SFT's) run forward + backward in pieces of rows of
+similar length (a long row alone), each cut after its longest row, with one optimizer step per minibatch
+(critic.pieces: no compute on padding; the same minibatches and steps to float rounding). The Megatron backend
+(cluster/mcore*.py) keeps one padded forward per chunk and minibatch (over a group full width: a collective needs
+equal shapes), as does the aux loss (a product of two means over the minibatch).
 The R3-off diagnostic forward runs every --r3-off-every steps (r3_off_step).
 
 Run: not by itself (`python train_t1.py`); tests/test_train_t1.py checks each function against hand-computed values.
@@ -143,22 +143,15 @@ def forward_logprobs(actor, batch, mode, temperature, rows=slice(None), grad=Fal
         return token_logprobs(actor, batch, temperature, rows)
 
 
-# rows per no-grad forward of a training step (V_old, the old / R3-off / reference logprobs; this project's choice):
-# in chunks of similar length a forward computes about the rows' tokens, where one (B, T_max) forward of the full
-# preset's 32-trajectory steps computed 1.7x them (58% of its positions were tokens) and held (B, T, V) logits at once
-NOGRAD_ROWS = 8
-
-
-def by_length(fn, batch: dict, size: int | None = NOGRAD_ROWS) -> torch.Tensor:
-    """fn(sub-batch) -> (b, n), run over the batch's rows longest first, `size` rows at a time, each chunk trimmed
-    (trim) -> (B, T), zero after each row's tokens; size None: one call on the whole batch (Megatron over a group)."""
-    if size is None:
+def by_length(fn, batch: dict, budget: int | None = C.UPDATE_TOKENS) -> torch.Tensor:
+    """fn(sub-batch) -> (b, n), run over the batch's rows longest first in groups of about `budget` tokens
+    (critic.row_groups, as the update's pieces: a long row alone, so its forward needs no attention mask and
+    SDPA skips the causal upper triangle), each group trimmed (trim) -> (B, T), zero after each row's tokens; budget
+    None: one call on the whole batch (Megatron over a group)."""
+    if budget is None:
         return fn(batch).float() * batch["attention_mask"]
-    lens = batch["attention_mask"].sum(1)
     out = torch.zeros(batch["attention_mask"].shape)
-    order = torch.argsort(lens, descending=True, stable=True).tolist()
-    for i in range(0, len(order), size):
-        rows = order[i:i + size]
+    for rows in C.row_groups(batch["attention_mask"].sum(1), budget):
         sub, n = C.trim(batch, rows)
         out[rows, :n] = fn(sub).float() * sub["attention_mask"]
     return out
@@ -230,7 +223,7 @@ def critic_warmup(critic, opt, samples, args, group=None) -> list[dict]:
             batch = local_rows(pad_batch([samples[i] for i in mb], args.reward_scale, reward_mode=args.reward_mode),
                                group, even(args, group))  # the reward the RL phase trains on
             old = by_length(lambda sub: C.compute_values(critic, sub["input_ids"], sub["attention_mask"]), batch,
-                            None if even(args, group) else NOGRAD_ROWS)  # zeros on a rank with no row of it
+                            None if even(args, group) else C.UPDATE_TOKENS)  # zeros on a rank with no row
             _, returns = C.gae(batch["rewards"], old, batch["mask"], args.gamma, args.lam)
             batch.update(old_values=old, returns=returns)
             stats = C.critic_update(critic, opt, [batch], args.clip_eps_v, 1, args.max_grad_norm, group, args.loss_agg)
@@ -400,7 +393,7 @@ def train_step(actor, behaviour, critic, actor_opt, critic_opt, samples, args, r
         full["grpo_adv"] = grpo_advantages(full["rewards"].sum(1), groups)[:, None] * full["mask"]
     batch = local_rows(full, group, even(args, group))  # this rank's samples (B_local, T)
     no_rows = torch.zeros_like(batch["mask"]) if len(batch["mask"]) == 0 else None  # fewer samples than ranks
-    chunk = None if even(args, group) else NOGRAD_ROWS  # no-grad forwards by length (by_length), unless Megatron ranks
+    chunk = None if even(args, group) else C.UPDATE_TOKENS  # no-grad forwards by length (by_length), but Megatron
     nan = float("nan")
     if args.advantage == "grpo":  # the GRPO arm: no critic, no V_old, no critic update
         advantages = batch["grpo_adv"] * batch["mask"]

@@ -225,10 +225,11 @@ def test_step_forwards_by_length_match_the_padded_batch(tiny_sft):
     assert C.trim(batch, [])[1] == batch["input_ids"].shape[1]  # a rank with no rows keeps the full width
     with torch.no_grad():
         pairs = [(ppo.forward_logprobs(actor, batch, mode, 1.0),
-                  ppo.by_length(lambda b: ppo.forward_logprobs(actor, b, mode, 1.0), batch, size=3))
+                  ppo.by_length(lambda b: ppo.forward_logprobs(actor, b, mode, 1.0), batch, budget=70))
                  for mode in ("replay", "off")]
         pairs.append((C.compute_values(critic, batch["input_ids"], batch["attention_mask"]),
-                      ppo.by_length(lambda b: C.compute_values(critic, b["input_ids"], b["attention_mask"]), batch, 3)))
+                      ppo.by_length(lambda b: C.compute_values(critic, b["input_ids"], b["attention_mask"]), batch,
+                                    70)))
     for full, chunked in pairs:
         assert chunked.shape == full.shape and not chunked[~am].any()  # zero after each row's tokens
         assert (chunked - full)[am].abs().max() < 1e-5
