@@ -67,11 +67,12 @@ def agg_count(mask: torch.Tensor, agg: str = "token", group=None) -> torch.Tenso
 
 # --- pieces of a minibatch: no compute on padding -------------------------------------------------------------------
 
-# tokens per forward + backward of an update (critic and actor minibatches, SFT; this project's choice): the rows go
-# longest first, a piece takes rows while (its rows) x (its longest row) <= UPDATE_TOKENS, each piece cut after its
-# longest row. A row longer than the budget runs alone with no padding left, so its attention mask is dropped and
-# attention runs causal only (SDPA skips the upper triangle); short rows share a piece (one call instead of many:
-# one by one, short rows cost more in calls than their padding; results/LOG.md 2026-12-06, the update's pieces).
+# tokens per forward + backward of an update (critic and actor minibatches, SFT; also per no-grad forward of a step,
+# ppo.by_length; this project's choice): the rows go longest first, a piece takes rows while (its rows) x (its
+# longest row) <= UPDATE_TOKENS (row_groups), each piece cut after its longest row. A row longer than the budget
+# runs alone with no padding left, so its attention mask is dropped and attention runs causal only (SDPA skips the
+# upper triangle); short rows share a piece (one call instead of many: one by one, short rows cost more in calls
+# than their padding; results/LOG.md 2026-12-06, the update's pieces).
 # Each piece's loss divides by the minibatch's count (agg_count) and the gradients add up before the one optimizer
 # step: the same step as one padded forward of the minibatch, to float rounding. 1: every row alone. None: the
 # minibatch's rows in one padded forward (Megatron, the aux loss, tests).
