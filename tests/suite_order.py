@@ -61,6 +61,18 @@ def order(items: list, costs: dict) -> list:
     return [it for _, _, its in units for it in its]
 
 
+def check_groups(items: list) -> None:
+    """On an xdist worker under --dist loadgroup: every test with an xdist_group mark carries xdist's "@group" id
+    suffix, the only way its scheduler sees the group. Under pytest 9 that suffix (written to item._nodeid) no longer
+    reaches the id: the groups were dropped without a word, and both workers built a grouped module's fixtures (the
+    4-rank plans' ~100 s spawn twice, 2026-12-07). A loud error instead of a slower suite."""
+    lost = [it.nodeid for it in items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
+    if lost:
+        pytest.fail(f"--dist loadgroup ignored the xdist_group mark of {len(lost)} test(s) (e.g. {lost[0]}): pytest "
+                    f"{pytest.__version__} with this pytest-xdist does not tag their ids; install requirements.txt's "
+                    "pytest (< 9)", pytrace=False)
+
+
 class Recorder:
     """Sums each test's phases as the controller hears them (xdist sends every report to it)."""
 

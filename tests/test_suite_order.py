@@ -46,3 +46,39 @@ def test_the_costs_file_round_trips_and_a_bad_one_is_named(tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"tests/a.py::t": 3}))
     with pytest.raises(pytest.UsageError, match="bad.json: not a test-durations file"):
         suite_order.load(tmp_path / "bad.json")
+
+
+class Marked(Item):
+    def get_closest_marker(self, name):
+        return next((m for m in self.marks if m.name == name), None)
+
+
+def test_a_group_xdist_did_not_tag_is_an_error():
+    """check_groups: a grouped test whose id lacks xdist's "@group" suffix stops the run, naming the test."""
+    tagged, plain, lost = Marked("tests/a.py::t@tests_a.py"), Marked("tests/b.py::u"), Marked("tests/a.py::v")
+    tagged.add_marker(pytest.mark.xdist_group("tests_a.py").mark)
+    lost.add_marker(pytest.mark.xdist_group("tests_a.py").mark)
+    suite_order.check_groups([tagged, plain])
+    with pytest.raises(pytest.fail.Exception,
+                       match=r"ignored the xdist_group mark of 1 test\(s\) \(e.g. tests/a.py::v\)"):
+        suite_order.check_groups([tagged, plain, lost])
+
+
+def test_loadgroup_builds_a_grouped_modules_fixture_once(tmp_path):
+    """The installed pytest and pytest-xdist, as run.sh runs them: a module marked as one group runs on one worker,
+    its module fixture built once (pytest 9 dropped the groups and built it on each worker)."""
+    import subprocess
+    import sys
+    (tmp_path / "test_toy.py").write_text(
+        "import os, time, pytest\n"
+        "pytestmark = pytest.mark.xdist_group('toy')\n"
+        "@pytest.fixture(scope='module')\n"
+        "def built():\n"
+        f"    open({str(tmp_path / 'built')!r}, 'a').write(str(os.getpid()) + '\\n')\n"
+        "@pytest.mark.parametrize('i', range(4))\n"
+        "def test_t(built, i):\n"
+        "    time.sleep(0.2)\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "loadgroup", "-p",
+                          "no:cacheprovider", "test_toy.py"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    assert len((tmp_path / "built").read_text().split()) == 1, "the group's fixture was built on more than one worker"
