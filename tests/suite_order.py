@@ -3,8 +3,8 @@
 `bash run.sh test` runs pytest-xdist with `--dist loadgroup --no-loadscope-reorder`: the workers take units in the
 collection order, a unit being one test, or every test of one xdist_group (one module). conftest.py calls order()
 at collection: with the measured costs of tests/durations.json (seconds per test id: setup + call + teardown, and
-setup alone), a module whose tests spent >= GROUP_SETUP_S in set-up (a module-scoped fixture: a Megatron rank
-spawn, a Ray session, an engine) becomes one unit, so its fixture is built once, on one worker; then the units are
+setup alone), a module with a module-scoped fixture (a Megatron rank spawn, a Ray session, an engine) whose tests
+spent >= GROUP_SETUP_S in set-up becomes one unit, so its fixture is built once, on one worker; then the units are
 sorted by cost, longest first (the longest-processing-time rule: the last test to finish starts early). A test the
 file does not know costs the median. The order changes no test's behaviour, only which worker runs it and when.
 
@@ -40,9 +40,18 @@ def load(path: Path = DURATIONS) -> dict:
                                 "T1_TEST_DURATIONS=tests/durations.json bash run.sh test") from None
 
 
+def module_fixture(item) -> bool:
+    """Whether the test uses a module- (or class-, package-) scoped fixture: the set-up a group builds once. A
+    session fixture is shared anyway (tests/shared_runs.py: across workers by a file lock), so waiting on one is no
+    reason to keep a module whole (the e2e module was one unit of ~370 s for it, 2026-12-07)."""
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(d.scope in ("module", "class", "package")
+                                    for defs in info.name2fixturedefs.values() for d in defs)
+
+
 def order(items: list, costs: dict) -> list:
-    """The items as units sorted by cost, longest first (stable); a module with >= GROUP_SETUP_S of set-up gets an
-    xdist_group mark (one unit). Without costs: the collection order, the groups marked all the same."""
+    """The items as units sorted by cost, longest first (stable); a module with a module fixture (module_fixture)
+    and >= GROUP_SETUP_S of set-up gets an xdist_group mark (one unit). Without costs: the collection order."""
     median = statistics.median([c["total"] for c in costs.values()]) if costs else 0.0
     by_module = defaultdict(list)
     for it in items:
@@ -50,7 +59,7 @@ def order(items: list, costs: dict) -> list:
     units = []  # (cost, first position, items)
     for module, its in by_module.items():
         known = [costs[_key(it.nodeid)] for it in its if _key(it.nodeid) in costs]
-        if sum(c["setup"] for c in known) >= GROUP_SETUP_S:
+        if sum(c["setup"] for c in known) >= GROUP_SETUP_S and any(module_fixture(it) for it in its):
             for it in its:
                 it.add_marker(pytest.mark.xdist_group(module.replace("/", "_")))
             units.append((sum(costs.get(_key(it.nodeid), {"total": median})["total"] for it in its),

@@ -9,27 +9,32 @@ import suite_order
 
 
 class Item:
-    def __init__(self, nodeid):
+    def __init__(self, nodeid, scope="function"):  # scope: the scope of the one fixture the test uses
         self.nodeid, self.marks = nodeid, []
+        self._fixtureinfo = SimpleNamespace(name2fixturedefs={"f": [SimpleNamespace(scope=scope)]})
 
     def add_marker(self, mark):
         self.marks.append(mark)
 
 
 def test_units_longest_first_and_a_costly_module_whole():
-    ids = ["tests/a.py::t1", "tests/a.py::t2", "tests/b.py::t1", "tests/b.py::t2", "tests/c.py::t1", "tests/d.py::new"]
+    ids = ["tests/a.py::t1", "tests/a.py::t2", "tests/b.py::t1", "tests/b.py::t2", "tests/c.py::t1", "tests/d.py::new",
+           "tests/e.py::t1", "tests/e.py::t2"]
     costs = {"tests/a.py::t1": {"total": 30.0, "setup": 6.0}, "tests/a.py::t2": {"total": 1.0, "setup": 0.0},
              "tests/b.py::t1": {"total": 2.0, "setup": 0.1}, "tests/b.py::t2": {"total": 50.0, "setup": 0.1},
-             "tests/c.py::t1@g": {"total": 10.0, "setup": 0.0}}  # a recorded id with xdist's @group suffix
-    items = [Item(i) for i in ids]
+             "tests/c.py::t1@g": {"total": 10.0, "setup": 0.0},  # a recorded id with xdist's @group suffix
+             "tests/e.py::t1": {"total": 40.0, "setup": 9.0}, "tests/e.py::t2": {"total": 35.0, "setup": 0.0}}
+    items = [Item(i, "module" if i.startswith("tests/a.py") else "session" if i == "tests/e.py::t1" else "function")
+             for i in ids]
     costs = {k.split("@")[0]: v for k, v in costs.items()}
     out = suite_order.order(items, costs)
-    # a.py spent 6 s setting up: one unit of 31 s, its tests in their order; b.py's tests go alone; d.py's unknown
-    # test costs the median of the known ones (10)
-    assert [i.nodeid for i in out] == ["tests/b.py::t2", "tests/a.py::t1", "tests/a.py::t2", "tests/c.py::t1",
-                                       "tests/d.py::new", "tests/b.py::t1"]
+    # a.py spent 6 s setting up a module fixture: one unit of 31 s, its tests in their order; b.py's tests go alone;
+    # d.py's unknown test costs the median of the known ones (30); e.py waited 9 s on a session fixture, which a
+    # group would not build once: its tests stay apart
+    assert [i.nodeid for i in out] == ["tests/b.py::t2", "tests/e.py::t1", "tests/e.py::t2", "tests/a.py::t1",
+                                       "tests/a.py::t2", "tests/d.py::new", "tests/c.py::t1", "tests/b.py::t1"]
     assert [m.args for m in items[0].marks] == [("tests_a.py",)] == [m.args for m in items[1].marks]
-    assert not items[2].marks and not items[5].marks
+    assert not items[2].marks and not items[5].marks and not items[6].marks
     plain = [Item(i) for i in ids]
     assert suite_order.order(plain, {}) == plain  # no costs: the collection order
 
