@@ -520,7 +520,7 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     else:
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
         # no idle workers started for the first driver: the actors run in this runtime_env, which such a worker
-        # does not have, so it was never used (each imported Ray, ~0.6 CPU-s, a few per run)
+        # does not have, so it was never used (it only imported Ray; results/LOG.md, 2026-12-07)
         ray.init(num_cpus=max(os.cpu_count() or 1, n_bundles), include_dashboard=False, runtime_env=env,
                  object_store_memory=256 * 1024**2, log_to_driver=True, configure_logging=False,
                  _system_config={"prestart_worker_first_driver": False})

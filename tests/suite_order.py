@@ -43,7 +43,7 @@ def load(path: Path = DURATIONS) -> dict:
 def module_fixture(item) -> bool:
     """Whether the test uses a module- (or class-, package-) scoped fixture: the set-up a group builds once. A
     session fixture is shared anyway (tests/shared_runs.py: across workers by a file lock), so waiting on one is no
-    reason to keep a module whole (the e2e module was one unit of ~370 s for it, 2026-12-07)."""
+    reason to keep a module whole (it had made tests/test_e2e.py's two longest tests one unit)."""
     info = getattr(item, "_fixtureinfo", None)
     return info is not None and any(d.scope in ("module", "class", "package")
                                     for defs in info.name2fixturedefs.values() for d in defs)
@@ -73,8 +73,8 @@ def order(items: list, costs: dict) -> list:
 def check_groups(items: list) -> None:
     """On an xdist worker under --dist loadgroup: every test with an xdist_group mark carries xdist's "@group" id
     suffix, the only way its scheduler sees the group. Under pytest 9 that suffix (written to item._nodeid) no longer
-    reaches the id: the groups were dropped without a word, and both workers built a grouped module's fixtures (the
-    4-rank plans' ~100 s spawn twice, 2026-12-07). A loud error instead of a slower suite."""
+    reaches the id: the groups were dropped without a word, and both workers built a grouped module's fixtures
+    (results/LOG.md, 2026-12-07). A loud error instead of a slower suite."""
     lost = [it.nodeid for it in items if it.get_closest_marker("xdist_group") and "@" not in it.nodeid]
     if lost:
         pytest.fail(f"--dist loadgroup ignored the xdist_group mark of {len(lost)} test(s) (e.g. {lost[0]}): pytest "
