@@ -1,6 +1,8 @@
 """tests/suite_order.py: the workers' order (longest first, a module with costly set-up kept whole) and its costs
 file."""
 import json
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +17,9 @@ class Item:
 
     def add_marker(self, mark):
         self.marks.append(mark)
+
+    def get_closest_marker(self, name):
+        return next((m for m in self.marks if m.name == name), None)
 
 
 def test_units_longest_first_and_a_costly_module_whole():
@@ -53,14 +58,9 @@ def test_the_costs_file_round_trips_and_a_bad_one_is_named(tmp_path):
         suite_order.load(tmp_path / "bad.json")
 
 
-class Marked(Item):
-    def get_closest_marker(self, name):
-        return next((m for m in self.marks if m.name == name), None)
-
-
 def test_a_group_xdist_did_not_tag_is_an_error():
     """check_groups: a grouped test whose id lacks xdist's "@group" suffix stops the run, naming the test."""
-    tagged, plain, lost = Marked("tests/a.py::t@tests_a.py"), Marked("tests/b.py::u"), Marked("tests/a.py::v")
+    tagged, plain, lost = Item("tests/a.py::t@tests_a.py"), Item("tests/b.py::u"), Item("tests/a.py::v")
     tagged.add_marker(pytest.mark.xdist_group("tests_a.py").mark)
     lost.add_marker(pytest.mark.xdist_group("tests_a.py").mark)
     suite_order.check_groups([tagged, plain])
@@ -72,8 +72,6 @@ def test_a_group_xdist_did_not_tag_is_an_error():
 def test_loadgroup_builds_a_grouped_modules_fixture_once(tmp_path):
     """The installed pytest and pytest-xdist, as run.sh runs them: a module marked as one group runs on one worker,
     its module fixture built once (pytest 9 dropped the groups and built it on each worker)."""
-    import subprocess
-    import sys
     (tmp_path / "test_toy.py").write_text(
         "import os, time, pytest\n"
         "pytestmark = pytest.mark.xdist_group('toy')\n"
