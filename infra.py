@@ -492,16 +492,12 @@ def core_split() -> tuple[list, list]:
     return cores[:len(cores) // 2], cores[len(cores) // 2:]
 
 
-def pin(cores=None, nice: int = 0) -> None:
-    """Pin every thread of this process (and what it starts later: threads, sandboxes) to `cores`, and give each the
-    nice value `nice` where it is not 0 (Linux sched_setaffinity and setpriority are per thread: the threads Ray and
-    torch already started are set one by one)."""
+def pin(cores) -> None:
+    """Pin every thread of this process (and what it starts later) to `cores` (Linux sched_setaffinity is per
+    thread: the threads Ray and torch already started are pinned one by one)."""
     for tid in os.listdir("/proc/self/task"):
         try:
-            if cores:
-                os.sched_setaffinity(int(tid), set(cores))
-            if nice:
-                os.setpriority(os.PRIO_PROCESS, int(tid), nice)
+            os.sched_setaffinity(int(tid), set(cores))
         except ProcessLookupError:  # a thread that ended meanwhile
             pass
 

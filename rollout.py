@@ -358,9 +358,9 @@ class RolloutWorker:
     round kills its sandboxes, aborts its engine requests and turns its unstarted trials into None.
     """
 
-    def __init__(self, tokenizer_path: str | None = None, cores=None, nice: int = 0):
-        # --pin-cores: the rollout side's half of the cores; --rollout-nice: the trainer first where both want a core
-        infra.pin(cores, nice)  # (its jails inherit both)
+    def __init__(self, tokenizer_path: str | None = None, cores=None):
+        if cores:  # --pin-cores: the rollout side's half of the cores (its jails inherit it)
+            infra.pin(cores)
         self.tokenizer, self.rounds, self.lock = None, {}, threading.Lock()
         if tokenizer_path:
             from transformers import AutoTokenizer
@@ -383,12 +383,11 @@ class RolloutWorker:
         return os.getpid()
 
 
-def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list, cores=None, nice=0):
-    """Start n RolloutWorker actors, `slots` concurrent trials each (pinned to `cores` if given, at nice value `nice`)
-    -> actor handles."""
+def ray_rollout_workers(n: int, slots: int, tokenizer_path: str | None, placement: list, cores=None):
+    """Start n RolloutWorker actors, `slots` concurrent trials each (pinned to `cores` if given) -> actor handles."""
     import ray
     cls = ray.remote(concurrency_groups={"trials": max(1, slots), "control": 2})(RolloutWorker)
-    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path, cores, nice) for i in range(n)]
+    return [cls.options(**placement[i % len(placement)]).remote(tokenizer_path, cores) for i in range(n)]
 
 
 def ray_run_trials(workers, task_dirs, agent, n_keep=None, engine_urls=None, desc="rollout", **kw):

@@ -143,7 +143,6 @@ class Args:
     colocate: bool = False  # trainer and engines share devices; needs --async-rollout false (paper: disjoint devices)
     sync_steps: int = 0  # the first sync_steps RL steps run sequentially (async vs sequential, one run; paper silent)
     pin_cores: bool = False  # trainer and rollout side on disjoint halves of the cores (paper: disjoint devices)
-    rollout_nice: int = 0  # nice value of the engines, rollout workers and sandboxes; 0: the trainer's (ours)
     r3_mode: str = "replay"  # routing in the trainer: replay (R3) | off (paper: replay)
     r3_off_every: int = 1  # the R3-off diagnostic forward (dlogp_r3_off, mismatch) every K RL steps; 0: never (ours)
     # --- engines, sandboxes, Ray
@@ -201,8 +200,8 @@ PRESETS = {"embedded": EMBEDDED, "full": FULL, "quick": QUICK, "paper": Args(),
 
 # The range of every numeric Args field: check_numbers refuses a value outside it, a non-finite float or a float for an
 # int, naming the --flag and the value; a new numeric field goes here (tests/test_check_args.py fails without it).
-RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0, "in (0, 1]": lambda v: 0 < v <= 1,
-          "in [0, 1]": lambda v: 0 <= v <= 1, "in [0, 19]": lambda v: 0 <= v <= 19}
+RANGES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+          "in (0, 1]": lambda v: 0 < v <= 1, "in [0, 1]": lambda v: 0 <= v <= 1}
 NUMERIC = {
     "seed": ">= 0", "n_train_tasks": ">= 1", "n_heldout_tasks": ">= 1", "n_sft_tasks": ">= 0", "rst_rounds": ">= 0",
     "vocab_size": ">= 1", "n_launch": ">= 1", "n_keep": ">= 1", "temperature": "> 0", "top_p": "in (0, 1]",
@@ -218,8 +217,7 @@ NUMERIC = {
     "lam": "in [0, 1]", "kl_coef": ">= 0", "aux_loss_coef": ">= 0", "entropy_coef": ">= 0", "ppo_epochs": ">= 1",
     "critic_epochs": ">= 1", "minibatch_size": ">= 1", "max_grad_norm": "> 0", "sync_steps": ">= 0",
     "r3_off_every": ">= 0", "n_engines": ">= 0", "rollout_actors": ">= 1", "torch_threads": ">= 0",
-    "rollout_nice": "in [0, 19]", "trainer_ranks": ">= 1", "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0",
-    "eval_verifier_timeout_s": "> 0"}
+    "trainer_ranks": ">= 1", "eval_max_turns": ">= 1", "eval_agent_timeout_s": "> 0", "eval_verifier_timeout_s": "> 0"}
 
 
 def check_numbers(args: Args) -> None:
@@ -263,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=sorted(PRESETS), default="embedded", help="base values (default: %(default)s)")
     p.add_argument("--quick", action="store_true", help="the quick preset: a smoke run (default: off)")
     p.add_argument("--full", action="store_true", help="the full preset: 150 held-out, 48 RL steps (default: off)")
-    p.add_argument("--resume", action="store_true", help="continue the run in --run-dir (as if it exists; default off)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir (done anyway when it exists; default: off)")
     helps = field_help()
     for f in dataclasses.fields(Args):
         kind = boolean if isinstance(f.default, bool) else type(f.default)
@@ -312,8 +311,8 @@ from trainer import parallel_plan  # noqa: E402
 
 
 def check_args(args: Args) -> None:
-    """Bad flags fail before any work, naming the flag and what is wrong: the numbers, then the choices and combinations
-    (runstate.check_flags: for the cluster, what is missing)."""
+    """Bad flags fail before any work, naming the flag and what is wrong: the numbers (check_numbers), then the
+    choices and combinations (runstate.check_flags: for the cluster, what is missing)."""
     check_numbers(args)
     check_flags(args)
 
@@ -586,10 +585,11 @@ def train(args: Args) -> dict:
         run.metrics.tb.close()
 
     summary = {"eval_base": state.get("eval_base"), "copy_gate": state.get("base"), "eval_sft": state["eval_sft"],
-               "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"], "rl_steps": state["step"],
+               "eval_rl": state["eval_rl"], "eval_sft_train": state["eval_sft_train"],
                "eval_sft_splits": state.get("eval_sft_splits", {}), "eval_rl_splits": state.get("eval_rl_splits", {}),
                "eval_rl_train": state["eval_rl_train"], "phase_times": state["phase_times"],
-               "eval_rl_best_val": report.best_val(run.dir), "async_vs_sequential": report.async_vs_sequential(run.dir)}
+               "eval_rl_best_val": report.best_val(run.dir), "rl_steps": state["step"],
+               "async_vs_sequential": report.async_vs_sequential(run.dir)}
     write_atomic(run.dir / "summary.json", json.dumps(summary, indent=1))  # experiments.paper reads it: an arm's end
     report.plot(run.dir)
     report.print_table(summary)

@@ -44,11 +44,10 @@ class Actors:
         # every actor's process starts before anything waits (the trainer group waits for its ranks' rendezvous):
         # the engines' and rollout workers' imports and loads run beside the trainer ranks'
         self.engines = [ray.remote(server.EngineActor).options(**place["engines"][i]).remote(
-            sft_dir, args.engine_weight_dtype, actor_threads(args), cores=cores, nice=args.rollout_nice)
-            for i in range(self.n_eng)]
+            sft_dir, args.engine_weight_dtype, actor_threads(args), cores=cores) for i in range(self.n_eng)]
         self.workers = rollout.ray_rollout_workers(args.rollout_actors,
                                                    math.ceil(args.rollout_workers / args.rollout_actors), sft_dir,
-                                                   place["workers"], cores, args.rollout_nice)
+                                                   place["workers"], cores)
         self.trainer = TrainerGroup(ray, args, sft_dir, step, place["trainers"])
         infos = ray.get([e.info.remote() for e in self.engines])
         self.urls = self.ext_urls or [i["url"] for i in infos]

@@ -376,8 +376,9 @@ class EngineActor:
     """The embedded engine (EngineServer) inside a Ray actor; spoken to only over HTTP, like SGLang."""
 
     def __init__(self, model_path: str, weight_dtype: str = "bf16", threads: int = 2, host: str = "127.0.0.1",
-                 cores=None, nice: int = 0):
-        infra.pin(cores, nice)  # --pin-cores: the rollout side's half of the cores; --rollout-nice: the trainer first
+                 cores=None):
+        if cores:  # --pin-cores: the rollout side's half of the cores
+            infra.pin(cores)
         torch.set_num_threads(1)  # the main thread only loads; the scheduler thread runs with `threads`
         self.server = EngineServer(model_path, host=host, port=0, weight_dtype=weight_dtype, threads=threads).start()
 

@@ -26,10 +26,9 @@ NAMED = [("rl_steps", -1), ("minibatch_size", 0), ("temperature", -0.5), ("tempe
 
 
 def bad_values(field: dataclasses.Field) -> list:
-    """Values outside the field's range: below its lower bound, above its upper bound, and non-finite."""
+    """Values outside the field's range: below its lower bound, above an upper bound of 1, and non-finite."""
     rule = T.NUMERIC[field.name]
-    out = {">= 0": [-1], ">= 1": [0, -1], "> 0": [0, -1], "in (0, 1]": [0, 2], "in [0, 1]": [-1, 2],
-           "in [0, 19]": [-1, 20]}[rule]
+    out = {">= 0": [-1], ">= 1": [0, -1], "> 0": [0, -1], "in (0, 1]": [0, 2], "in [0, 1]": [-1, 2]}[rule]
     if type(field.default) is float:
         out = [float(v) for v in out] + [math.nan, math.inf, -math.inf]
     else:
