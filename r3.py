@@ -23,7 +23,9 @@ On an mcore.MegatronActor the same call drives the model's native RouterReplay (
 
 Departures from the paper:
 1. The embedded trainer is HF's Qwen3_5MoeForCausalLM: its router `layer.mlp.gate` is swapped for `R3Router` (same
-   Parameter, same state-dict key); a pre-hook on the MoE block gives the router the batch's (B, T).
+   Parameter, same state-dict key); a pre-hook on the MoE block gives the router the batch's (B, T). R3Router is a
+   plain torch Module, not a subclass of HF's router: importing that class loads all of transformers' Qwen3.5
+   modeling into every process that imports r3 (the rollout workers and the engine of a Qwen3-MoE run too).
 2. A replay row of all -1 (placeholder or padding) falls back to live top-k; the replay does not know the loss mask:
    rollout.to_samples calls `check_capture` on every sample. `routing` refuses malformed tensors.
 3. Backward (and activation recompute) must run inside the `routing(..., "replay")` context; record mode is
@@ -42,19 +44,18 @@ import contextlib
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTopKRouter
 
 MODES = ("off", "record", "replay")
 
 
-class R3Router(Qwen3_5MoeTopKRouter):
+class R3Router(torch.nn.Module):
     """Top-k softmax router that can record its choices or replay recorded ones.
 
     forward(hidden (N, H)) -> (router_logits (N, E), weights (N, k), indices (N, k)), like HF.
     """
 
-    def __init__(self, router: Qwen3_5MoeTopKRouter, layer_idx: int):
-        torch.nn.Module.__init__(self)
+    def __init__(self, router: torch.nn.Module, layer_idx: int):
+        super().__init__()
         self.top_k = router.top_k
         self.num_experts = router.num_experts
         self.hidden_dim = router.hidden_dim
