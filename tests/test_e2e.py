@@ -1,6 +1,6 @@
-"""One tiny end-to-end run of the real pipeline: tasks -> SFT -> engine -> critic warm-up -> PPO -> eval,
-killed with SIGKILL in the middle of an RL step, then a resume of the same run directory that redoes exactly
-that step (the same for --backend megatron, without the kill)."""
+"""The tiny end-to-end run of the real pipeline: tasks -> SFT -> engine -> critic warm-up -> PPO -> eval, twice
+side by side with one seed (the same to the digit), killed with SIGKILL in the middle of an RL step, then a resume
+of the same run directory that redoes exactly that step (the same for --backend megatron, without the kill)."""
 import hashlib
 import json
 import os
@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +28,7 @@ TINY = ["--quick", "--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch
         "--rollout-workers", "5", "--minibatch-size", "2", "--eval-train-tasks", "2", "--n-sft-tasks", "6",
         "--base-steps", "1", "--sft-faults", "0.5", "--eval-max-turns", "3"]  # base: its phase and rows, not a
 # model that copies; evaluation trials as short as the RL trials
+TIMING = re.compile(r"time|tok_s|per_s|seconds|wall")  # the figures a clock gives: the only ones allowed to differ
 
 
 def read_metrics(run_dir):
@@ -49,14 +51,35 @@ def run(run_dir, flags, kill_at=None, timeout=600):
     return (run_dir / "log.txt").read_text()
 
 
-def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
-    """The whole pipeline in its own process, killed with SIGKILL inside step 3's PPO update (step 4 sampled
-    beside it); then a resume of the same run directory that loses and repeats nothing (rundir.resume_run,
-    the commit point state.json): every step's metrics and samples exist exactly once."""
-    run_dir = tmp_path / "run"
+def _untimed(rows):
+    return [{k: v for k, v in r.items() if not TIMING.search(k)} for r in rows]
+
+
+def test_tiny_pipeline_twice_to_the_digit_then_killed_mid_update_and_resumed(tmp_path):
+    """The whole pipeline in its own process, twice side by side with one seed and --deterministic (trials one at a
+    time in launch order: cluster/actors.run_rollouts), each killed with SIGKILL inside step 3's PPO update (step 4
+    sampled beside it). Reproducible to the digit: the two wrote the same SFT data, the same evaluations (after SFT,
+    and the validation split's after step 2) and step-2 weights byte for byte, and the same metrics but for wall
+    times (side by side, their timings differ). Then a resume of one run directory that loses and repeats nothing
+    (rundir.resume_run, the commit point state.json): every step's metrics and samples exist exactly once."""
     val = ["--n-val-tasks", "2", "--n-deep-tasks", "1", "--n-names-tasks", "1"]  # validation + two more test splits
-    log = run(run_dir, TINY + val + ["--rl-steps", "4", "--eval-every", "2"],  # validation eval after step 2
-              kill_at="step 3: actor update")  # killed inside step 3's update
+    flags = TINY + val + ["--deterministic", "true", "--seed", "3"]
+    twin, run_dir = tmp_path / "twin", tmp_path / "run"
+    with ThreadPoolExecutor(2) as pool:  # validation eval after step 2; killed inside step 3's update
+        twin_log, log = pool.map(lambda d: run(d, flags + ["--rl-steps", "4", "--eval-every", "2"],
+                                               kill_at="step 3: actor update", timeout=900), (twin, run_dir))
+    assert (twin / "samples" / "sft.jsonl").read_bytes() == (run_dir / "samples" / "sft.jsonl").read_bytes()
+    evals = sorted(p.name for p in (run_dir / "evals").iterdir())
+    assert evals == sorted(p.name for p in (twin / "evals").iterdir()) and "val_step_000002.json" in evals
+    for name in evals:  # after SFT: every split; after step 2: validation
+        ea, eb = (twin / "evals" / name).read_bytes(), (run_dir / "evals" / name).read_bytes()
+        assert ea == eb, (name, json.loads(ea)["trials"], json.loads(eb)["trials"])
+    ma, mb = _untimed(read_metrics(twin)), _untimed(read_metrics(run_dir))
+    assert [r["phase"] for r in ma] == [r["phase"] for r in mb] and any(r["phase"] == "rl" for r in ma)
+    for ra, rb in zip(ma, mb):
+        assert ra == rb, (ra, rb)
+    weights = "ckpt/latest/model.safetensors"  # step 2's: step 3 never checkpointed
+    assert (twin / weights).read_bytes() == (run_dir / weights).read_bytes()
     state = json.loads((run_dir / "state.json").read_text())
     assert state["step"] == 2  # step 3 never checkpointed
     # the Ray actors (trainer, engine, rollout workers) and their sandboxes die with the killed driver
@@ -98,8 +121,8 @@ def test_tiny_pipeline_end_to_end_killed_mid_update_then_resumed(tmp_path):
     # an engine already running (--engine-urls, as cluster/launch.py launch passes its SGLang servers)
     engine = EngineServer(str(run_dir / "ckpt" / "sft"), port=0).start()
     try:
-        summary = train_t1.train(train_t1.parse_args(TINY + val + ["--run-dir", str(run_dir), "--rl-steps", "3",
-                                                             "--engine-urls", engine.url]))
+        summary = train_t1.train(train_t1.parse_args(flags + ["--run-dir", str(run_dir), "--rl-steps", "3",
+                                                              "--engine-urls", engine.url]))
         assert EngineClient(engine.url).model_info()["weight_version"] == "3"  # published after step 3
     finally:
         engine.stop()
