@@ -34,6 +34,10 @@ import suite_order  # noqa: E402
 _recorder = suite_order.Recorder()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{suite_order.WAITS}: the module's tests mostly wait (tests/suite_order.py)")
+
+
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks order() adds
 def pytest_collection_modifyitems(config, items):
     """The workers' order: longest first, modules with costly fixtures whole (tests/suite_order.py)."""

@@ -6,7 +6,10 @@ at collection: with the measured costs of tests/durations.json (seconds per test
 setup alone), a module with a module-scoped fixture (a Megatron rank spawn, a Ray session, an engine) whose tests
 spent >= GROUP_SETUP_S in set-up becomes one unit, so its fixture is built once, on one worker; then the units are
 sorted by cost, longest first (the longest-processing-time rule: the last test to finish starts early). A test the
-file does not know costs the median. The order changes no test's behaviour, only which worker runs it and when.
+file does not know costs the median. The tests of modules marked `waits` (their time is spent waiting: deadlines,
+terminals, HTTP timeouts, not computing) are one unit, taken first: they wait on one worker while the longest
+pipelines compute on the other, instead of leaving both cores half idle at the end of the run. The order changes no
+test's behaviour, only which worker runs it and when.
 
 Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
 (the costs measured are written there at the end of a run, failed tests' too: a cost is a cost).
@@ -20,6 +23,7 @@ import pytest
 
 DURATIONS = Path(__file__).with_name("durations.json")
 GROUP_SETUP_S = 5.0  # a module spending this much in set-up is kept on one worker (its module fixtures built once)
+WAITS = "waits"  # the marker of a module whose tests mostly wait (one unit, first: `order`)
 
 
 def _key(nodeid: str) -> str:
@@ -51,12 +55,19 @@ def module_fixture(item) -> bool:
 
 def order(items: list, costs: dict) -> list:
     """The items as units sorted by cost, longest first (stable); a module with a module fixture (module_fixture)
-    and >= GROUP_SETUP_S of set-up gets an xdist_group mark (one unit). Without costs: the collection order."""
-    median = statistics.median([c["total"] for c in costs.values()]) if costs else 0.0
+    and >= GROUP_SETUP_S of set-up gets an xdist_group mark (one unit); the tests marked WAITS get the group WAITS,
+    one unit ahead of all others. Without costs: the collection order."""
+    if not costs:
+        return items
+    median = statistics.median([c["total"] for c in costs.values()])
+    waiting = [it for it in items if it.get_closest_marker(WAITS)]
+    for it in waiting:
+        it.add_marker(pytest.mark.xdist_group(WAITS))
     by_module = defaultdict(list)
     for it in items:
-        by_module[it.nodeid.split("::", 1)[0]].append(it)
-    units = []  # (cost, first position, items)
+        if not it.get_closest_marker(WAITS):
+            by_module[it.nodeid.split("::", 1)[0]].append(it)
+    units = [(float("inf"), 0, waiting)] if waiting else []  # (cost, first position, items)
     for module, its in by_module.items():
         known = [costs[_key(it.nodeid)] for it in its if _key(it.nodeid) in costs]
         if sum(c["setup"] for c in known) >= GROUP_SETUP_S and any(module_fixture(it) for it in its):

@@ -16,6 +16,7 @@ from engine.client import EngineClient, chat_completion
 from sandbox import harbor_run
 from engine.server import EngineServer
 
+pytestmark = pytest.mark.waits  # trials through the gateway: mostly waiting (tests/suite_order.py runs them first)
 TEXTS = ['{"analysis": "hello world", "plan": "sort the lines", "commands": [], "task_complete": false}',
          "New terminal output:\n$ ls -la\nin.txt out.txt\n"] * 20
 

@@ -20,8 +20,9 @@ from sandbox import jail  # noqa: E402
 from sandbox import task_io  # noqa: E402
 from sandbox.limits import Limits  # noqa: E402
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
-                                reason="the bubblewrap sandbox needs root and bwrap")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
+                                 reason="the bubblewrap sandbox needs root and bwrap"),
+              pytest.mark.waits]  # terminals and deadlines: mostly waiting (tests/suite_order.py runs these first)
 LINES = ["pear", "apple", "fig", "kiwi", "banana"]
 TEST_OUTPUTS = '''import os
 

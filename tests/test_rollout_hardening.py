@@ -24,6 +24,7 @@ from engine.client import CallInterrupted, EngineClient  # noqa: E402
 import tito  # noqa: E402
 from test_rollout import DONE, SCRIPT, SORT, _check_token_path, _tok, make_task  # noqa: E402
 
+pytestmark = pytest.mark.waits  # deadlines and slow engines: mostly waiting (tests/suite_order.py runs them first)
 needs_jail = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
 SLOW_S = 40.0  # how long the slow stub engine holds a /generate before answering (today's client waited it out)

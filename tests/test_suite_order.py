@@ -44,6 +44,24 @@ def test_units_longest_first_and_a_costly_module_whole():
     assert suite_order.order(plain, {}) == plain  # no costs: the collection order
 
 
+def test_the_modules_that_wait_are_one_unit_ahead_of_the_longest():
+    """Tests marked `waits` (whatever their module or cost) are one xdist group, taken first: they wait on one worker
+    while the longest unit computes on the other."""
+    ids = ["tests/a.py::t1", "tests/w.py::t1", "tests/b.py::t1", "tests/w.py::t2", "tests/v.py::t1"]
+    costs = {"tests/a.py::t1": {"total": 90.0, "setup": 0.0}, "tests/b.py::t1": {"total": 5.0, "setup": 0.0},
+             "tests/w.py::t1": {"total": 2.0, "setup": 0.0}, "tests/w.py::t2": {"total": 3.0, "setup": 0.0},
+             "tests/v.py::t1": {"total": 1.0, "setup": 0.0}}
+    items = [Item(i) for i in ids]
+    for it in items:
+        if it.nodeid.split("::")[0] in ("tests/w.py", "tests/v.py"):
+            it.add_marker(SimpleNamespace(name=suite_order.WAITS, args=()))
+    out = suite_order.order(items, costs)
+    assert [i.nodeid for i in out] == ["tests/w.py::t1", "tests/w.py::t2", "tests/v.py::t1", "tests/a.py::t1",
+                                       "tests/b.py::t1"]
+    groups = [[m.args for m in it.marks if m.name == "xdist_group"] for it in out]
+    assert groups == [[("waits",)]] * 3 + [[], []]
+
+
 def test_the_costs_file_round_trips_and_a_bad_one_is_named(tmp_path):
     rec = suite_order.Recorder()
     for nodeid, when, d in (("tests/a.py::t@g", "setup", 2.0), ("tests/a.py::t@g", "call", 3.0),
