@@ -228,20 +228,29 @@ def test_concurrent_requests_are_batched_and_match_sequential_greedy(engine, tok
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-4
 
 
-def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, tok, tmp_path):
+def test_update_weights_from_disk_bumps_version_and_changes_outputs(engine, tok, ckpt, tmp_path):
+    """(The module's engine is given back its checkpoint and version "0" at the end: the other tests of this module
+    compare it with `ckpt` and may run after this one, on the same worker.)"""
     ids = prompt(tok, "hello")
     before = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
     other = str(tmp_path / "step1")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=7), tok, other)
-    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other})
-    assert status == 200 and res["success"] is True
-    after = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
-    assert (after["meta_info"]["weight_version"] == "1"
-            and get(engine.url + "/get_model_info")[1]["weight_version"] == "1")
-    assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
-    status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other, "weight_version": "step-7"})
-    assert status == 200 and get(engine.url + "/get_model_info")[1] == {
-        "model_path": other, "weight_version": "step-7", "num_moe_layers": 4, "top_k": 2, "vocab_size": len(tok)}
+    try:
+        n = str(engine.n_updates + 1)  # without a weight_version the version is the count of updates
+        status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other})
+        assert status == 200 and res["success"] is True
+        after = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+        assert (after["meta_info"]["weight_version"] == n
+                and get(engine.url + "/get_model_info")[1]["weight_version"] == n)
+        assert after["meta_info"]["output_token_logprobs"] != before["meta_info"]["output_token_logprobs"]
+        status, res = post(engine.url + "/update_weights_from_disk", {"model_path": other, "weight_version": "step-7"})
+        assert status == 200 and get(engine.url + "/get_model_info")[1] == {
+            "model_path": other, "weight_version": "step-7", "num_moe_layers": 4, "top_k": 2, "vocab_size": len(tok)}
+    finally:
+        status, res = post(engine.url + "/update_weights_from_disk", {"model_path": ckpt, "weight_version": "0"})
+        assert status == 200 and res["success"] is True
+    back = generate(engine, ids, temperature=0, max_new_tokens=6, ignore_eos=True)
+    assert back["output_ids"] == before["output_ids"] and back["meta_info"]["weight_version"] == "0"
 
 
 def test_bad_requests_get_400_naming_the_field(engine, tok, tmp_path):
@@ -1059,7 +1068,7 @@ def test_a_prefill_group_that_fails_is_rerun_one_by_one_and_says_why(tok, tmp_pa
         eng.stop()
 
 
-def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, tmp_path):
+def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(engine, tok, ckpt):
     cache = kvcache.PrefixCache(cap_bytes=10_000)
     state = [("attn", torch.zeros(1, 2, 100, 4), torch.zeros(1, 2, 100, 4))]  # 6,400 bytes + 8 per id
     cache.insert([1, 2, 3], state, None)
@@ -1073,8 +1082,9 @@ def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(en
     ids = prompt(tok, "lru")
     res = generate(engine, ids, temperature=0, max_new_tokens=4, ignore_eos=True)
     assert engine.cache_stats()["entries"] >= 1
-    assert post(engine.url + "/update_weights_from_disk", {"model_path": engine.model_path})[0] == 200
-    assert engine.cache_stats()["entries"] == 0
+    assert post(engine.url + "/update_weights_from_disk", {"model_path": ckpt,
+                                                           "weight_version": "0"})[0] == 200  # (as the module's
+    assert engine.cache_stats()["entries"] == 0  # other tests expect it)
     nxt = generate(engine, ids + res["output_ids"] + prompt(tok, "x"), temperature=0, max_new_tokens=2)
     assert nxt["meta_info"]["cached_tokens"] == 0
 
