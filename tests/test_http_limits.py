@@ -9,8 +9,9 @@ import pytest
 
 from engine import httpjson
 
-
 pytestmark = pytest.mark.waits  # slow HTTP clients: mostly waiting (tests/suite_order.py runs them first)
+
+
 class Echo(httpjson.JSONHandler):
     timeout = 1.0  # the request deadline of these tests (httpjson.READ_TIMEOUT_S in service)
 
