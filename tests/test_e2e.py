@@ -66,8 +66,8 @@ def test_tiny_pipeline_twice_to_the_digit_then_killed_mid_update_and_resumed(tmp
     flags = TINY + val + ["--deterministic", "true", "--seed", "3"]
     twin, run_dir = tmp_path / "twin", tmp_path / "run"
     with ThreadPoolExecutor(2) as pool:  # validation eval after step 2; killed inside step 3's update
-        twin_log, log = pool.map(lambda d: run(d, flags + ["--rl-steps", "4", "--eval-every", "2"],
-                                               kill_at="step 3: actor update", timeout=900), (twin, run_dir))
+        _, log = pool.map(lambda d: run(d, flags + ["--rl-steps", "4", "--eval-every", "2"],
+                                        kill_at="step 3: actor update", timeout=900), (twin, run_dir))
     assert (twin / "samples" / "sft.jsonl").read_bytes() == (run_dir / "samples" / "sft.jsonl").read_bytes()
     evals = sorted(p.name for p in (run_dir / "evals").iterdir())
     assert evals == sorted(p.name for p in (twin / "evals").iterdir()) and "val_step_000002.json" in evals

@@ -1082,9 +1082,9 @@ def test_the_prefix_cache_is_lru_under_its_cap_and_cleared_by_a_weight_update(en
     ids = prompt(tok, "lru")
     res = generate(engine, ids, temperature=0, max_new_tokens=4, ignore_eos=True)
     assert engine.cache_stats()["entries"] >= 1
-    assert post(engine.url + "/update_weights_from_disk", {"model_path": ckpt,
-                                                           "weight_version": "0"})[0] == 200  # (as the module's
-    assert engine.cache_stats()["entries"] == 0  # other tests expect it)
+    # the same weights at version "0": the module's other tests expect the engine as `ckpt` made it
+    assert post(engine.url + "/update_weights_from_disk", {"model_path": ckpt, "weight_version": "0"})[0] == 200
+    assert engine.cache_stats()["entries"] == 0
     nxt = generate(engine, ids + res["output_ids"] + prompt(tok, "x"), temperature=0, max_new_tokens=2)
     assert nxt["meta_info"]["cached_tokens"] == 0
 
