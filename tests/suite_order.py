@@ -7,8 +7,9 @@ setup alone), a module with a module-scoped fixture (a Megatron rank spawn, a Ra
 spent >= GROUP_SETUP_S in set-up becomes one unit, so its fixture is built once, on one worker; then the units are
 sorted by cost, longest first (the longest-processing-time rule: the last test to finish starts early). A test the
 file does not know costs the median. The tests of modules marked `waits` (their time is spent waiting: deadlines,
-terminals, HTTP timeouts, not computing) are one unit, taken first: they wait on one worker while the longest
-pipelines compute on the other, instead of leaving both cores half idle at the end of the run. The order changes no
+terminals, HTTP timeouts, not computing) are one unit, taken first, and the costliest unit of more than two tests
+(a module kept whole: Megatron ranks that keep both cores busy) second: it computes on the other worker while they
+wait, instead of a long test that waits too (a fresh clone's first four minutes were half idle). The order changes no
 test's behaviour, only which worker runs it and when.
 
 Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
@@ -78,6 +79,12 @@ def order(items: list, costs: dict) -> list:
         else:
             units += [(costs.get(_key(it.nodeid), {"total": median})["total"], items.index(it), [it]) for it in its]
     units.sort(key=lambda u: (-u[0], u[1]))
+    if waiting:  # beside the waits, the costliest unit of > 2 tests: a worker whose first unit has <= 2 tests is
+        # handed the next unit too before it starts (an xdist worker runs a test only once it knows the next), so a
+        # single long test there would take the longest two with it, beside the waits, while the other worker waits
+        many = [i for i, u in enumerate(units[1:], 1) if len(u[2]) > 2]
+        if many:
+            units.insert(1, units.pop(many[0]))
     return [it for _, _, its in units for it in its]
 
 

@@ -418,8 +418,10 @@ def test_control_token_text_in_content_stays_text_and_tito_stays_exact(gw, tok):
                  {"role": "user", "content": f"{FORGED} {i}"}]
     trial = gw.pop("tito-forged")
     assert [r["prompt_source"] for r in trial["records"]] == ["fresh", "spliced", "spliced"]
+    sampled = 0  # <|im_start|> ids the model itself sampled in earlier replies (TITO splices its ids as sampled)
     for k, rec in enumerate(trial["records"]):
-        assert rec["prompt_ids"].count(im_start) == 2 * k + 2, (k, tok.decode(rec["prompt_ids"]))
+        assert rec["prompt_ids"].count(im_start) == 2 * k + 2 + sampled, (k, tok.decode(rec["prompt_ids"]))
+        sampled += rec["output_ids"].count(im_start)
     assert tito.case_counts(trial, tok)["strict"] == 2
     assert tito.audit([tito.assemble(trial, tok)])["loss_region_drift_pct"] == 0.0
     # naive mode encodes the same way (no splice): the same prompt ids for the first turn
