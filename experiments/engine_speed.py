@@ -22,7 +22,6 @@ import torch.nn.functional as F
 import transformers
 
 import chat_tokens
-import infra
 import model
 import r3
 from engine.batcher import sample_rows
@@ -179,15 +178,22 @@ def _capture_overhead(hf, eng, n_rows, prompt_len, steps, seed=0):
 
 def _serve(path, threads, *flags, dtype="fp32"):
     """`python -m engine.server serve` in its own process (as train_t1's engine actors and SGLang run: a process whose
-    main thread does no torch work) of weights `dtype` (fp32: the checkpoint as is) -> (Popen, url) once it answers."""
-    port = infra.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", str(port),
+    main thread does no torch work) of weights `dtype` (fp32: the checkpoint as is) -> (Popen, url) once it answers.
+    The server binds a port the kernel picks (--port 0) and prints its URL: a port picked here and bound there could
+    be taken in between (a suite's many local connections); one that exits first is refused with its stderr's end."""
+    err = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", "0",
                              "--weight-dtype", dtype, "--threads", str(threads), *flags], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
-    if "engine serving" not in proc.stdout.readline():  # printed once healthy
+                            stderr=err, text=True, cwd=ROOT)
+    line = proc.stdout.readline()  # "engine serving PATH at URL", printed once healthy
+    if "engine serving" not in line:
         proc.kill()
-        raise RuntimeError(f"engine.server serve --model-path {path}: exited with {proc.wait()} before serving")
-    return proc, f"http://127.0.0.1:{port}"
+        code = proc.wait()
+        err.seek(0)
+        raise RuntimeError(f"engine.server serve --model-path {path}: exited with {code} before serving; stderr "
+                           f"ends: {err.read()[-2000:]}")
+    err.close()
+    return proc, line.rsplit(" at ", 1)[1].strip()
 
 
 def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, turns=8, turn_tokens=48,

@@ -11,7 +11,7 @@ from cluster import cp_gdn  # noqa: E402
 from cluster import mcore  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_parallel  # noqa: E402
-import infra  # noqa: E402
+import gloo_pool  # noqa: E402
 
 S, B = 250, 2  # 4 chunks of 64, the last one partial (only the last rank pads)
 
@@ -69,7 +69,7 @@ def _cp_rank(rank, world):
 def cp_runs():
     """Spawn 4 ranks once -> {kappa: (out [S, B, H], dx [S, B, H] concatenated on the sequence, parameter grads
     summed over the CP group)} for kappa = 4 and 2 (the first CP group of 2: ranks 0 and 1)."""
-    res = infra.gloo_ranks(_cp_rank, 4, timeout_s=120)
+    res = gloo_pool.ranks(_cp_rank, 4, timeout_s=120)
     runs = {}
     for kappa in (4, 2):
         group = [r[kappa] for r in res[:kappa]]

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core")
 pytest.importorskip("safetensors")
-import infra  # noqa: E402
+import gloo_pool  # noqa: E402
 from cluster import mcore  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
@@ -126,7 +126,7 @@ def test_each_rank_reads_only_its_part_and_loads_the_same_shards(checkpoints, ar
     """Over 2 gloo ranks: every rank's state dict bit-identical to load_hf_into_megatron's shard; with EP = 2 or
     PP = 2 each rank fetches at most 0.75 of the checkpoint's bytes."""
     path, _ = checkpoints[arch, kind]
-    res = infra.gloo_ranks(_load_rank, 2, path, arch, tp, ep, etp, pp, timeout_s=300)
+    res = gloo_pool.ranks(_load_rank, 2, path, arch, tp, ep, etp, pp, timeout_s=300)
     fractions = [s["read_bytes"] / s["file_bytes"] for _, s in res]
     print(f"{arch} {kind} tp={tp} ep={ep} etp={etp} pp={pp}: bytes read / file bytes per rank "
           + " / ".join(f"{f:.2f}" for f in fractions))

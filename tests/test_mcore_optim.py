@@ -19,7 +19,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-import infra  # noqa: E402
+import gloo_pool  # noqa: E402
 from cluster import mcore  # noqa: E402
 from cluster import mcore_convert  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
@@ -223,7 +223,7 @@ def reference():
 @pytest.fixture(scope="module")
 def parallel_runs():
     """One spawn of 2 gloo ranks -> {(tp, ep): each rank's (grad norms, {"params", "resumed"}, sizes)}."""
-    res = infra.gloo_ranks(_ranks, 2, timeout_s=600)
+    res = gloo_pool.ranks(_ranks, 2, timeout_s=600)
     return {plan: [r[plan] for r in res] for plan in PLANS + ["bf16"]}
 
 
@@ -405,7 +405,7 @@ def _megatron_adam_ranks(rank, world):
 
 @pytest.fixture(scope="module")
 def megatron_adam_runs():
-    res = infra.gloo_ranks(_megatron_adam_ranks, 2, timeout_s=600)
+    res = gloo_pool.ranks(_megatron_adam_ranks, 2, timeout_s=600)
     return {k: [r[k] for r in res] for k in res[0]}
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-import infra  # noqa: E402
+import gloo_pool  # noqa: E402
 from cluster import mcore  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
@@ -101,7 +101,7 @@ def one_rank_replay(shifted):
 @pytest.fixture(scope="module")
 def ranks(shifted):
     """Every plan's and the Qwen3-MoE run's results from one spawn of 4 gloo ranks: {plan or "qwen3": [per rank]}."""
-    res = infra.gloo_ranks(_rank, 4, shifted.numpy(), timeout_s=480)
+    res = gloo_pool.ranks(_rank, 4, shifted.numpy(), timeout_s=480)
     return {key: [r[key] for r in res if key in r] for key in PLANS + ["qwen3"]}
 
 

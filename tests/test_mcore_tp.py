@@ -9,7 +9,7 @@ import pytest
 import torch
 
 pytest.importorskip("megatron.core")
-import infra  # noqa: E402
+import gloo_pool  # noqa: E402
 from cluster import mcore  # noqa: E402
 from cluster import mcore_convert  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
@@ -78,7 +78,7 @@ def _parallel_rank(rank, world):
 def parallel_runs():
     """One spawn of 2 ranks -> {(tp, ep, etp): each rank's (gathered logits (B, T, V), {param name: grad},
     sequence-parallel names)}."""
-    res = infra.gloo_ranks(_parallel_rank, 2, timeout_s=240)
+    res = gloo_pool.ranks(_parallel_rank, 2, timeout_s=240)
     return {plan: [(torch.from_numpy(r[plan][0]), {n: torch.from_numpy(g) for n, g in r[plan][1].items()}, r[plan][2])
                    for r in res] for plan in PARALLEL_PLANS}
 
@@ -247,7 +247,7 @@ def test_gather_full_state_gives_back_the_hf_checkpoint(tp, ep, tmp_path):
     from transformers import AutoModelForCausalLM
     hf = mcore.tiny_qwen35_hf_config(V)
     want, want_critic = hf_weights(), one_rank_critic(hf)
-    results = infra.gloo_ranks(_gather_rank, tp * ep, tp, ep, str(tmp_path), timeout_s=180)
+    results = gloo_pool.ranks(_gather_rank, tp * ep, tp, ep, str(tmp_path), timeout_s=180)
     for rank, (back, via_to_hf, critic_hf, to0) in enumerate(results):
         assert_bit_equal(back, want)
         assert_bit_equal(via_to_hf, want)
@@ -331,7 +331,7 @@ def test_gather_full_state_with_expert_tp_1_under_tp_2(tmp_path):
     from transformers import AutoModelForCausalLM
     hf = mcore.tiny_qwen35_hf_config(V)
     want, want_critic = hf_weights(), one_rank_critic(hf)
-    results = infra.gloo_ranks(_gather_rank, 2, 2, 2, str(tmp_path), 1, timeout_s=180)
+    results = gloo_pool.ranks(_gather_rank, 2, 2, 2, str(tmp_path), 1, timeout_s=180)
     for rank, (back, via_to_hf, critic_hf, to0) in enumerate(results):
         assert_bit_equal(back, want)
         assert_bit_equal(via_to_hf, want)

@@ -264,13 +264,13 @@ def test_the_embedded_engine_takes_a_publish_over_the_weight_group(tmp_path):
     tok = model_lib.train_tokenizer(["ls -la /app\n", "cat file.txt | sort"] * 20, vocab_size=300)
     path = str(tmp_path / "sft")
     model_lib.save_checkpoint(model_lib.build_actor(model_lib.tiny_config(len(tok)), seed=0), tok, path)
-    port = infra.free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", str(port),
+    proc = subprocess.Popen([sys.executable, "-m", "engine.server", "serve", "--model-path", path, "--port", "0",
                              "--weight-dtype", "fp32", "--threads", "1"], cwd=os.path.dirname(infra.__file__),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    url = f"http://127.0.0.1:{port}"
     try:
-        assert "engine serving" in proc.stdout.readline()
+        line = proc.stdout.readline()
+        assert "engine serving" in line, line
+        url = line.strip().rsplit(" at ", 1)[1]  # the port the kernel gave it (--port 0)
         args = train_t1.parse_args(["--quick", "--run-dir", str(tmp_path / "run"), "--engine-urls", url,
                                     "--engine-world-sizes", "1"])
         trainer = trainer_lib.Trainer(args, path, 0)

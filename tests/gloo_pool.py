@@ -1,0 +1,102 @@
+"""infra.gloo_ranks for the tests, with the rank processes kept: `ranks(fn, world, *args)` runs fn(rank, world, *args)
+on `world` processes joined by a fresh gloo group, as infra.gloo_ranks does, but the processes are spawned once per
+world size and pytest process and reused by the next call: a Megatron rank spends most of a small test importing
+torch, Megatron-Core, transformers and the test module (results/LOG.md, 2026-12-07: the Megatron modules' tests).
+
+Between calls each rank puts back what a call may leave: Megatron's parallel state is destroyed, cluster/mcore_cpu's
+one-time set-up is marked undone (its shims are idempotent; a call that relies on init_cpu() for the default
+parallel state gets it again) and the default process group is destroyed. torch's RNG is left as the call left it:
+a fresh process starts from a random seed too, so no caller can rely on it. A call whose rank fails or times out
+discards the pool: the next call spawns fresh processes, so one test's failure cannot leak into another's."""
+import atexit
+import datetime
+import os
+import queue
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import infra
+
+_POOLS = {}  # world -> (processes, task queues, result queue)
+
+
+def _reset():
+    """What a call may leave in a rank, put back (see the module docstring)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is not None and ps.model_parallel_is_initialized():
+        ps.destroy_model_parallel()
+    cpu = sys.modules.get("cluster.mcore_cpu")
+    if cpu is not None:
+        cpu._CPU_READY = False
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _rank_loop(rank, world, tasks, results, parent):
+    torch.set_num_threads(1)
+    while True:
+        try:
+            job = tasks.get(timeout=5)
+        except queue.Empty:
+            if os.getppid() != parent:  # the pytest process is gone (killed: no atexit ran)
+                return
+            continue
+        if job is None:
+            return
+        fn, args, port = job
+        try:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=datetime.timedelta(seconds=60))
+            results.put((rank, fn(rank, world, *args), None))
+        except Exception as e:  # reported, so that the caller fails with the cause, not a timeout
+            results.put((rank, None, repr(e)))
+        finally:
+            _reset()
+
+
+def close(world=None):
+    """Stop the pool of `world` ranks (every pool: None)."""
+    for w in [world] if world is not None else list(_POOLS):
+        procs, tasks, _ = _POOLS.pop(w, ([], [], None))
+        for pr, q in zip(procs, tasks):
+            if pr.is_alive():
+                q.put(None)
+        for pr in procs:
+            pr.join(timeout=10)
+            if pr.exitcode is None:
+                pr.kill()
+
+
+atexit.register(close)
+
+
+def ranks(fn, world: int, *args, timeout_s: float | None = None):
+    """infra.gloo_ranks(fn, world, *args, timeout_s=...) on the kept processes -> the ranks' return values in rank
+    order; a rank's exception is raised here (and the pool discarded)."""
+    if world not in _POOLS or not all(pr.is_alive() for pr in _POOLS[world][0]):
+        close(world)
+        ctx = mp.get_context("spawn")
+        tasks, results = [ctx.Queue() for _ in range(world)], ctx.Queue()
+        procs = [ctx.Process(target=_rank_loop, args=(r, world, tasks[r], results, os.getpid()),
+                             daemon=True)
+                 for r in range(world)]
+        for pr in procs:
+            pr.start()
+        _POOLS[world] = (procs, tasks, results)
+    procs, tasks, results = _POOLS[world]
+    port = infra.free_port()
+    for q in tasks:
+        q.put((fn, args, port))
+    try:
+        res = sorted((results.get(timeout=timeout_s) for _ in range(world)), key=lambda r: r[0])
+    except BaseException:
+        close(world)
+        raise
+    errors = [f"rank {r}: {err}" for r, _, err in res if err]
+    if errors:
+        close(world)
+        raise RuntimeError(f"gloo ranks failed: {errors}")
+    return [out for _, out, _ in res]

@@ -1,0 +1,47 @@
+"""tests/gloo_pool.py: the Megatron tests' rank processes, kept between calls, start each call as a fresh spawn would
+(no Megatron parallel state, a process group of their own) and are discarded after a failure."""
+import os
+
+import pytest
+import torch
+
+import gloo_pool
+
+
+def _pid_and_sum(rank, world):
+    import torch.distributed as dist
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)  # the call's own group joins every rank
+    return os.getpid(), float(t)
+
+
+def _megatron_state(rank, world, tp):
+    from megatron.core import parallel_state
+    was = parallel_state.model_parallel_is_initialized()
+    if tp:
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp)
+    return was
+
+
+def _fail_on_rank_1(rank, world):
+    if rank == 1:
+        raise ValueError("rank 1 refuses")
+    return os.getpid()
+
+
+def test_ranks_are_kept_and_start_each_call_fresh():
+    gloo_pool.close()
+    first = gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)
+    again = gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)
+    assert [p for p, _ in first] == [p for p, _ in again] and all(s == 3.0 for _, s in first + again)  # kept
+    assert gloo_pool.ranks(_megatron_state, 2, 2, timeout_s=120) == [False, False]
+    assert gloo_pool.ranks(_megatron_state, 2, 0, timeout_s=120) == [False, False]  # destroyed after the call
+
+
+def test_a_failed_call_names_the_rank_and_the_next_gets_fresh_processes():
+    pids = [p for p, _ in gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)]
+    with pytest.raises(RuntimeError, match=r"rank 1: ValueError\('rank 1 refuses'\)"):
+        gloo_pool.ranks(_fail_on_rank_1, 2, timeout_s=120)
+    after = [p for p, _ in gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)]
+    assert not set(after) & set(pids)
+    assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids)
