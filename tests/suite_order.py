@@ -7,10 +7,12 @@ setup alone), a module with a module-scoped fixture (a Megatron rank spawn, a Ra
 spent >= GROUP_SETUP_S in set-up becomes one unit, so its fixture is built once, on one worker; then the units are
 sorted by cost, longest first (the longest-processing-time rule: the last test to finish starts early). A test the
 file does not know costs the median. The tests of modules marked `waits` (their time is spent waiting: deadlines,
-terminals, HTTP timeouts, not computing) are one unit, taken first, and the costliest unit of more than two tests
-(a module kept whole: Megatron ranks that keep both cores busy) second: it computes on the other worker while they
-wait, instead of a long test that waits too (a fresh clone's first four minutes were half idle). The order changes no
-test's behaviour, only which worker runs it and when.
+terminals, HTTP timeouts, not computing) are one unit, taken first, and the costliest unit of the modules marked
+`cores` (Megatron or Ray trainer ranks: ~1.7 machine CPU-s per wall second alone) second: it computes on the other
+worker while they wait (beside the waits, a long pipeline or the sandbox audits left a fresh clone's first minutes
+half idle). Give such a module more than two tests in one unit (a module fixture groups it): a worker whose first
+unit has <= 2 tests is handed the next one too before it starts (an xdist worker runs a test only once it knows the
+next). The order changes no test's behaviour, only which worker runs it and when.
 
 Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
 (the costs measured are written there at the end of a run, failed tests' too: a cost is a cost).
@@ -25,6 +27,7 @@ import pytest
 DURATIONS = Path(__file__).with_name("durations.json")
 GROUP_SETUP_S = 5.0  # a module spending this much in set-up is kept on one worker (its module fixtures built once)
 WAITS = "waits"  # the marker of a module whose tests mostly wait (one unit, first: `order`)
+CORES = "cores"  # ... of a module whose tests keep both cores busy (its costliest unit second, beside the waits)
 
 
 def _key(nodeid: str) -> str:
@@ -79,12 +82,10 @@ def order(items: list, costs: dict) -> list:
         else:
             units += [(costs.get(_key(it.nodeid), {"total": median})["total"], items.index(it), [it]) for it in its]
     units.sort(key=lambda u: (-u[0], u[1]))
-    if waiting:  # beside the waits, the costliest unit of > 2 tests: a worker whose first unit has <= 2 tests is
-        # handed the next unit too before it starts (an xdist worker runs a test only once it knows the next), so a
-        # single long test there would take the longest two with it, beside the waits, while the other worker waits
-        many = [i for i, u in enumerate(units[1:], 1) if len(u[2]) > 2]
-        if many:
-            units.insert(1, units.pop(many[0]))
+    if waiting:  # beside the waits, the costliest unit that keeps both cores busy
+        busy = [i for i, u in enumerate(units[1:], 1) if u[2][0].get_closest_marker(CORES)]
+        if busy:
+            units.insert(1, units.pop(busy[0]))
     return [it for _, _, its in units for it in its]
 
 

@@ -62,9 +62,8 @@ def test_the_modules_that_wait_are_one_unit_ahead_of_the_longest():
     assert groups == [[("waits",)]] * 3 + [[], []]
 
 
-def test_beside_the_waits_goes_the_costliest_unit_of_more_than_two_tests():
-    """With the waits first, the second unit is the costliest of > 2 tests (a whole module), not the longest single
-    test: the worker that takes a unit of <= 2 tests is handed the next one too before it starts."""
+def test_beside_the_waits_goes_the_costliest_unit_that_keeps_both_cores_busy():
+    """With the waits first, the second unit is the costliest of the modules marked `cores`, not the longest unit."""
     ids = ["tests/w.py::t1", "tests/long.py::t1", "tests/g.py::t1", "tests/g.py::t2", "tests/g.py::t3",
            "tests/h.py::t1", "tests/h.py::t2", "tests/h.py::t3", "tests/s.py::t1"]
     costs = {"tests/w.py::t1": {"total": 2.0, "setup": 0.0}, "tests/long.py::t1": {"total": 100.0, "setup": 0.0},
@@ -72,13 +71,20 @@ def test_beside_the_waits_goes_the_costliest_unit_of_more_than_two_tests():
              "tests/g.py::t3": {"total": 10.0, "setup": 0.0}, "tests/h.py::t1": {"total": 9.0, "setup": 6.0},
              "tests/h.py::t2": {"total": 1.0, "setup": 0.0}, "tests/h.py::t3": {"total": 1.0, "setup": 0.0},
              "tests/s.py::t1": {"total": 10.0, "setup": 0.0}}
-    items = [Item(i, "module" if i.split("::")[0] in ("tests/g.py", "tests/h.py") else "function") for i in ids]
-    items[0].add_marker(SimpleNamespace(name=suite_order.WAITS, args=()))
-    out = [i.nodeid for i in suite_order.order(items, costs)]
-    assert out == ["tests/w.py::t1", "tests/g.py::t1", "tests/g.py::t2", "tests/g.py::t3", "tests/long.py::t1",
-                   "tests/h.py::t1", "tests/h.py::t2", "tests/h.py::t3", "tests/s.py::t1"]
-    nowait = [Item(i, "module" if i.split("::")[0] in ("tests/g.py", "tests/h.py") else "function") for i in ids]
-    assert [i.nodeid for i in suite_order.order(nowait, costs)][:2] == ["tests/long.py::t1", "tests/g.py::t1"]
+
+    def items(cores):
+        its = [Item(i, "module" if i.split("::")[0] in ("tests/g.py", "tests/h.py") else "function") for i in ids]
+        its[0].add_marker(SimpleNamespace(name=suite_order.WAITS, args=()))
+        for it in its:
+            if it.nodeid.split("::")[0] in cores:
+                it.add_marker(SimpleNamespace(name=suite_order.CORES, args=()))
+        return its
+    out = [i.nodeid for i in suite_order.order(items(["tests/h.py"]), costs)]
+    assert out == ["tests/w.py::t1", "tests/h.py::t1", "tests/h.py::t2", "tests/h.py::t3", "tests/long.py::t1",
+                   "tests/g.py::t1", "tests/g.py::t2", "tests/g.py::t3", "tests/s.py::t1"]
+    both = [i.nodeid for i in suite_order.order(items(["tests/g.py", "tests/h.py"]), costs)]
+    assert both[1:5] == ["tests/g.py::t1", "tests/g.py::t2", "tests/g.py::t3", "tests/long.py::t1"]  # the costliest
+    assert [i.nodeid for i in suite_order.order(items([]), costs)][:2] == ["tests/w.py::t1", "tests/long.py::t1"]
 
 
 def test_the_costs_file_round_trips_and_a_bad_one_is_named(tmp_path):

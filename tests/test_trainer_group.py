@@ -14,6 +14,8 @@ import infra
 import train_t1 as T
 import trainer as TR
 
+pytestmark = pytest.mark.cores  # Ray trainer ranks: both cores busy (tests/suite_order.py runs it beside the waits)
+
 
 def test_two_rank_step_equals_one_rank_step(tmp_path, tiny_sft):
     sft, samples = tiny_sft.sft, tiny_sft.samples
