@@ -13,6 +13,7 @@ import datetime
 import os
 import queue
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -90,11 +91,21 @@ def ranks(fn, world: int, *args, timeout_s: float | None = None):
     port = infra.free_port()
     for q in tasks:
         q.put((fn, args, port))
+    deadline, res = None if timeout_s is None else time.monotonic() + timeout_s, []
     try:
-        res = sorted((results.get(timeout=timeout_s) for _ in range(world)), key=lambda r: r[0])
+        while len(res) < world:  # a rank that dies without answering (a crash, a kill) fails the call here
+            try:
+                res.append(results.get(timeout=1))
+            except queue.Empty:
+                dead = [r for r, pr in enumerate(procs) if not pr.is_alive()]
+                if dead or (deadline is not None and time.monotonic() > deadline):
+                    raise RuntimeError(f"gloo ranks: rank(s) {dead} died without answering" if dead else
+                                       f"gloo ranks: no answer from {world - len(res)} rank(s) in {timeout_s} s")
+                continue
     except BaseException:
         close(world)
         raise
+    res.sort(key=lambda r: r[0])
     errors = [f"rank {r}: {err}" for r, _, err in res if err]
     if errors:
         close(world)

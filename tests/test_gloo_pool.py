@@ -29,6 +29,12 @@ def _fail_on_rank_1(rank, world):
     return os.getpid()
 
 
+def _die_on_rank_0(rank, world):
+    if rank == 0:
+        os._exit(3)  # a crash: no answer, no exception
+    return os.getpid()
+
+
 def test_ranks_are_kept_and_start_each_call_fresh():
     gloo_pool.close()
     first = gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)
@@ -45,3 +51,9 @@ def test_a_failed_call_names_the_rank_and_the_next_gets_fresh_processes():
     after = [p for p, _ in gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)]
     assert not set(after) & set(pids)
     assert not any(os.path.exists(f"/proc/{p}") and open(f"/proc/{p}/stat").read().split()[2] != "Z" for p in pids)
+
+
+def test_a_rank_that_dies_without_answering_fails_the_call():
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[0\] died without answering"):
+        gloo_pool.ranks(_die_on_rank_0, 2)  # no timeout: the death alone ends the wait
+    assert len(gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)) == 2
