@@ -3,20 +3,18 @@ on `world` processes joined by a fresh gloo group, as infra.gloo_ranks does, but
 world size and pytest process and reused by the next call: a Megatron rank spends most of a small test importing
 torch, Megatron-Core, transformers and the test module (results/LOG.md, 2026-12-07: the Megatron modules' tests).
 
-Between calls each rank puts back what a call may leave: Megatron's parallel state is destroyed, cluster/mcore_cpu's
-one-time set-up is marked undone (its shims are idempotent; a call that relies on init_cpu() for the default
-parallel state gets it again) and the default process group is destroyed. torch's RNG is left as the call left it:
-a fresh process starts from a random seed too, so no caller can rely on it. A call whose rank fails or times out
-discards the pool: the next call spawns fresh processes, so one test's failure cannot leak into another's."""
+Each call runs in a rank as infra._gloo_rank runs it in a spawned one (its own default group, destroyed at the end).
+Then the rank puts back what a call may leave: Megatron's parallel state is destroyed, cluster/mcore_cpu's one-time
+set-up is marked undone (its shims are idempotent; a call that relies on init_cpu() for the default parallel state
+gets it again). torch's RNG is left as the call left it: a fresh process starts from a random seed too, so no caller
+can rely on it. A call whose rank fails or times out discards the pool: the next call spawns fresh processes, so one
+test's failure cannot leak into another's."""
 import atexit
-import datetime
 import os
 import queue
 import sys
 import time
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import infra
@@ -32,12 +30,9 @@ def _reset():
     cpu = sys.modules.get("cluster.mcore_cpu")
     if cpu is not None:
         cpu._CPU_READY = False
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 def _rank_loop(rank, world, tasks, results, parent):
-    torch.set_num_threads(1)
     while True:
         try:
             job = tasks.get(timeout=5)
@@ -48,12 +43,10 @@ def _rank_loop(rank, world, tasks, results, parent):
         if job is None:
             return
         fn, args, port = job
-        try:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                    timeout=datetime.timedelta(seconds=60))
-            results.put((rank, fn(rank, world, *args), None))
-        except Exception as e:  # reported, so that the caller fails with the cause, not a timeout
-            results.put((rank, None, repr(e)))
+        try:  # one call as infra.gloo_ranks' spawned rank makes it: its group, fn, the answer or the error
+            infra._gloo_rank(fn, rank, world, port, results, args)
+        except Exception:  # already answered with its repr; the rank lives on for the next call
+            pass
         finally:
             _reset()
 
