@@ -74,6 +74,10 @@ if [ -n "$harbor_pid" ] && ! wait "$harbor_pid"; then
   exit 1
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+# the repository's modules byte-compiled once into their (git-ignored) __pycache__, not again by each process: on a
+# machine that exports PYTHONDONTWRITEBYTECODE=1 every Ray actor, trainer rank and CLI of a run recompiled them
+# (~0.4 CPU-s a process; results/LOG.md, 2026-12-07)
+unset PYTHONDONTWRITEBYTECODE
 
 # --- dispatch -----------------------------------------------------------------------------------
 case "${1:-}" in
