@@ -519,11 +519,18 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
         ray.init(address=address, runtime_env=env, log_to_driver=True)
     else:
         os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
-        # no idle workers started for the first driver: the actors run in this runtime_env, which such a worker
-        # does not have, so it was never used (it only imported Ray; results/LOG.md, 2026-12-07)
-        ray.init(num_cpus=max(os.cpu_count() or 1, n_bundles), include_dashboard=False, runtime_env=env,
-                 object_store_memory=256 * 1024**2, log_to_driver=True, configure_logging=False,
-                 _system_config={"prestart_worker_first_driver": False})
+        # the workers get their variables from the raylet's environment (it starts them; ours is put back once it
+        # runs), not from a runtime_env: that starts each actor through one more interpreter (setup_worker.py); no
+        # idle workers for the first driver: they only imported Ray (results/LOG.md, 2026-12-07)
+        saved = {k: os.environ.get(k) for k in env["env_vars"]}
+        os.environ.update(env["env_vars"])
+        try:
+            ray.init(num_cpus=max(os.cpu_count() or 1, n_bundles), include_dashboard=False, log_to_driver=True,
+                     object_store_memory=256 * 1024**2, _system_config={"prestart_worker_first_driver": False},
+                     configure_logging=False)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
     return ray
 
 

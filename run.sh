@@ -76,7 +76,7 @@ fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # the repository's modules byte-compiled once into their (git-ignored) __pycache__, not again by each process: on a
 # machine that exports PYTHONDONTWRITEBYTECODE=1 every Ray actor, trainer rank and CLI of a run recompiled them
-# (~0.4 CPU-s a process; results/LOG.md, 2026-12-07)
+# (results/LOG.md, 2026-12-07)
 unset PYTHONDONTWRITEBYTECODE
 
 # --- dispatch -----------------------------------------------------------------------------------

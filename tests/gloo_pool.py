@@ -51,14 +51,17 @@ def _rank_loop(rank, world, tasks, results, parent):
             _reset()
 
 
-def close(world=None):
-    """Stop the pool of `world` ranks (every pool: None)."""
+def close(world=None, kill=False):
+    """Stop the pool of `world` ranks (every pool: None); kill: at once (a discarded pool, whose ranks may be stuck
+    in a collective with a dead one: asked to stop, such a rank held the caller until its join timed out)."""
     for w in [world] if world is not None else list(_POOLS):
         procs, tasks, _ = _POOLS.pop(w, ([], [], None))
         for pr, q in zip(procs, tasks):
-            if pr.is_alive():
+            if pr.is_alive() and not kill:
                 q.put(None)
         for pr in procs:
+            if kill:
+                pr.kill()
             pr.join(timeout=10)
             if pr.exitcode is None:
                 pr.kill()
@@ -96,11 +99,11 @@ def ranks(fn, world: int, *args, timeout_s: float | None = None):
                                        f"gloo ranks: no answer from {world - len(res)} rank(s) in {timeout_s} s")
                 continue
     except BaseException:
-        close(world)
+        close(world, kill=True)
         raise
     res.sort(key=lambda r: r[0])
     errors = [f"rank {r}: {err}" for r, _, err in res if err]
     if errors:
-        close(world)
+        close(world, kill=True)
         raise RuntimeError(f"gloo ranks failed: {errors}")
     return [out for _, out, _ in res]

@@ -19,16 +19,32 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"),
                                 reason="the bubblewrap sandbox needs root and bwrap")
 
 
+WORKER_VARS = ("PYTHONPATH", "OMP_NUM_THREADS", "TOKENIZERS_PARALLELISM")
+
+
 @pytest.fixture(scope="module")
 def layout():
+    infra.ray_stop([])  # a cluster of this module's own (another module may have left one: ray_start joins it)
+    before = {k: os.environ.get(k) for k in WORKER_VARS}
     ray = infra.ray_start(1 + 1 + 2)
     pgs, place = infra.ray_layout(1, 2)
-    yield ray, place
+    yield ray, place, before
     infra.ray_stop(pgs)
 
 
+def test_a_started_cluster_gives_the_workers_their_variables_through_the_raylet(layout):
+    """infra.ray_start on this machine: the workers get PYTHONPATH (the repository first) and OMP_NUM_THREADS from
+    the raylet's environment, with no runtime_env; this process's own variables are put back."""
+    ray, _, before = layout
+    assert {k: os.environ.get(k) for k in WORKER_VARS} == before
+    env = ray.get(ray.remote(lambda: dict(os.environ)).options(num_cpus=0).remote())
+    assert env["OMP_NUM_THREADS"] == "2" and env["TOKENIZERS_PARALLELISM"] == "false"
+    assert env["PYTHONPATH"].split(os.pathsep)[0] == os.path.dirname(os.path.abspath(infra.__file__))
+    assert not dict(ray.get_runtime_context().runtime_env)
+
+
 def test_workers_keep_first_finished_cancel_rest_and_rounds_are_independent(tmp_path, layout):
-    ray, place = layout
+    ray, place, _ = layout
     workers = rollout.ray_rollout_workers(2, 2, None, place["workers"])
     pids = ray.get([w.pid.remote() for w in workers])
     assert len(set(pids)) == 2 and os.getpid() not in pids  # two actor processes
@@ -48,7 +64,7 @@ def test_workers_keep_first_finished_cancel_rest_and_rounds_are_independent(tmp_
 
 
 def test_engine_actor_publish_barrier_sets_weight_version(tmp_path, layout):
-    ray, place = layout
+    ray, place, _ = layout
     tok = model.train_tokenizer([str(r) for r in SCRIPT] * 4, vocab_size=300)
     path = tmp_path / "ckpt"
     model.save_checkpoint(model.build_actor(model.tiny_config(len(tok)), seed=0), tok, str(path))

@@ -593,7 +593,7 @@ def test_base_phase_runs_on_to_the_gate_within_its_cap(tmp_path, monkeypatch):
         reads = iter(readings)
         monkeypatch.setattr(ppo, "copy_accuracy", lambda a, s: next(reads))
         run = SimpleNamespace(args=dataclasses.replace(T.QUICK, seed=0, base_steps=8, base_max_steps=max_steps,
-                                                       base_name_share=share),
+                                                       base_name_share=share, base_batch_size=2),  # steps counted
                               metrics=Metrics(tmp_path), dir=tmp_path)
         before = [p.detach().clone() for p in actor.parameters()]
         gate = T.base_phase(run, actor, tok, texts)
