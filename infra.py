@@ -46,6 +46,7 @@ Departures (numbered, with why):
     actor's parameters as slime does with its host snapshots; host memory is reported, not checked against a budget.
 """
 import argparse
+import datetime
 import importlib.util
 import itertools
 import json
@@ -381,17 +382,17 @@ def free_port(host="127.0.0.1") -> int:
 
 
 def _gloo_rank(fn, rank, world, port, queue, args):
-    import datetime
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
+    try:  # a failed rendezvous is reported too, so the parent fails with the cause, not a timeout
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=60))
         queue.put((rank, fn(rank, world, *args), None))
-    except Exception as e:  # report, so the parent fails with the cause, not a timeout
+    except Exception as e:
         queue.put((rank, None, repr(e)))
         raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
@@ -506,8 +507,7 @@ def ray_start(n_bundles: int, address: str = "", threads: int = 2):
     """Join the Ray cluster at `address` ($RAY_ADDRESS) or start one on this machine for this process only.
 
     A started cluster shares this process's fate: killed with -9, its raylet dies and takes the actors
-    (trainer, engine, rollout workers and their sandboxes) with it. Workers import the repo's modules.
-    """
+    (trainer, engine, rollout workers and their sandboxes) with it. Workers import the repo's modules."""
     import ray
     if ray.is_initialized():
         return ray

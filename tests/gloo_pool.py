@@ -7,8 +7,9 @@ Each call runs in a rank as infra._gloo_rank runs it in a spawned one (its own d
 Then the rank puts back what a call may leave: Megatron's parallel state is destroyed, cluster/mcore_cpu's one-time
 set-up is marked undone (its shims are idempotent; a call that relies on init_cpu() for the default parallel state
 gets it again). torch's RNG is left as the call left it: a fresh process starts from a random seed too, so no caller
-can rely on it. A call whose rank fails or times out discards the pool: the next call spawns fresh processes, so one
-test's failure cannot leak into another's."""
+can rely on it. A call whose rank fails or times out discards the pool (its ranks killed): the next call spawns fresh
+processes, so one test's failure cannot leak into another's. A rank's error (its group's rendezvous too) ends the call
+at once, naming the rank; a timeout names the ranks that did not answer."""
 import atexit
 import os
 import queue
@@ -88,16 +89,16 @@ def ranks(fn, world: int, *args, timeout_s: float | None = None):
     for q in tasks:
         q.put((fn, args, port))
     deadline, res = None if timeout_s is None else time.monotonic() + timeout_s, []
-    try:
-        while len(res) < world:  # a rank that dies without answering (a crash, a kill) fails the call here
+    try:  # a rank's error ends the call at once: the others may wait in a group that will not form
+        while len(res) < world and not any(err for _, _, err in res):
             try:
                 res.append(results.get(timeout=1))
-            except queue.Empty:
+            except queue.Empty:  # a rank that dies without answering (a crash, a kill) fails the call here
                 dead = [r for r, pr in enumerate(procs) if not pr.is_alive()]
                 if dead or (deadline is not None and time.monotonic() > deadline):
+                    silent = sorted(set(range(world)) - {r for r, _, _ in res})
                     raise RuntimeError(f"gloo ranks: rank(s) {dead} died without answering" if dead else
-                                       f"gloo ranks: no answer from {world - len(res)} rank(s) in {timeout_s} s")
-                continue
+                                       f"gloo ranks: no answer from rank(s) {silent} in {timeout_s} s")
     except BaseException:
         close(world, kill=True)
         raise
