@@ -8,16 +8,33 @@
 - `cpu_shims`: torch.cuda.current_device -> "cpu" inside a block (rotary embedding, router weight moves, DDP buffers).
 - Megatron's fused functions (megatron.core.jit.jit_fuser = torch.compile) run eager on a CUDA-less torch (ours):
   inductor compiles C++ for each in every fresh rank process, which costs a CPU run more than the tiny models gain;
-  on a GPU they stay compiled. The stance is the process's: nothing else here compiles on CPU in a process that
-  built a Megatron model (`bench engine --hf-compile` runs in its own).
+  on a GPU they stay compiled. Importing this module before megatron.core (every module of ours that imports
+  Megatron does) makes torch.compile, when Megatron's own modules call it, return the function itself: the
+  decorator then loads neither dynamo nor inductor (a rank's `import megatron.core` 4.6 -> 2.8 CPU-s, 2026-12-07).
+  Where Megatron was imported first, its functions are compiled wrappers and init_cpu sets the process's stance to
+  eager (nothing else here compiles on CPU in a process that built a Megatron model: `bench engine --hf-compile`
+  runs in its own).
 - `RMSNorm`: the local stand-in for TENorm(RMSNorm) in cluster/mcore.py's local specs, because megatron-core's own
   WrappedTorchNorm refuses zero-centred gamma (Qwen3.5's norms).
 """
 import contextlib
+import sys
 
 import torch
 
 _CPU_READY = False
+_torch_compile = torch.compile
+
+
+def _compile_outside_megatron(model=None, **kw):
+    """torch.compile for every caller but Megatron's modules, which get the function (or module) back as it is."""
+    if sys._getframe(1).f_globals.get("__name__", "").startswith("megatron."):
+        return model if model is not None else (lambda fn: fn)
+    return _torch_compile(**kw) if model is None else _torch_compile(model, **kw)
+
+
+if not torch.cuda.is_available() and "megatron.core.jit" not in sys.modules:
+    torch.compile = _compile_outside_megatron
 
 
 class _NoCudaRngTracker:
@@ -61,7 +78,9 @@ def init_cpu():
     mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
     if not torch.cuda.is_available():
         torch.cuda.current_device = lambda: "cpu"  # the backward of TP / SP layers asks for it outside any block
-        torch.compiler.set_stance("force_eager")  # torch.compile'd functions (Megatron's jit_fuser) eager from here on
+        from megatron.core import jit
+        if jit.jit_fuser is not _compile_outside_megatron:  # Megatron imported before this module: compiled wrappers
+            torch.compiler.set_stance("force_eager")  # ... that run eager from here on
     if not dist.is_initialized():  # no port to collide on; nccl for CUDA tensors (a one-GPU trainer)
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)

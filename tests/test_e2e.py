@@ -181,7 +181,8 @@ def test_megatron_backend_trains_the_same_loop(tmp_path, qwen35_sft):
     engine, the trainer's old logprobs match the sampler's like the HF backend's; then a resume that reloads
     every rank's shards and adds exactly step 3. The SFT model is the embedded SFT's Qwen3.5 checkpoint, its
     vocabulary padded for tp = 2 (shared_runs.qwen35_sft: an SFT-only run with --backend megatron --plan tp 2),
-    handed over as the cluster hands over its SFT model: --model-path."""
+    handed over as the cluster hands over its SFT model: --model-path. The run from --model-path in another layout
+    is the next test (a test of its own: the two can run on two workers)."""
     run_dir = tmp_path / "run"
     flags = TINY + ["--run-dir", str(run_dir), "--backend", "megatron", "--eval-attempts", "0",  # eval: the hf e2e
                     "--plan", '{"tp": 2}', "--arch", "qwen3_5_moe",  # the cluster's architecture
@@ -198,10 +199,13 @@ def test_megatron_backend_trains_the_same_loop(tmp_path, qwen35_sft):
     assert "other trainer ranks pids [" in (run_dir / "log.txt").read_text()
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "3"]))
     assert [r["step"] for r in read_metrics(run_dir) if r["phase"] == "rl"] == [1, 2, 3]
-    # --model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its own, every rank reading its
-    # shards of it, here in another layout (data x expert parallel over 2 ranks) and in
-    # the cluster presets' precision (bf16 parameters, fp32 master shards), the engines releasing their memory while
-    # the trainer works (--colocate, the one-node 35B preset: critic warm-up and update)
+
+
+def test_megatron_backend_from_model_path_in_bf16_with_colocated_engines(tmp_path, qwen35_sft):
+    """--model-path = an HF checkpoint (the one the embedded SFT wrote), no SFT of its own, every rank reading its
+    shards of it, here in another layout (data x expert parallel over 2 ranks) and in the cluster presets' precision
+    (bf16 parameters, fp32 master shards), the engines releasing their memory while the trainer works (--colocate,
+    the one-node 35B preset: critic warm-up and update)."""
     run2 = tmp_path / "from_model_path"
     train_t1.train(train_t1.parse_args(TINY + [
         "--run-dir", str(run2), "--backend", "megatron", "--eval-attempts", "0", "--plan", '{"dp": 2, "ep": 2}',
