@@ -37,11 +37,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- Python environments -----------------------------------------------------------------------
-# uv (pinned, from PyPI into .venv) installs requirements.txt and Harbor: ~10 s and ~6 s on a fresh machine, where pip
-# took ~50 s for requirements.txt alone (its unpacking and byte-compiling; results/LOG.md, 2026-12-07). uv compiles
-# nothing up front: a module is byte-compiled into __pycache__ the first time it is imported. uv does not read pip's
-# configuration, so the find-links folders pip is configured with (where this machine keeps the CPU torch wheel) are
-# passed on.
+# uv (pinned, from PyPI into .venv) installs requirements.txt and Harbor: ~23 s and ~6 s on a fresh machine, where pip
+# took ~50 s for requirements.txt alone (results/LOG.md, 2026-12-07). Byte-compiled at install as pip did: the
+# verifier's pytest runs from this venv read-only inside each jail, where it could not write the .pyc files of what the
+# host never imported (pygments: its failure reports) and compiled them again in every trial (0.42 against 0.2 CPU-s).
+# uv does not read pip's configuration, so the find-links folders pip is configured with (where this machine keeps the
+# CPU torch wheel) are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
@@ -55,7 +56,7 @@ uv_install() {  # uv_install VENV_PYTHON ARGS...: uv pip install into that inter
   fi
   local links=()
   for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do links+=(--find-links "$d"); done
-  .venv/bin/uv pip install -q --python "$py" "${links[@]}" "$@"
+  .venv/bin/uv pip install -q --compile-bytecode --python "$py" "${links[@]}" "$@"
 }
 stamp=.venv/.requirements.sha
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
