@@ -37,51 +37,50 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- Python environments -----------------------------------------------------------------------
-# uv (pinned, from PyPI into .venv) installs requirements.txt and Harbor: ~23 s and ~6 s on a fresh machine, where pip
-# took ~50 s for requirements.txt alone (results/LOG.md, 2026-12-07). Byte-compiled at install as pip did: the
-# verifier's pytest runs from this venv read-only inside each jail, where it could not write the .pyc files of what the
-# host never imported (pygments: its failure reports) and compiled them again in every trial (0.42 against 0.2 CPU-s).
-# uv does not read pip's configuration, so the find-links folders pip is configured with (where this machine keeps the
-# CPU torch wheel) are passed on.
+# uv (pinned, from PyPI into .venv) installs requirements.txt (~20 s on a fresh machine, where pip took ~50 s) and,
+# side by side, Harbor (results/LOG.md, 2026-12-07). requirements.txt is byte-compiled at install, as pip did: the
+# verifier's pytest runs from .venv read-only inside each jail, where it cannot write the .pyc of a module the host
+# never imported (pygments) and compiled it again in every trial (0.42 against 0.2 CPU-s). Harbor's venv is compiled
+# as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is configured with (where
+# this machine keeps the CPU torch wheel) are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
   echo "[run.sh] creating .venv with $PY"
   "$PY" -m venv .venv
 fi
-uv_install() {  # uv_install VENV_PYTHON ARGS...: uv pip install into that interpreter's environment
-  local py=$1; shift
-  if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
-    .venv/bin/python -m pip install -q "uv==$UV_VERSION"
+if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
+  .venv/bin/python -m pip install -q "uv==$UV_VERSION"
+fi
+links=()
+for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do links+=(--find-links "$d"); done
+uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }  # uv_install [--compile-bytecode] --python PY ARGS
+
+HPY=""  # Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, `-m engine.gateway eval` and tests
+for c in "${HARBOR_PYTHON:-}" python3.12 python3.13 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
+  if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then HPY=$c; break; fi
+done
+harbor_pid=""
+if [ ! -x .venv-harbor/bin/harbor ]; then
+  if [ -n "$HPY" ]; then
+    echo "[run.sh] creating .venv-harbor with $HPY and installing harbor==0.25.0"
+    ( "$HPY" -m venv .venv-harbor && uv_install --python .venv-harbor/bin/python harbor==0.25.0 ) &
+    harbor_pid=$!
+  else
+    echo "[run.sh] no Python 3.12 found (set HARBOR_PYTHON): the Harbor path and its test are unavailable"
   fi
-  local links=()
-  for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do links+=(--find-links "$d"); done
-  .venv/bin/uv pip install -q --compile-bytecode --python "$py" "${links[@]}" "$@"
-}
+fi
 stamp=.venv/.requirements.sha
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[run.sh] installing requirements.txt into .venv (uv $UV_VERSION)"
-  uv_install .venv/bin/python -r requirements.txt
+  uv_install --compile-bytecode --python .venv/bin/python -r requirements.txt
   echo "$want" > "$stamp"
 fi
-
-# Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, `-m engine.gateway eval` and tests
-HPY=""
-for c in "${HARBOR_PYTHON:-}" python3.12 python3.13 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
-  if [ -n "$c" ] && "$c" -c 'import sys; assert sys.version_info >= (3, 12)' >/dev/null 2>&1; then HPY=$c; break; fi
-done
-if [ ! -x .venv-harbor/bin/harbor ]; then
-  if [ -n "$HPY" ]; then
-    echo "[run.sh] creating .venv-harbor with $HPY and installing harbor==0.25.0"
-    if ! { "$HPY" -m venv .venv-harbor && uv_install .venv-harbor/bin/python harbor==0.25.0; }; then
-      echo "[run.sh] installing harbor==0.25.0 into .venv-harbor failed (see uv's output above)" >&2
-      rm -rf .venv-harbor  # a half-made venv would pass the check above next time
-      exit 1
-    fi
-  else
-    echo "[run.sh] no Python 3.12 found (set HARBOR_PYTHON): the Harbor path and its test are unavailable"
-  fi
+if [ -n "$harbor_pid" ] && ! wait "$harbor_pid"; then
+  echo "[run.sh] installing harbor==0.25.0 into .venv-harbor failed (see uv's output above)" >&2
+  rm -rf .venv-harbor  # a half-made venv would pass the check above next time
+  exit 1
 fi
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 # the repository's modules byte-compiled once into their (git-ignored) __pycache__, not again by each process: on a
