@@ -37,12 +37,13 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- Python environments -----------------------------------------------------------------------
-# uv (pinned, from PyPI into .venv) installs requirements.txt (~20 s on a fresh machine, where pip took ~50 s) and,
-# side by side, Harbor (results/LOG.md, 2026-12-07). requirements.txt is byte-compiled at install, as pip did: the
-# verifier's pytest runs from .venv read-only inside each jail, where it cannot write the .pyc of a module the host
-# never imported (pygments) and compiled it again in every trial (0.42 against 0.2 CPU-s). Harbor's venv is compiled
-# as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is configured with (where
-# this machine keeps the CPU torch wheel) are passed on.
+# uv (pinned, from PyPI into .venv) installs requirements.txt (~10 s on a fresh machine, where pip took ~50 s) and,
+# side by side, Harbor (results/LOG.md, 2026-12-07). uv byte-compiles nothing up front (pip did; ~10 s more): a
+# module is compiled the first time a process imports it. Except what the verifier's pytest imports: it runs from
+# .venv read-only inside each jail, where it cannot write the .pyc of a module the host never imported (pygments) and
+# compiled it again in every trial (0.42 against 0.2 CPU-s), so those packages are compiled here. uv does not read
+# pip's configuration: the find-links folders pip is configured with (where this machine keeps the CPU torch wheel)
+# are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
@@ -54,7 +55,7 @@ if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
 fi
 links=()
 for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do links+=(--find-links "$d"); done
-uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }  # uv_install [--compile-bytecode] --python PY ARGS
+uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }  # uv_install --python PY ARGS
 
 HPY=""  # Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, `-m engine.gateway eval` and tests
 for c in "${HARBOR_PYTHON:-}" python3.12 python3.13 "$HOME"/.pyenv/versions/3.1[2-9]*/bin/python; do
@@ -74,7 +75,9 @@ stamp=.venv/.requirements.sha
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[run.sh] installing requirements.txt into .venv (uv $UV_VERSION)"
-  uv_install --compile-bytecode --python .venv/bin/python -r requirements.txt
+  uv_install --python .venv/bin/python -r requirements.txt
+  .venv/bin/python -m compileall -q -j 0 $(.venv/bin/python -c 'import os, _pytest, pytest, pluggy, iniconfig, pygments, ctrf
+print(*(os.path.dirname(m.__file__) for m in (_pytest, pytest, pluggy, iniconfig, pygments, ctrf)))')
   echo "$want" > "$stamp"
 fi
 if [ -n "$harbor_pid" ] && ! wait "$harbor_pid"; then
