@@ -40,10 +40,10 @@ fi
 # uv (pinned, from PyPI into .venv) installs requirements.txt (~10 s on a fresh machine, where pip took ~50 s) and,
 # side by side, Harbor (results/LOG.md, 2026-12-07). uv byte-compiles nothing up front (pip did; ~10 s more): a
 # module is compiled the first time a process imports it. Except what the verifier's pytest imports: it runs from
-# .venv read-only inside each jail, where it cannot write the .pyc of a module the host never imported (pygments) and
-# compiled it again in every trial (0.42 against 0.2 CPU-s), so those packages are compiled here. uv does not read
-# pip's configuration: the find-links folders pip is configured with (where this machine keeps the CPU torch wheel)
-# are passed on.
+# .venv read-only inside each jail, where it cannot write a .pyc, and without them a verifier's pytest costs 0.42
+# CPU-s, not 0.2; its packages are compiled here, not left to whichever host process imports them first. uv does not
+# read pip's configuration: the find-links folders pip is configured with (where this machine keeps the CPU torch
+# wheel) are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
@@ -54,7 +54,9 @@ if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
   .venv/bin/python -m pip install -q "uv==$UV_VERSION"
 fi
 links=()
-for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do links+=(--find-links "$d"); done
+for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do
+  links+=(--find-links "$d")
+done
 uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }  # uv_install --python PY ARGS
 
 HPY=""  # Harbor (needs Python >= 3.12): its own venv, used by `--harness harbor`, `-m engine.gateway eval` and tests
@@ -76,8 +78,9 @@ want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[run.sh] installing requirements.txt into .venv (uv $UV_VERSION)"
   uv_install --python .venv/bin/python -r requirements.txt
-  .venv/bin/python -m compileall -q -j 0 $(.venv/bin/python -c 'import os, _pytest, pytest, pluggy, iniconfig, pygments, ctrf
-print(*(os.path.dirname(m.__file__) for m in (_pytest, pytest, pluggy, iniconfig, pygments, ctrf)))')
+  verifier_pkgs='import os, _pytest, pytest, pluggy, iniconfig, pygments, ctrf
+print(*(os.path.dirname(m.__file__) for m in (_pytest, pytest, pluggy, iniconfig, pygments, ctrf)))'
+  .venv/bin/python -m compileall -q -j 0 $(.venv/bin/python -c "$verifier_pkgs")
   echo "$want" > "$stamp"
 fi
 if [ -n "$harbor_pid" ] && ! wait "$harbor_pid"; then
