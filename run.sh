@@ -37,13 +37,12 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 
 # --- Python environments -----------------------------------------------------------------------
-# uv (pinned, from PyPI into .venv) installs requirements.txt (~10 s on a fresh machine, where pip took ~50 s) and,
-# side by side, Harbor (results/LOG.md, 2026-12-07). uv byte-compiles nothing up front (pip did; ~10 s more): a
-# module is compiled the first time a process imports it. Except what the verifier's pytest imports: it runs from
-# .venv read-only inside each jail, where it cannot write a .pyc, and without them a verifier's pytest costs 0.42
-# CPU-s, not 0.2; its packages are compiled here, not left to whichever host process imports them first. uv does not
-# read pip's configuration: the find-links folders pip is configured with (where this machine keeps the CPU torch
-# wheel) are passed on.
+# uv (pinned, from PyPI into .venv) installs requirements.txt (~20 s on a fresh machine, where pip took ~50 s) and,
+# side by side, Harbor (results/LOG.md, 2026-12-07). requirements.txt is byte-compiled at install, as pip did: else
+# the first processes of a run compile what they import, several at once, and the verifier's pytest, run from .venv
+# read-only inside each jail, cannot write a .pyc at all (without them it costs 0.42 CPU-s, not 0.2). Harbor's venv
+# is compiled as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is configured
+# with (where this machine keeps the CPU torch wheel) are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
@@ -77,10 +76,7 @@ stamp=.venv/.requirements.sha
 want=$(sha256sum requirements.txt | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "[run.sh] installing requirements.txt into .venv (uv $UV_VERSION)"
-  uv_install --python .venv/bin/python -r requirements.txt
-  verifier_pkgs='import os, _pytest, pytest, pluggy, iniconfig, pygments, ctrf
-print(*(os.path.dirname(m.__file__) for m in (_pytest, pytest, pluggy, iniconfig, pygments, ctrf)))'
-  .venv/bin/python -m compileall -q -j 0 $(.venv/bin/python -c "$verifier_pkgs")
+  uv_install --compile-bytecode --python .venv/bin/python -r requirements.txt
   echo "$want" > "$stamp"
 fi
 if [ -n "$harbor_pid" ] && ! wait "$harbor_pid"; then
