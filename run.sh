@@ -40,7 +40,7 @@ fi
 # uv (pinned, from PyPI into .venv) installs requirements.txt (~20 s on a fresh machine, where pip took ~50 s) and,
 # side by side, Harbor (results/LOG.md, 2026-12-07). requirements.txt is byte-compiled at install, as pip did: else
 # the first processes of a run compile what they import, several at once, and the verifier's pytest, run from .venv
-# read-only inside each jail, cannot write a .pyc at all (without them it costs 0.42 CPU-s, not 0.2). Harbor's venv
+# read-only inside each jail, cannot write a .pyc at all (without them 0.51-0.62 CPU-s, not 0.17-0.23). Harbor's venv
 # is compiled as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is configured
 # with (where this machine keeps the CPU torch wheel) are passed on.
 UV_VERSION=0.13.10
