@@ -41,8 +41,8 @@ fi
 # side by side, Harbor (results/LOG.md, 2026-12-07). requirements.txt is byte-compiled at install, as pip did: else
 # the first processes of a run compile what they import, several at once, and the verifier's pytest, run from .venv
 # read-only inside each jail, cannot write a .pyc at all (without them 0.51-0.62 CPU-s, not 0.17-0.23). Harbor's venv
-# is compiled as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is configured
-# with (where this machine keeps the CPU torch wheel) are passed on.
+# is compiled as its CLI imports it. uv does not read pip's configuration: the find-links folders pip is given
+# ($PIP_FIND_LINKS, pip's config; where this machine keeps the CPU torch wheel) are passed on.
 UV_VERSION=0.13.10
 PY=${PYTHON:-$(command -v python3.11 || command -v python3)}
 if [ ! -x .venv/bin/python ]; then
@@ -53,7 +53,7 @@ if [ "$(.venv/bin/uv --version 2>/dev/null)" != "uv $UV_VERSION" ]; then
   .venv/bin/python -m pip install -q "uv==$UV_VERSION"
 fi
 links=()
-for d in $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do
+for d in ${PIP_FIND_LINKS:-} $(.venv/bin/python -m pip config get global.find-links 2>/dev/null || true); do
   links+=(--find-links "$d")
 done
 uv_install() { .venv/bin/uv pip install -q "${links[@]}" "$@"; }  # uv_install --python PY ARGS
