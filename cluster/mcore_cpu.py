@@ -10,7 +10,7 @@
   inductor compiles C++ for each in every fresh rank process, which costs a CPU run more than the tiny models gain;
   on a GPU they stay compiled. Importing this module before megatron.core (every module of ours that imports
   Megatron does) makes torch.compile, when Megatron's own modules call it, return the function itself: the
-  decorator then loads neither dynamo nor inductor (a rank's `import megatron.core` 4.6 -> 2.8 CPU-s, 2026-12-07).
+  decorator then loads neither dynamo nor inductor (each rank's import is the cheaper: results/LOG.md, 2026-12-07).
   Where Megatron was imported first, its functions are compiled wrappers and init_cpu sets the process's stance to
   eager (nothing else here compiles on CPU in a process that built a Megatron model: `bench engine --hf-compile`
   runs in its own).
