@@ -8,6 +8,7 @@ Ratios are measured in one run, repeats interleaved (a shared machine drifts), n
 favour the engine (or the cache).
 """
 import json
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -235,6 +236,8 @@ def engine_bench(arch="qwen3_moe", repeats=3, prompt_len=300, new_tokens=128, tu
         for proc, _ in procs:
             proc.terminate()
             proc.wait()
+        if work_dir is None:  # a folder of our own: removed with its checkpoint (a given one is the caller's)
+            shutil.rmtree(work, ignore_errors=True)
 
 
 def _engine_figures(hf, tok, on, off, off_hf, dp, buffers, arch, repeats, prompt_len, new_tokens, turns, turn_tokens,

@@ -154,69 +154,72 @@ def trainer_bench(args, shape: str = "t1-tiny", tokens: int = 256, n_samples: in
     if shape not in shapes:
         raise ValueError(f"--shape: expected one of {'|'.join(shapes)}, got {shape!r}")
     c, cuda = shapes[shape], torch.cuda.is_available()
-    work = Path(tempfile.mkdtemp(prefix="t1-trainer-bench-"))
-    t_start = time.time()
+    with tempfile.TemporaryDirectory(prefix="t1-trainer-bench-") as tmp:  # removed with what it holds
+        work = Path(tmp)
+        t_start = time.time()
 
-    def phase(what):  # progress on stderr: a run cut off by a time limit still says where its time went
-        print(f"[bench trainer {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
-    torch.manual_seed(seed)
-    hf = transformers.Qwen3_5MoeForCausalLM(gpu_check.hf_config(c)).to(torch.bfloat16)
-    phase(f"HF model built ({sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters)")
-    tok = model.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
-    model.save_checkpoint(hf, tok, work / "sft")  # bf16 on disk, as the cluster's checkpoints
-    phase("HF checkpoint written")
-    hf = r3.install(hf.float())
-    g, samples = torch.Generator().manual_seed(seed), []
-    for i in range(n_samples):
-        ids = torch.randint(3, c.vocab, (tokens,), generator=g)
-        mask = np.zeros(tokens, dtype=np.int8)
-        mask[tokens // 4:] = 1  # a prompt, then the model's reply
-        with torch.no_grad(), r3.routing(hf, "record") as rec:
-            logits = hf(input_ids=ids[None]).logits.float()  # (1, T, V)
-        lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]  # (T-1,) log p(token t | < t)
-        samples.append({"tokens": ids.numpy(), "loss_mask": mask, "routed_experts": rec.experts[0, :tokens - 1].numpy(),
-                        "rollout_logprobs": (np.concatenate([[0.0], lp.double().numpy()]) * mask),
-                        "reward": (i % 4) / 20, "passed": i % 4, "total": 4, "reward_source": "ctrf",
-                        "weight_version": 0, "turns": 1})
-    del hf
-    phase(f"{n_samples} samples recorded by the HF model")
-    a = dataclasses.replace(args, backend="megatron", run_dir=str(work / "run"), minibatch_size=1, plan="",
-                            trainer_ranks=1, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, reward_scale=20.0)
-    (work / "run" / "ckpt").mkdir(parents=True)
-    t0 = time.time()
-    tr = trainer.Trainer(a, str(work / "sft"), 0)
-    built = time.time() - t0
-    phase("trainer built")
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-    tr.mark_published(0)
-    rows = []
-    for k in range(steps):
+        def phase(what):  # progress on stderr: a run cut off by a time limit still says where its time went
+            print(f"[bench trainer {shape}] {time.time() - t_start:.1f} s: {what}", file=sys.stderr, flush=True)
+        torch.manual_seed(seed)
+        hf = transformers.Qwen3_5MoeForCausalLM(gpu_check.hf_config(c)).to(torch.bfloat16)
+        phase(f"HF model built ({sum(p.numel() for p in hf.parameters()) / 1e6:.0f}M parameters)")
+        tok = model.train_tokenizer(["ls -la /app\n", "cat notes.txt | wc -l\n"] * 20, vocab_size=300)
+        model.save_checkpoint(hf, tok, work / "sft")  # bf16 on disk, as the cluster's checkpoints
+        phase("HF checkpoint written")
+        hf = r3.install(hf.float())
+        g, samples = torch.Generator().manual_seed(seed), []
+        for i in range(n_samples):
+            ids = torch.randint(3, c.vocab, (tokens,), generator=g)
+            mask = np.zeros(tokens, dtype=np.int8)
+            mask[tokens // 4:] = 1  # a prompt, then the model's reply
+            with torch.no_grad(), r3.routing(hf, "record") as rec:
+                logits = hf(input_ids=ids[None]).logits.float()  # (1, T, V)
+            lp = torch.log_softmax(logits[0, :-1], -1).gather(-1, ids[1:, None])[:, 0]  # (T-1,) log p(token t | < t)
+            samples.append({"tokens": ids.numpy(), "loss_mask": mask,
+                            "routed_experts": rec.experts[0, :tokens - 1].numpy(),
+                            "rollout_logprobs": (np.concatenate([[0.0], lp.double().numpy()]) * mask),
+                            "reward": (i % 4) / 20, "passed": i % 4, "total": 4, "reward_source": "ctrf",
+                            "weight_version": 0, "turns": 1})
+        del hf
+        phase(f"{n_samples} samples recorded by the HF model")
+        a = dataclasses.replace(args, backend="megatron", run_dir=str(work / "run"), minibatch_size=1, plan="",
+                                trainer_ranks=1, kl_coef=0.0, entropy_coef=0.0, aux_loss_coef=0.0, reward_scale=20.0)
+        (work / "run" / "ckpt").mkdir(parents=True)
         t0 = time.time()
-        st = tr.train_step(samples, k + 1)
+        tr = trainer.Trainer(a, str(work / "sft"), 0)
+        built = time.time() - t0
+        phase("trainer built")
         if cuda:
             torch.cuda.synchronize()
-        dt = time.time() - t0
-        phase(f"train step {k + 1}: {dt:.1f} s")
-        rows.append({"step": k + 1, "seconds": round(dt, 2), "tokens_per_s": round(n_samples * tokens / dt, 1),
-                     **{key: st.get(key) for key in ("dlogp", "dlogp_r3_off", "approx_kl", "clipfrac", "value_loss")}})
-    gpt = tr.actor.gpt
-    out = {"shape": shape, "params": sum(p.numel() for p in gpt.parameters()),
-           "device": str(gpt.embedding.word_embeddings.weight.device), "param_dtype": str(gpt.config.params_dtype),
-           "transformer_impl": gpt.config.transformer_impl,
-           "dispatcher": gpt.config.moe_token_dispatcher_type, "fla": importlib.util.find_spec("fla") is not None,
-           "optimizer": type(tr.actor_opt).__name__, "build_s": round(built, 1), "tokens": tokens,
-           "samples": n_samples, "steps": rows}
-    if cuda:
-        plan = infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
-        act, cri = (infra.device_memory(c, plan, tokens, net, overhead_gib=0.0) for net in ("actor", "critic"))
-        static = ("params", "behaviour", "grads", "optimizer", "expert_optimizer")
-        pred = sum(act[k] + cri[k] for k in static) + max(act["activations"], cri["activations"])
-        out.update(peak_bytes=torch.cuda.max_memory_allocated(), predicted_bytes=pred,
-                   peak_over_predicted=round(torch.cuda.max_memory_allocated() / pred, 3))
-    tr.close()
-    return out
+            torch.cuda.reset_peak_memory_stats()
+        tr.mark_published(0)
+        rows = []
+        for k in range(steps):
+            t0 = time.time()
+            st = tr.train_step(samples, k + 1)
+            if cuda:
+                torch.cuda.synchronize()
+            dt = time.time() - t0
+            phase(f"train step {k + 1}: {dt:.1f} s")
+            rows.append({"step": k + 1, "seconds": round(dt, 2), "tokens_per_s": round(n_samples * tokens / dt, 1),
+                         **{key: st.get(key) for key in ("dlogp", "dlogp_r3_off", "approx_kl", "clipfrac",
+                                                         "value_loss")}})
+        gpt = tr.actor.gpt
+        out = {"shape": shape, "params": sum(p.numel() for p in gpt.parameters()),
+               "device": str(gpt.embedding.word_embeddings.weight.device), "param_dtype": str(gpt.config.params_dtype),
+               "transformer_impl": gpt.config.transformer_impl,
+               "dispatcher": gpt.config.moe_token_dispatcher_type, "fla": importlib.util.find_spec("fla") is not None,
+               "optimizer": type(tr.actor_opt).__name__, "build_s": round(built, 1), "tokens": tokens,
+               "samples": n_samples, "steps": rows}
+        if cuda:
+            plan = infra.Plan(1, 1, 1, 1, 1, 1, recompute=False)
+            act, cri = (infra.device_memory(c, plan, tokens, net, overhead_gib=0.0) for net in ("actor", "critic"))
+            static = ("params", "behaviour", "grads", "optimizer", "expert_optimizer")
+            pred = sum(act[k] + cri[k] for k in static) + max(act["activations"], cri["activations"])
+            out.update(peak_bytes=torch.cuda.max_memory_allocated(), predicted_bytes=pred,
+                       peak_over_predicted=round(torch.cuda.max_memory_allocated() / pred, 3))
+        tr.close()
+        return out
 
 
 
@@ -284,37 +287,38 @@ def update_bench(args, n: int = 32, mean_len: int = 776, sd_len: int = 150, repe
     behaviour, ref = copy.deepcopy(actor), copy.deepcopy(actor).eval().requires_grad_(False)
     a0, c0 = copy.deepcopy(actor.state_dict()), copy.deepcopy(critic.state_dict())
     tokens = sum(len(s["tokens"]) for s in samples)
-    work = Path(tempfile.mkdtemp(prefix="t1-update-bench-"))
+    with tempfile.TemporaryDirectory(prefix="t1-update-bench-") as tmp:  # removed with what it holds
+        work = Path(tmp)
 
-    def step(padded):
-        actor.load_state_dict(a0)
-        critic.load_state_dict(c0)
-        aopt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
-        copt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
-        ppo.train_step(actor, behaviour, critic, aopt, copt, samples, args, random.Random(seed), work, 1, None,
-                       ref if args.kl_coef > 0 else None, padded=padded)
-    runs = {"train_step": lambda: step(False), "padded": lambda: step(True),
-            "unpadded": lambda: unpadded_passes(actor, behaviour, critic, ref, samples, args,
-                                                ppo.r3_off_step(args, 1))}
-    secs, cpu = {k: [] for k in runs}, {k: [] for k in runs}
-    for r in range(repeats):
-        for k in list(runs)[r % 3:] + list(runs)[:r % 3]:  # the order rotated: a drifting machine biases none
-            t0, p0 = time.perf_counter(), time.process_time()
-            runs[k]()
-            secs[k].append(round(time.perf_counter() - t0, 2))
-            cpu[k].append(round(time.process_time() - p0, 2))
-    med = {k: float(np.median(v)) for k, v in cpu.items()}
-    wall = {k: float(np.median(v)) for k, v in secs.items()}
-    lens = [len(s["tokens"]) for s in samples]
-    mbs = ppo.minibatches(n, args.minibatch_size, random.Random(seed))
-    pad = 1 - sum(lens) / sum(len(mb) * max(lens[i] for i in mb) for mb in mbs)
-    return {"samples": n, "tokens": tokens, "mean_len": round(float(np.mean(lens)), 1),
-            "minibatch_padding": round(pad, 3),
-            "threads": torch.get_num_threads(), "seconds": secs, "cpu_seconds": cpu,
-            "train_step_tokens_per_s": round(tokens / med["train_step"], 1),
-            "unpadded_tokens_per_s": round(tokens / med["unpadded"], 1),
-            "padded_tokens_per_s": round(tokens / med["padded"], 1),
-            "ratio": round(med["unpadded"] / med["train_step"], 3),
-            "ratio_wall": round(wall["unpadded"] / wall["train_step"], 3),
-            "padded_ratio": round(med["unpadded"] / med["padded"], 3),
-            "speedup_vs_padded": round(med["padded"] / med["train_step"], 3)}
+        def step(padded):
+            actor.load_state_dict(a0)
+            critic.load_state_dict(c0)
+            aopt = torch.optim.Adam(actor.parameters(), lr=args.actor_lr)
+            copt = torch.optim.Adam(critic.parameters(), lr=args.critic_lr)
+            ppo.train_step(actor, behaviour, critic, aopt, copt, samples, args, random.Random(seed), work, 1, None,
+                           ref if args.kl_coef > 0 else None, padded=padded)
+        runs = {"train_step": lambda: step(False), "padded": lambda: step(True),
+                "unpadded": lambda: unpadded_passes(actor, behaviour, critic, ref, samples, args,
+                                                    ppo.r3_off_step(args, 1))}
+        secs, cpu = {k: [] for k in runs}, {k: [] for k in runs}
+        for r in range(repeats):
+            for k in list(runs)[r % 3:] + list(runs)[:r % 3]:  # the order rotated: a drifting machine biases none
+                t0, p0 = time.perf_counter(), time.process_time()
+                runs[k]()
+                secs[k].append(round(time.perf_counter() - t0, 2))
+                cpu[k].append(round(time.process_time() - p0, 2))
+        med = {k: float(np.median(v)) for k, v in cpu.items()}
+        wall = {k: float(np.median(v)) for k, v in secs.items()}
+        lens = [len(s["tokens"]) for s in samples]
+        mbs = ppo.minibatches(n, args.minibatch_size, random.Random(seed))
+        pad = 1 - sum(lens) / sum(len(mb) * max(lens[i] for i in mb) for mb in mbs)
+        return {"samples": n, "tokens": tokens, "mean_len": round(float(np.mean(lens)), 1),
+                "minibatch_padding": round(pad, 3),
+                "threads": torch.get_num_threads(), "seconds": secs, "cpu_seconds": cpu,
+                "train_step_tokens_per_s": round(tokens / med["train_step"], 1),
+                "unpadded_tokens_per_s": round(tokens / med["unpadded"], 1),
+                "padded_tokens_per_s": round(tokens / med["padded"], 1),
+                "ratio": round(med["unpadded"] / med["train_step"], 3),
+                "ratio_wall": round(wall["unpadded"] / wall["train_step"], 3),
+                "padded_ratio": round(med["unpadded"] / med["padded"], 3),
+                "speedup_vs_padded": round(med["padded"] / med["train_step"], 3)}

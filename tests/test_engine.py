@@ -1159,12 +1159,15 @@ def test_a_distributed_weight_update_is_refused_before_it_allocates(engine, tok)
         assert status == 400 and out["error"].startswith("backend:"), out
 
 
-def test_the_engine_benchmark_runs_and_reports_every_figure(capsys):
+def test_the_engine_benchmark_runs_and_reports_every_figure(capsys, tmp_path, monkeypatch):
     """`python -m experiments.bench engine --quick`: one JSON line with the HF comparison at 8 / 32, the multi-turn
     workload (whose later turns hit the prefix cache), the same workloads over two 1-thread engines, and the capture
-    overhead; no figure asserted, only that each exists."""
+    overhead; no figure asserted, only that each exists. Its checkpoint's temporary folder is gone afterwards."""
+    import tempfile
     from experiments import bench
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     bench.main(["engine", "--quick", "--threads", "2"])
+    assert not list(tmp_path.glob("t1_engine_bench_*"))
     fig = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     for k in ("engine_vs_hf_8", "engine_vs_hf_32", "hf_tok_s_32", "engine_tok_s_32"):
         assert fig[k] > 0, k
