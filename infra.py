@@ -322,7 +322,7 @@ def format_table(rows: list, top: int = 0, tokens: int = 0, compact: bool = True
 
 # ----------------------------------------------------------------------------- CLI
 def build_parser() -> argparse.ArgumentParser:
-    """`python infra.py plan ...` (stdlib only: --help answers before torch loads)."""
+    """`python infra.py plan ...` (this module imports the standard library only; torch where a function needs it)."""
     fmt = argparse.ArgumentDefaultsHelpFormatter
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "), formatter_class=fmt)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -340,14 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-if __name__ == "__main__":
-    ARGV = build_parser().parse_args()  # --help and bad flags answer here, before torch loads
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-
-# ----------------------------------------------------------------------------- free_port, gloo ranks (tests, bench)
+# ----------------------------------------------------------------------------- process groups, free_port
 def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800):
     """A process group outside the default one (trainer rank 0 + every engine rank), as SGLang builds it
     (cluster/launch.py departure 4: SGLang's init_custom_process_group when sglang is importable)."""
@@ -379,46 +373,6 @@ def free_port(host="127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def _gloo_rank(fn, rank, world, port, queue, args):
-    torch.set_num_threads(1)
-    try:  # a failed rendezvous is reported too, so the parent fails with the cause, not a timeout
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
-        queue.put((rank, fn(rank, world, *args), None))
-    except Exception as e:
-        queue.put((rank, None, repr(e)))
-        raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
-    """Run fn(rank, world, *args) in `world` spawned processes joined by one gloo group on 127.0.0.1 (the
-    default process group) -> their return values in rank order; a rank's exception is raised here.
-    timeout_s bounds the wait for each rank's result (None: no bound).
-
-    Return numpy arrays, not tensors: numpy pickles by value, a tensor would travel as a file descriptor
-    that dies with its process."""
-    import torch.multiprocessing as mp
-    ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=_gloo_rank, args=(fn, r, world, port, queue, args)) for r in range(world)]
-    for pr in procs:
-        pr.start()
-    try:
-        res = sorted((queue.get(timeout=timeout_s) for _ in range(world)), key=lambda r: r[0])
-    finally:
-        for pr in procs:
-            pr.join(timeout=30)
-            if pr.exitcode is None:
-                pr.kill()
-    errors = [f"rank {r}: {err}" for r, _, err in res if err]
-    if errors or any(pr.exitcode != 0 for pr in procs):
-        raise RuntimeError(f"gloo ranks failed: {errors or [pr.exitcode for pr in procs]}")
-    return [out for _, out, _ in res]
 
 
 # ----------------------------------------------------------------------------- does a trainer layout run here
@@ -460,6 +414,7 @@ def check_megatron_model_path(path: str, dtype: str = "fp32") -> None:
     if kind not in ("qwen3_moe", "qwen3_5_moe_text", "qwen3_5_moe"):
         raise ValueError(f"--model-path: {path} holds a {kind!r} model; the Megatron backend converts the Qwen3-MoE "
                          "and Qwen3.5-MoE layouts")
+    import torch
     if torch.cuda.is_available():
         if kind != "qwen3_moe" and importlib.util.find_spec("fla") is None:
             print(f"[train_t1] --model-path {path}: no flash-linear-attention (`fla`) on this GPU node: Megatron's "
@@ -597,4 +552,4 @@ def main(args) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main(ARGV))
+    sys.exit(main(build_parser().parse_args()))

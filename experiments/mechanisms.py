@@ -17,7 +17,6 @@ import torch.nn.functional as F
 
 import chat_tokens
 import data
-import infra
 import model
 import r3
 import rollout
@@ -25,6 +24,7 @@ import tito
 from cluster import cp_gdn
 from engine import gateway
 from engine.server import EngineServer
+from experiments import ranks
 from experiments.engine_speed import post_json
 from sandbox.harbor_run import run_harbor_trial
 
@@ -173,7 +173,7 @@ def tito_measure(quick=True, harness="client", work_dir=None, seed=0, ckpt=None)
 def run_cp(kappa: int, shape: dict, chunk_size: int = 64):
     """Spawn kappa gloo ranks on 127.0.0.1; returns (out, grads [q, k, v, g, beta], saved bytes per rank),
     outputs and grads concatenated along the sequence."""
-    res = infra.gloo_ranks(cp_gdn.cp_rank_share, kappa, shape, chunk_size)
+    res = ranks.gloo_ranks(cp_gdn.cp_rank_share, kappa, shape, chunk_size)
     out = torch.cat([torch.from_numpy(r[0]) for r in res], dim=1)
     grads = [torch.cat([torch.from_numpy(r[1][i]) for r in res], dim=1) for i in range(5)]
     return out, grads, [r[2] for r in res]

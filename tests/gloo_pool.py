@@ -1,24 +1,26 @@
-"""infra.gloo_ranks for the tests, with the rank processes kept: `ranks(fn, world, *args)` runs fn(rank, world, *args)
-on `world` processes joined by a fresh gloo group, as infra.gloo_ranks does, but the processes are spawned once per
-world size and pytest process and reused by the next call: a Megatron rank spends most of a small test importing
-torch, Megatron-Core, transformers and the test module (results/LOG.md, 2026-12-07: the Megatron modules' tests).
+"""experiments.ranks.gloo_ranks for the tests, with the rank processes kept: `ranks(fn, world, *args)` runs
+fn(rank, world, *args) on `world` processes joined by a fresh gloo group, as gloo_ranks does, but the processes are
+spawned once per world size and pytest process and reused by the next call: a Megatron rank spends most of a small
+test importing torch, Megatron-Core, transformers and the test module (results/LOG.md, 2026-12-07: the Megatron
+modules' tests).
 
-Each call runs in a rank as infra._gloo_rank runs it in a spawned one (its own default group, destroyed at the end).
+Each call runs in a rank as experiments.ranks.run_rank runs it in a spawned one (its own default group, destroyed at
+the end).
 Then the rank puts back what a call may leave: Megatron's parallel state is destroyed, cluster/mcore_cpu's one-time
 set-up is marked undone (its shims are idempotent; a call that relies on init_cpu() for the default parallel state
 gets it again). torch's RNG is left as the call left it: a fresh process starts from a random seed too, so no caller
 can rely on it. A call whose rank fails or times out discards the pool (its ranks killed): the next call spawns fresh
-processes, so one test's failure cannot leak into another's. A rank's error (its group's rendezvous too) ends the call
-at once, naming the rank; a timeout names the ranks that did not answer."""
+processes, so one test's failure cannot leak into another's. The wait is experiments.ranks.answers: a rank's error (its
+group's rendezvous too) ends the call at once, naming the rank; a timeout names the ranks that did not answer."""
 import atexit
 import os
 import queue
 import sys
-import time
 
 import torch.multiprocessing as mp
 
 import infra
+from experiments.ranks import answers, run_rank
 
 _POOLS = {}  # world -> (processes, task queues, result queue)
 
@@ -44,8 +46,8 @@ def _rank_loop(rank, world, tasks, results, parent):
         if job is None:
             return
         fn, args, port = job
-        try:  # one call as infra.gloo_ranks' spawned rank makes it: its group, fn, the answer or the error
-            infra._gloo_rank(fn, rank, world, port, results, args)
+        try:  # one call as gloo_ranks' spawned rank makes it: its group, fn, the answer or the error
+            run_rank(fn, rank, world, port, results, args)
         except Exception:  # already answered with its repr; the rank lives on for the next call
             pass
         finally:
@@ -72,7 +74,7 @@ atexit.register(close)
 
 
 def ranks(fn, world: int, *args, timeout_s: float | None = None):
-    """infra.gloo_ranks(fn, world, *args, timeout_s=...) on the kept processes -> the ranks' return values in rank
+    """gloo_ranks(fn, world, *args, timeout_s=...) on the kept processes -> the ranks' return values in rank
     order; a rank's exception is raised here (and the pool discarded)."""
     if world not in _POOLS or not all(pr.is_alive() for pr in _POOLS[world][0]):
         close(world)
@@ -88,23 +90,8 @@ def ranks(fn, world: int, *args, timeout_s: float | None = None):
     port = infra.free_port()
     for q in tasks:
         q.put((fn, args, port))
-    deadline, res = None if timeout_s is None else time.monotonic() + timeout_s, []
-    try:  # a rank's error ends the call at once: the others may wait in a group that will not form
-        while len(res) < world and not any(err for _, _, err in res):
-            try:
-                res.append(results.get(timeout=1))
-            except queue.Empty:  # a rank that dies without answering (a crash, a kill) fails the call here
-                dead = [r for r, pr in enumerate(procs) if not pr.is_alive()]
-                if dead or (deadline is not None and time.monotonic() > deadline):
-                    silent = sorted(set(range(world)) - {r for r, _, _ in res})
-                    raise RuntimeError(f"gloo ranks: rank(s) {dead} died without answering" if dead else
-                                       f"gloo ranks: no answer from rank(s) {silent} in {timeout_s} s")
-    except BaseException:
+    try:
+        return answers(results, procs, timeout_s)
+    except BaseException:  # a failed call discards the pool: its ranks may be stuck in a collective
         close(world, kill=True)
         raise
-    res.sort(key=lambda r: r[0])
-    errors = [f"rank {r}: {err}" for r, _, err in res if err]
-    if errors:
-        close(world, kill=True)
-        raise RuntimeError(f"gloo ranks failed: {errors}")
-    return [out for _, out, _ in res]
