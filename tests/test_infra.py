@@ -151,6 +151,18 @@ def test_help_answers_before_torch_loads():
     assert "(default: 16384)" in text and "(required)" in text and "(default: qwen35-122b-a10b)" in text
 
 
+def test_infra_imports_the_standard_library_only():
+    """`import infra` and a whole `python infra.py plan` run load no torch (the rollout workers, the Ray driver and
+    the planner import infra; torch comes where a function needs it)."""
+    code = ("import runpy, sys\nimport infra\nprint('IMPORT', 'torch' in sys.modules)\n"
+            "sys.argv = ['infra.py', 'plan', '--gpus', '8', '--preset', 'qwen35-35b-a3b', '--top', '1']\n"
+            "try:\n    runpy.run_path('infra.py', run_name='__main__')\n"
+            "except SystemExit as e:\n    assert not e.code, e\nprint('PLAN', 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "IMPORT False" in out.stdout and "PLAN False" in out.stdout and "feasible" in out.stdout, out.stdout[-2000:]
+
+
 def test_cp_split_on_chunk_boundaries():
     assert cp_gdn.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
     for s, e in cp_gdn.cp_split(1000, 8)[:-1]:
