@@ -35,6 +35,22 @@ def run_rank(fn, rank, world, port, results, args):
             dist.destroy_process_group()
 
 
+def _died_silent(results, res, procs, wait_s: float) -> list:
+    """The ranks that ended without answering, what every rank sent before it ended read into `res` first; waits up
+    to wait_s for one to end (the peers of a rank that died report the errors its death caused before it counts)."""
+    end = time.monotonic() + wait_s
+    while True:
+        ended = {r for r, pr in enumerate(procs) if not pr.is_alive()}  # before the read: their answers are queued
+        try:
+            res.append(results.get(timeout=0.2))
+            continue
+        except queue.Empty:
+            pass
+        dead = sorted(ended - {r for r, _, _ in res})
+        if dead or time.monotonic() >= end:
+            return dead
+
+
 def answers(results, procs, timeout_s: float | None = None) -> list:
     """The answers of the ranks `procs` (one process each, rank = position) from `results` -> their return values in
     rank order. RuntimeError naming the rank(s) at a rank's error, a rank that died without answering, or no answer
@@ -45,27 +61,14 @@ def answers(results, procs, timeout_s: float | None = None) -> list:
         try:
             res.append(results.get(timeout=1))
         except queue.Empty:  # a rank that dies without answering (a crash, a kill) fails the call here
-            dead = [r for r, pr in enumerate(procs) if not pr.is_alive()]
-            while dead:  # what a rank sent just before it ended is read before it counts as silent
-                try:
-                    res.append(results.get(timeout=0.2))
-                except queue.Empty:
-                    break
-            answered = {r for r, _, _ in res}
-            dead = [r for r in dead if r not in answered]
+            dead = _died_silent(results, res, procs, 0) if not all(pr.is_alive() for pr in procs) else []
             if dead or (deadline is not None and time.monotonic() > deadline):
-                silent = sorted(set(range(world)) - answered)
+                silent = sorted(set(range(world)) - {r for r, _, _ in res})
                 raise RuntimeError(f"gloo ranks: rank(s) {dead} died without answering" if dead else
                                    f"gloo ranks: no answer from rank(s) {silent} in {timeout_s} s")
     errors = [f"rank {r}: {err}" for r, _, err in sorted(res, key=lambda r: r[0]) if err]
-    if errors:  # a rank that died first is the cause (its peers' errors follow from it): named, after a grace
-        silent, end = set(range(world)) - {r for r, _, _ in res}, time.monotonic() + 2
-        while silent and time.monotonic() < end and not [r for r in silent if not procs[r].is_alive()]:
-            try:
-                silent.discard(results.get(timeout=0.2)[0])
-            except queue.Empty:
-                pass
-        dead = sorted(r for r in silent if not procs[r].is_alive())
+    if errors:  # a rank that died first is the cause (its peers' errors follow from it): named
+        dead = _died_silent(results, res, procs, 2) if len(res) < world else []
         raise RuntimeError(f"gloo ranks: rank(s) {dead} died without answering; then {errors}" if dead else
                            f"gloo ranks failed: {errors}")
     return [out for _, out, _ in sorted(res, key=lambda r: r[0])]

@@ -207,13 +207,14 @@ def test_trainer_bench_runs_the_trainers_megatron_path(tmp_path):
     2 real train_steps on trajectories recorded by the HF model; dlogp = the HF fp32 vs Megatron bf16 mismatch of the
     same weights (measured 1.1e-3 with R3, 1.9e-3 without on 256 tokens)."""
     import json
+    import os
     import subprocess
     import sys
     root = __import__("pathlib").Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-m", "experiments.bench", "trainer", "--shape", "t1-tiny", "--tokens", "96",
                           "--steps", "2", "--param-dtype", "bf16", "--torch-threads", "1"],
                          cwd=root, capture_output=True, text=True, timeout=600,
-                         env=dict(__import__("os").environ, TMPDIR=str(tmp_path)))
+                         env=dict(os.environ, TMPDIR=str(tmp_path)))
     assert out.returncode == 0, out.stderr[-3000:]
     assert not list(tmp_path.glob("t1-trainer-bench-*"))  # its checkpoint's temporary folder is removed
     res = json.loads(out.stdout.strip().splitlines()[-1])

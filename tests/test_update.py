@@ -7,6 +7,7 @@ import math
 import os
 import random
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -170,7 +171,7 @@ def test_plot_skips_steps_without_the_r3_off_diagnostic(tmp_path):
 def test_update_bench_quick_prints_both_throughputs(tmp_path, monkeypatch):
     """`bench.py update --quick`'s figures: train_step, the padded update and the unpadded passes, and the ratios;
     its temporary folder is gone afterwards."""
-    monkeypatch.setattr(__import__("tempfile"), "tempdir", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     r = training.update_bench(dataclasses.replace(T.FULL, minibatch_size=2), n=4, mean_len=30, sd_len=8, repeats=1)
     assert set(r["seconds"]) == {"train_step", "padded", "unpadded"}
     assert r["train_step_tokens_per_s"] > 0 and r["unpadded_tokens_per_s"] > 0 and r["ratio"] > 0
