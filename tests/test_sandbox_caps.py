@@ -197,10 +197,10 @@ def test_leftovers_of_a_killed_trial_and_guard_go_when_the_uid_is_taken_again(tm
     try:
         while not leases or leases[-1].uid < uid:  # lowest free first: its uid comes up (or a concurrent test's
             leases.append(trial_caps.allocate_uid())  # trial took it first, reaping it the same way)
-    finally:
+        assert not _left(dirs, source)  # while the uid is held: once released, another trial may take it and make
+    finally:  # its own cgroup dirs under the same names
         for lease in leases:
             lease.release()
-    assert not _left(dirs, source)
 
 
 def test_task_toml_memory_and_storage_lower_the_caps_and_bad_values_are_named(tmp_path):
