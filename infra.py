@@ -341,10 +341,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
-# ----------------------------------------------------------------------------- process groups, free_port
-def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800):
+# ----------------------------------------------------------------------------- process groups, ports
+def init_update_group(master_address, master_port, rank, world_size, group_name, backend="nccl", timeout_s=1800,
+                      store=None):
     """A process group outside the default one (trainer rank 0 + every engine rank), as SGLang builds it
-    (cluster/launch.py departure 4: SGLang's init_custom_process_group when sglang is importable)."""
+    (cluster/launch.py departure 4: SGLang's init_custom_process_group when sglang is importable). store: the store
+    at master_address:master_port (host_store's, or a client of it) in place of the tcp:// rendezvous, whose keys
+    are the same (the group's name before each)."""
     try:
         from sglang.srt.utils import init_custom_process_group as sgl_init  # identical keys (departure 4)
     except ImportError:
@@ -352,12 +355,13 @@ def init_update_group(master_address, master_port, rank, world_size, group_name,
     import datetime
     timeout = datetime.timedelta(seconds=timeout_s)
     init = f"tcp://{master_address}:{master_port}"
-    if sgl_init is not None:
+    if sgl_init is not None and store is None:
         return sgl_init(backend=backend, init_method=init, world_size=world_size, rank=rank,
                         group_name=group_name, timeout=timeout)
     import inspect
     from torch.distributed import distributed_c10d as c10d
-    store, rank, world_size = next(c10d.rendezvous(init, rank, world_size, timeout=timeout))
+    if store is None:
+        store, rank, world_size = next(c10d.rendezvous(init, rank, world_size, timeout=timeout))
     store.set_timeout(timeout)
     store = c10d.PrefixStore(group_name, store)  # keys of this group apart from any other
     opt = "backend_options" if "backend_options" in inspect.signature(c10d._new_process_group_helper).parameters \
@@ -368,8 +372,23 @@ def init_update_group(master_address, master_port, rank, world_size, group_name,
     return pg
 
 
+def host_store(timeout_s=1800):
+    """The rendezvous store of a group (torch's TCPStore), served by this process, the group's rank 0, on every
+    interface and a port the OS picks, held from the pick on: a port from free_port is free when picked, and another
+    process can bind it before rank 0 does (a suite's gloo group failed on EADDRINUSE). Ranks join it as clients
+    (TCPStore(host, port, is_master=False) -> init_process_group(store=...); init_update_group's tcp:// rendezvous
+    for ranks > 0, store= for this process: the same keys). init_process_group puts no prefix before a given store's
+    keys and one before a rendezvous', so every rank of a default group joins with a client store."""
+    import datetime
+    from torch.distributed import TCPStore
+    # the server listens on every interface; 127.0.0.1 is where this process reaches it as a client
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=timeout_s))
+
+
 def free_port(host="127.0.0.1") -> int:
-    """A free TCP port on host ("" binds every interface: the cluster's servers and weight group)."""
+    """A free TCP port on host ("" binds every interface: the cluster's servers). Free when picked only: a group's
+    rendezvous port is held by host_store instead."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

@@ -115,7 +115,7 @@ class Trainer:
         torch.manual_seed(args.seed)
         self.args, self.run_dir, self.sft_dir, self.step0 = args, Path(args.run_dir), sft_dir, step
         self.latest = self.run_dir / "ckpt" / "latest"
-        self.rank, self.world, self.group = rank, world, None
+        self.rank, self.world, self.group, self.store = rank, world, None, None  # store: rank 0 serves it (address)
         self.sharded = args.backend == "megatron" and world > 1  # each rank holds shards (Megatron's layout)
         self.ckpt_name = f"trainer_rank{rank}.pt" if self.sharded else "trainer.pt"
         self.published = {}  # weight version -> the actor's state dict the engines were given
@@ -206,23 +206,27 @@ class Trainer:
         return os.getpid()
 
     def address(self) -> tuple[str, int]:
-        """Where the trainer ranks meet: this (rank 0's) node and a free port on it."""
+        """Where the trainer ranks meet: this (rank 0's) node and the port of the rendezvous store this rank serves
+        from now on (infra.host_store: the port is held, no other process can take it before the ranks join)."""
         import ray
-        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), infra.free_port()
+        self.store = infra.host_store()
+        return (ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"), self.store.port
 
     def join_group(self, address: str, port: int) -> None:
         """The trainer ranks' own process group (gloo on CPU, nccl for CUDA weights). hf: apart from any other, for
         the replicas' gradient sums. megatron: the default group of this process, carved by parallel_state into
         Megatron's TP / EP / DP groups per --plan; the models are built on it (this rank's shards)."""
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if not self.sharded:
-            self.group = infra.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend)
-            return
         import datetime
         import torch.distributed as dist
+        backend, timeout = "nccl" if torch.cuda.is_available() else "gloo", datetime.timedelta(minutes=30)
+        # every rank a client of the store rank 0 serves (address): the same keys on every rank
+        store = dist.TCPStore(address, port, self.world, is_master=False, timeout=timeout)
+        if not self.sharded:
+            self.group = infra.init_update_group(address, port, self.rank, self.world, "t1_trainer_dp", backend,
+                                                 store=store)
+            return
         from megatron.core import parallel_state as ps
-        dist.init_process_group(backend, init_method=f"tcp://{address}:{port}", rank=self.rank,
-                                world_size=self.world, timeout=datetime.timedelta(minutes=30))
+        dist.init_process_group(backend, store=store, rank=self.rank, world_size=self.world, timeout=timeout)
         p = parallel_plan(self.args)
         ps.initialize_model_parallel(tensor_model_parallel_size=p["tp"], pipeline_model_parallel_size=p["pp"],
                                      context_parallel_size=p["cp"], expert_model_parallel_size=p["ep"],

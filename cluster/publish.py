@@ -139,7 +139,9 @@ class WeightPublisher:
         if len(clients) != len(engine_world_sizes):
             raise ValueError("engine_world_sizes: one entry per client")
         self.clients, self.sizes = list(clients), [int(s) for s in engine_world_sizes]
-        self.master_address, self.master_port = master_address, master_port or infra.free_port(host="")
+        # no port given: this process serves the group's rendezvous on one the OS picks, held (infra.host_store)
+        self.store = None if master_port else infra.host_store()
+        self.master_address, self.master_port = master_address, master_port or self.store.port
         self.group_name, self.backend, self.bucket_bytes = group_name, backend, bucket_bytes
         self.group = None
         self.pool = cf.ThreadPoolExecutor(max_workers=max(len(self.clients), 1))
@@ -151,7 +153,7 @@ class WeightPublisher:
         futs = [self.pool.submit(c.init_weights_update_group, self.master_address, self.master_port, off, world,
                                  self.group_name, self.backend) for c, off in zip(self.clients, offsets)]
         self.group = infra.init_update_group(self.master_address, self.master_port, 0, world, self.group_name,
-                                             self.backend)
+                                             self.backend, store=self.store)
         for f in futs:
             f.result()
         return self

@@ -1,5 +1,7 @@
 """Ranks on this machine for the measurements and the tests: fn(rank, world, *args) in `world` spawned processes
-joined by one fresh gloo group on 127.0.0.1 (their default process group), the answers gathered in rank order.
+joined by one fresh gloo group on 127.0.0.1 (their default process group), the answers gathered in rank order. The
+caller serves the group's rendezvous store (infra.host_store) for the call, so its port is held from the pick on and
+every rank joins it as a client.
 
 gloo_ranks spawns the processes for one call (experiments/mechanisms.py's context-parallel figures); tests/gloo_pool
 keeps them for the next call. Both run a call with run_rank and wait with answers: a rank's error (its group's
@@ -16,16 +18,18 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from infra import free_port
+from infra import host_store
 
 
 def run_rank(fn, rank, world, port, results, args):
-    """One call in a rank: its gloo group (the default one, destroyed at the end), fn, then (rank, answer, None) or
-    (rank, None, repr of the error) on `results`; the error is raised again (a spawned rank then exits non-zero)."""
+    """One call in a rank: its gloo group (the default one, destroyed at the end) on the caller's store at `port`,
+    fn, then (rank, answer, None) or (rank, None, repr of the error) on `results`; the error is raised again (a
+    spawned rank then exits non-zero)."""
     torch.set_num_threads(1)
     try:  # a failed rendezvous is reported too, so the caller fails with the cause, not a timeout
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=60))
+        timeout = datetime.timedelta(seconds=60)
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timeout)
         results.put((rank, fn(rank, world, *args), None))
     except Exception as e:
         results.put((rank, None, repr(e)))
@@ -78,8 +82,8 @@ def gloo_ranks(fn, world: int, *args, timeout_s: float | None = None):
     """fn(rank, world, *args) in `world` spawned processes (one gloo group) -> their return values in rank order; a
     rank's error is raised here (answers), and every rank is stopped before this returns or raises."""
     ctx = mp.get_context("spawn")
-    results, port = ctx.Queue(), free_port()
-    procs = [ctx.Process(target=run_rank, args=(fn, r, world, port, results, args)) for r in range(world)]
+    results, store = ctx.Queue(), host_store()
+    procs = [ctx.Process(target=run_rank, args=(fn, r, world, store.port, results, args)) for r in range(world)]
     for pr in procs:
         pr.start()
     try:

@@ -87,9 +87,9 @@ def ranks(fn, world: int, *args, timeout_s: float | None = None):
             pr.start()
         _POOLS[world] = (procs, tasks, results)
     procs, tasks, results = _POOLS[world]
-    port = infra.free_port()
+    store = infra.host_store()  # held until the call returns: the ranks' rendezvous
     for q in tasks:
-        q.put((fn, args, port))
+        q.put((fn, args, store.port))
     try:
         return answers(results, procs, timeout_s)
     except BaseException:  # a failed call discards the pool: its ranks may be stuck in a collective

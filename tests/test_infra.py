@@ -163,6 +163,22 @@ def test_infra_imports_the_standard_library_only():
     assert "IMPORT False" in out.stdout and "PLAN False" in out.stdout and "feasible" in out.stdout, out.stdout[-2000:]
 
 
+def test_host_store_holds_its_port_until_the_ranks_join():
+    """A group's rendezvous port is bound from the moment it is picked (free_port's was free only when picked: a
+    suite's gloo group lost it to another process); ranks joining as clients share keys through it."""
+    import datetime
+    import socket
+    import torch.distributed as dist
+    store = infra.host_store(timeout_s=30)
+    with socket.socket() as other, pytest.raises(OSError, match="(?i)address already in use"):
+        other.bind(("127.0.0.1", store.port))
+    t = datetime.timedelta(seconds=30)
+    a, b = (dist.TCPStore("127.0.0.1", store.port, 2, is_master=False, timeout=t) for _ in range(2))
+    a.set("rank0", "here")
+    assert b.get("rank0") == b"here"
+    assert store.get("rank0") == b"here"
+
+
 def test_cp_split_on_chunk_boundaries():
     assert cp_gdn.cp_split(300, 4) == [(0, 128), (128, 192), (192, 256), (256, 300)]
     for s, e in cp_gdn.cp_split(1000, 8)[:-1]:
