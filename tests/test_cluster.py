@@ -308,7 +308,8 @@ def test_cluster_rehearsal_quick_runs_the_cluster_path_on_this_cpu(tmp_path, qwe
     # on held-out tasks only (the table's held-out rows), a warm-up pool of one minibatch
     flags = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-launch", "5", "--n-keep", "4",
              "--critic-warmup-trials", "2", "--max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "5",
-             "--minibatch-size", "2", "--eval-train-tasks", "0", "--eval-max-turns", "3"]
+             "--minibatch-size", "2", "--eval-train-tasks", "0", "--eval-max-turns", "3",
+             "--rollout-actors", "1"]  # two rollout actors: tests/test_e2e.py
 
     def rehearse(steps):
         out = subprocess.run(["bash", "run.sh", "cluster-rehearsal", "--quick", *flags, "--rl-steps", str(steps)],

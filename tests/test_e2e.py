@@ -185,6 +185,7 @@ def test_megatron_backend_trains_the_same_loop(tmp_path, qwen35_sft):
     is the next test (a test of its own: the two can run on two workers)."""
     run_dir = tmp_path / "run"
     flags = TINY + ["--run-dir", str(run_dir), "--backend", "megatron", "--eval-attempts", "0",  # eval: the hf e2e
+                    "--rollout-actors", "1",  # two and their round robin: the hf e2e
                     "--plan", '{"tp": 2}', "--arch", "qwen3_5_moe",  # the cluster's architecture
                     "--model-path", str(qwen35_sft.ckpt)]
     train_t1.train(train_t1.parse_args(flags + ["--rl-steps", "2"]))
@@ -209,6 +210,7 @@ def test_megatron_backend_from_model_path_in_bf16_with_colocated_engines(tmp_pat
     run2 = tmp_path / "from_model_path"
     train_t1.train(train_t1.parse_args(TINY + [
         "--run-dir", str(run2), "--backend", "megatron", "--eval-attempts", "0", "--plan", '{"dp": 2, "ep": 2}',
+        "--rollout-actors", "1",
         "--arch", "qwen3_5_moe", "--model-path", str(qwen35_sft.ckpt), "--rl-steps", "1",
         "--param-dtype", "bf16", "--colocate", "true", "--async-rollout", "false"]))  # and the 35B preset's colocation
     memory = [line.split("engines ", 1)[1] for line in (run2 / "log.txt").read_text().splitlines()

@@ -132,7 +132,7 @@ def test_report_from_run_directories(tmp_path):
 SMALL = ["--n-train-tasks", "8", "--n-heldout-tasks", "3", "--n-sft-tasks", "6", "--n-launch", "4", "--n-keep", "4",
          "--critic-warmup-trials", "4", "--base-steps", "0", "--sft-epochs", "1", "--max-turns", "3",
          "--eval-max-turns", "3", "--max-new-tokens", "48", "--rollout-workers", "4", "--minibatch-size", "2",
-         "--eval-train-tasks", "0"]
+         "--eval-train-tasks", "0", "--rollout-actors", "1"]  # two rollout actors: tests/test_e2e.py
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("bwrap"), reason="the sandbox needs root and bwrap")
