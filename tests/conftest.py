@@ -36,6 +36,8 @@ _recorder = suite_order.Recorder()
 
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{suite_order.WAITS}: the module's tests mostly wait (tests/suite_order.py)")
+    config.addinivalue_line("markers", f"{suite_order.RANKS}: the module's tests run on tests/gloo_pool.py's kept "
+                            "ranks (tests/suite_order.py)")
     config.addinivalue_line("markers", f"{suite_order.CORES}: the module's tests keep both cores busy "
                             "(tests/suite_order.py)")
 

@@ -12,7 +12,10 @@ terminals, HTTP timeouts, not computing) are one unit, taken first, and the cost
 worker while they wait (beside the waits, a long pipeline or the sandbox audits left a fresh clone's first minutes
 half idle). Give such a module more than two tests in one unit (a module fixture groups it): a worker whose first
 unit has <= 2 tests is handed the next one too before it starts (an xdist worker runs a test only once it knows the
-next). The order changes no test's behaviour, only which worker runs it and when.
+next). The modules marked `ranks` (their Megatron ranks are tests/gloo_pool.py's, kept per pytest process) are one
+unit together, group RANKS: one worker spawns each size of pool once for all of them (spread over both workers, the
+4-rank pool was spawned three times, ~30 CPU-s each: results/LOG.md, 2026-12-08). The order changes no test's
+behaviour, only which worker runs it and when.
 
 Refresh the costs after adding or changing heavy tests: `T1_TEST_DURATIONS=tests/durations.json bash run.sh test`
 (the costs measured are written there at the end of a run, failed tests' too: a cost is a cost).
@@ -28,6 +31,7 @@ DURATIONS = Path(__file__).with_name("durations.json")
 GROUP_SETUP_S = 5.0  # a module spending this much in set-up is kept on one worker (its module fixtures built once)
 WAITS = "waits"  # the marker of a module whose tests mostly wait (one unit, first: `order`)
 CORES = "cores"  # ... of a module whose tests keep both cores busy (its costliest unit second, beside the waits)
+RANKS = "ranks"  # ... of a module whose tests run on tests/gloo_pool.py's kept ranks (all such modules: one unit)
 
 
 def _key(nodeid: str) -> str:
@@ -59,19 +63,26 @@ def module_fixture(item) -> bool:
 
 def order(items: list, costs: dict) -> list:
     """The items as units sorted by cost, longest first (stable); a module with a module fixture (module_fixture)
-    and >= GROUP_SETUP_S of set-up gets an xdist_group mark (one unit); the tests marked WAITS get the group WAITS,
-    one unit ahead of all others. Without costs: the collection order."""
+    and >= GROUP_SETUP_S of set-up gets an xdist_group mark (one unit); the tests marked RANKS get the group RANKS
+    (one unit, in collection order); the tests marked WAITS get the group WAITS, one unit ahead of all others.
+    Without costs: the collection order."""
     if not costs:
         return items
     median = statistics.median([c["total"] for c in costs.values()])
     waiting = [it for it in items if it.get_closest_marker(WAITS)]
     for it in waiting:
         it.add_marker(pytest.mark.xdist_group(WAITS))
+    pooled = [it for it in items if it.get_closest_marker(RANKS) and not it.get_closest_marker(WAITS)]
+    for it in pooled:
+        it.add_marker(pytest.mark.xdist_group(RANKS))
     by_module = defaultdict(list)
     for it in items:
-        if not it.get_closest_marker(WAITS):
+        if not it.get_closest_marker(WAITS) and not it.get_closest_marker(RANKS):
             by_module[it.nodeid.split("::", 1)[0]].append(it)
     units = [(float("inf"), 0, waiting)] if waiting else []  # (cost, first position, items)
+    if pooled:
+        units.append((sum(costs.get(_key(it.nodeid), {"total": median})["total"] for it in pooled),
+                      items.index(pooled[0]), pooled))
     for module, its in by_module.items():
         known = [costs[_key(it.nodeid)] for it in its if _key(it.nodeid) in costs]
         if sum(c["setup"] for c in known) >= GROUP_SETUP_S and any(module_fixture(it) for it in its):

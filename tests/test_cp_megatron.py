@@ -13,6 +13,8 @@ from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_parallel  # noqa: E402
 import gloo_pool  # noqa: E402
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 S, B = 250, 2  # 4 chunks of 64, the last one partial (only the last rank pads)
 
 

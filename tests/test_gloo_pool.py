@@ -7,6 +7,8 @@ import torch
 
 import gloo_pool
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 
 def _pid_and_sum(rank, world):
     import torch.distributed as dist
@@ -36,7 +38,7 @@ def _die_on_rank_0(rank, world):
 
 
 def test_ranks_are_kept_and_start_each_call_fresh():
-    gloo_pool.close()
+    gloo_pool.close(2)  # a 4-rank pool the modules before this one left is kept for those after it
     first = gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)
     again = gloo_pool.ranks(_pid_and_sum, 2, timeout_s=120)
     assert [p for p, _ in first] == [p for p, _ in again] and all(s == 3.0 for _, s in first + again)  # kept

@@ -22,6 +22,8 @@ from cluster import mcore  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 V = 96
 ARCHS = {"qwen35": mcore.tiny_qwen35_hf_config, "qwen3": mcore.tiny_hf_config}
 

@@ -27,6 +27,8 @@ from cluster import mcore_parallel  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 from test_mcore_tp import V, hf_weights  # noqa: E402  (the tiny Qwen3.5 weights, norms moved off their init)
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 B, T = 4, 12  # global batch
 STEPS, LR, EPS, MAX_NORM = 3, 1e-2, 1e-4, 0.5  # MAX_NORM below every step's norm: clipping is active
 EPS_F32 = torch.finfo(torch.float32).eps  # 1.19e-7

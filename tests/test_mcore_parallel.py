@@ -15,6 +15,8 @@ from cluster import mcore_weights  # noqa: E402
 import r3  # noqa: E402
 from test_mcore_tp import hf_weights  # noqa: E402
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 B, T, V = 2, 11, 96  # T odd: sequence parallel pads it to a multiple of tp
 
 

@@ -15,6 +15,8 @@ from cluster import mcore_convert  # noqa: E402
 from cluster import mcore_cpu  # noqa: E402
 from cluster import mcore_weights  # noqa: E402
 
+pytestmark = pytest.mark.ranks  # on tests/gloo_pool.py's kept ranks: one unit with the others (tests/suite_order.py)
+
 B, T, V = 2, 12, 96
 
 

@@ -62,6 +62,24 @@ def test_the_modules_that_wait_are_one_unit_ahead_of_the_longest():
     assert groups == [[("waits",)]] * 3 + [[], []]
 
 
+def test_the_modules_on_the_kept_ranks_are_one_unit_in_their_order():
+    """Tests marked `ranks` (tests/gloo_pool.py's kept processes) are one xdist group across their modules, in
+    collection order, costed as their sum: one worker spawns each pool once for all of them."""
+    ids = ["tests/a.py::t1", "tests/p.py::t1", "tests/b.py::t1", "tests/q.py::t1", "tests/q.py::t2"]
+    costs = {"tests/a.py::t1": {"total": 30.0, "setup": 0.0}, "tests/b.py::t1": {"total": 5.0, "setup": 0.0},
+             "tests/p.py::t1": {"total": 8.0, "setup": 7.0}, "tests/q.py::t1": {"total": 20.0, "setup": 9.0},
+             "tests/q.py::t2": {"total": 10.0, "setup": 0.0}}
+    items = [Item(i, "module") for i in ids]
+    for it in items:
+        if it.nodeid.split("::")[0] in ("tests/p.py", "tests/q.py"):
+            it.add_marker(SimpleNamespace(name=suite_order.RANKS, args=()))
+    out = suite_order.order(items, costs)
+    assert [i.nodeid for i in out] == ["tests/p.py::t1", "tests/q.py::t1", "tests/q.py::t2", "tests/a.py::t1",
+                                       "tests/b.py::t1"]  # 38 s: ahead of the 30 s test
+    groups = [[m.args for m in it.marks if m.name == "xdist_group"] for it in out]
+    assert groups == [[("ranks",)]] * 3 + [[], []]  # one group each, not also their module's
+
+
 def test_beside_the_waits_goes_the_costliest_unit_that_keeps_both_cores_busy():
     """With the waits first, the second unit is the costliest of the modules marked `cores`, not the longest unit."""
     ids = ["tests/w.py::t1", "tests/long.py::t1", "tests/g.py::t1", "tests/g.py::t2", "tests/g.py::t3",
