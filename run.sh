@@ -94,9 +94,11 @@ unset PYTHONDONTWRITEBYTECODE
 case "${1:-}" in
   test)
     shift
-    # two pytest workers (T1_TEST_WORKERS; 0 = one process; four on a loaded machine ran slower); longest first, a
-    # module with a costly fixture on one worker (tests/suite_order.py: tests/durations.json); the 10 slowest at the end
-    exec .venv/bin/python -m pytest -q -n "${T1_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder \
+    # three pytest workers on 2 cores (T1_TEST_WORKERS; 0 = one process): a third fills the cores while the others'
+    # tests wait on trials and deadlines (two kept them 1.66 busy: 845 s, three 747 s, results/LOG.md 2026-12-08; four
+    # on a loaded machine ran slower); longest first, a module with a costly fixture on one worker
+    # (tests/suite_order.py: tests/durations.json); the 10 slowest at the end
+    exec .venv/bin/python -m pytest -q -n "${T1_TEST_WORKERS:-3}" --dist loadgroup --no-loadscope-reorder \
       --durations=10 tests "$@"
     ;;
   qwen35-122b-a10b|qwen35-35b-a3b)
