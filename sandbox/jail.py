@@ -184,6 +184,7 @@ class Sandbox:
         self.host_dir = os.path.join(self.root, "host")  # host-written logs (oracle.txt, verifier_output.txt)
         self.verifier_logs = os.path.join(self.root, "verifier", "logs")  # the verifier's /logs/verifier
         self._pending = None  # terminal output drained by send_keys, returned by the next read()
+        self._echoed = True  # output arrived since keystrokes last reached the tty (read()'s prompt check needs it)
         self.keys_dropped = 0  # bytes of keystrokes the terminal never took (send_keys)
 
     def __enter__(self):
@@ -439,7 +440,7 @@ class Sandbox:
                     why = "the shell exited"
                     break
             if n:
-                sent, last_progress = sent + n, time.time()
+                sent, last_progress, self._echoed = sent + n, time.time(), False
             now = time.time()
             if sent == len(buf):
                 break
@@ -474,6 +475,7 @@ class Sandbox:
         except OSError:
             return False  # EIO: the shell exited
         self._pending_out().add(data)
+        self._echoed = self._echoed or bool(data)
         return bool(data)
 
     def read(self, wait_s=0.5) -> str:
@@ -486,12 +488,13 @@ class Sandbox:
 
     def _collect(self, out, end):
         """Terminal output into `out` (a terminal.Capped) until time `end`, stop_event, the shell's exit, or its
-        prompt back and quiet for 50 ms."""
+        prompt back and quiet for 50 ms, once output has come since the last keystrokes: a prompt from before them
+        (the shell's first one, kept by send_keys) had ended a loaded machine's read before the command echoed."""
         last = bytes((out.head + out.tail)[-64:])
         while time.time() < end and not self.stop_event.is_set():
             ready, _, _ = select.select([self.master], [], [], min(0.05, max(end - time.time(), 0)))
             if not ready:
-                if last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
+                if self._echoed and last.replace(b"\r", b"").endswith(PROMPT_END.encode()):
                     return  # shell prompt back and quiet for 50 ms
                 continue
             try:
@@ -501,7 +504,7 @@ class Sandbox:
             except OSError:
                 return  # shell exited (after the first prompt wait: the next send_keys starts another)
             out.add(data)
-            last = (last + data)[-64:]
+            last, self._echoed = (last + data)[-64:], True
 
     # -- verifier --
     def run_verifier(self, scale=None) -> dict:

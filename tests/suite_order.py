@@ -13,7 +13,7 @@ worker while they wait (beside the waits, a long pipeline or the sandbox audits 
 half idle). Give such a module more than two tests in one unit (a module fixture groups it): a worker whose first
 unit has <= 2 tests is handed the next one too before it starts (an xdist worker runs a test only once it knows the
 next). The modules marked `ranks` (their Megatron ranks are tests/gloo_pool.py's, kept per pytest process) are one
-unit together, group RANKS: one worker spawns each size of pool once for all of them (spread over both workers, the
+unit together, group RANKS: one worker spawns each size of pool once for all of them (spread over the workers, the
 4-rank pool was spawned three times, ~30 CPU-s each: results/LOG.md, 2026-12-08). The order changes no test's
 behaviour, only which worker runs it and when.
 

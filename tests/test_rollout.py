@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -158,6 +159,30 @@ def test_output_is_capped(box):
     box.send_keys("head -c 100000 /dev/zero | tr '\\0' b\n")
     text = box.read(2)
     assert len(text) < 2200 and "truncated" in text
+
+
+def test_a_read_after_keys_waits_for_their_output_not_the_prompt_from_before_them(box):
+    """send_keys keeps the shell's first prompt for the next read(); a shell slow to echo the keys (a loaded machine;
+    here stopped for 0.5 s) must not have that prompt end the read before the command ran (it did: the read gave
+    back "/app$ " alone)."""
+    assert box.send_keys("") == 0  # the terminal opens: its first prompt waits in the buffer
+    shells = uid_procs(box.uid)
+    assert shells
+    for pid in shells:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        box.send_keys("echo mark$((6 * 7))\n")
+        with ThreadPoolExecutor(1) as ex:
+            reading = ex.submit(box.read, 10)
+            time.sleep(0.5)
+            assert not reading.done()  # no output since the keys: the old prompt does not end the read
+            for pid in shells:
+                os.kill(pid, signal.SIGCONT)
+            text = reading.result(timeout=20)
+    finally:
+        for pid in shells:
+            os.kill(pid, signal.SIGCONT)
+    assert "mark42" in text, text
 
 
 def test_fork_bomb_is_contained_and_tree_killed_at_close(box):
