@@ -69,6 +69,10 @@ def order(items: list, costs: dict) -> list:
     if not costs:
         return items
     median = statistics.median([c["total"] for c in costs.values()])
+
+    def cost(it):  # a test the file does not know costs the median
+        return costs.get(_key(it.nodeid), {"total": median})["total"]
+
     waiting = [it for it in items if it.get_closest_marker(WAITS)]
     for it in waiting:
         it.add_marker(pytest.mark.xdist_group(WAITS))
@@ -81,17 +85,15 @@ def order(items: list, costs: dict) -> list:
             by_module[it.nodeid.split("::", 1)[0]].append(it)
     units = [(float("inf"), 0, waiting)] if waiting else []  # (cost, first position, items)
     if pooled:
-        units.append((sum(costs.get(_key(it.nodeid), {"total": median})["total"] for it in pooled),
-                      items.index(pooled[0]), pooled))
+        units.append((sum(map(cost, pooled)), items.index(pooled[0]), pooled))
     for module, its in by_module.items():
         known = [costs[_key(it.nodeid)] for it in its if _key(it.nodeid) in costs]
         if sum(c["setup"] for c in known) >= GROUP_SETUP_S and any(module_fixture(it) for it in its):
             for it in its:
                 it.add_marker(pytest.mark.xdist_group(module.replace("/", "_")))
-            units.append((sum(costs.get(_key(it.nodeid), {"total": median})["total"] for it in its),
-                          items.index(its[0]), its))
+            units.append((sum(map(cost, its)), items.index(its[0]), its))
         else:
-            units += [(costs.get(_key(it.nodeid), {"total": median})["total"], items.index(it), [it]) for it in its]
+            units += [(cost(it), items.index(it), [it]) for it in its]
     units.sort(key=lambda u: (-u[0], u[1]))
     if waiting:  # beside the waits, the costliest unit that keeps both cores busy
         busy = [i for i, u in enumerate(units[1:], 1) if u[2][0].get_closest_marker(CORES)]
